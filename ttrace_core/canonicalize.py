@@ -1,0 +1,159 @@
+"""Stage 2 of record -> canonicalize -> compare -> localize -> render.
+
+Input: the recorded shards of one logical tensor (their `Layout` metadata and local values), from
+every rank that holds it. Output: a `CanonicalTensor`, the full logical tensor plus a replica-drift
+finding when ranks that should hold identical values do not. One generic function driven by the
+recorded placements: no per-model or per-framework branch. `shard` is the inverse, used to give
+every rank its slice of a logical tensor (consistent init, input rewriting).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from ttrace_core import placements as pl
+from ttrace_core.errors import LayoutError
+from ttrace_core.schema import Layout, TensorKey
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedShard:
+    """One rank's local values of a logical tensor, with the layout they were recorded under."""
+
+    rank: int
+    layout: Layout
+    value: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaDrift:
+    """Replicas of one block that are not bitwise equal."""
+
+    ranks: tuple[int, ...]
+    """The rank whose values were used first, then the rank that differs most from it."""
+    max_abs_diff: float
+    relative_diff: float
+    """||replica - first||_F / ||first||_F of the most different replica."""
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalTensor:
+    full: torch.Tensor
+    replica_drift: ReplicaDrift | None
+    num_shards: int
+
+
+def _region_slices(region: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
+    return tuple(slice(start, start + length) for start, length in region)
+
+
+def _check_consistent(key: TensorKey | None, shards: list[RecordedShard]) -> Layout:
+    first = shards[0].layout
+    for shard_ in shards[1:]:
+        other = shard_.layout
+        if (other.global_shape, other.mesh_shape, other.placements) != (first.global_shape, first.mesh_shape, first.placements):
+            raise LayoutError(
+                f"{key}: rank {shards[0].rank} recorded global shape {first.global_shape} with placements "
+                f"{first.placements} on mesh {first.mesh_shape}, rank {shard_.rank} recorded "
+                f"{other.global_shape} with {other.placements} on {other.mesh_shape}; the ranks disagree on the layout"
+            )
+    for shard_ in shards:
+        expected = pl.local_shape(shard_.layout)
+        if tuple(shard_.value.shape) != expected:
+            raise LayoutError(
+                f"{key}: rank {shard_.rank} holds shape {tuple(shard_.value.shape)} but placements "
+                f"{shard_.layout.placements} on mesh {shard_.layout.mesh_shape} at coordinate "
+                f"{shard_.layout.coordinate} imply {expected}; fix the layout annotation of this tensor"
+            )
+    return first
+
+
+def _replica_drift(replicas: list[RecordedShard]) -> ReplicaDrift | None:
+    first = replicas[0]
+    worst: ReplicaDrift | None = None
+    base = first.value.double()
+    base_norm = float(torch.linalg.vector_norm(base)) if base.numel() else 0.0
+    for other in replicas[1:]:
+        if torch.equal(first.value, other.value):
+            continue
+        diff = other.value.double() - base
+        max_abs = float(diff.abs().max()) if diff.numel() else 0.0
+        relative = float(torch.linalg.vector_norm(diff)) / base_norm if base_norm > 0 else float("inf")
+        if worst is None or relative > worst.relative_diff:
+            worst = ReplicaDrift(ranks=(first.rank, other.rank), max_abs_diff=max_abs, relative_diff=relative)
+    return worst
+
+
+def _check_coverage(key: TensorKey | None, layout: Layout, shards: list[RecordedShard]) -> None:
+    replicate_axes = set(pl.axes_of_kind(layout, "replicate"))
+    kept_axes = [axis for axis in range(len(layout.mesh_shape)) if axis not in replicate_axes]
+    held = {tuple(s.layout.coordinate[axis] for axis in kept_axes) for s in shards}
+    needed_shape = tuple(layout.mesh_shape[axis] for axis in kept_axes)
+    missing = [coord for coord in pl.all_coordinates(needed_shape) if coord not in held]
+    if missing:
+        raise LayoutError(
+            f"{key}: no rank holds mesh coordinate {missing[0]} (non-replicated axes) of mesh {layout.mesh_shape} "
+            f"with placements {layout.placements}; ranks present: {sorted(s.rank for s in shards)}. "
+            "Re-record with every rank, or check that no rank file is missing"
+        )
+
+
+def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None) -> CanonicalTensor:
+    """Assemble the full logical tensor from its recorded shards.
+
+    Shard placements put each block at its global offset; partial placements are summed in
+    float64 (and divided for avg); replicas are compared, and the first one is used.
+    """
+    if not shards:
+        raise LayoutError(f"{key}: no shard was recorded")
+    layout = _check_consistent(key, shards)
+    _check_coverage(key, layout, shards)
+    dtype = shards[0].value.dtype
+    blocks: dict[tuple, dict[tuple[int, ...], list[RecordedShard]]] = defaultdict(lambda: defaultdict(list))
+    for shard_ in sorted(shards, key=lambda s: s.rank):
+        region = pl.local_region(shard_.layout)
+        blocks[region][pl.partial_coordinate(shard_.layout)].append(shard_)
+    partial_axes = pl.axes_of_kind(layout, "partial")
+    specs = pl.parsed_placements(layout)
+    num_avg = 1
+    for axis in partial_axes:
+        if specs[axis].reduce_op == "avg":
+            num_avg *= layout.mesh_shape[axis]
+    drifts = []
+    if partial_axes:
+        full = torch.zeros(layout.global_shape, dtype=torch.float64)
+    else:
+        full = torch.empty(layout.global_shape, dtype=dtype)
+    for region, by_partial in blocks.items():
+        index = _region_slices(region)
+        for replicas in by_partial.values():
+            drift = _replica_drift(replicas)
+            if drift is not None:
+                drifts.append(drift)
+            if partial_axes:
+                full[index] += replicas[0].value.double()
+            else:
+                full[index] = replicas[0].value
+    if partial_axes:
+        full = (full / num_avg).to(dtype)
+    worst = max(drifts, key=lambda d: d.relative_diff) if drifts else None
+    return CanonicalTensor(full=full, replica_drift=worst, num_shards=len(shards))
+
+
+def shard(full: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The local tensor that `layout.coordinate` holds of `full`: the inverse of `canonicalize`.
+
+    Along partial axes coordinate 0 holds the value and the others hold zeros (sum) or every
+    coordinate holds the value (avg), so that reducing gives `full` back.
+    """
+    if tuple(full.shape) != tuple(layout.global_shape):
+        raise LayoutError(f"cannot shard a tensor of shape {tuple(full.shape)} with a layout of global shape {layout.global_shape}")
+    local = full[_region_slices(pl.local_region(layout))].clone()
+    specs = pl.parsed_placements(layout)
+    for axis in pl.axes_of_kind(layout, "partial"):
+        if specs[axis].reduce_op == "sum" and layout.coordinate[axis] != 0:
+            local.zero_()
+    return local

@@ -1,0 +1,115 @@
+"""`ttrace` command line: example, compare, inspect.
+
+Exit codes: 0 the runs are equivalent (or the command succeeded), 1 a divergence was found,
+2 bad input (one line that names the file or tensor and says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ttrace_core.errors import TtraceError
+
+
+def _add_example_parser(commands) -> None:
+    example = commands.add_parser("example", help="record a trace of an example workload on CPU ranks (gloo)")
+    workloads = example.add_subparsers(dest="workload", required=True)
+    gpt = workloads.add_parser("torch-gpt", help="small GPT with PyTorch TP/SP, DDP, FSDP2 or pipelining")
+    gpt.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    gpt.add_argument("--sp", action="store_true", help="sequence parallelism on top of --tp")
+    gpt.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    gpt.add_argument("--dp", type=int, default=1, help="DistributedDataParallel degree")
+    gpt.add_argument("--fsdp", type=int, default=1, help="FSDP2 degree")
+    gpt.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    gpt.add_argument("--steps", type=int, default=1)
+    gpt.add_argument("--seed", type=int, default=0)
+    gpt.add_argument("--bug", default=None, help="inject a known bug (see `ttrace bugs`)")
+    gpt.add_argument("--stats-only", action="store_true", help="store statistics instead of tensor values")
+    gpt.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
+    gpt.add_argument("--out", required=True, help="run directory to record into")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ttrace", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_example_parser(commands)
+    compare = commands.add_parser("compare", help="compare a candidate run against a reference run")
+    compare.add_argument("reference")
+    compare.add_argument("candidate")
+    compare.add_argument("--json", default=None, help="write the full comparison as JSON here")
+    compare.add_argument("--worst", type=int, default=10, help="how many worst offenders to list")
+    compare.add_argument("--ignore-dtype", action="store_true", help="compare values even when dtypes differ")
+    compare.add_argument("--progress", action="store_true", help="draw the progress bar even when stderr is not a terminal")
+    inspect = commands.add_parser("inspect", help="list what a run directory holds")
+    inspect.add_argument("run_dir")
+    inspect.add_argument("--tensors", action="store_true", help="list every logical tensor")
+    commands.add_parser("bugs", help="list the injectable bugs of the example workloads")
+    return parser
+
+
+def _run_example(args: argparse.Namespace) -> int:
+    from ttrace_core.examples.torch_gpt.train import ENTRYPOINT, TorchGPTRunConfig
+    from ttrace_core.launch import run_ranks
+
+    try:
+        config = TorchGPTRunConfig(out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp,
+                                   fsdp=args.fsdp, precision=args.precision, steps=args.steps, seed=args.seed,
+                                   bug=args.bug, stats_only=args.stats_only)
+    except ValueError as error:
+        raise TtraceError(f"torch-gpt: {error}") from error
+    if config.world_size == 1:
+        from ttrace_core.launch import resolve
+        resolve(ENTRYPOINT)(config.to_dict())
+    else:
+        run_ranks(ENTRYPOINT, config.to_dict(), config.world_size, timeout_s=args.timeout)
+    print(f"recorded {config.world_size} rank(s) into {config.out}")
+    return 0
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from ttrace_core.compare import compare_runs
+    from ttrace_core.report import ProgressBar, render_comparison
+    from ttrace_core.store import RunReader
+
+    with RunReader(args.reference) as reference, RunReader(args.candidate) as candidate:
+        progress = ProgressBar(enabled=args.progress or sys.stderr.isatty())
+        result = compare_runs(reference, candidate, ignore_dtype=args.ignore_dtype, progress=progress)
+    if not result.comparisons:
+        raise TtraceError(f"{args.candidate}: no step was completed in both runs, nothing to compare")
+    print(render_comparison(result, num_worst=args.worst))
+    if args.json:
+        Path(args.json).write_text(result.to_json())
+    return 0 if result else 1
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from ttrace_core.report import render_run
+    from ttrace_core.store import RunReader
+
+    with RunReader(args.run_dir) as reader:
+        print(render_run(reader, list_tensors=args.tensors))
+    return 0
+
+
+def _run_bugs(args: argparse.Namespace) -> int:
+    from ttrace_core.examples.torch_gpt.parallelize import TORCH_GPT_BUGS
+
+    for bug in TORCH_GPT_BUGS.values():
+        print(f"{bug.name:<26} torch-gpt  needs --{bug.requires} 2+  culprit {bug.culprit}: {bug.description}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    handlers = {"example": _run_example, "compare": _run_compare, "inspect": _run_inspect, "bugs": _run_bugs}
+    try:
+        return handlers[args.command](args)
+    except TtraceError as error:
+        print(f"ttrace: error: {error}".replace("\n", " "), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Stage 3 of record -> canonicalize -> compare -> localize -> render.
+
+Input: a reference and a candidate `RunReader` and a `ToleranceProvider`. Output: a
+`RunComparison`, one `TensorComparison` per logical tensor in execution order (forward, backward,
+reduced parameter gradients, post-step parameters), each truthy when it passes and carrying the
+numbers behind its verdict. Structure is checked before values: key sets, then shape and dtype,
+then values promoted to float64.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ttrace_core import placements as pl
+from ttrace_core.canonicalize import CanonicalTensor, RecordedShard, canonicalize
+from ttrace_core.errors import ConfigMismatchError, LayoutError
+from ttrace_core.schema import TensorKey, TensorMeta
+from ttrace_core.store import RunReader
+from ttrace_core.tolerances import DtypeTolerances, Tolerance, ToleranceProvider
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorComparison:
+    key: TensorKey
+    status: str
+    """"pass", or why it fails: "mismatch", "replica_drift", "nonfinite", "missing", "extra",
+    "shape", "dtype", "layout"."""
+    message: str = ""
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    error: float | None = None
+    """Relative error ||actual - expected||_F / ||expected||_F, in float64."""
+    abs_error: float | None = None
+    """||actual - expected||_F."""
+    reference_norm: float | None = None
+    tolerance: Tolerance | None = None
+    ratio: float | None = None
+    """||actual - expected||_F / (rel * ||expected||_F + abs * sqrt(numel)); <= 1 passes."""
+    min_rel_tolerance: float | None = None
+    """The smallest rel that would have passed with the same abs."""
+    max_abs_diff: float | None = None
+    max_abs_index: tuple[int, ...] | None = None
+    max_rel_diff: float | None = None
+    max_rel_index: tuple[int, ...] | None = None
+    num_mismatched: int | None = None
+    """Elements outside abs + rel * |expected|."""
+    numel: int | None = None
+    num_nan: tuple[int, int] = (0, 0)
+    """(candidate, reference)."""
+    num_inf: tuple[int, int] = (0, 0)
+    replica_drift: dict | None = None
+    """Candidate replicas that differ: {"ranks", "max_abs_diff", "relative_diff"}."""
+    stats_only: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["key"] = asdict(self.key)
+        return data
+
+    @staticmethod
+    def from_dict(data: dict) -> TensorComparison:
+        data = dict(data)
+        data["key"] = TensorKey(**data["key"])
+        data["tolerance"] = Tolerance(**data["tolerance"]) if data.get("tolerance") else None
+        for name in ("shape", "max_abs_index", "max_rel_index", "num_nan", "num_inf"):
+            if data.get(name) is not None:
+                data[name] = tuple(data[name])
+        return TensorComparison(**data)
+
+
+@dataclass(kw_only=True, slots=True)
+class RunComparison:
+    reference: str
+    candidate: str
+    comparisons: list[TensorComparison] = field(default_factory=list)
+    steps_compared: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Partial or unmatched steps that were not compared."""
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.comparisons) and all(self.comparisons)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def failures(self) -> list[TensorComparison]:
+        return [c for c in self.comparisons if not c]
+
+    @property
+    def first_divergence(self) -> TensorComparison | None:
+        return next((c for c in self.comparisons if not c), None)
+
+    def worst(self, count: int) -> list[TensorComparison]:
+        def badness(c: TensorComparison) -> float:
+            if c.ratio is None:
+                return math.inf if not c else 0.0
+            return c.ratio
+        return sorted(self.comparisons, key=badness, reverse=True)[:count]
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "reference": self.reference, "candidate": self.candidate, "passed": self.passed,
+            "steps_compared": self.steps_compared, "notes": self.notes,
+            "comparisons": [c.to_dict() for c in self.comparisons],
+        }, indent=1, default=_json_default)
+
+    @staticmethod
+    def from_json(text: str) -> RunComparison:
+        data = json.loads(text)
+        return RunComparison(
+            reference=data["reference"], candidate=data["candidate"], steps_compared=data["steps_compared"],
+            notes=data["notes"], comparisons=[TensorComparison.from_dict(c) for c in data["comparisons"]],
+        )
+
+    def to_dataframe(self):
+        import pandas as pd
+
+        rows = []
+        for c in self.comparisons:
+            row = {**asdict(c.key), "status": c.status, "passed": c.passed, "error": c.error, "ratio": c.ratio,
+                   "tolerance_rel": c.tolerance.rel if c.tolerance else None,
+                   "tolerance_source": c.tolerance.source if c.tolerance else None,
+                   "min_rel_tolerance": c.min_rel_tolerance, "max_abs_diff": c.max_abs_diff,
+                   "dtype": c.dtype, "numel": c.numel, "message": c.message}
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    raise TypeError(f"cannot serialize {type(value)}")
+
+
+def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        index.append(flat_index % size if size else 0)
+        flat_index = flat_index // size if size else 0
+    return tuple(reversed(index))
+
+
+def compare_values(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance) -> dict:
+    """Metrics of actual vs expected (both float64, same shape) under one tolerance."""
+    shape = tuple(expected.shape)
+    numel = expected.numel()
+    nan = (int(torch.isnan(actual).sum()), int(torch.isnan(expected).sum()))
+    inf = (int(torch.isinf(actual).sum()), int(torch.isinf(expected).sum()))
+    both_finite = torch.isfinite(actual) & torch.isfinite(expected)
+    diff = torch.where(both_finite, actual - expected, torch.zeros((), dtype=torch.float64))
+    expected_finite = torch.where(both_finite, expected, torch.zeros((), dtype=torch.float64))
+    abs_error = float(torch.linalg.vector_norm(diff)) if numel else 0.0
+    reference_norm = float(torch.linalg.vector_norm(expected_finite)) if numel else 0.0
+    allowed = tolerance.rel * reference_norm + tolerance.abs * math.sqrt(numel)
+    metrics = {
+        "shape": shape, "numel": numel, "num_nan": nan, "num_inf": inf, "abs_error": abs_error,
+        "reference_norm": reference_norm,
+        "error": abs_error / reference_norm if reference_norm > 0 else (0.0 if abs_error == 0 else math.inf),
+        "ratio": abs_error / allowed if allowed > 0 else (0.0 if abs_error == 0 else math.inf),
+        "min_rel_tolerance": max(0.0, abs_error - tolerance.abs * math.sqrt(numel)) / reference_norm
+        if reference_norm > 0 else (0.0 if abs_error <= tolerance.abs * math.sqrt(numel) else math.inf),
+    }
+    if numel:
+        abs_diff = diff.abs().flatten()
+        position = int(abs_diff.argmax())
+        rel_diff = abs_diff / expected_finite.abs().flatten().clamp_min(torch.finfo(torch.float64).tiny)
+        rel_diff = torch.where(expected_finite.flatten() == 0, torch.zeros_like(rel_diff), rel_diff)
+        rel_position = int(rel_diff.argmax())
+        metrics |= {
+            "max_abs_diff": float(abs_diff[position]), "max_abs_index": _unravel(position, shape),
+            "max_rel_diff": float(rel_diff[rel_position]), "max_rel_index": _unravel(rel_position, shape),
+            "num_mismatched": int((abs_diff > tolerance.abs + tolerance.rel * expected_finite.abs().flatten()).sum()),
+        }
+    return metrics
+
+
+def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[str, str]:
+    if metrics["num_nan"][0] != metrics["num_nan"][1] or metrics["num_inf"][0] != metrics["num_inf"][1]:
+        return "nonfinite", f"NaN/Inf counts differ: candidate {metrics['num_nan'][0]}/{metrics['num_inf'][0]}, " \
+                            f"reference {metrics['num_nan'][1]}/{metrics['num_inf'][1]}"
+    if metrics["ratio"] > 1:
+        return "mismatch", f"relative error {metrics['error']:.3g} exceeds tolerance {tolerance.rel:.3g} " \
+                           f"(ratio {metrics['ratio']:.3g})"
+    if drift is not None and drift["relative_diff"] > tolerance.rel and drift["max_abs_diff"] > tolerance.abs:
+        return "replica_drift", f"replicas on ranks {drift['ranks']} differ by {drift['relative_diff']:.3g} relative"
+    return "pass", ""
+
+
+def _canonical(reader: RunReader, metas: list[TensorMeta], key: TensorKey) -> CanonicalTensor:
+    shards = [RecordedShard(rank=m.rank, layout=m.layout, value=reader.read(m)) for m in metas]
+    return canonicalize(shards, key)
+
+
+def _canonical_norm(metas: list[TensorMeta], key: TensorKey) -> float:
+    """Frobenius norm of the logical tensor from per-shard stats (stats-only traces)."""
+    layout = metas[0].layout
+    if pl.axes_of_kind(layout, "partial"):
+        raise LayoutError(f"{key}: partial placements cannot be combined from stats; record this tensor with values")
+    sumsq_by_region = {pl.local_region(m.layout): m.stats.sumsq / m.scale**2 for m in metas if m.stats}
+    return math.sqrt(sum(sumsq_by_region.values()))
+
+
+def _compare_stats(key: TensorKey, ref: list[TensorMeta], cand: list[TensorMeta], tolerance: Tolerance) -> TensorComparison:
+    expected, actual = _canonical_norm(ref, key), _canonical_norm(cand, key)
+    numel = math.prod(ref[0].layout.global_shape)
+    abs_error = abs(actual - expected)
+    allowed = tolerance.rel * expected + tolerance.abs * math.sqrt(numel)
+    ratio = abs_error / allowed if allowed > 0 else (0.0 if abs_error == 0 else math.inf)
+    status = "pass" if ratio <= 1 else "mismatch"
+    return TensorComparison(
+        key=key, status=status, dtype=cand[0].dtype, shape=ref[0].layout.global_shape, numel=numel,
+        error=abs_error / expected if expected > 0 else math.inf, abs_error=abs_error, reference_norm=expected,
+        tolerance=tolerance, ratio=ratio, stats_only=True,
+        message="stats-only: compares norms, a lower bound of the error" + ("" if status == "pass" else " (exceeds tolerance)"),
+    )
+
+
+def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider,
+                   *, ignore_dtype: bool = False) -> TensorComparison:
+    ref_metas, cand_metas = reference.index[key], candidate.index[key]
+    ref_dtype, cand_dtype = ref_metas[0].dtype, cand_metas[0].dtype
+    tolerance = tolerances.tolerance_for(key, cand_dtype)
+    if ref_dtype != cand_dtype and not ignore_dtype:
+        return TensorComparison(key=key, status="dtype", dtype=cand_dtype,
+                                message=f"dtype {cand_dtype} in the candidate, {ref_dtype} in the reference")
+    if ref_metas[0].layout.global_shape != cand_metas[0].layout.global_shape:
+        return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=cand_metas[0].layout.global_shape,
+                                message=f"global shape {cand_metas[0].layout.global_shape} in the candidate, "
+                                        f"{ref_metas[0].layout.global_shape} in the reference")
+    if ref_metas[0].stats_only or cand_metas[0].stats_only:
+        return _compare_stats(key, ref_metas, cand_metas, tolerance)
+    try:
+        cand_full = _canonical(candidate, cand_metas, key)
+    except LayoutError as error:
+        return TensorComparison(key=key, status="layout", dtype=cand_dtype, message=str(error))
+    ref_full = _canonical(reference, ref_metas, key)
+    actual = cand_full.full.double() / cand_metas[0].scale
+    expected = ref_full.full.double() / ref_metas[0].scale
+    if actual.shape != expected.shape:
+        return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=tuple(actual.shape),
+                                message=f"shape {tuple(actual.shape)} in the candidate, {tuple(expected.shape)} in the reference")
+    metrics = compare_values(actual, expected, tolerance)
+    drift = asdict(cand_full.replica_drift) if cand_full.replica_drift else None
+    status, message = _verdict(metrics, drift, tolerance)
+    return TensorComparison(key=key, status=status, message=message, dtype=cand_dtype, tolerance=tolerance,
+                            replica_drift=drift, **metrics)
+
+
+def check_comparable(reference: RunReader, candidate: RunReader) -> None:
+    ref_model, cand_model = reference.manifest.model, candidate.manifest.model
+    if ref_model != cand_model:
+        names = sorted(set(ref_model) | set(cand_model))
+        differing = [n for n in names if ref_model.get(n) != cand_model.get(n)]
+        detail = ", ".join(f"{n}: {ref_model.get(n)!r} vs {cand_model.get(n)!r}" for n in differing[:3])
+        raise ConfigMismatchError(
+            f"{candidate.run_dir}: model configuration differs from the reference {reference.run_dir} ({detail}); "
+            "record both runs from the same model configuration"
+        )
+
+
+def _execution_order(reader: RunReader, key: TensorKey) -> tuple:
+    return (*key.execution_order(), min(m.seq for m in reader.index[key]))
+
+
+def compare_runs(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
+                 ignore_dtype: bool = False, progress: Callable[[int, int], None] | None = None) -> RunComparison:
+    check_comparable(reference, candidate)
+    tolerances = tolerances or DtypeTolerances()
+    result = RunComparison(reference=str(reference.run_dir), candidate=str(candidate.run_dir))
+    steps = sorted(set(reference.complete_steps) & set(candidate.complete_steps))
+    for name, reader in (("reference", reference), ("candidate", candidate)):
+        for step, why in sorted(reader.partial_steps.items()):
+            result.notes.append(f"{name} step {step} is partial and was not compared: {why}")
+        for step in sorted(set(reader.complete_steps) - set(steps)):
+            if step not in reference.partial_steps and step not in candidate.partial_steps:
+                result.notes.append(f"{name} step {step} has no counterpart in the other run and was not compared")
+    result.steps_compared = steps
+    ref_keys = [k for k in reference.index if k.step in steps]
+    cand_keys = [k for k in candidate.index if k.step in steps]
+    common = set(ref_keys) & set(cand_keys)
+    ordered = sorted(ref_keys, key=lambda k: _execution_order(reference, k))
+    extras = sorted(set(cand_keys) - common, key=lambda k: _execution_order(candidate, k))
+    total = len(ordered) + len(extras)
+    for done, key in enumerate(ordered, start=1):
+        if key in common:
+            result.comparisons.append(compare_tensor(key, reference, candidate, tolerances, ignore_dtype=ignore_dtype))
+        else:
+            result.comparisons.append(TensorComparison(key=key, status="missing", message="recorded in the reference only"))
+        if progress:
+            progress(done, total)
+    for key in extras:
+        result.comparisons.append(TensorComparison(key=key, status="extra", message="recorded in the candidate only"))
+    return result

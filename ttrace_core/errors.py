@@ -1,0 +1,24 @@
+"""Errors a user can cause. Each message says what is wrong, where (file, tensor, rank) and what to do.
+
+The CLI maps every `TtraceError` to exit code 2 and prints its message on one line.
+"""
+
+
+class TtraceError(Exception):
+    """Base class for problems with user input: traces, layouts, configurations."""
+
+
+class TraceFormatError(TtraceError):
+    """A trace directory or file cannot be read: missing, truncated, corrupted or of another format."""
+
+
+class LayoutError(TtraceError):
+    """Layout metadata is inconsistent or names a placement ttrace cannot map back to a full tensor."""
+
+
+class ConfigMismatchError(TtraceError):
+    """Two runs were produced from different model configurations and cannot be compared."""
+
+
+class LaunchError(TtraceError):
+    """A spawned rank failed or timed out."""

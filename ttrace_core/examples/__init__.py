@@ -1,0 +1,1 @@
+"""Example workloads that `ttrace example` records: real PyTorch distributed training on CPU."""

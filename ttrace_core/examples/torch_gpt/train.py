@@ -1,0 +1,218 @@
+"""One training run of the example GPT on this rank: the function `ttrace example torch-gpt` launches.
+
+Every layout trains the same logical model on the same global batch: `num_micro_batches`
+micro-batches per step, each generated from (seed, global micro-batch id), with weights generated
+from (seed, parameter name) and sliced by each parameter's layout. The reference accumulates all
+micro-batches on one rank; DDP/FSDP2 rank r takes micro-batches r, r + dp, ...; pipelining feeds
+all of them through its schedule. The ttrace lines are marked `# ttrace`.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ttrace_core.examples.torch_gpt.model import GPT, GPTConfig, loss_fn
+from ttrace_core.examples.torch_gpt.parallelize import TORCH_GPT_BUGS, apply_ddp, apply_fsdp, apply_tensor_parallel
+from ttrace_core.generator import local_from_full, normal_full, tokens_full
+from ttrace_core.integrations.dtensor import declare_parallelize_plan, layout_from_dtensor
+from ttrace_core.schema import RunManifest
+from ttrace_core.tracer import Tracer, TracerConfig
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ENTRYPOINT = "ttrace_core.examples.torch_gpt.train:run"
+
+
+@dataclass(kw_only=True, slots=True)
+class TorchGPTRunConfig:
+    out: str
+    """Run directory to record into."""
+    tp: int = 1
+    sp: bool = False
+    """Sequence parallelism on top of TP."""
+    pp: int = 1
+    dp: int = 1
+    """DistributedDataParallel degree."""
+    fsdp: int = 1
+    """FSDP2 (fully_shard) degree."""
+    precision: str = "fp32"
+    steps: int = 1
+    seed: int = 0
+    num_micro_batches: int = 4
+    micro_batch_size: int = 2
+    lr: float = 0.1
+    bug: str | None = None
+    stats_only: bool = False
+    model: GPTConfig = field(default_factory=GPTConfig)
+
+    def __post_init__(self) -> None:
+        degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "fsdp": self.fsdp}
+        if any(d < 1 for d in degrees.values()):
+            raise ValueError(f"parallel degrees must be >= 1, got {degrees}")
+        if sum(d > 1 for d in degrees.values()) > 1:
+            raise ValueError(f"torch-gpt runs one parallelism at a time (TP with or without SP, DDP, FSDP2 or PP), got {degrees}")
+        if self.sp and self.tp == 1:
+            raise ValueError("--sp needs --tp 2 or more")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: choose from {sorted(PRECISIONS)}")
+        data_parallel = self.dp * self.fsdp
+        if self.num_micro_batches % data_parallel or self.num_micro_batches < self.pp:
+            raise ValueError(f"num_micro_batches {self.num_micro_batches} must be a multiple of dp/fsdp ({data_parallel}) and >= pp")
+        if self.model.num_layers % self.pp or self.model.num_heads % self.tp or self.model.vocab_size % self.tp:
+            raise ValueError(f"the model ({self.model}) does not divide evenly over tp {self.tp} / pp {self.pp}")
+        if self.bug is not None:
+            if self.bug not in TORCH_GPT_BUGS:
+                raise ValueError(f"unknown bug {self.bug!r}; `ttrace bugs` lists them: {sorted(TORCH_GPT_BUGS)}")
+            needed = TORCH_GPT_BUGS[self.bug].requires
+            if degrees[needed] == 1:
+                raise ValueError(f"bug {self.bug!r} triggers only with --{needed} 2 or more")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.fsdp
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dp * self.fsdp
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(data: dict) -> TorchGPTRunConfig:
+        data = dict(data)
+        data["model"] = GPTConfig(**data.get("model", {}))
+        return TorchGPTRunConfig(**data)
+
+
+def init_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
+    """Give every parameter its logical value from (seed, fqn), sliced by the parameter's own layout."""
+    with torch.no_grad():
+        for fqn, param in model.named_parameters():
+            leaf = fqn.rsplit(".", 1)[-1]
+            is_norm = ".ln" in f".{fqn}"
+            if is_norm and leaf == "weight":
+                full = normal_full(seed, fqn, tuple(param.shape), mean=1.0, std=0.1)
+            else:
+                std = 0.3 if "emb" in fqn else 0.02 if leaf == "bias" else 0.08
+                full = normal_full(seed, fqn, tuple(param.shape), std=std)
+            full = full.to(dtype)
+            if isinstance(param, torch.distributed.tensor.DTensor):
+                param.to_local().copy_(local_from_full(full, layout_from_dtensor(param)))
+            else:
+                param.copy_(full)
+
+
+def micro_batch(config: TorchGPTRunConfig, global_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (config.micro_batch_size, config.model.seq_len + 1)
+    tokens = tokens_full(config.seed, f"batch.{global_id}", shape, config.model.vocab_size)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _mesh(config: TorchGPTRunConfig):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for name in ("tp", "pp", "dp", "fsdp"):
+        if getattr(config, name) > 1:
+            return init_device_mesh("cpu", (getattr(config, name),), mesh_dim_names=(name,))
+    return None
+
+
+def _manifest(config: TorchGPTRunConfig, role: str) -> RunManifest:
+    degrees = {"tp": config.tp, "sp": int(config.sp), "pp": config.pp, "dp": config.dp, "fsdp": config.fsdp}
+    return RunManifest(role=role, world_size=config.world_size, degrees=degrees, precision=config.precision,
+                       seed=config.seed, model={**config.model.to_dict(), "num_micro_batches": config.num_micro_batches,
+                                                "micro_batch_size": config.micro_batch_size, "lr": config.lr},
+                       entrypoint={"factory": ENTRYPOINT, "config": config.to_dict()},
+                       mesh_shape=[config.world_size], mesh_axis_names=[n for n in degrees if degrees[n] > 1 and n != "sp"])
+
+
+def run(config_dict: dict) -> None:
+    config = TorchGPTRunConfig.from_dict(config_dict)
+    torch.manual_seed(config.seed)
+    if config.world_size > 1:
+        dist.init_process_group("gloo")
+    try:
+        _train(config)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _train(config: TorchGPTRunConfig) -> None:
+    dtype = PRECISIONS[config.precision]
+    mesh = _mesh(config)
+    model = GPT(config.model).to(dtype)
+    if config.pp > 1:
+        model.keep_stage(mesh.get_local_rank(), config.pp)
+    plan = apply_tensor_parallel(model, mesh, sequence_parallel=config.sp, bug=config.bug) if config.tp > 1 else {}
+    if config.fsdp > 1:
+        apply_fsdp(model, mesh)
+    init_weights(model, config.seed, dtype)
+    wrapped = apply_ddp(model, bug=config.bug) if config.dp > 1 else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    local_micro_batches = config.num_micro_batches // config.data_parallel_size
+    dp_rank = mesh.get_local_rank() if config.data_parallel_size > 1 else 0
+    role = "candidate" if config.world_size > 1 else "reference"
+    tracer_config = TracerConfig(exclude=("",), loss_scale=1.0 if config.pp > 1 else 1.0 / local_micro_batches,  # ttrace
+                                 data_parallel_rank=dp_rank, data_parallel_size=config.data_parallel_size,
+                                 stats_only=config.stats_only)
+    tracer = Tracer(config.out, model, role=role, optimizer=optimizer, config=tracer_config,  # ttrace
+                    manifest=_manifest(config, role))
+    declare_parallelize_plan(tracer, plan, mesh)  # ttrace
+    step_fn = _pipeline_step_fn(config, model, mesh) if config.pp > 1 else None
+    for step in range(config.steps):
+        with tracer.step(step):  # ttrace
+            optimizer.zero_grad()
+            if step_fn is not None:
+                step_fn()
+            else:
+                _accumulate(config, wrapped, local_micro_batches, dp_rank)
+            optimizer.step()
+    tracer.close()  # ttrace
+
+
+def _accumulate(config: TorchGPTRunConfig, model: nn.Module, local_micro_batches: int, dp_rank: int) -> None:
+    for local_index in range(local_micro_batches):
+        inputs, targets = micro_batch(config, local_index * config.data_parallel_size + dp_rank)
+        last = local_index == local_micro_batches - 1
+        sync = model.no_sync() if (config.dp > 1 and not last) else nullcontext()
+        with sync:
+            loss = loss_fn(model(inputs), targets) / local_micro_batches
+            loss.backward()
+
+
+def _pipeline_step_fn(config: TorchGPTRunConfig, stage_module: nn.Module, mesh):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    stage_index = mesh.get_local_rank()
+    # Static shapes: without them the stage infers shapes with an extra real forward and backward,
+    # which is not a micro-batch of the step.
+    model, dtype = config.model, PRECISIONS[config.precision]
+    tokens = torch.empty(config.micro_batch_size, model.seq_len, dtype=torch.int64, device="meta")
+    hidden = torch.empty(config.micro_batch_size, model.seq_len, model.d_model, dtype=dtype, device="meta",
+                         requires_grad=True)
+    logits = torch.empty(config.micro_batch_size, model.seq_len, model.vocab_size, dtype=dtype, device="meta")
+    stage = PipelineStage(stage_module, stage_index, config.pp, torch.device("cpu"), group=mesh.get_group(),
+                          input_args=tokens if stage_index == 0 else hidden,
+                          output_args=logits if stage_index == config.pp - 1 else hidden)
+    # The schedule splits the global batch into micro-batches along dim 0 and divides the
+    # parameter gradients by their number, as gradient accumulation over loss / M does.
+    schedule = ScheduleGPipe(stage, n_microbatches=config.num_micro_batches, loss_fn=loss_fn)
+    batches = [micro_batch(config, index) for index in range(config.num_micro_batches)]
+    inputs = torch.cat([b[0] for b in batches])
+    targets = torch.cat([b[1] for b in batches])
+
+    def step() -> None:
+        if stage_index == 0:
+            schedule.step(inputs)
+        elif stage_index == config.pp - 1:
+            schedule.step(target=targets, losses=[])
+        else:
+            schedule.step()
+    return step

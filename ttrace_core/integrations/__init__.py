@@ -1,0 +1,1 @@
+"""Adapters that turn framework knowledge (DTensor, Megatron) into ttrace layout metadata."""

@@ -1,0 +1,80 @@
+"""Run a function on N CPU ranks with the gloo backend: spawned locally, or as-is under torchrun.
+
+Every spawn has a timeout, a free port picked by binding port 0, and OMP_NUM_THREADS=1 unless
+set: 2 ranks on 2 cores otherwise oversubscribe threads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+
+from ttrace_core.errors import LaunchError
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
+
+
+def resolve(target: str):
+    module_name, _, function_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), function_name)
+
+
+def _child(rank: int, world_size: int, port: int, target: str, config: dict) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        resolve(target)(config)
+    except BaseException:
+        traceback.print_exc()
+        raise SystemExit(1)
+
+
+def run_ranks(target: str, config: dict, world_size: int, *, timeout_s: float = 600.0) -> None:
+    """Call `target(config)` ("module:function") on `world_size` ranks; raise LaunchError if one fails."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise LaunchError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but the layout needs {world_size}; "
+                              f"pass --nproc-per-node {world_size}")
+        resolve(target)(config)
+        return
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=_child, args=(rank, world_size, port, target, config), daemon=False)
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    _wait_all(processes, timeout_s)
+
+
+def _wait_all(processes: list, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    first_failure: tuple[int, int] | None = None
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        first_failure = next(((r, p.exitcode) for r, p in enumerate(processes) if p.exitcode not in (None, 0)), None)
+        if first_failure:
+            break
+        time.sleep(0.05)
+    timed_out = first_failure is None and any(p.is_alive() for p in processes)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join()
+    if timed_out:
+        raise LaunchError(f"ranks timed out after {timeout_s:.0f} s and were killed; raise --timeout or look for a hang")
+    first_failure = first_failure or next(((r, p.exitcode) for r, p in enumerate(processes) if p.exitcode != 0), None)
+    if first_failure:
+        rank, code = first_failure
+        raise LaunchError(f"rank {rank} exited with code {code} (its traceback is printed above)")

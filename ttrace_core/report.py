@@ -1,0 +1,89 @@
+"""Plain-text rendering of comparisons and traces for the CLI (the dashboard renders the same data)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import Counter
+
+from ttrace_core.compare import RunComparison, TensorComparison
+from ttrace_core.store import RunReader
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return f"{value:.3g}"
+
+
+def comparison_row(c: TensorComparison) -> str:
+    tol = _number(c.tolerance.rel) if c.tolerance else "-"
+    verdict = "PASSED" if c else f"FAILED[{c.status}]"
+    return f"{verdict:<22} {_number(c.error):>9} {tol:>9} {_number(c.ratio):>9}  {c.key}" + (f"  -- {c.message}" if c.message and not c else "")
+
+
+def render_comparison(result: RunComparison, *, num_worst: int = 10) -> str:
+    header = f"{'verdict':<22} {'rel.err':>9} {'tol':>9} {'ratio':>9}  tensor"
+    lines = [f"reference: {result.reference}", f"candidate: {result.candidate}", ""]
+    first = result.first_divergence
+    if first is not None:
+        lines += ["first divergence (execution order):", header, comparison_row(first)]
+        if first.max_abs_index is not None:
+            lines.append(f"    max |diff| {_number(first.max_abs_diff)} at index {first.max_abs_index}; "
+                         f"{first.num_mismatched}/{first.numel} elements outside tolerance; "
+                         f"smallest passing rel tolerance {_number(first.min_rel_tolerance)}")
+        if first.replica_drift:
+            lines.append(f"    replica drift between ranks {tuple(first.replica_drift['ranks'])}: "
+                         f"{_number(first.replica_drift['relative_diff'])} relative")
+        lines.append("")
+    lines += [f"worst {num_worst} by ratio (error / tolerance):", header]
+    lines += [comparison_row(c) for c in result.worst(num_worst)]
+    lines.append("")
+    lines += [f"note: {note}" for note in result.notes]
+    statuses = Counter(c.status for c in result.comparisons)
+    passed = statuses.pop("pass", 0)
+    detail = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
+    total = len(result.comparisons)
+    verdict = "PASSED" if result else "FAILED"
+    lines.append(f"{verdict} | {passed}/{total} tensors pass over steps {result.steps_compared}" + (f"; {detail}" if detail else ""))
+    return "\n".join(lines)
+
+
+def render_run(reader: RunReader, *, list_tensors: bool) -> str:
+    m = reader.manifest
+    lines = [f"run: {reader.run_dir}", f"role: {m.role}  world_size: {m.world_size}  degrees: {m.degrees}",
+             f"precision: {m.precision}  seed: {m.seed}  entrypoint: {m.entrypoint.get('factory', '-')}",
+             f"model: {m.model}", f"complete steps: {reader.complete_steps}"]
+    lines += [f"partial step {s}: {why}" for s, why in sorted(reader.partial_steps.items())]
+    by_phase = Counter(key.phase for key in reader.index)
+    num_shards = sum(len(metas) for metas in reader.index.values())
+    lines.append(f"tensors: {len(reader.index)} logical, {num_shards} shards; by phase: {dict(by_phase)}")
+    if list_tensors:
+        for key in sorted(reader.index, key=lambda k: (*k.execution_order(), min(x.seq for x in reader.index[k]))):
+            meta = reader.index[key][0]
+            lines.append(f"  {key}  {meta.dtype} {list(meta.layout.global_shape)} "
+                         f"placements={list(meta.layout.placements)} shards={len(reader.index[key])}")
+    return "\n".join(lines)
+
+
+class ProgressBar:
+    """A one-line text progress bar on stderr, drawn only when it is a terminal (or when forced)."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self._last = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total == 0:
+            return
+        percent = 100 * done // total
+        if percent == self._last and done != total:
+            return
+        self._last = percent
+        filled = percent * 30 // 100
+        sys.stderr.write(f"\rcomparing [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()

@@ -1,0 +1,267 @@
+"""Trace store: stage 1 (record) writes it, stage 2 (canonicalize) reads it.
+
+A run directory holds `manifest.json` and one HDF5 file per rank and step,
+`rank_00001.step_000000.h5`. A step file is written as `<name>.partial` and renamed only after it
+is complete and flushed, so a killed recording leaves every finished step readable and its
+interrupted step marked partial. Datasets are uncompressed and contiguous: fp32 activations
+compress by under 10% while gzip makes writing 10x slower. Every dataset carries its `TensorMeta`
+as one JSON attribute. Values are raw bits: bf16 as int16, fp8 as uint8 plus its scale; nothing is
+upcast. Reading never executes code: JSON and HDF5 numeric arrays only, no pickle, no torch.load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from ttrace_core.errors import TraceFormatError
+from ttrace_core.schema import FORMAT_VERSION, Layout, RunManifest, TensorKey, TensorMeta, TensorStats
+
+MANIFEST_NAME = "manifest.json"
+PARTIAL_SUFFIX = ".partial"
+_STEP_FILE = re.compile(r"^rank_(\d{5})\.step_(\d{6})\.h5(\.partial)?$")
+
+# Dtypes stored as raw bits of an integer dtype of the same width.
+_RAW_BITS = {
+    "bfloat16": torch.int16,
+    "float8_e4m3fn": torch.uint8,
+    "float8_e5m2": torch.uint8,
+    "float8_e4m3fnuz": torch.uint8,
+    "float8_e5m2fnuz": torch.uint8,
+}
+_NATIVE = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+
+
+def step_file_name(rank: int, step: int) -> str:
+    return f"rank_{rank:05d}.step_{step:06d}.h5"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def array_from_tensor(value: torch.Tensor) -> np.ndarray:
+    name = dtype_name(value.dtype)
+    value = value.detach().cpu().contiguous()
+    if name in _RAW_BITS:
+        return value.view(_RAW_BITS[name]).numpy()
+    if name not in _NATIVE:
+        raise TypeError(f"cannot store a tensor of dtype {value.dtype}")
+    return value.numpy()
+
+
+def tensor_from_array(array: np.ndarray, name: str, where: str) -> torch.Tensor:
+    if name in _RAW_BITS:
+        return torch.from_numpy(np.ascontiguousarray(array)).view(getattr(torch, name))
+    if name in _NATIVE:
+        return torch.from_numpy(np.ascontiguousarray(array))
+    raise TraceFormatError(f"{where}: unknown dtype {name!r} in the trace; it was written by another ttrace version")
+
+
+def stats_from_tensor(value: torch.Tensor) -> TensorStats:
+    numel = value.numel()
+    if numel == 0 or not (value.is_floating_point()):
+        return TensorStats(numel=numel, sum=0.0, sumsq=0.0, min=0.0, max=0.0, num_nan=0, num_inf=0)
+    as_float = value.detach().float()
+    finite = as_float[torch.isfinite(as_float)]
+    return TensorStats(
+        numel=numel,
+        sum=float(finite.double().sum()),
+        sumsq=float(finite.double().square().sum()),
+        min=float(finite.min()) if finite.numel() else 0.0,
+        max=float(finite.max()) if finite.numel() else 0.0,
+        num_nan=int(torch.isnan(as_float).sum()),
+        num_inf=int(torch.isinf(as_float).sum()),
+    )
+
+
+def _dataset_path(key: TensorKey) -> str:
+    group = "all" if key.micro_batch < 0 else f"mb_{key.micro_batch:04d}"
+    return f"{key.phase}/{group}/{key.fqn or '<root>'}#{key.slot}"
+
+
+def _meta_to_json(meta: TensorMeta) -> str:
+    return json.dumps(asdict(meta))
+
+
+def _meta_from_json(text: str, where: str) -> TensorMeta:
+    try:
+        data = json.loads(text)
+        layout = Layout(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["layout"].items()})
+        stats = TensorStats(**data["stats"]) if data.get("stats") else None
+        return TensorMeta(
+            key=TensorKey(**data["key"]), rank=data["rank"], dtype=data["dtype"],
+            local_shape=tuple(data["local_shape"]), layout=layout, seq=data["seq"], scale=data["scale"],
+            stats=stats, stats_only=data["stats_only"], fp8_scale_inv=data.get("fp8_scale_inv"),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise TraceFormatError(f"{where}: tensor metadata is malformed ({error}); re-record this rank") from error
+
+
+class RunWriter:
+    """Writes one rank's step files. Only the tracer uses it."""
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file: h5py.File | None = None
+        self._step: int | None = None
+        self.num_bytes_written = 0
+
+    def begin_step(self, step: int) -> None:
+        assert self._file is None, "a step is already open"
+        final = self.run_dir / step_file_name(self.rank, step)
+        final.unlink(missing_ok=True)
+        self._file = h5py.File(str(final) + PARTIAL_SUFFIX, "w")
+        self._file.attrs["rank"] = self.rank
+        self._file.attrs["step"] = step
+        self._file.attrs["format_version"] = FORMAT_VERSION
+        self._step = step
+
+    def write(self, meta: TensorMeta, value: torch.Tensor | None) -> None:
+        assert self._file is not None, "write outside a step"
+        data = np.zeros((0,), dtype=np.uint8) if value is None else array_from_tensor(value)
+        dataset = self._file.create_dataset(_dataset_path(meta.key), data=data)
+        dataset.attrs["meta"] = _meta_to_json(meta)
+        self.num_bytes_written += data.nbytes
+
+    def end_step(self) -> None:
+        assert self._file is not None and self._step is not None
+        self._file.attrs["complete"] = True
+        self._file.flush()
+        self._file.close()
+        final = self.run_dir / step_file_name(self.rank, self._step)
+        os.replace(str(final) + PARTIAL_SUFFIX, final)
+        self._file, self._step = None, None
+
+    def close(self) -> None:
+        """Close without completing an open step: it stays marked partial."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def write_manifest(run_dir: str | os.PathLike, manifest: RunManifest) -> None:
+    path = Path(run_dir) / MANIFEST_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(".json.partial")
+    staging.write_text(json.dumps(manifest.to_dict(), indent=2, sort_keys=True))
+    os.replace(staging, path)
+
+
+def read_manifest(run_dir: str | os.PathLike) -> RunManifest:
+    path = Path(run_dir) / MANIFEST_NAME
+    if not Path(run_dir).is_dir():
+        raise TraceFormatError(f"{run_dir}: no such run directory; pass the --out directory of `ttrace example` or a Tracer")
+    if not path.is_file():
+        raise TraceFormatError(f"{path}: missing; this directory is not a ttrace run (or its recording never started)")
+    try:
+        data = json.loads(path.read_text())
+        manifest = RunManifest.from_dict(data)
+    except (ValueError, TypeError) as error:
+        raise TraceFormatError(f"{path}: not a valid manifest ({error}); re-record the run") from error
+    if manifest.format_version != FORMAT_VERSION:
+        raise TraceFormatError(
+            f"{path}: trace format version {manifest.format_version}, this ttrace reads version {FORMAT_VERSION}; "
+            "use the ttrace version that recorded it"
+        )
+    return manifest
+
+
+class RunReader:
+    """Read-only view of a run directory: the manifest, which steps are complete, and every shard."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.run_dir = Path(run_dir)
+        self.manifest = read_manifest(run_dir)
+        self._files: dict[tuple[int, int], h5py.File] = {}
+        self.index: dict[TensorKey, list[TensorMeta]] = defaultdict(list)
+        self.complete_steps: list[int] = []
+        self.partial_steps: dict[int, str] = {}
+        """step -> why it is not complete (which ranks were interrupted or are missing)."""
+        self._scan()
+
+    def _scan(self) -> None:
+        found: dict[int, dict[int, bool]] = defaultdict(dict)  # step -> rank -> complete
+        for entry in sorted(os.listdir(self.run_dir)):
+            if match := _STEP_FILE.match(entry):
+                rank, step = int(match.group(1)), int(match.group(2))
+                if match.group(3) is None or rank not in found[step]:
+                    found[step][rank] = match.group(3) is None
+        ranks_seen = {rank for by_rank in found.values() for rank in by_rank}
+        for rank in range(self.manifest.world_size):
+            if rank not in ranks_seen:
+                raise TraceFormatError(
+                    f"{self.run_dir}: manifest says world_size {self.manifest.world_size} but there is no file of "
+                    f"rank {rank} ({step_file_name(rank, 0).replace('000000', '*')}); copy the whole run directory"
+                )
+        for step, by_rank in sorted(found.items()):
+            interrupted = [r for r in range(self.manifest.world_size) if not by_rank.get(r, False)]
+            if interrupted:
+                self.partial_steps[step] = f"ranks {interrupted} did not finish step {step} (recording interrupted)"
+                continue
+            for rank in range(self.manifest.world_size):
+                self._index_file(rank, step)
+            self.complete_steps.append(step)
+
+    def _index_file(self, rank: int, step: int) -> None:
+        path = self.run_dir / step_file_name(rank, step)
+        try:
+            handle = h5py.File(path, "r")
+        except OSError as error:
+            reason = str(error).split("(")[0].strip() or "unreadable"
+            raise TraceFormatError(
+                f"{path}: not a readable HDF5 file ({reason}); it is truncated or corrupted, re-record rank {rank}"
+            ) from error
+        self._files[(rank, step)] = handle
+        where = f"{path}"
+
+        def visit(name: str, node: h5py.Dataset | h5py.Group) -> None:
+            if isinstance(node, h5py.Dataset):
+                if "meta" not in node.attrs:
+                    raise TraceFormatError(f"{where}: dataset {name} has no ttrace metadata; the file was not written by ttrace")
+                meta = _meta_from_json(node.attrs["meta"], f"{where}:{name}")
+                self.index[meta.key].append(meta)
+
+        try:
+            handle.visititems(visit)
+        except (OSError, RuntimeError, KeyError) as error:
+            raise TraceFormatError(f"{path}: corrupted HDF5 structure ({error}); re-record rank {rank}") from error
+
+    def read(self, meta: TensorMeta) -> torch.Tensor:
+        """The recorded local values of one shard, in its recorded dtype."""
+        path = _dataset_path(meta.key)
+        where = f"{self.run_dir / step_file_name(meta.rank, meta.key.step)}:{path}"
+        if meta.stats_only:
+            raise TraceFormatError(f"{where}: recorded in stats-only mode; it holds no values")
+        try:
+            array = self._files[(meta.rank, meta.key.step)][path][()]
+        except (OSError, KeyError) as error:
+            raise TraceFormatError(f"{where}: cannot read the dataset ({error}); the file is corrupted, re-record it") from error
+        value = tensor_from_array(array, meta.dtype, where)
+        if tuple(value.shape) != meta.local_shape:
+            raise TraceFormatError(f"{where}: stored shape {tuple(value.shape)} differs from its metadata {meta.local_shape}")
+        return value
+
+    def keys(self) -> list[TensorKey]:
+        return list(self.index)
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+    def __enter__(self) -> RunReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

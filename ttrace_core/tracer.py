@@ -1,0 +1,299 @@
+"""Stage 1 of record -> canonicalize -> compare -> localize -> render.
+
+Input: a live model (and optimizer) on one rank. Output: that rank's step files in a run
+directory, plus manifest.json from rank 0. Per step and micro-batch the tracer records every
+selected module's forward inputs and outputs and its activation gradients (grad_output,
+grad_input); per step, each parameter's gradient after every reduction and before
+optimizer.step(), and each parameter after it. Each tensor is stored with the layout in effect:
+a DTensor's own placements, an annotation declared with `Tracer.declare`, the layout of the
+forward tensor a gradient belongs to, or else "whole tensor, replicated".
+
+Integration:
+
+    tracer = Tracer(run_dir, model, role="candidate", optimizer=optimizer)
+    for step in range(num_steps):
+        with tracer.step(step):
+            ...forward/backward over micro-batches...
+            optimizer.step()
+    tracer.close()
+
+Attach the tracer after parallelize_module / fully_shard / DDP, so that its hooks see what the
+module really receives and returns. Hooks only read: they return None and never change outputs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
+
+from ttrace_core.integrations.dtensor import layout_from_dtensor, local_value, mesh_description, placement_str
+from ttrace_core.placements import global_shape_from_local
+from ttrace_core.schema import NO_MICRO_BATCH, SLOT_FAMILIES, Layout, RunManifest, TensorKey, TensorMeta
+from ttrace_core.store import RunWriter, dtype_name, stats_from_tensor, write_manifest
+
+
+@dataclass(kw_only=True, slots=True)
+class TracerConfig:
+    include: tuple[str, ...] = ("*",)
+    """fnmatch globs over module fqns (and over the owning module of each parameter)."""
+    exclude: tuple[str, ...] = ()
+    """Globs removed after `include`; the root module's fqn is ""."""
+    slots: tuple[str, ...] = SLOT_FAMILIES
+    """Which kinds of tensor to record: input, output, grad_output, grad_input, grad, value."""
+    steps: tuple[int, ...] | None = None
+    """Steps to record; None records every step."""
+    stats_only: bool = False
+    """Store summary statistics instead of values (far smaller; compare can then check norms only)."""
+    loss_scale: float = 1.0
+    """Factor applied to each micro-batch loss before backward (1/num_micro_batches under gradient
+    accumulation); activation gradients are stored with it so that runs that scale differently compare."""
+    grad_attr: str = "grad"
+    """Attribute holding the reduced gradient: "grad", or "main_grad" for Megatron."""
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
+    """Micro-batch m of this rank is global micro-batch m * data_parallel_size + data_parallel_rank."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.slots) - set(SLOT_FAMILIES)
+        if unknown:
+            raise ValueError(f"TracerConfig.slots has unknown kinds {sorted(unknown)}; choose from {SLOT_FAMILIES}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is outside data_parallel_size {self.data_parallel_size}")
+        if self.loss_scale == 0:
+            raise ValueError("loss_scale 0 would zero every gradient; pass the factor the loss is multiplied by")
+
+
+@dataclass(slots=True)
+class _Declaration:
+    fqn_glob: str
+    slot_glob: str
+    placements: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    coordinate: tuple[int, ...]
+    mesh_axis_names: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class _StepState:
+    step: int
+    seq: int = 0
+    forward_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    backward_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    pending_forward: dict[str, list[int | None]] = field(default_factory=lambda: defaultdict(list))
+    forward_layouts: dict[tuple[str, int, str], Layout] = field(default_factory=dict)
+
+
+def _slot_family(slot: str) -> str:
+    return slot.rsplit(".", 1)[0] if "." in slot else slot
+
+
+def _tensors_of(values: object) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(values)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+class Tracer:
+    def __init__(self, run_dir: str | os.PathLike, model: nn.Module, *, role: str,
+                 optimizer: torch.optim.Optimizer | None = None, config: TracerConfig | None = None,
+                 manifest: RunManifest | None = None) -> None:
+        if role not in ("reference", "candidate"):
+            raise ValueError(f"role must be 'reference' or 'candidate', got {role!r}")
+        self.config = config or TracerConfig()
+        self.model = model
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self._writer = RunWriter(run_dir, self.rank)
+        self._declarations: list[_Declaration] = []
+        self._state: _StepState | None = None
+        self._handles: list = []
+        if self.rank == 0:
+            manifest = manifest or RunManifest(role=role, world_size=world_size)
+            manifest.role, manifest.world_size = role, world_size
+            manifest.tracer = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.config).items()}
+            write_manifest(run_dir, manifest)
+        self._attach_modules(model)
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.record_gradients()))
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.record_parameters()))
+
+    # ---- selection and layout resolution ----------------------------------------------------
+
+    def _selected(self, fqn: str) -> bool:
+        config = self.config
+        return any(fnmatch.fnmatchcase(fqn, g) for g in config.include) and \
+            not any(fnmatch.fnmatchcase(fqn, g) for g in config.exclude)
+
+    def declare(self, fqn_glob: str, slot_glob: str, placements: Sequence, mesh) -> None:
+        """Declare the layout of plain (non-DTensor) tensors at matching module slots.
+
+        Example: under sequence parallelism with local outputs, `tracer.declare("layers.*",
+        "output.0", [Shard(1)], tp_mesh)` says each rank holds its sequence shard of a block output.
+        """
+        mesh_shape, coordinate, names = mesh_description(mesh)
+        specs = tuple(placement_str(p) for p in placements)
+        if len(specs) != len(mesh_shape):
+            raise ValueError(f"declare({fqn_glob!r}, {slot_glob!r}): {len(specs)} placements for a {len(mesh_shape)}-D mesh")
+        self._declarations.append(_Declaration(fqn_glob, slot_glob, specs, mesh_shape, coordinate, names))
+
+    def _declared_layout(self, fqn: str, slot: str, local: torch.Tensor) -> Layout | None:
+        for d in reversed(self._declarations):
+            if fnmatch.fnmatchcase(fqn, d.fqn_glob) and fnmatch.fnmatchcase(slot, d.slot_glob):
+                shape = global_shape_from_local(tuple(local.shape), d.mesh_shape, d.placements)
+                return Layout(global_shape=shape, mesh_shape=d.mesh_shape, coordinate=d.coordinate,
+                              placements=d.placements, mesh_axis_names=d.mesh_axis_names)
+        return None
+
+    def _layout_of(self, fqn: str, slot: str, value: torch.Tensor, local: torch.Tensor, micro_batch: int) -> Layout:
+        if isinstance(value, DTensor):
+            return layout_from_dtensor(value)
+        if (declared := self._declared_layout(fqn, slot, local)) is not None:
+            return declared
+        if slot.startswith("grad_") and self._state is not None:
+            # The gradient of a tensor is laid out like the tensor itself.
+            forward_slot = slot.removeprefix("grad_")
+            inherited = self._state.forward_layouts.get((fqn, micro_batch, forward_slot))
+            if inherited is not None and inherited.global_shape and len(inherited.global_shape) == local.dim():
+                return inherited
+        return Layout.replicated(tuple(local.shape))
+
+    # ---- recording ----------------------------------------------------------------------------
+
+    def _recording(self) -> bool:
+        return self._state is not None
+
+    def _record(self, phase: str, fqn: str, slot: str, value: torch.Tensor, micro_batch: int) -> None:
+        if _slot_family(slot) not in self.config.slots:
+            return
+        state = self._state
+        local = local_value(value)
+        layout = self._layout_of(fqn, slot, value, local, micro_batch)
+        if phase == "forward" and layout.mesh_shape:
+            state.forward_layouts[(fqn, micro_batch, slot)] = layout
+        meta = TensorMeta(
+            key=TensorKey(step=state.step, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot),
+            rank=self.rank, dtype=dtype_name(local.dtype), local_shape=tuple(local.shape), layout=layout,
+            seq=state.seq, scale=self.config.loss_scale if phase == "backward" else 1.0,
+            stats=stats_from_tensor(local), stats_only=self.config.stats_only,
+        )
+        state.seq += 1
+        self._writer.write(meta, None if self.config.stats_only else local)
+
+    def _global_micro_batch(self, local_index: int) -> int:
+        return local_index * self.config.data_parallel_size + self.config.data_parallel_rank
+
+    def _attach_modules(self, model: nn.Module) -> None:
+        for fqn, module in model.named_modules():
+            if not self._selected(fqn):
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._forward_hook(fqn)))
+            self._handles.append(module.register_full_backward_hook(self._backward_hook(fqn)))
+
+    def _pre_hook(self, fqn: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._recording():
+                return None
+            state = self._state
+            if any(t.is_meta for t in _tensors_of((args, kwargs))):
+                state.pending_forward[fqn].append(None)  # shape inference (pipelining): not a micro-batch
+                return None
+            micro_batch = self._global_micro_batch(state.forward_calls[fqn])
+            state.forward_calls[fqn] += 1
+            state.pending_forward[fqn].append(micro_batch)
+            for index, value in enumerate(_tensors_of(args)):
+                self._record("forward", fqn, f"input.{index}", value, micro_batch)
+            for name, value in kwargs.items():
+                if isinstance(value, torch.Tensor):
+                    self._record("forward", fqn, f"input.{name}", value, micro_batch)
+            return None
+        return hook
+
+    def _forward_hook(self, fqn: str):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if not self._recording() or not self._state.pending_forward[fqn]:
+                return None
+            micro_batch = self._state.pending_forward[fqn].pop()
+            if micro_batch is None:
+                return None
+            for index, value in enumerate(_tensors_of(output)):
+                self._record("forward", fqn, f"output.{index}", value, micro_batch)
+            return None
+        return hook
+
+    def _backward_hook(self, fqn: str):
+        def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+            if not self._recording():
+                return None
+            # Backward of a module's micro-batches runs in the order of their forwards (sequential
+            # accumulation, GPipe, 1F1B), so the k-th backward call belongs to the k-th forward.
+            micro_batch = self._global_micro_batch(self._state.backward_calls[fqn])
+            self._state.backward_calls[fqn] += 1
+            for index, value in enumerate(grad_output):
+                if isinstance(value, torch.Tensor):
+                    self._record("backward", fqn, f"grad_output.{index}", value, micro_batch)
+            for index, value in enumerate(grad_input):
+                if isinstance(value, torch.Tensor):
+                    self._record("backward", fqn, f"grad_input.{index}", value, micro_batch)
+            return None
+        return hook
+
+    def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for fqn, param in self.model.named_parameters():
+            owner = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+            if self._selected(owner):
+                yield fqn, param
+
+    def record_gradients(self) -> None:
+        """Record every parameter's reduced gradient; call after backward, before optimizer.step()."""
+        if not self._recording():
+            return
+        for fqn, param in self._named_parameters():
+            grad = getattr(param, self.config.grad_attr, None)
+            if grad is not None:
+                self._record("grad", fqn, "grad", grad, NO_MICRO_BATCH)
+
+    def record_parameters(self) -> None:
+        """Record every parameter's value; call after optimizer.step()."""
+        if not self._recording():
+            return
+        for fqn, param in self._named_parameters():
+            self._record("param", fqn, "value", param, NO_MICRO_BATCH)
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Record one iteration. The step file is completed only if the block finishes."""
+        if self.config.steps is not None and step not in self.config.steps:
+            yield
+            return
+        self._writer.begin_step(step)
+        self._state = _StepState(step=step)
+        try:
+            yield
+        except BaseException:
+            self._state = None
+            self._writer.close()
+            raise
+        self._state = None
+        self._writer.end_step()
+
+    @property
+    def num_bytes_written(self) -> int:
+        return self._writer.num_bytes_written
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._writer.close()
