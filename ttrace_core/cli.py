@@ -14,6 +14,8 @@ from ttrace_core.errors import TtraceError
 
 
 def _add_example_parser(commands) -> None:
+    from ttrace_core.examples.torch_gpt.model import GPTConfig
+
     example = commands.add_parser("example", help="record a trace of an example workload on CPU ranks (gloo)")
     workloads = example.add_subparsers(dest="workload", required=True)
     gpt = workloads.add_parser("torch-gpt", help="small GPT with PyTorch TP/SP, DDP, FSDP2 or pipelining")
@@ -26,6 +28,8 @@ def _add_example_parser(commands) -> None:
     gpt.add_argument("--steps", type=int, default=1)
     gpt.add_argument("--seed", type=int, default=0)
     gpt.add_argument("--bug", default=None, help="inject a known bug (see `ttrace bugs`)")
+    gpt.add_argument("--num-layers", type=int, default=GPTConfig().num_layers, help="transformer blocks")
+    gpt.add_argument("--d-model", type=int, default=GPTConfig().d_model, help="model width")
     gpt.add_argument("--stats-only", action="store_true", help="store statistics instead of tensor values")
     gpt.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
     gpt.add_argument("--out", required=True, help="run directory to record into")
@@ -50,13 +54,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run_example(args: argparse.Namespace) -> int:
+    from ttrace_core.examples.torch_gpt.model import GPTConfig
     from ttrace_core.examples.torch_gpt.train import ENTRYPOINT, TorchGPTRunConfig
     from ttrace_core.launch import run_ranks
 
     try:
         config = TorchGPTRunConfig(out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp,
                                    fsdp=args.fsdp, precision=args.precision, steps=args.steps, seed=args.seed,
-                                   bug=args.bug, stats_only=args.stats_only)
+                                   bug=args.bug, stats_only=args.stats_only,
+                                   model=GPTConfig(num_layers=args.num_layers, d_model=args.d_model))
     except ValueError as error:
         raise TtraceError(f"torch-gpt: {error}") from error
     if config.world_size == 1:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -40,6 +41,11 @@ from ttrace_core.integrations.dtensor import layout_from_dtensor, local_value, m
 from ttrace_core.placements import global_shape_from_local
 from ttrace_core.schema import NO_MICRO_BATCH, SLOT_FAMILIES, Layout, RunManifest, TensorKey, TensorMeta
 from ttrace_core.store import RunWriter, dtype_name, stats_from_tensor, write_manifest
+
+
+# A module whose inputs need no gradient (an embedding fed token ids) still gets its grad_output
+# recorded; torch warns about exactly that case on every backward.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -122,7 +122,7 @@ def _mesh(config: TorchGPTRunConfig):
     return None
 
 
-def _manifest(config: TorchGPTRunConfig, role: str) -> RunManifest:
+def manifest_for(config: TorchGPTRunConfig, role: str) -> RunManifest:
     degrees = {"tp": config.tp, "sp": int(config.sp), "pp": config.pp, "dp": config.dp, "fsdp": config.fsdp}
     return RunManifest(role=role, world_size=config.world_size, degrees=degrees, precision=config.precision,
                        seed=config.seed, model={**config.model.to_dict(), "num_micro_batches": config.num_micro_batches,
@@ -163,7 +163,7 @@ def _train(config: TorchGPTRunConfig) -> None:
                                  data_parallel_rank=dp_rank, data_parallel_size=config.data_parallel_size,
                                  stats_only=config.stats_only)
     tracer = Tracer(config.out, model, role=role, optimizer=optimizer, config=tracer_config,  # ttrace
-                    manifest=_manifest(config, role))
+                    manifest=manifest_for(config, role))
     declare_parallelize_plan(tracer, plan, mesh)  # ttrace
     step_fn = _pipeline_step_fn(config, model, mesh) if config.pp > 1 else None
     for step in range(config.steps):

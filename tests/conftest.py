@@ -1,0 +1,37 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_ttrace(*args: str, timeout: float = 300, check_codes: tuple[int, ...] | None = None) -> subprocess.CompletedProcess:
+    """Run the `ttrace` CLI in a subprocess, as a user would."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "ttrace_core", *args], capture_output=True, text=True,
+                            timeout=timeout, env=env, cwd=ROOT)
+    if check_codes is not None and result.returncode not in check_codes:
+        raise AssertionError(f"ttrace {' '.join(args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def load_comparison(path: Path):
+    from ttrace_core.compare import RunComparison
+
+    return RunComparison.from_json(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def traces(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("traces")
+
+
+@pytest.fixture(scope="session")
+def reference_run(traces) -> Path:
+    out = traces / "reference"
+    run_ttrace("example", "torch-gpt", "--steps", "2", "--out", str(out), check_codes=(0,))
+    return out

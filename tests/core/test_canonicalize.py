@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from ttrace_core import placements as pl
+from ttrace_core.canonicalize import RecordedShard, canonicalize, shard
+from ttrace_core.errors import LayoutError
+from ttrace_core.schema import Layout
+
+LAYOUTS = {
+    "shard0-even": ((8, 4), (2,), ("S(0)",)),
+    "shard1-uneven": ((3, 5), (2,), ("S(1)",)),
+    "shard0-zero-size": ((3, 2), (4,), ("S(0)",)),
+    "replicate": ((4, 3), (2,), ("R",)),
+    "partial-sum": ((4, 3), (2,), ("P(sum)",)),
+    "partial-avg": ((4, 3), (2,), ("P(avg)",)),
+    "2d-shard-shard": ((6, 4), (2, 2), ("S(0)", "S(1)")),
+    "2d-nested-uneven": ((7, 2), (2, 2), ("S(0)", "S(0)")),
+    "2d-replicate-shard": ((4, 6), (2, 3), ("R", "S(1)")),
+    "2d-shard-partial": ((4, 6), (2, 2), ("S(0)", "P(sum)")),
+}
+
+
+def _shards_of(full: torch.Tensor, mesh_shape, placements) -> list[RecordedShard]:
+    shards = []
+    for rank, coordinate in enumerate(pl.all_coordinates(mesh_shape)):
+        layout = Layout(global_shape=tuple(full.shape), mesh_shape=mesh_shape, coordinate=coordinate, placements=placements)
+        shards.append(RecordedShard(rank=rank, layout=layout, value=shard(full, layout)))
+    return shards
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS), ids=sorted(LAYOUTS))
+def test_canonicalize_inverts_shard(name):
+    shape, mesh_shape, placements = LAYOUTS[name]
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    shards = _shards_of(full, mesh_shape, placements)
+    result = canonicalize(shards)
+    torch.testing.assert_close(result.full, full, rtol=0, atol=1e-6)
+    assert result.replica_drift is None
+    assert result.num_shards == len(shards)
+    # shard(canonicalize(x)) round-trips each rank's local values
+    for s in shards:
+        torch.testing.assert_close(shard(result.full, s.layout), s.value, rtol=0, atol=1e-6)
+
+
+def test_partial_shards_are_summed_not_concatenated():
+    layout0 = Layout(global_shape=(2,), mesh_shape=(2,), coordinate=(0,), placements=("P(sum)",))
+    layout1 = Layout(global_shape=(2,), mesh_shape=(2,), coordinate=(1,), placements=("P(sum)",))
+    result = canonicalize([RecordedShard(0, layout0, torch.tensor([1.0, 2.0])), RecordedShard(1, layout1, torch.tensor([3.0, 5.0]))])
+    assert result.full.tolist() == [4.0, 7.0]
+
+
+def test_replicas_that_differ_are_reported_as_drift():
+    layout = Layout(global_shape=(3,), mesh_shape=(2,), coordinate=(0,), placements=("R",))
+    other = Layout(global_shape=(3,), mesh_shape=(2,), coordinate=(1,), placements=("R",))
+    result = canonicalize([RecordedShard(0, layout, torch.tensor([1.0, 2.0, 2.0])),
+                           RecordedShard(1, other, torch.tensor([1.0, 2.0, 3.0]))])
+    assert result.full.tolist() == [1.0, 2.0, 2.0]
+    assert result.replica_drift.ranks == (0, 1)
+    assert result.replica_drift.max_abs_diff == 1.0
+    assert result.replica_drift.relative_diff == pytest.approx(1.0 / 3.0)
+
+
+def test_unannotated_replicas_on_an_empty_mesh_are_compared():
+    layout = Layout.replicated((2,))
+    result = canonicalize([RecordedShard(0, layout, torch.tensor([1.0, 1.0])), RecordedShard(1, layout, torch.tensor([1.0, 1.0]))])
+    assert result.replica_drift is None and result.full.tolist() == [1.0, 1.0]
+
+
+def test_missing_coordinate_names_the_tensor_and_ranks():
+    layout = Layout(global_shape=(4,), mesh_shape=(2,), coordinate=(0,), placements=("S(0)",))
+    with pytest.raises(LayoutError, match=r"no rank holds mesh coordinate \(1,\).*ranks present: \[0\]"):
+        canonicalize([RecordedShard(0, layout, torch.zeros(2))], key="w")
+
+
+def test_local_shape_that_contradicts_the_layout_is_rejected():
+    layout = Layout(global_shape=(4,), mesh_shape=(2,), coordinate=(0,), placements=("S(0)",))
+    with pytest.raises(LayoutError, match=r"rank 0 holds shape \(3,\) but placements \('S\(0\)',\).*imply \(2,\)"):
+        canonicalize([RecordedShard(0, layout, torch.zeros(3))])
+
+
+def test_ranks_that_disagree_on_the_layout_are_rejected():
+    a = Layout(global_shape=(4,), mesh_shape=(2,), coordinate=(0,), placements=("S(0)",))
+    b = Layout(global_shape=(4,), mesh_shape=(2,), coordinate=(1,), placements=("R",))
+    with pytest.raises(LayoutError, match="disagree on the layout"):
+        canonicalize([RecordedShard(0, a, torch.zeros(2)), RecordedShard(1, b, torch.zeros(4))])
+
+
+def test_bf16_values_keep_their_dtype():
+    full = torch.randn(4, 2).to(torch.bfloat16)
+    result = canonicalize(_shards_of(full, (2,), ("S(0)",)))
+    assert result.full.dtype == torch.bfloat16 and torch.equal(result.full, full)

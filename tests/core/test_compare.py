@@ -1,0 +1,62 @@
+import math
+
+import pytest
+import torch
+
+from ttrace_core.compare import RunComparison, TensorComparison, compare_values
+from ttrace_core.schema import TensorKey
+from ttrace_core.tolerances import DtypeTolerances, Tolerance
+
+TOL = Tolerance(rel=1e-3, abs=1e-6, source="test")
+KEY = TensorKey(step=0, micro_batch=0, phase="forward", fqn="layers.0", slot="output.0")
+
+
+@pytest.mark.parametrize(
+    "actual, expected, error, ratio",
+    [
+        ([1.0, 2.0], [1.0, 2.0], 0.0, 0.0),
+        ([3.0, 4.0], [3.0, 4.004], 0.004 / math.hypot(3, 4.004), 0.004 / (1e-3 * math.hypot(3, 4.004) + 1e-6 * math.sqrt(2))),
+        ([0.0, 1e-7], [0.0, 0.0], math.inf, 1e-7 / (1e-6 * math.sqrt(2))),
+    ],
+    ids=["equal", "relative", "near-zero-reference-uses-abs"],
+)
+def test_metrics_table(actual, expected, error, ratio):
+    metrics = compare_values(torch.tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), TOL)
+    assert metrics["error"] == pytest.approx(error)
+    assert metrics["ratio"] == pytest.approx(ratio)
+
+
+def test_metrics_locate_the_worst_element_and_the_minimum_tolerance():
+    expected = torch.ones(3, 4, dtype=torch.float64)
+    actual = expected.clone()
+    actual[2, 1] += 0.5
+    metrics = compare_values(actual, expected, TOL)
+    assert metrics["max_abs_index"] == (2, 1) and metrics["max_abs_diff"] == pytest.approx(0.5)
+    assert metrics["max_rel_index"] == (2, 1) and metrics["num_mismatched"] == 1
+    # the smallest passing rel tolerance passes exactly
+    tight = Tolerance(rel=metrics["min_rel_tolerance"] * (1 + 1e-12), abs=TOL.abs, source="min")
+    assert compare_values(actual, expected, tight)["ratio"] <= 1
+
+
+def test_nan_counts_are_reported():
+    actual = torch.tensor([1.0, float("nan")], dtype=torch.float64)
+    metrics = compare_values(actual, torch.tensor([1.0, 2.0], dtype=torch.float64), TOL)
+    assert metrics["num_nan"] == (1, 0)
+
+
+def test_verdict_is_truthy_and_round_trips_through_json():
+    good = TensorComparison(key=KEY, status="pass", error=1e-9, ratio=0.1, tolerance=TOL, max_abs_index=(0, 1))
+    bad = TensorComparison(key=KEY, status="mismatch", error=0.5, ratio=500.0, tolerance=TOL)
+    result = RunComparison(reference="r", candidate="c", comparisons=[good, bad], steps_compared=[0])
+    assert good and not bad and not result
+    assert result.first_divergence is bad and result.worst(1) == [bad]
+    again = RunComparison.from_json(result.to_json())
+    assert again.comparisons == result.comparisons and not again
+    frame = result.to_dataframe()
+    assert list(frame["passed"]) == [True, False] and frame.loc[1, "ratio"] == 500.0
+
+
+def test_dtype_table_is_the_default_tolerance():
+    tolerance = DtypeTolerances().tolerance_for(KEY, "bfloat16")
+    assert (tolerance.rel, tolerance.source) == (4e-2, "dtype default (bfloat16)")
+    assert DtypeTolerances(overrides={"float32": (1e-3, 0.0)}).tolerance_for(KEY, "float32").rel == 1e-3

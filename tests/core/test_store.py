@@ -1,0 +1,100 @@
+import json
+import os
+
+import h5py
+import pytest
+import torch
+
+from ttrace_core.errors import TraceFormatError
+from ttrace_core.schema import Layout, RunManifest, TensorKey, TensorMeta
+from ttrace_core.store import RunReader, RunWriter, step_file_name, write_manifest
+
+
+def _meta(rank: int, step: int, value: torch.Tensor, fqn: str = "lin") -> TensorMeta:
+    key = TensorKey(step=step, micro_batch=0, phase="forward", fqn=fqn, slot="output.0")
+    return TensorMeta(key=key, rank=rank, dtype=str(value.dtype).removeprefix("torch."), local_shape=tuple(value.shape),
+                      layout=Layout.replicated(tuple(value.shape)), seq=0)
+
+
+def _record(run_dir, values: dict[int, torch.Tensor], *, world_size: int = 1, steps=(0,)) -> None:
+    write_manifest(run_dir, RunManifest(role="reference", world_size=world_size))
+    for rank in range(world_size):
+        writer = RunWriter(run_dir, rank)
+        for step in steps:
+            writer.begin_step(step)
+            for index, value in values.items():
+                writer.write(_meta(rank, step, value, fqn=f"m{index}"), value)
+            writer.end_step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_values_round_trip_bit_exactly(tmp_path, dtype):
+    value = (torch.randn(3, 5) * 4).to(dtype) if dtype != torch.int64 else torch.arange(15).view(3, 5)
+    _record(tmp_path, {0: value})
+    with RunReader(tmp_path) as reader:
+        (key,) = reader.keys()
+        read = reader.read(reader.index[key][0])
+    assert read.dtype == dtype
+    assert torch.equal(read.view(torch.uint8), value.contiguous().view(torch.uint8))
+
+
+def test_datasets_are_contiguous_and_uncompressed(tmp_path):
+    _record(tmp_path, {0: torch.randn(4, 4)})
+    with h5py.File(tmp_path / step_file_name(0, 0)) as handle:
+        dataset = handle["forward/mb_0000/m0#output.0"]
+        assert dataset.chunks is None and dataset.compression is None
+        assert json.loads(dataset.attrs["meta"])["key"]["fqn"] == "m0"
+
+
+def test_interrupted_step_is_reported_and_completed_steps_stay_readable(tmp_path):
+    _record(tmp_path, {0: torch.ones(2)}, steps=(0,))
+    writer = RunWriter(tmp_path, 0)
+    writer.begin_step(1)
+    writer.write(_meta(0, 1, torch.ones(2)), torch.ones(2))
+    writer.close()  # never end_step(): as after a crash
+    with RunReader(tmp_path) as reader:
+        assert reader.complete_steps == [0]
+        assert "did not finish step 1" in reader.partial_steps[1]
+        assert {key.step for key in reader.keys()} == {0}
+
+
+def test_truncated_file_names_the_file(tmp_path):
+    _record(tmp_path, {0: torch.randn(64, 64)})
+    path = tmp_path / step_file_name(0, 0)
+    os.truncate(path, 4096)
+    with pytest.raises(TraceFormatError, match=r"rank_00000\.step_000000\.h5: not a readable HDF5 file.*re-record rank 0"):
+        RunReader(tmp_path)
+
+
+def test_garbage_file_names_the_file(tmp_path):
+    _record(tmp_path, {0: torch.randn(4)})
+    (tmp_path / step_file_name(0, 0)).write_bytes(b"\x80\x04not hdf5 at all" * 100)
+    with pytest.raises(TraceFormatError, match="not a readable HDF5 file"):
+        RunReader(tmp_path)
+
+
+def test_missing_rank_file(tmp_path):
+    _record(tmp_path, {0: torch.randn(4)}, world_size=2)
+    (tmp_path / step_file_name(1, 0)).unlink()
+    with pytest.raises(TraceFormatError, match="world_size 2 but there is no file of rank 1"):
+        RunReader(tmp_path)
+
+
+@pytest.mark.parametrize("content, message", [(None, "manifest.json: missing"), ("{not json", "not a valid manifest"),
+                                              ('{"role": "reference", "world_size": 1, "format_version": 99}', "format version 99")],
+                         ids=["missing", "malformed", "newer-version"])
+def test_bad_manifest(tmp_path, content, message):
+    if content is not None:
+        (tmp_path / "manifest.json").write_text(content)
+    with pytest.raises(TraceFormatError, match=message):
+        RunReader(tmp_path)
+
+
+def test_reading_never_unpickles(tmp_path):
+    """The metadata is JSON and values are numeric HDF5 arrays; a pickled attribute is refused as data."""
+    _record(tmp_path, {0: torch.randn(4)})
+    with h5py.File(tmp_path / step_file_name(0, 0), "a") as handle:
+        handle["forward/mb_0000/m0#output.0"].attrs["meta"] = "\x80\x04\x95"  # pickle protocol header
+    with pytest.raises(TraceFormatError, match="tensor metadata is malformed"):
+        RunReader(tmp_path)

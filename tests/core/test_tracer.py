@@ -1,0 +1,119 @@
+import pytest
+import torch
+from torch import nn
+
+from ttrace_core.compare import compare_runs
+from ttrace_core.store import RunReader
+from ttrace_core.tracer import Tracer, TracerConfig
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+
+
+def _train_step(model: nn.Module, optimizer, *, num_micro_batches: int = 2, scale: float | None = None) -> None:
+    optimizer.zero_grad()
+    for index in range(num_micro_batches):
+        inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(index), requires_grad=True)
+        loss = model(inputs).square().mean() * (scale if scale is not None else 1.0 / num_micro_batches)
+        loss.backward()
+    optimizer.step()
+
+
+def _record(run_dir, config: TracerConfig | None = None, *, steps: int = 1, scale: float | None = None) -> nn.Module:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = Tracer(run_dir, model, role="reference", optimizer=optimizer, config=config)
+    for step in range(steps):
+        with tracer.step(step):
+            _train_step(model, optimizer, scale=scale)
+    tracer.close()
+    return model
+
+
+def test_hooks_do_not_change_what_the_model_computes(tmp_path):
+    traced = _record(tmp_path)
+    plain = _model()
+    _train_step(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    for (name, a), (_, b) in zip(traced.named_parameters(), plain.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_records_every_kind_in_execution_order(tmp_path):
+    _record(tmp_path)
+    with RunReader(tmp_path) as reader:
+        keys = set(reader.keys())
+        slots = {(k.phase, k.micro_batch, k.fqn, k.slot) for k in keys}
+        assert ("forward", 1, "0", "input.0") in slots and ("forward", 0, "2", "output.0") in slots
+        assert ("backward", 1, "2", "grad_output.0") in slots and ("backward", 0, "0", "grad_input.0") in slots
+        assert ("grad", -1, "2.bias", "grad") in slots and ("param", -1, "0.weight", "value") in slots
+        forward_first = min(m.seq for k in keys if k.phase == "forward" and k.micro_batch == 0 for m in reader.index[k])
+        backward_first = min(m.seq for k in keys if k.phase == "backward" and k.micro_batch == 0 for m in reader.index[k])
+        assert forward_first < backward_first
+
+
+def test_recorded_gradient_is_the_accumulated_one(tmp_path):
+    model = _record(tmp_path, TracerConfig(slots=("grad", "value")))
+    with RunReader(tmp_path) as reader:
+        (meta,) = [m for k, ms in reader.index.items() if k.fqn == "0.weight" and k.phase == "param" for m in ms]
+        assert torch.equal(reader.read(meta), model[0].weight.detach())
+
+
+def test_data_parallel_rank_maps_local_to_global_micro_batches(tmp_path):
+    _record(tmp_path, TracerConfig(data_parallel_rank=1, data_parallel_size=2))
+    with RunReader(tmp_path) as reader:
+        assert {k.micro_batch for k in reader.keys() if k.phase in ("forward", "backward")} == {1, 3}
+
+
+def test_selection_by_glob_and_kind(tmp_path):
+    _record(tmp_path, TracerConfig(include=("2",), slots=("output", "grad")))
+    with RunReader(tmp_path) as reader:
+        assert {(k.fqn, k.slot) for k in reader.keys()} == {("2", "output.0"), ("2.weight", "grad"), ("2.bias", "grad")}
+
+
+def test_unselected_steps_are_not_recorded(tmp_path):
+    _record(tmp_path, TracerConfig(steps=(1,)), steps=2)
+    with RunReader(tmp_path) as reader:
+        assert reader.complete_steps == [1]
+
+
+def test_loss_scale_is_undone_when_comparing(tmp_path):
+    _record(tmp_path / "ref", TracerConfig(loss_scale=0.5))
+    _record(tmp_path / "cand", TracerConfig(loss_scale=1.0), scale=1.0)
+    with RunReader(tmp_path / "ref") as ref, RunReader(tmp_path / "cand") as cand:
+        result = compare_runs(ref, cand)
+    backward = [c for c in result.comparisons if c.key.phase == "backward"]
+    assert backward and all(backward)
+    # the parameters really were updated differently: grads are twice as large
+    assert not all(c for c in result.comparisons if c.key.phase == "grad")
+
+
+def test_stats_only_stores_no_values_and_still_compares_norms(tmp_path):
+    _record(tmp_path / "ref")
+    _record(tmp_path / "stats", TracerConfig(stats_only=True))
+    with RunReader(tmp_path / "ref") as ref, RunReader(tmp_path / "stats") as cand:
+        assert all(m.stats_only and m.stats.numel > 0 for ms in cand.index.values() for m in ms)
+        result = compare_runs(ref, cand)
+    assert result and all(c.stats_only for c in result.comparisons)
+    assert sum(p.stat().st_size for p in (tmp_path / "stats").iterdir()) < sum(p.stat().st_size for p in (tmp_path / "ref").iterdir())
+
+
+def test_exception_in_a_step_leaves_it_partial(tmp_path):
+    model = _model()
+    tracer = Tracer(tmp_path, model, role="candidate")
+    with tracer.step(0):
+        model(torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="boom"), tracer.step(1):
+        model(torch.randn(2, 4))
+        raise RuntimeError("boom")
+    tracer.close()
+    with RunReader(tmp_path) as reader:
+        assert reader.complete_steps == [0] and 1 in reader.partial_steps
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="unknown kinds"):
+        TracerConfig(slots=("outputs",))
+    with pytest.raises(ValueError, match="outside data_parallel_size"):
+        TracerConfig(data_parallel_rank=2, data_parallel_size=2)

@@ -1,0 +1,148 @@
+"""End to end through the `ttrace` CLI: record real distributed runs on CPU ranks, then compare.
+
+Every candidate runs 2 spawned gloo ranks and 2 steps, against the single-rank reference.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, load_comparison, run_ttrace
+from ttrace_core.store import step_file_name
+
+pytestmark = pytest.mark.distributed
+
+CLEAN_LAYOUTS = {"tp2": ["--tp", "2"], "tp2-sp": ["--tp", "2", "--sp"], "fsdp2": ["--fsdp", "2"],
+                 "ddp2": ["--dp", "2"], "pp2": ["--pp", "2"]}
+
+
+def _record(traces: Path, name: str, *flags: str, steps: int = 2) -> Path:
+    out = traces / name
+    if not (out / "manifest.json").exists():
+        run_ttrace("example", "torch-gpt", *flags, "--steps", str(steps), "--out", str(out), check_codes=(0,))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CLEAN_LAYOUTS), ids=list(CLEAN_LAYOUTS))
+def test_clean_layout_matches_the_reference(traces, reference_run, name):
+    candidate = _record(traces, name, *CLEAN_LAYOUTS[name])
+    report = traces / f"{name}.json"
+    result = run_ttrace("compare", str(reference_run), str(candidate), "--json", str(report))
+    assert result.returncode == 0, result.stdout + result.stderr
+    comparison = load_comparison(report)
+    assert comparison.steps_compared == [0, 1]
+    phases = {c.key.phase for c in comparison.comparisons}
+    assert phases == {"forward", "backward", "grad", "param"}
+    assert all(comparison.comparisons) and len(comparison.comparisons) > 1500
+    assert "PASSED |" in result.stdout
+
+
+def test_parallel_runs_really_hold_shards(traces):
+    """A clean verdict means something only if the candidate's tensors were sharded and mapped back."""
+    from ttrace_core.store import RunReader
+
+    expected = {"tp2-sp": ("layers.0.ln1", "input.0", ("S(1)",)), "tp2": ("layers.0.attn.wq", "output.0", ("S(-1)",)),
+                "fsdp2": ("layers.0.attn.wq.weight", "value", ("S(0)",))}
+    for name, (fqn, slot, placements) in expected.items():
+        with RunReader(_record(traces, name, *CLEAN_LAYOUTS[name])) as reader:
+            metas = next(ms for key, ms in reader.index.items() if key.fqn == fqn and key.slot == slot)
+            assert len(metas) == 2 and metas[0].layout.placements == placements, name
+            assert metas[0].local_shape != metas[0].layout.global_shape
+
+
+@pytest.mark.parametrize(
+    "flags, culprit, phase",
+    [(["--tp", "2", "--bug", "rowwise-skip-allreduce"], "layers.0.attn.wo", "forward"),
+     (["--tp", "2", "--sp", "--bug", "rowwise-skip-allreduce"], "layers.0.attn.wo", "forward"),
+     (["--dp", "2", "--bug", "ddp-unreduced-grad"], "layers.0.mlp.w2.bias", "grad")],
+    ids=["tp2-rowwise-no-allreduce", "tp2-sp-rowwise-no-reduce-scatter", "ddp2-grad-never-reduced"],
+)
+def test_broken_candidate_is_caught_at_the_broken_module(traces, reference_run, flags, culprit, phase):
+    name = "-".join(f.strip("-") for f in flags)
+    candidate = _record(traces, name, *flags, steps=1)
+    report = traces / f"{name}.json"
+    result = run_ttrace("compare", str(reference_run), str(candidate), "--json", str(report))
+    assert result.returncode == 1, result.stdout + result.stderr
+    first = load_comparison(report).first_divergence
+    assert (first.key.fqn, first.key.phase, first.key.step) == (culprit, phase, 0)
+    assert first.ratio > 100
+    assert f"first divergence (execution order):" in result.stdout and culprit in result.stdout.split("\n")[5]
+
+
+def test_recording_killed_mid_step_keeps_its_completed_steps(traces, reference_run):
+    out = traces / "killed"
+    script = ROOT / "tests" / "scripts" / "record_and_die.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    died = subprocess.run([sys.executable, str(script), str(out)], env=env, timeout=120, capture_output=True, text=True)
+    assert died.returncode == -signal.SIGKILL, died.stderr
+    assert (out / (step_file_name(0, 1) + ".partial")).exists()
+    inspect = run_ttrace("inspect", str(out), check_codes=(0,))
+    assert "complete steps: [0]" in inspect.stdout and "partial step 1" in inspect.stdout
+    result = run_ttrace("compare", str(reference_run), str(out), "--json", str(traces / "killed.json"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    comparison = load_comparison(traces / "killed.json")
+    assert comparison.steps_compared == [0] and all(comparison.comparisons)
+    assert any("candidate step 1 is partial" in note for note in comparison.notes)
+
+
+def test_truncated_file_gives_exit_2_naming_it(traces, reference_run):
+    copy = traces / "truncated"
+    subprocess.run(["cp", "-r", str(_record(traces, "tp2", *CLEAN_LAYOUTS["tp2"])), str(copy)], check=True)
+    victim = copy / step_file_name(1, 0)
+    os.truncate(victim, 4096)
+    result = run_ttrace("compare", str(reference_run), str(copy))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert str(victim) in line and "truncated or corrupted" in line
+
+
+def test_missing_rank_file_gives_exit_2(traces, reference_run):
+    copy = traces / "missing-rank"
+    subprocess.run(["cp", "-r", str(_record(traces, "ddp2", *CLEAN_LAYOUTS["ddp2"])), str(copy)], check=True)
+    for step in (0, 1):
+        (copy / step_file_name(1, step)).unlink()
+    result = run_ttrace("compare", str(reference_run), str(copy))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "no file of rank 1" in line and str(copy) in line
+
+
+def test_mismatched_model_configuration_gives_exit_2(traces, reference_run):
+    other = _record(traces, "two-layers", "--num-layers", "2", steps=1)
+    result = run_ttrace("compare", str(reference_run), str(other))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "model configuration differs" in line and "num_layers: 4 vs 2" in line
+
+
+def test_not_a_run_directory_gives_exit_2(tmp_path, reference_run):
+    result = run_ttrace("compare", str(reference_run), str(tmp_path))
+    assert result.returncode == 2 and "manifest.json: missing" in result.stderr
+
+
+def test_unsupported_layout_is_refused_before_spawning(tmp_path):
+    result = run_ttrace("example", "torch-gpt", "--sp", "--out", str(tmp_path / "x"))
+    assert result.returncode == 2 and "--sp needs --tp 2 or more" in result.stderr
+
+
+def test_runs_unchanged_under_torchrun(traces, reference_run):
+    out = traces / "torchrun-tp2"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "-m", "ttrace_core", "example", "torch-gpt", "--tp", "2", "--out", str(out)],
+                   env=env, timeout=300, check=True, capture_output=True, cwd=ROOT)
+    result = run_ttrace("compare", str(reference_run), str(out))
+    assert result.returncode == 0, result.stdout
+    assert json.loads((out / "manifest.json").read_text())["world_size"] == 2
+
+
+def test_inspect_and_progress_bar(traces, reference_run):
+    listing = run_ttrace("inspect", str(reference_run), "--tensors", check_codes=(0,)).stdout
+    assert "role: reference  world_size: 1" in listing and "layers.3.mlp.w2 / output.0" in listing
+    result = run_ttrace("compare", str(reference_run), str(reference_run), "--progress", check_codes=(0,))
+    assert "comparing [" in result.stderr and "PASSED |" in result.stdout
