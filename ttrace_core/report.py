@@ -54,6 +54,7 @@ def render_comparison(result: RunComparison, *, num_worst: int = 10) -> str:
 def render_run(reader: RunReader, *, list_tensors: bool) -> str:
     m = reader.manifest
     lines = [f"run: {reader.run_dir}", f"role: {m.role}  world_size: {m.world_size}  degrees: {m.degrees}",
+             f"mesh: {m.mesh_shape} {m.mesh_axis_names}  rank coordinates: {m.rank_coordinates}",
              f"precision: {m.precision}  seed: {m.seed}  entrypoint: {m.entrypoint.get('factory', '-')}",
              f"model: {m.model}", f"complete steps: {reader.complete_steps}"]
     lines += [f"partial step {s}: {why}" for s, why in sorted(reader.partial_steps.items())]

@@ -116,6 +116,8 @@ class RunManifest:
     """Parallel degrees, e.g. {"tp": 2, "sp": 1, "pp": 1, "dp": 1, "fsdp": 1}."""
     mesh_shape: list[int] = field(default_factory=list)
     mesh_axis_names: list[str] = field(default_factory=list)
+    rank_coordinates: list[list[int]] = field(default_factory=list)
+    """rank_coordinates[r] is rank r's coordinate in the mesh."""
     precision: str = "fp32"
     seed: int = 0
     model: dict = field(default_factory=dict)

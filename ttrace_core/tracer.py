@@ -68,6 +68,10 @@ class TracerConfig:
     data_parallel_rank: int = 0
     data_parallel_size: int = 1
     """Micro-batch m of this rank is global micro-batch m * data_parallel_size + data_parallel_rank."""
+    rename: tuple[tuple[str, str], ...] = ()
+    """(local prefix, global prefix) pairs mapping this rank's module names to the reference's, e.g.
+    (("layers.0", "layers.2"),) on a pipeline stage whose local layer 0 is global layer 2. A prefix
+    matches whole name components: "layers.1" renames "layers.1.attn", never "layers.10"."""
 
     def __post_init__(self) -> None:
         unknown = set(self.slots) - set(SLOT_FAMILIES)
@@ -134,6 +138,12 @@ class Tracer:
 
     # ---- selection and layout resolution ----------------------------------------------------
 
+    def _global_fqn(self, fqn: str) -> str:
+        for local, global_ in self.config.rename:
+            if fqn == local or fqn.startswith(local + "."):
+                return global_ + fqn[len(local):]
+        return fqn
+
     def _selected(self, fqn: str) -> bool:
         config = self.config
         return any(fnmatch.fnmatchcase(fqn, g) for g in config.include) and \
@@ -198,9 +208,10 @@ class Tracer:
         return local_index * self.config.data_parallel_size + self.config.data_parallel_rank
 
     def _attach_modules(self, model: nn.Module) -> None:
-        for fqn, module in model.named_modules():
-            if not self._selected(fqn):
+        for local_fqn, module in model.named_modules():
+            if not self._selected(local_fqn):
                 continue
+            fqn = self._global_fqn(local_fqn)
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._forward_hook(fqn)))
             self._handles.append(module.register_full_backward_hook(self._backward_hook(fqn)))
@@ -254,10 +265,10 @@ class Tracer:
         return hook
 
     def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        for fqn, param in self.model.named_parameters():
-            owner = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        for local_fqn, param in self.model.named_parameters():
+            owner = local_fqn.rsplit(".", 1)[0] if "." in local_fqn else ""
             if self._selected(owner):
-                yield fqn, param
+                yield self._global_fqn(local_fqn), param
 
     def record_gradients(self) -> None:
         """Record every parameter's reduced gradient; call after backward, before optimizer.step()."""

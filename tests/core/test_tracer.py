@@ -117,3 +117,39 @@ def test_config_validation():
         TracerConfig(slots=("outputs",))
     with pytest.raises(ValueError, match="outside data_parallel_size"):
         TracerConfig(data_parallel_rank=2, data_parallel_size=2)
+
+
+class _Renamed(nn.Module):
+    """The same computation as _model(), with other module names (as on a pipeline stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        reference = _model()
+        self.blocks = nn.ModuleList([reference[0], reference[1], reference[2]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_rename_maps_local_names_to_the_reference_names(tmp_path):
+    _record(tmp_path / "ref", TracerConfig(exclude=("",)))
+    model = _Renamed()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rename = (("blocks.0", "0"), ("blocks.1", "1"), ("blocks.2", "2"))
+    tracer = Tracer(tmp_path / "cand", model, role="candidate", optimizer=optimizer,
+                    config=TracerConfig(exclude=("", "blocks"), rename=rename))
+    with tracer.step(0):
+        _train_step(model, optimizer)
+    tracer.close()
+    with RunReader(tmp_path / "ref") as ref, RunReader(tmp_path / "cand") as cand:
+        result = compare_runs(ref, cand)
+    assert result and {c.key.fqn for c in result.comparisons} >= {"0", "2", "0.weight", "2.bias"}
+
+
+def test_rename_matches_whole_name_components(tmp_path):
+    tracer = Tracer(tmp_path, _model(), role="candidate", config=TracerConfig(rename=(("layers.1", "layers.3"),)))
+    assert tracer._global_fqn("layers.1.attn") == "layers.3.attn"
+    assert tracer._global_fqn("layers.10.attn") == "layers.10.attn"
+    tracer.close()

@@ -62,3 +62,80 @@ def check_dtensor_canonicalize(config: dict) -> None:
                 assert torch.allclose(reduced, expected, atol=1e-6), f"{name}: shard() of a partial does not reduce back"
     finally:
         dist.destroy_process_group()
+
+
+def _full_tensor_hooks(model, captured: dict, state: dict) -> None:
+    """Hooks (registered after the tracer's) that keep DTensor.full_tensor() of every DTensor the tracer sees."""
+
+    def keep(phase: str, fqn: str, slot: str, value) -> None:
+        if isinstance(value, DTensor):
+            captured[f"{phase}|{state['mb']}|{fqn}|{slot}"] = value.full_tensor().detach().numpy().copy()
+
+    def hooks_for(fqn: str):
+        def pre_hook(module, args) -> None:
+            for index, value in enumerate(args):
+                keep("forward", fqn, f"input.{index}", value)
+
+        def forward_hook(module, args, output) -> None:
+            keep("forward", fqn, "output.0", output)
+
+        def backward_hook(module, grad_input, grad_output) -> None:
+            for index, value in enumerate(grad_output):
+                keep("backward", fqn, f"grad_output.{index}", value)
+            for index, value in enumerate(grad_input):
+                keep("backward", fqn, f"grad_input.{index}", value)
+
+        return pre_hook, forward_hook, backward_hook
+
+    for fqn, module in model.named_modules():
+        if fqn:
+            pre_hook, forward_hook, backward_hook = hooks_for(fqn)
+            module.register_forward_pre_hook(pre_hook)
+            module.register_forward_hook(forward_hook)
+            module.register_full_backward_hook(backward_hook)
+
+
+def record_with_full_tensors(config: dict) -> None:
+    """Record the example GPT with the Tracer and keep full_tensor() of every DTensor it records."""
+    import numpy as np
+
+    from ttrace_core.examples.torch_gpt.model import GPT, GPTConfig, loss_fn
+    from ttrace_core.examples.torch_gpt.parallelize import apply_fsdp, apply_tensor_parallel
+    from ttrace_core.examples.torch_gpt.train import TorchGPTRunConfig, init_weights, micro_batch
+    from ttrace_core.integrations.dtensor import declare_parallelize_plan
+    from ttrace_core.tracer import Tracer, TracerConfig
+
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        run = TorchGPTRunConfig(out=config["out"], model=GPTConfig(num_layers=2))
+        model = GPT(run.model)
+        plan = apply_tensor_parallel(model, mesh, sequence_parallel=True, bug=None) if config["layout"] == "tp-sp" else {}
+        if config["layout"] == "fsdp":
+            apply_fsdp(model, mesh)
+        init_weights(model, run.seed, torch.float32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        fsdp = config["layout"] == "fsdp"
+        num_local = 2 if fsdp else 4
+        tracer = Tracer(run.out, model, role="candidate", optimizer=optimizer,
+                        config=TracerConfig(exclude=("",), loss_scale=1 / num_local,
+                                            data_parallel_rank=dist.get_rank() if fsdp else 0, data_parallel_size=2 if fsdp else 1))
+        declare_parallelize_plan(tracer, plan, mesh)
+        captured: dict = {}
+        state = {"mb": 0}
+        _full_tensor_hooks(model, captured, state)
+        with tracer.step(0):
+            for local_index in range(num_local):
+                state["mb"] = local_index * 2 + dist.get_rank() if fsdp else local_index
+                inputs, targets = micro_batch(run, state["mb"])
+                (loss_fn(model(inputs), targets) / num_local).backward()
+            state["mb"] = -1
+            for fqn, param in model.named_parameters():
+                captured[f"grad|-1|{fqn}|grad"] = param.grad.full_tensor().numpy().copy()
+            optimizer.step()
+            for fqn, param in model.named_parameters():
+                captured[f"param|-1|{fqn}|value"] = param.detach().full_tensor().numpy().copy()
+        tracer.close()
+        np.savez(f"{config['out']}/full_tensors.rank{dist.get_rank()}.npz", **captured)
+    finally:
+        dist.destroy_process_group()

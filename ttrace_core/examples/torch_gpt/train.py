@@ -20,6 +20,7 @@ from ttrace_core.examples.torch_gpt.model import GPT, GPTConfig, loss_fn
 from ttrace_core.examples.torch_gpt.parallelize import TORCH_GPT_BUGS, apply_ddp, apply_fsdp, apply_tensor_parallel
 from ttrace_core.generator import local_from_full, normal_full, tokens_full
 from ttrace_core.integrations.dtensor import declare_parallelize_plan, layout_from_dtensor
+from ttrace_core.placements import coordinate_from_rank
 from ttrace_core.schema import RunManifest
 from ttrace_core.tracer import Tracer, TracerConfig
 
@@ -124,11 +125,14 @@ def _mesh(config: TorchGPTRunConfig):
 
 def manifest_for(config: TorchGPTRunConfig, role: str) -> RunManifest:
     degrees = {"tp": config.tp, "sp": int(config.sp), "pp": config.pp, "dp": config.dp, "fsdp": config.fsdp}
+    axes = [name for name in ("tp", "pp", "dp", "fsdp") if degrees[name] > 1]
+    mesh_shape = [degrees[name] for name in axes]
     return RunManifest(role=role, world_size=config.world_size, degrees=degrees, precision=config.precision,
                        seed=config.seed, model={**config.model.to_dict(), "num_micro_batches": config.num_micro_batches,
                                                 "micro_batch_size": config.micro_batch_size, "lr": config.lr},
                        entrypoint={"factory": ENTRYPOINT, "config": config.to_dict()},
-                       mesh_shape=[config.world_size], mesh_axis_names=[n for n in degrees if degrees[n] > 1 and n != "sp"])
+                       mesh_shape=mesh_shape, mesh_axis_names=axes,
+                       rank_coordinates=[list(coordinate_from_rank(r, tuple(mesh_shape))) for r in range(config.world_size)])
 
 
 def run(config_dict: dict) -> None:
