@@ -12,10 +12,10 @@ upcast. Reading never executes code: JSON and HDF5 numeric arrays only, no pickl
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import defaultdict
-from dataclasses import asdict
 from pathlib import Path
 
 import h5py
@@ -68,18 +68,22 @@ def tensor_from_array(array: np.ndarray, name: str, where: str) -> torch.Tensor:
 
 def stats_from_tensor(value: torch.Tensor) -> TensorStats:
     numel = value.numel()
-    if numel == 0 or not (value.is_floating_point()):
+    if numel == 0 or not value.is_floating_point():
         return TensorStats(numel=numel, sum=0.0, sumsq=0.0, min=0.0, max=0.0, num_nan=0, num_inf=0)
-    as_float = value.detach().float()
-    finite = as_float[torch.isfinite(as_float)]
+    as_float = value.detach() if value.dtype in (torch.float32, torch.float64) else value.detach().float()
+    # Statistics accumulate in the tensor's own precision (fp32 at least): they summarize, the
+    # comparison of values is done in float64 elsewhere.
+    total = float(as_float.sum())
+    if not math.isfinite(total):  # rare: only then pay for masking out NaN/Inf
+        num_nan, num_inf = int(torch.isnan(as_float).sum()), int(torch.isinf(as_float).sum())
+        as_float = as_float[torch.isfinite(as_float)].double()
+        total = float(as_float.sum())
+    else:
+        num_nan = num_inf = 0
+    minimum, maximum = torch.aminmax(as_float) if as_float.numel() else (torch.zeros(()), torch.zeros(()))
     return TensorStats(
-        numel=numel,
-        sum=float(finite.double().sum()),
-        sumsq=float(finite.double().square().sum()),
-        min=float(finite.min()) if finite.numel() else 0.0,
-        max=float(finite.max()) if finite.numel() else 0.0,
-        num_nan=int(torch.isnan(as_float).sum()),
-        num_inf=int(torch.isinf(as_float).sum()),
+        numel=numel, sum=total, sumsq=float(torch.linalg.vector_norm(as_float)) ** 2,
+        min=float(minimum), max=float(maximum), num_nan=num_nan, num_inf=num_inf,
     )
 
 
@@ -89,7 +93,12 @@ def _dataset_path(key: TensorKey) -> str:
 
 
 def _meta_to_json(meta: TensorMeta) -> str:
-    return json.dumps(asdict(meta))
+    # Shallow conversion: dataclasses.asdict deep-copies every field and costs more than the write.
+    data = {name: getattr(meta, name) for name in TensorMeta.__dataclass_fields__}
+    data["key"] = {name: getattr(meta.key, name) for name in TensorKey.__dataclass_fields__}
+    data["layout"] = {name: getattr(meta.layout, name) for name in Layout.__dataclass_fields__}
+    data["stats"] = None if meta.stats is None else {name: getattr(meta.stats, name) for name in TensorStats.__dataclass_fields__}
+    return json.dumps(data)
 
 
 def _meta_from_json(text: str, where: str) -> TensorMeta:
