@@ -57,6 +57,7 @@ def _run_example(args: argparse.Namespace) -> int:
     from ttrace_core.examples.torch_gpt.model import GPTConfig
     from ttrace_core.examples.torch_gpt.train import ENTRYPOINT, TorchGPTRunConfig
     from ttrace_core.launch import run_ranks
+    from ttrace_core.store import refuse_existing_trace
 
     try:
         config = TorchGPTRunConfig(out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp,
@@ -65,6 +66,7 @@ def _run_example(args: argparse.Namespace) -> int:
                                    model=GPTConfig(num_layers=args.num_layers, d_model=args.d_model))
     except ValueError as error:
         raise TtraceError(f"torch-gpt: {error}") from error
+    refuse_existing_trace(config.out)  # before spawning: one clear line instead of a failed rank
     if config.world_size == 1:
         from ttrace_core.launch import resolve
         resolve(ENTRYPOINT)(config.to_dict())

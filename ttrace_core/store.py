@@ -167,6 +167,13 @@ def write_manifest(run_dir: str | os.PathLike, manifest: RunManifest) -> None:
     os.replace(staging, path)
 
 
+def refuse_existing_trace(run_dir: str | os.PathLike) -> None:
+    """Recording into a directory that already holds a trace would mix two runs' files."""
+    path = Path(run_dir)
+    if path.is_dir() and ((path / MANIFEST_NAME).exists() or any(_STEP_FILE.match(p) for p in os.listdir(path))):
+        raise TraceFormatError(f"{path}: already holds a trace; record into a new directory, or delete this one first")
+
+
 def read_manifest(run_dir: str | os.PathLike) -> RunManifest:
     path = Path(run_dir) / MANIFEST_NAME
     if not Path(run_dir).is_dir():

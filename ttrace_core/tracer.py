@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from ttrace_core.integrations.dtensor import layout_from_dtensor, local_value, mesh_description, placement_str
 from ttrace_core.placements import global_shape_from_local
 from ttrace_core.schema import NO_MICRO_BATCH, SLOT_FAMILIES, Layout, RunManifest, TensorKey, TensorMeta
-from ttrace_core.store import RunWriter, dtype_name, stats_from_tensor, write_manifest
+from ttrace_core.store import RunWriter, dtype_name, refuse_existing_trace, stats_from_tensor, write_manifest
 
 
 # A module whose inputs need no gradient (an embedding fed token ids) still gets its grad_output
@@ -127,6 +127,7 @@ class Tracer:
         self._state: _StepState | None = None
         self._handles: list = []
         if self.rank == 0:
+            refuse_existing_trace(run_dir)
             manifest = manifest or RunManifest(role=role, world_size=world_size)
             manifest.role, manifest.world_size = role, world_size
             manifest.tracer = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.config).items()}

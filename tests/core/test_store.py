@@ -98,3 +98,12 @@ def test_reading_never_unpickles(tmp_path):
         handle["forward/mb_0000/m0#output.0"].attrs["meta"] = "\x80\x04\x95"  # pickle protocol header
     with pytest.raises(TraceFormatError, match="tensor metadata is malformed"):
         RunReader(tmp_path)
+
+
+def test_recording_into_an_existing_trace_is_refused(tmp_path):
+    from ttrace_core.store import refuse_existing_trace
+
+    refuse_existing_trace(tmp_path)  # an empty directory is fine
+    _record(tmp_path, {0: torch.ones(2)})
+    with pytest.raises(TraceFormatError, match="already holds a trace"):
+        refuse_existing_trace(tmp_path)
