@@ -6,9 +6,11 @@ set: 2 ranks on 2 cores otherwise oversubscribe threads.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import multiprocessing
 import os
+import signal
 import socket
 import time
 import traceback
@@ -34,6 +36,8 @@ def resolve(target: str):
 def _child(rank: int, world_size: int, port: int, target: str, config: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # On a timeout the launcher sends SIGUSR1 first: every rank prints where it is stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         resolve(target)(config)
     except BaseException:
@@ -59,6 +63,14 @@ def run_ranks(target: str, config: dict, world_size: int, *, timeout_s: float = 
     _wait_all(processes, timeout_s)
 
 
+def _dump_stacks(processes: list) -> None:
+    for rank, process in enumerate(processes):
+        if process.is_alive():
+            print(f"--- rank {rank} (pid {process.pid}) is stuck here:", flush=True)
+            os.kill(process.pid, signal.SIGUSR1)
+            time.sleep(0.5)
+
+
 def _wait_all(processes: list, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     first_failure: tuple[int, int] | None = None
@@ -68,6 +80,8 @@ def _wait_all(processes: list, timeout_s: float) -> None:
             break
         time.sleep(0.05)
     timed_out = first_failure is None and any(p.is_alive() for p in processes)
+    if timed_out:
+        _dump_stacks(processes)
     for process in processes:
         if process.is_alive():
             process.kill()

@@ -167,10 +167,16 @@ def write_manifest(run_dir: str | os.PathLike, manifest: RunManifest) -> None:
     os.replace(staging, path)
 
 
-def refuse_existing_trace(run_dir: str | os.PathLike) -> None:
-    """Recording into a directory that already holds a trace would mix two runs' files."""
+def refuse_existing_trace(run_dir: str | os.PathLike, *, manifest_only: bool = False) -> None:
+    """Recording into a directory that already holds a trace would mix two runs' files.
+
+    `manifest_only` is for rank 0 of a running recording: the other ranks may already have
+    opened their first step files, so only a manifest proves an earlier run.
+    """
     path = Path(run_dir)
-    if path.is_dir() and ((path / MANIFEST_NAME).exists() or any(_STEP_FILE.match(p) for p in os.listdir(path))):
+    earlier = path.is_dir() and ((path / MANIFEST_NAME).exists() or
+                                 (not manifest_only and any(_STEP_FILE.match(p) for p in os.listdir(path))))
+    if earlier:
         raise TraceFormatError(f"{path}: already holds a trace; record into a new directory, or delete this one first")
 
 

@@ -127,7 +127,7 @@ class Tracer:
         self._state: _StepState | None = None
         self._handles: list = []
         if self.rank == 0:
-            refuse_existing_trace(run_dir)
+            refuse_existing_trace(run_dir, manifest_only=True)
             manifest = manifest or RunManifest(role=role, world_size=world_size)
             manifest.role, manifest.world_size = role, world_size
             manifest.tracer = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.config).items()}

@@ -153,3 +153,10 @@ def test_rename_matches_whole_name_components(tmp_path):
     assert tracer._global_fqn("layers.1.attn") == "layers.3.attn"
     assert tracer._global_fqn("layers.10.attn") == "layers.10.attn"
     tracer.close()
+
+
+def test_other_ranks_step_files_do_not_make_rank_0_refuse(tmp_path):
+    """Rank 1 may open its first step file before rank 0 constructs its tracer: that is not an old trace."""
+    (tmp_path / "rank_00001.step_000000.h5.partial").write_bytes(b"")
+    Tracer(tmp_path, _model(), role="candidate").close()
+    assert (tmp_path / "manifest.json").exists()

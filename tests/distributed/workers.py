@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -139,3 +142,17 @@ def record_with_full_tensors(config: dict) -> None:
         np.savez(f"{config['out']}/full_tensors.rank{dist.get_rank()}.npz", **captured)
     finally:
         dist.destroy_process_group()
+
+
+def fail_on_rank_0(config: dict) -> None:
+    """Rank 0 fails while rank 1 waits in a collective that will never complete."""
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        raise RuntimeError("rank 0 fails on purpose")
+    dist.barrier()
+
+
+def hang_on_rank_1(config: dict) -> None:
+    """Rank 1 sleeps far past any timeout; rank 0 returns."""
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(600)

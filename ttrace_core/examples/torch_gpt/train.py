@@ -142,9 +142,12 @@ def run(config_dict: dict) -> None:
         dist.init_process_group("gloo")
     try:
         _train(config)
-    finally:
         if dist.is_initialized():
             dist.barrier()
+    finally:
+        # No collective here: after a failure on one rank a barrier would wait forever for the
+        # ranks still training; exiting lets the launcher stop them at once.
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 

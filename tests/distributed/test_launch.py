@@ -1,0 +1,28 @@
+import time
+
+import pytest
+
+from ttrace_core.errors import LaunchError
+from ttrace_core.launch import free_port, run_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+def test_a_failing_rank_stops_the_others_at_once():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 0 exited with code 1"):
+        run_ranks("tests.distributed.workers:fail_on_rank_0", {}, 2, timeout_s=120)
+    assert time.monotonic() - start < 60
+
+
+def test_a_hang_is_killed_at_the_timeout_with_stacks(capfd):
+    with pytest.raises(LaunchError, match="timed out after 3 s"):
+        run_ranks("tests.distributed.workers:hang_on_rank_1", {}, 2, timeout_s=3)
+    assert "rank 1" in capfd.readouterr().out
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_port()))
