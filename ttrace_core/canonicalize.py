@@ -110,6 +110,8 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None) -> C
     if not shards:
         raise LayoutError(f"{key}: no shard was recorded")
     layout = _check_consistent(key, shards)
+    if any(s.layout.flat_range is not None for s in shards):
+        return _canonicalize_flat_ranges(shards, key)
     _check_coverage(key, layout, shards)
     dtype = shards[0].value.dtype
     blocks: dict[tuple, dict[tuple[int, ...], list[RecordedShard]]] = defaultdict(lambda: defaultdict(list))
@@ -143,6 +145,39 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None) -> C
     return CanonicalTensor(full=full, replica_drift=worst, num_shards=len(shards))
 
 
+def _canonicalize_flat_ranges(shards: list[RecordedShard], key: TensorKey | None) -> CanonicalTensor:
+    """Blocks assembled from flat element ranges (distributed-optimizer gradient shards)."""
+    layout = shards[0].layout
+    if pl.axes_of_kind(layout, "partial"):
+        raise LayoutError(f"{key}: flat ranges over partial placements are not supported")
+    full = torch.empty(layout.global_shape, dtype=shards[0].value.dtype)
+    by_region: dict[tuple, list[RecordedShard]] = defaultdict(list)
+    for shard_ in shards:
+        by_region[pl.local_region(shard_.layout)].append(shard_)
+    drifts = []
+    for region, pieces in by_region.items():
+        numel = 1
+        for _, length in region:
+            numel *= length
+        flat = torch.empty(numel, dtype=full.dtype)
+        owner = torch.full((numel,), -1, dtype=torch.int64)
+        for piece in sorted(pieces, key=lambda s: s.rank):
+            start, end = piece.layout.flat_range or (0, numel)
+            held = owner[start:end] >= 0
+            if held.any() and not torch.equal(flat[start:end][held], piece.value[held]):
+                drifts.append(_replica_drift([RecordedShard(int(owner[start:end][held][0]), piece.layout, flat[start:end][held]),
+                                              RecordedShard(piece.rank, piece.layout, piece.value[held])]))
+            flat[start:end] = torch.where(held, flat[start:end], piece.value)
+            owner[start:end] = torch.where(held, owner[start:end], torch.full_like(owner[start:end], piece.rank))
+        if (owner < 0).any():
+            missing = int((owner < 0).nonzero()[0])
+            raise LayoutError(f"{key}: no rank holds flat element {missing} of block {region}; ranks present: "
+                              f"{sorted(p.rank for p in pieces)}. Re-record with every rank")
+        full[_region_slices(region)] = flat.view(tuple(length for _, length in region))
+    worst = max((d for d in drifts if d is not None), key=lambda d: d.relative_diff, default=None)
+    return CanonicalTensor(full=full, replica_drift=worst, num_shards=len(shards))
+
+
 def shard(full: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The local tensor that `layout.coordinate` holds of `full`: the inverse of `canonicalize`.
 
@@ -152,6 +187,9 @@ def shard(full: torch.Tensor, layout: Layout) -> torch.Tensor:
     if tuple(full.shape) != tuple(layout.global_shape):
         raise LayoutError(f"cannot shard a tensor of shape {tuple(full.shape)} with a layout of global shape {layout.global_shape}")
     local = full[_region_slices(pl.local_region(layout))].clone()
+    if layout.flat_range is not None:
+        start, end = layout.flat_range
+        return local.reshape(-1)[start:end].clone()
     specs = pl.parsed_placements(layout)
     for axis in pl.axes_of_kind(layout, "partial"):
         if specs[axis].reduce_op == "sum" and layout.coordinate[axis] != 0:

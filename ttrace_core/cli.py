@@ -13,26 +13,52 @@ from pathlib import Path
 from ttrace_core.errors import TtraceError
 
 
-def _add_example_parser(commands) -> None:
-    from ttrace_core.examples.torch_gpt.model import GPTConfig
+def _add_common_example_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism on top of --tp")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (DDP)")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bug", default=None, help="inject a known bug (see `ttrace bugs`)")
+    parser.add_argument("--stats-only", action="store_true", help="store statistics instead of tensor values")
+    parser.add_argument("--num-layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
+    parser.add_argument("--out", required=True, help="run directory to record into")
 
+
+def _add_example_parser(commands) -> None:
     example = commands.add_parser("example", help="record a trace of an example workload on CPU ranks (gloo)")
     workloads = example.add_subparsers(dest="workload", required=True)
     gpt = workloads.add_parser("torch-gpt", help="small GPT with PyTorch TP/SP, DDP, FSDP2 or pipelining")
-    gpt.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    gpt.add_argument("--sp", action="store_true", help="sequence parallelism on top of --tp")
-    gpt.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    gpt.add_argument("--dp", type=int, default=1, help="DistributedDataParallel degree")
+    _add_common_example_flags(gpt)
     gpt.add_argument("--fsdp", type=int, default=1, help="FSDP2 degree")
     gpt.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    gpt.add_argument("--steps", type=int, default=1)
-    gpt.add_argument("--seed", type=int, default=0)
-    gpt.add_argument("--bug", default=None, help="inject a known bug (see `ttrace bugs`)")
-    gpt.add_argument("--num-layers", type=int, default=GPTConfig().num_layers, help="transformer blocks")
-    gpt.add_argument("--d-model", type=int, default=GPTConfig().d_model, help="model width")
-    gpt.add_argument("--stats-only", action="store_true", help="store statistics instead of tensor values")
-    gpt.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
-    gpt.add_argument("--out", required=True, help="run directory to record into")
+    gpt.add_argument("--d-model", type=int, default=64, help="model width")
+    megatron = workloads.add_parser("megatron-gpt", help="megatron-core GPTModel (local spec) with Megatron DDP/optimizer")
+    _add_common_example_flags(megatron)
+    megatron.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
+    megatron.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    megatron.add_argument("--hidden-size", type=int, default=64)
+
+
+def _torch_gpt_config(args: argparse.Namespace):
+    from ttrace_core.examples.torch_gpt.model import GPTConfig
+    from ttrace_core.examples.torch_gpt.train import ENTRYPOINT, TorchGPTRunConfig
+
+    return ENTRYPOINT, TorchGPTRunConfig(
+        out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, fsdp=args.fsdp,
+        precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
+        model=GPTConfig(num_layers=args.num_layers, d_model=args.d_model))
+
+
+def _megatron_gpt_config(args: argparse.Namespace):
+    from ttrace_core.examples.megatron_gpt.train import ENTRYPOINT, MegatronGPTRunConfig, MegatronModelConfig
+
+    return ENTRYPOINT, MegatronGPTRunConfig(
+        out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, dist_opt=args.dist_opt,
+        precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
+        model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size))
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -54,24 +80,19 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run_example(args: argparse.Namespace) -> int:
-    from ttrace_core.examples.torch_gpt.model import GPTConfig
-    from ttrace_core.examples.torch_gpt.train import ENTRYPOINT, TorchGPTRunConfig
-    from ttrace_core.launch import run_ranks
+    from ttrace_core.launch import resolve, run_ranks
     from ttrace_core.store import refuse_existing_trace
 
+    builders = {"torch-gpt": _torch_gpt_config, "megatron-gpt": _megatron_gpt_config}
     try:
-        config = TorchGPTRunConfig(out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp,
-                                   fsdp=args.fsdp, precision=args.precision, steps=args.steps, seed=args.seed,
-                                   bug=args.bug, stats_only=args.stats_only,
-                                   model=GPTConfig(num_layers=args.num_layers, d_model=args.d_model))
+        entrypoint, config = builders[args.workload](args)
     except ValueError as error:
-        raise TtraceError(f"torch-gpt: {error}") from error
+        raise TtraceError(f"{args.workload}: {error}") from error
     refuse_existing_trace(config.out)  # before spawning: one clear line instead of a failed rank
-    if config.world_size == 1:
-        from ttrace_core.launch import resolve
-        resolve(ENTRYPOINT)(config.to_dict())
-    else:
-        run_ranks(ENTRYPOINT, config.to_dict(), config.world_size, timeout_s=args.timeout)
+    if config.world_size == 1 and args.workload == "torch-gpt":
+        resolve(entrypoint)(config.to_dict())
+    else:  # megatron needs a process group even on one rank
+        run_ranks(entrypoint, config.to_dict(), config.world_size, timeout_s=args.timeout)
     print(f"recorded {config.world_size} rank(s) into {config.out}")
     return 0
 

@@ -101,6 +101,9 @@ def local_region(layout: Layout) -> tuple[tuple[int, int], ...]:
 
 
 def local_shape(layout: Layout) -> tuple[int, ...]:
+    if layout.flat_range is not None:
+        start, end = layout.flat_range
+        return (end - start,)
     return tuple(length for _, length in local_region(layout))
 
 

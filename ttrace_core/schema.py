@@ -59,6 +59,9 @@ class Layout:
     coordinate: tuple[int, ...] = ()
     placements: tuple[str, ...] = ()
     mesh_axis_names: tuple[str, ...] = ()
+    flat_range: tuple[int, int] | None = None
+    """Set when this rank holds only elements [start, end) of the row-major flattening of the block
+    its placements give it, as Megatron's distributed optimizer does with reduced gradients."""
 
     def __post_init__(self) -> None:
         if not (len(self.mesh_shape) == len(self.coordinate) == len(self.placements)):

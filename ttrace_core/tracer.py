@@ -23,6 +23,7 @@ module really receives and returns. Hooks only read: they return None and never 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 import warnings
@@ -54,6 +55,9 @@ class TracerConfig:
     """fnmatch globs over module fqns (and over the owning module of each parameter)."""
     exclude: tuple[str, ...] = ()
     """Globs removed after `include`; the root module's fqn is ""."""
+    forward_only: tuple[str, ...] = ()
+    """Globs of modules recorded in forward only: a full backward hook wraps a module's inputs, so
+    a module that modifies an input in place (megatron's masked softmax) cannot have one."""
     slots: tuple[str, ...] = SLOT_FAMILIES
     """Which kinds of tensor to record: input, output, grad_output, grad_input, grad, value."""
     steps: tuple[int, ...] | None = None
@@ -124,6 +128,7 @@ class Tracer:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._writer = RunWriter(run_dir, self.rank)
         self._declarations: list[_Declaration] = []
+        self._flat_ranges: dict[tuple[str, str], tuple[int, int]] = {}
         self._state: _StepState | None = None
         self._handles: list = []
         if self.rank == 0:
@@ -155,12 +160,23 @@ class Tracer:
 
         Example: under sequence parallelism with local outputs, `tracer.declare("layers.*",
         "output.0", [Shard(1)], tp_mesh)` says each rank holds its sequence shard of a block output.
+        `mesh` is a DeviceMesh or (mesh_shape, coordinate, axis_names); placements are DTensor
+        placements or their strings ("S(0)", "R", "P(sum)"). Globs match the recorded (global) fqn.
+        Later declarations win over earlier ones.
         """
         mesh_shape, coordinate, names = mesh_description(mesh)
         specs = tuple(placement_str(p) for p in placements)
         if len(specs) != len(mesh_shape):
             raise ValueError(f"declare({fqn_glob!r}, {slot_glob!r}): {len(specs)} placements for a {len(mesh_shape)}-D mesh")
         self._declarations.append(_Declaration(fqn_glob, slot_glob, specs, mesh_shape, coordinate, names))
+
+    def declare_flat_range(self, fqn: str, slot: str, start: int, end: int) -> None:
+        """This rank's values of tensor (fqn, slot) are only elements [start, end) of its flattened
+        local block, e.g. the gradient shard a distributed optimizer reduced onto this rank; the
+        rest of the local tensor is not the logical value and is not recorded."""
+        if not 0 <= start <= end:
+            raise ValueError(f"declare_flat_range({fqn!r}, {slot!r}): need 0 <= start <= end, got {start}, {end}")
+        self._flat_ranges[(fqn, slot)] = (start, end)
 
     def _declared_layout(self, fqn: str, slot: str, local: torch.Tensor) -> Layout | None:
         for d in reversed(self._declarations):
@@ -194,6 +210,9 @@ class Tracer:
         state = self._state
         local = local_value(value)
         layout = self._layout_of(fqn, slot, value, local, micro_batch)
+        if (flat_range := self._flat_ranges.get((fqn, slot))) is not None:
+            local = local.reshape(-1)[flat_range[0]:flat_range[1]]
+            layout = dataclasses.replace(layout, flat_range=flat_range)
         if phase == "forward" and layout.mesh_shape:
             state.forward_layouts[(fqn, micro_batch, slot)] = layout
         meta = TensorMeta(
@@ -215,7 +234,8 @@ class Tracer:
             fqn = self._global_fqn(local_fqn)
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._forward_hook(fqn)))
-            self._handles.append(module.register_full_backward_hook(self._backward_hook(fqn)))
+            if not any(fnmatch.fnmatchcase(local_fqn, g) for g in self.config.forward_only):
+                self._handles.append(module.register_full_backward_hook(self._backward_hook(fqn)))
 
     def _pre_hook(self, fqn: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:

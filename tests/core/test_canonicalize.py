@@ -89,3 +89,22 @@ def test_bf16_values_keep_their_dtype():
     full = torch.randn(4, 2).to(torch.bfloat16)
     result = canonicalize(_shards_of(full, (2,), ("S(0)",)))
     assert result.full.dtype == torch.bfloat16 and torch.equal(result.full, full)
+
+
+def test_flat_ranges_of_sharded_blocks_are_assembled():
+    """Distributed-optimizer grads: TP shards on S(0), each split into flat ranges over 2 DP ranks."""
+    full = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    shards, rank = [], 0
+    for tp in range(2):
+        for start, end in ((0, 4), (4, 6), (0, 0)):  # the last DP rank holds nothing of this block
+            layout = Layout(global_shape=(4, 3), mesh_shape=(2,), coordinate=(tp,), placements=("S(0)",), flat_range=(start, end))
+            shards.append(RecordedShard(rank, layout, shard(full, layout)))
+            rank += 1
+    result = canonicalize(shards)
+    assert torch.equal(result.full, full) and result.replica_drift is None
+
+
+def test_flat_ranges_that_leave_a_hole_are_rejected():
+    layout = Layout(global_shape=(6,), flat_range=(0, 4))
+    with pytest.raises(LayoutError, match="no rank holds flat element 4"):
+        canonicalize([RecordedShard(0, layout, torch.zeros(4))])

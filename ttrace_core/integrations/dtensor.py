@@ -28,8 +28,18 @@ def placement_str(placement: Placement | str) -> str:
     raise LayoutError(f"unknown DTensor placement {placement!r}")
 
 
-def mesh_description(mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
-    """(mesh_shape, this rank's coordinate, axis names)."""
+MeshDescription = tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]
+
+
+def mesh_description(mesh: DeviceMesh | MeshDescription) -> MeshDescription:
+    """(mesh_shape, this rank's coordinate, axis names), of a DeviceMesh or as given.
+
+    Frameworks without DeviceMesh (Megatron) describe their process groups directly, e.g.
+    ((tp_size,), (tp_rank,), ("tp",)).
+    """
+    if isinstance(mesh, tuple):
+        shape, coordinate, names = mesh
+        return tuple(shape), tuple(coordinate), tuple(names)
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "this rank is not part of the mesh"
     return tuple(mesh.shape), tuple(coordinate), tuple(mesh.mesh_dim_names or ())

@@ -1,0 +1,38 @@
+"""megatron-gpt end to end: real megatron-core layouts on CPU ranks against the single-rank reference."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import load_comparison, run_ttrace
+
+pytestmark = pytest.mark.distributed
+
+LAYOUTS = {"tp2": ["--tp", "2"], "tp2-sp": ["--tp", "2", "--sp"], "pp2": ["--pp", "2"], "dp2": ["--dp", "2"],
+           "dp2-dist-opt": ["--dp", "2", "--dist-opt"], "tp2xpp2-sp": ["--tp", "2", "--pp", "2", "--sp"]}
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "ttrace_core" / "examples" / "megatron_gpt" / "train.py"
+
+
+@pytest.fixture(scope="module")
+def megatron_reference(traces) -> Path:
+    out = traces / "megatron-reference"
+    run_ttrace("example", "megatron-gpt", "--steps", "2", "--out", str(out), check_codes=(0,))
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS), ids=list(LAYOUTS))
+def test_clean_megatron_layout_matches_the_reference(traces, megatron_reference, name):
+    out = traces / f"megatron-{name}"
+    run_ttrace("example", "megatron-gpt", *LAYOUTS[name], "--steps", "2", "--out", str(out), check_codes=(0,))
+    report = traces / f"megatron-{name}.json"
+    result = run_ttrace("compare", str(megatron_reference), str(out), "--json", str(report))
+    assert result.returncode == 0, result.stdout + result.stderr
+    comparison = load_comparison(report)
+    assert comparison.steps_compared == [0, 1] and all(comparison.comparisons)
+    assert {c.key.phase for c in comparison.comparisons} == {"forward", "backward", "grad", "param"}
+    assert len(comparison.comparisons) > 2500
+
+
+def test_integration_takes_at_most_10_lines():
+    marked = [line for line in TRAIN_SCRIPT.read_text().splitlines() if line.rstrip().endswith("# ttrace")]
+    assert 5 <= len(marked) <= 10, marked

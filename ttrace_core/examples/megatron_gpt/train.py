@@ -1,0 +1,238 @@
+"""One training run of a megatron-core GPT on this rank: what `ttrace example megatron-gpt` launches.
+
+GPTModel with the local (non-TransformerEngine) spec, Megatron DDP, the Megatron optimizer and
+`get_forward_backward_func` over micro-batches, on CPU ranks through megatron_cpu. Every layout
+trains the same logical model on the same global batch: weights come from (seed, global parameter
+name) sliced by each parameter's TP layout, micro-batches from (seed, global micro-batch id).
+The reference is this same script on one process with every degree 1. The ttrace lines are marked
+`# ttrace`; a test counts them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ttrace_core.generator import normal_full, tokens_full
+from ttrace_core.canonicalize import shard
+from ttrace_core.integrations import megatron_cpu
+from ttrace_core.integrations.megatron import (
+    TRACER_EXCLUDE,
+    TRACER_FORWARD_ONLY,
+    declare_distributed_optimizer_ranges,
+    declare_megatron_layouts,
+    global_fqn,
+    parameter_placement,
+    pipeline_rename,
+    unwrap,
+)
+from ttrace_core.placements import coordinate_from_rank
+from ttrace_core.schema import Layout, RunManifest
+from ttrace_core.tracer import Tracer, TracerConfig
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+
+ENTRYPOINT = "ttrace_core.examples.megatron_gpt.train:run"
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(kw_only=True, slots=True)
+class MegatronModelConfig:
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    vocab_size: int = 128
+    """A multiple of the TP degree: no vocab padding."""
+    seq_len: int = 16
+    """A multiple of the TP degree under sequence parallelism."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MegatronGPTRunConfig:
+    out: str
+    """Run directory to record into."""
+    tp: int = 1
+    sp: bool = False
+    """Megatron sequence parallelism (needs tp > 1)."""
+    pp: int = 1
+    dp: int = 1
+    dist_opt: bool = False
+    """Megatron's distributed optimizer (shards optimizer state over DP)."""
+    precision: str = "fp32"
+    steps: int = 1
+    seed: int = 0
+    num_micro_batches: int = 4
+    micro_batch_size: int = 2
+    lr: float = 0.01
+    adam_eps: float = 1e-3
+    """Adam (the distributed optimizer supports nothing else) with a large eps: the update stays a
+    smooth function of the gradient, so round-off in near-zero gradients is not blown up to +-lr."""
+    bug: str | None = None
+    stats_only: bool = False
+    model: MegatronModelConfig = field(default_factory=MegatronModelConfig)
+
+    def __post_init__(self) -> None:
+        if min(self.tp, self.pp, self.dp) < 1:
+            raise ValueError(f"parallel degrees must be >= 1, got tp {self.tp} pp {self.pp} dp {self.dp}")
+        if self.sp and self.tp == 1:
+            raise ValueError("--sp needs --tp 2 or more")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: choose from {sorted(PRECISIONS)}")
+        if self.num_micro_batches % self.dp:
+            raise ValueError(f"num_micro_batches {self.num_micro_batches} is not a multiple of dp {self.dp}")
+        m = self.model
+        if m.num_layers % self.pp or m.num_attention_heads % self.tp or m.vocab_size % self.tp or m.seq_len % self.tp:
+            raise ValueError(f"the model ({m}) does not divide evenly over tp {self.tp} / pp {self.pp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(data: dict) -> MegatronGPTRunConfig:
+        data = dict(data)
+        data["model"] = MegatronModelConfig(**data.get("model", {}))
+        return MegatronGPTRunConfig(**data)
+
+
+def transformer_config(config: MegatronGPTRunConfig):
+    from megatron.core.transformer import TransformerConfig
+
+    m, dtype = config.model, PRECISIONS[config.precision]
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        use_cpu_initialization=True, tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
+        sequence_parallel=config.sp, params_dtype=dtype, pipeline_dtype=dtype, bf16=config.precision == "bf16",
+        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+
+
+def init_weights(model: torch.nn.Module, seed: int, rename: tuple[tuple[str, str], ...]) -> None:
+    """Every parameter from (seed, global name), in full logical shape, sliced by its TP layout."""
+    from megatron.core import parallel_state
+
+    tp_size, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for fqn, param in model.named_parameters():
+            name = global_fqn(fqn, rename)
+            placement = parameter_placement(param)
+            global_shape = list(param.shape)
+            if placement != "R":
+                global_shape[param.partition_dim] *= tp_size
+            layout = Layout(global_shape=tuple(global_shape), mesh_shape=(tp_size,), coordinate=(tp_rank,), placements=(placement,))
+            param.copy_(shard(_logical_weight(seed, name, tuple(global_shape)), layout).to(param.dtype))
+
+
+def _logical_weight(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name and leaf == "weight":
+        return normal_full(seed, name, shape, mean=1.0, std=0.1)
+    std = 0.3 if "embedding" in name else 0.02 if leaf == "bias" else 0.08
+    return normal_full(seed, name, shape, std=std)
+
+
+def micro_batch(config: MegatronGPTRunConfig, global_id: int) -> dict[str, torch.Tensor]:
+    m = config.model
+    tokens = tokens_full(config.seed, f"batch.{global_id}", (config.micro_batch_size, m.seq_len + 1), m.vocab_size)
+    positions = torch.arange(m.seq_len).expand(config.micro_batch_size, m.seq_len)
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "positions": positions}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    per_token_loss = model(batch["tokens"], batch["positions"], None, labels=batch["labels"])
+
+    def loss_func(output: torch.Tensor):
+        loss = output.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    return per_token_loss, loss_func
+
+
+def manifest_for(config: MegatronGPTRunConfig, role: str) -> RunManifest:
+    degrees = {"tp": config.tp, "sp": int(config.sp), "pp": config.pp, "dp": config.dp, "dist_opt": int(config.dist_opt)}
+    # megatron's rank order: tp fastest, then dp, then pp
+    axes, shape = ["pp", "dp", "tp"], [config.pp, config.dp, config.tp]
+    return RunManifest(role=role, world_size=config.world_size, degrees=degrees, precision=config.precision,
+                       seed=config.seed, model={**asdict(config.model), "num_micro_batches": config.num_micro_batches,
+                                                "micro_batch_size": config.micro_batch_size, "lr": config.lr,
+                                                "optimizer": "adam", "adam_eps": config.adam_eps,
+                                                "workload": "megatron-gpt"},
+                       entrypoint={"factory": ENTRYPOINT, "config": config.to_dict()}, mesh_shape=shape, mesh_axis_names=axes,
+                       rank_coordinates=[list(coordinate_from_rank(r, tuple(shape))) for r in range(config.world_size)])
+
+
+def run(config_dict: dict) -> None:
+    config = MegatronGPTRunConfig.from_dict(config_dict)
+    megatron_cpu.enable()
+    dist.init_process_group("gloo")
+    try:
+        _train(config)
+        dist.barrier()
+    finally:
+        # No collective here: after a failure on one rank a barrier would wait for the others forever.
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _build(config: MegatronGPTRunConfig):
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    parallel_state.initialize_model_parallel(config.tp, config.pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+    tconfig = transformer_config(config)
+    model = GPTModel(tconfig, get_gpt_layer_local_spec(), vocab_size=config.model.vocab_size,
+                     max_sequence_length=config.model.seq_len, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
+    rename = pipeline_rename(model)
+    init_weights(model, config.seed, rename)
+    wrapped = Float16Module(tconfig, model) if config.precision == "bf16" else model
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=config.dist_opt)
+    ddp = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=wrapped)
+    tconfig.no_sync_func = ddp.no_sync
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=config.lr, adam_eps=config.adam_eps, weight_decay=0.0, clip_grad=0.0, bf16=config.precision == "bf16",
+        params_dtype=PRECISIONS[config.precision], use_distributed_optimizer=config.dist_opt), [ddp])
+    return ddp, optimizer, rename
+
+
+def _train(config: MegatronGPTRunConfig) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp, optimizer, rename = _build(config)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    local_micro_batches = config.num_micro_batches // dp_size
+    role = "candidate" if config.world_size > 1 else "reference"
+    tracer = Tracer(config.out, unwrap(ddp), role=role, manifest=manifest_for(config, role), config=TracerConfig(  # ttrace
+        exclude=TRACER_EXCLUDE, forward_only=TRACER_FORWARD_ONLY, grad_attr="main_grad", loss_scale=1 / local_micro_batches, rename=rename,  # ttrace
+        data_parallel_rank=dp_rank, data_parallel_size=dp_size, stats_only=config.stats_only))  # ttrace
+    declare_megatron_layouts(tracer, ddp, sequence_parallel=config.sp, rename=rename)  # ttrace
+    declare_distributed_optimizer_ranges(tracer, ddp, optimizer, rename=rename)  # ttrace
+    forward_backward = get_forward_backward_func()
+    for step in range(config.steps):
+        batches = [micro_batch(config, local * dp_size + dp_rank) for local in range(local_micro_batches)]
+        with tracer.step(step):  # ttrace
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
+                             num_microbatches=local_micro_batches, seq_length=config.model.seq_len,
+                             micro_batch_size=config.micro_batch_size, forward_only=False)
+            tracer.record_gradients()  # ttrace
+            optimizer.step()
+            tracer.record_parameters()  # ttrace
+    tracer.close()  # ttrace

@@ -1,0 +1,172 @@
+"""Megatron adapter: layout metadata for megatron-core models, inferred from megatron itself.
+
+Megatron tensors are plain local tensors, so nothing at run time says how they are sharded. The
+adapter reads what megatron does know and turns it into `Tracer.declare` calls over the tensor-
+parallel axis, plus the `TracerConfig.rename` that maps pipeline-stage names to global ones:
+
+- parameters: `tensor_model_parallel` + `partition_dim` give S(partition_dim); all others are
+  replicated (and `sequence_parallel` ones are all-reduced over TP by finalize_model_grads);
+- module boundaries, by class, for activations laid out [s, b, h]:
+  hidden states between layers are S(0) (sequence shards) under sequence parallelism, else R;
+  ColumnParallelLinear outputs are S(-1) (unless gather_output) and its returned bias S(0);
+  RowParallelLinear inputs are S(-1), its outputs hidden states, its returned bias R;
+  core attention's q/k/v [s, b, heads, d] are S(2) (heads; GQA groups stay whole per rank) and
+  its output S(-1); softmax and attention dropout [b, heads, s, s] are S(1);
+  the vocab-parallel embedding returns its all-reduced output (R);
+- pipeline stages: `decoder.layers.<local>` becomes `decoder.layers.<layer_number - 1>`.
+
+Only modules and parameters of megatron-core's local spec are covered; an unknown module class
+keeps the tracer's default (whole tensor, replicated) and is listed by `undeclared_modules`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+# The model root and the decoder block differ per pipeline stage (and duplicate their first and
+# last children). The masked softmax fills its input in place and the vocab-parallel cross entropy
+# its logits (output_layer's output): a full backward hook, which wraps both, forbids that.
+TRACER_EXCLUDE = ("", "decoder")
+TRACER_FORWARD_ONLY = ("*.scale_mask_softmax", "output_layer")
+
+HIDDEN = "hidden"
+"""Placeholder resolved to S(0) under sequence parallelism and R otherwise."""
+BIAS_GRAD = "bias-grad"
+"""The gradient of a replicated bias added to hidden states: under sequence parallelism each rank
+sums it over its own sequence shard only, so it is P(sum) over TP; otherwise R."""
+
+# class name -> {slot glob: placement}; "*" matches every slot of that kind not listed.
+_BOUNDARY_LAYOUTS: dict[str, dict[str, str]] = {
+    "LanguageModelEmbedding": {"input.*": "R", "output.*": HIDDEN},
+    "VocabParallelEmbedding": {"*": "R"},
+    "Embedding": {"*": "R"},
+    "TransformerBlock": {"*": HIDDEN},
+    "TransformerLayer": {"*": HIDDEN},
+    "LayerNorm": {"*": HIDDEN},
+    "RMSNorm": {"*": HIDDEN},
+    "WrappedTorchNorm": {"*": HIDDEN},
+    "SelfAttention": {"input.*": HIDDEN, "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
+    "MLP": {"input.*": HIDDEN, "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
+    "ColumnParallelLinear": {"input.*": HIDDEN, "output.0": "S(-1)", "output.1": "S(0)"},
+    "RowParallelLinear": {"input.*": "S(-1)", "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
+    "DotProductAttention": {"input.*": "S(2)", "output.*": "S(-1)"},
+    "FusedScaleMaskSoftmax": {"*": "S(1)"},
+}
+# Modules whose class is generic: the layout depends on where they sit.
+_BY_NAME_SUFFIX: dict[str, dict[str, str]] = {
+    "q_layernorm": {"*": "S(2)"},
+    "k_layernorm": {"*": "S(2)"},
+    "attention_dropout": {"*": "S(1)"},
+    "embedding_dropout": {"*": HIDDEN},
+    "pre_cross_attn_layernorm": {"*": HIDDEN},
+    "cross_attention": {"*": HIDDEN},
+}
+
+
+def _tp_mesh() -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+    from megatron.core import parallel_state
+
+    return ((parallel_state.get_tensor_model_parallel_world_size(),),
+            (parallel_state.get_tensor_model_parallel_rank(),), ("tp",))
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside megatron's DDP / Float16Module wrappers (their `.module`)."""
+    while type(model).__name__ in ("DistributedDataParallel", "Float16Module") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def pipeline_rename(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """`decoder.layers.<local>` -> `decoder.layers.<global>` from each layer's own layer_number."""
+    pairs = []
+    for local, layer in getattr(getattr(model, "decoder", None), "layers", nn.ModuleList()).named_children():
+        global_index = getattr(layer, "layer_number", int(local) + 1) - 1
+        if int(local) != global_index:
+            pairs.append((f"decoder.layers.{local}", f"decoder.layers.{global_index}"))
+    return tuple(pairs)
+
+
+def global_fqn(fqn: str, rename: tuple[tuple[str, str], ...]) -> str:
+    for local, global_ in rename:
+        if fqn == local or fqn.startswith(local + "."):
+            return global_ + fqn[len(local):]
+    return fqn
+
+
+def parameter_placement(param: torch.Tensor) -> str:
+    if getattr(param, "tensor_model_parallel", False):
+        return f"S({param.partition_dim})"
+    return "R"
+
+
+def _boundary_layout(fqn: str, module: nn.Module) -> dict[str, str] | None:
+    suffix = fqn.rsplit(".", 1)[-1]
+    if suffix in _BY_NAME_SUFFIX:
+        return _BY_NAME_SUFFIX[suffix]
+    layout = _BOUNDARY_LAYOUTS.get(type(module).__name__)
+    if layout is not None and type(module).__name__ == "ColumnParallelLinear" and getattr(module, "gather_output", False):
+        layout = {**layout, "output.0": HIDDEN}
+    return layout
+
+
+def _resolve(placement: str, sequence_parallel: bool) -> str:
+    if placement == HIDDEN:
+        return "S(0)" if sequence_parallel else "R"
+    if placement == BIAS_GRAD:
+        return "P(sum)" if sequence_parallel else "R"
+    return placement
+
+
+def megatron_declarations(model: nn.Module, *, sequence_parallel: bool,
+                          rename: tuple[tuple[str, str], ...] = ()) -> Iterator[tuple[str, str, str]]:
+    """(global fqn, slot glob, placement) for every parameter and known module boundary."""
+    model = unwrap(model)
+    for fqn, module in model.named_modules():
+        layout = _boundary_layout(fqn, module)
+        for slot_glob, placement in (layout or {}).items():
+            yield global_fqn(fqn, rename), slot_glob, _resolve(placement, sequence_parallel)
+    for fqn, param in model.named_parameters():
+        yield global_fqn(fqn, rename), "*", parameter_placement(param)
+
+
+def undeclared_modules(model: nn.Module) -> list[str]:
+    """Modules the adapter has no layout for (their tensors are taken as replicated)."""
+    return [f"{fqn} ({type(m).__name__})" for fqn, m in unwrap(model).named_modules()
+            if fqn and _boundary_layout(fqn, m) is None and not list(m.children())]
+
+
+def declare_megatron_layouts(tracer, model: nn.Module, *, sequence_parallel: bool,
+                             rename: tuple[tuple[str, str], ...] = ()) -> None:
+    """Declare on `tracer` the TP layout of every megatron parameter and module boundary."""
+    mesh = _tp_mesh()
+    # Specific slot globs ("output.0") are declared after the catch-all ones ("*") so they win.
+    declarations = sorted(megatron_declarations(model, sequence_parallel=sequence_parallel, rename=rename),
+                          key=lambda d: d[1] != "*" and "*" not in d[1])
+    for fqn, slot_glob, placement in declarations:
+        tracer.declare(fqn, slot_glob, [placement], mesh)
+
+
+def _distributed_optimizers(optimizer) -> list:
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [opt for opt in chained if type(opt).__name__ == "DistributedOptimizer"]
+
+
+def declare_distributed_optimizer_ranges(tracer, model: nn.Module, optimizer, *,
+                                         rename: tuple[tuple[str, str], ...] = ()) -> None:
+    """Under Megatron's distributed optimizer each DP rank holds the reduced gradient of only its
+    range of the grad buffer: declare, per parameter, the flat range of it this rank owns (an
+    empty range when it owns none), so the recorded gradient shards assemble into the full one."""
+    optimizers = _distributed_optimizers(optimizer)
+    if not optimizers:
+        return
+    for fqn, param in unwrap(model).named_parameters():
+        owner = next((opt for opt in optimizers if param in opt.model_param_gbuf_map), None)
+        start, end = 0, 0
+        if owner is not None:
+            owned = owner._get_model_param_range_map(param)["param"]
+            start, end = owned.start, owned.end
+        tracer.declare_flat_range(global_fqn(fqn, rename), "grad", start, end)
