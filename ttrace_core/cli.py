@@ -38,7 +38,8 @@ def _add_example_parser(commands) -> None:
     megatron = workloads.add_parser("megatron-gpt", help="megatron-core GPTModel (local spec) with Megatron DDP/optimizer")
     _add_common_example_flags(megatron)
     megatron.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
-    megatron.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    megatron.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp8"],
+                          help="fp8: bf16 with emulated FP8 GEMMs (quantize, dequantize, fp32 GEMM)")
     megatron.add_argument("--hidden-size", type=int, default=64)
 
 

@@ -279,7 +279,7 @@ def _execution_order(reader: RunReader, key: TensorKey) -> tuple:
 def compare_runs(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
                  ignore_dtype: bool = False, progress: Callable[[int, int], None] | None = None) -> RunComparison:
     check_comparable(reference, candidate)
-    tolerances = tolerances or DtypeTolerances()
+    tolerances = tolerances or DtypeTolerances(precision=candidate.manifest.precision)
     result = RunComparison(reference=str(reference.run_dir), candidate=str(candidate.run_dir))
     steps = sorted(set(reference.complete_steps) & set(candidate.complete_steps))
     for name, reader in (("reference", reference), ("candidate", candidate)):

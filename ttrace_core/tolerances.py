@@ -39,13 +39,28 @@ DTYPE_TOLERANCES: dict[str, tuple[float, float]] = {
 }
 
 
+# The run's `precision` (manifest) names its compute dtype; fp8 recipes accumulate and store in bf16.
+COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+
+
 @dataclass(frozen=True, slots=True)
 class DtypeTolerances:
-    """The per-dtype default table, with optional overrides for every dtype."""
+    """The per-dtype default table, with optional overrides for every dtype.
+
+    A tensor stored in fp32 but computed in bf16 (Megatron's fp32 main_grad) carries bf16
+    round-off: with `precision` set, the looser of its own dtype's row and the row of the
+    run's compute dtype applies.
+    """
 
     overrides: dict[str, tuple[float, float]] | None = None
+    precision: str | None = None
 
     def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
         table = {**DTYPE_TOLERANCES, **(self.overrides or {})}
         rel, abs_ = table.get(dtype, table["float32"])
-        return Tolerance(rel=rel, abs=abs_, source=f"dtype default ({dtype})")
+        source = f"dtype default ({dtype})"
+        compute = COMPUTE_DTYPES.get(self.precision or "", dtype)
+        compute_rel, compute_abs = table.get(compute, table["float32"])
+        if compute_rel > rel:
+            rel, abs_, source = compute_rel, max(abs_, compute_abs), f"dtype default ({dtype}, computed in {compute})"
+        return Tolerance(rel=rel, abs=abs_, source=source)

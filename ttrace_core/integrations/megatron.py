@@ -107,8 +107,10 @@ def _boundary_layout(fqn: str, module: nn.Module) -> dict[str, str] | None:
     suffix = fqn.rsplit(".", 1)[-1]
     if suffix in _BY_NAME_SUFFIX:
         return _BY_NAME_SUFFIX[suffix]
-    layout = _BOUNDARY_LAYOUTS.get(type(module).__name__)
-    if layout is not None and type(module).__name__ == "ColumnParallelLinear" and getattr(module, "gather_output", False):
+    # By the nearest known class in the MRO, so subclasses (the FP8 linears) keep their layouts.
+    known = next((cls.__name__ for cls in type(module).__mro__ if cls.__name__ in _BOUNDARY_LAYOUTS), None)
+    layout = _BOUNDARY_LAYOUTS.get(known) if known else None
+    if layout is not None and known == "ColumnParallelLinear" and getattr(module, "gather_output", False):
         layout = {**layout, "output.0": HIDDEN}
     return layout
 

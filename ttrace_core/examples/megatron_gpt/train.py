@@ -36,7 +36,9 @@ from ttrace_core.tracer import Tracer, TracerConfig
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 ENTRYPOINT = "ttrace_core.examples.megatron_gpt.train:run"
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# fp8: bf16 parameters and compute (Float16Module) with the four transformer GEMMs in emulated FP8
+# (per-tensor current scaling, e4m3 forward / e5m2 gradients, amax reduced over TP), as TE runs it.
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,7 +110,7 @@ def transformer_config(config: MegatronGPTRunConfig):
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         use_cpu_initialization=True, tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
-        sequence_parallel=config.sp, params_dtype=dtype, pipeline_dtype=dtype, bf16=config.precision == "bf16",
+        sequence_parallel=config.sp, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
 
@@ -183,29 +185,38 @@ def run(config_dict: dict) -> None:
         dist.destroy_process_group()
 
 
+def layer_spec(precision: str):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if precision != "fp8":
+        return get_gpt_layer_local_spec()
+    from ttrace_core.integrations.fp8 import Fp8Recipe, fp8_gpt_layer_local_spec
+
+    return fp8_gpt_layer_local_spec(Fp8Recipe(scaling="current", format="hybrid"))
+
+
 def _build(config: MegatronGPTRunConfig):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
     parallel_state.initialize_model_parallel(config.tp, config.pp)
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
     tconfig = transformer_config(config)
-    model = GPTModel(tconfig, get_gpt_layer_local_spec(), vocab_size=config.model.vocab_size,
+    model = GPTModel(tconfig, layer_spec(config.precision), vocab_size=config.model.vocab_size,
                      max_sequence_length=config.model.seq_len, pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
     rename = pipeline_rename(model)
     init_weights(model, config.seed, rename)
-    wrapped = Float16Module(tconfig, model) if config.precision == "bf16" else model
+    wrapped = Float16Module(tconfig, model) if tconfig.bf16 else model
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=config.dist_opt)
     ddp = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=wrapped)
     tconfig.no_sync_func = ddp.no_sync
     tconfig.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=config.lr, adam_eps=config.adam_eps, weight_decay=0.0, clip_grad=0.0, bf16=config.precision == "bf16",
+        optimizer="adam", lr=config.lr, adam_eps=config.adam_eps, weight_decay=0.0, clip_grad=0.0, bf16=tconfig.bf16,
         params_dtype=PRECISIONS[config.precision], use_distributed_optimizer=config.dist_opt), [ddp])
     return ddp, optimizer, rename
 
