@@ -35,3 +35,10 @@ def reference_run(traces) -> Path:
     out = traces / "reference"
     run_ttrace("example", "torch-gpt", "--steps", "2", "--out", str(out), check_codes=(0,))
     return out
+
+
+@pytest.fixture(scope="session")
+def megatron_reference(traces) -> Path:
+    out = traces / "megatron-reference"
+    run_ttrace("example", "megatron-gpt", "--steps", "2", "--out", str(out), check_codes=(0,))
+    return out

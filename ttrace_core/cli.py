@@ -41,6 +41,8 @@ def _add_example_parser(commands) -> None:
     megatron.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp8"],
                           help="fp8: bf16 with emulated FP8 GEMMs (quantize, dequantize, fp32 GEMM)")
     megatron.add_argument("--hidden-size", type=int, default=64)
+    megatron.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated linear unit)")
+    megatron.add_argument("--tie-embeddings", action="store_true", help="share input embedding and output layer")
 
 
 def _torch_gpt_config(args: argparse.Namespace):
@@ -59,7 +61,8 @@ def _megatron_gpt_config(args: argparse.Namespace):
     return ENTRYPOINT, MegatronGPTRunConfig(
         out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, dist_opt=args.dist_opt,
         precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
-        model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size))
+        model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, swiglu=args.swiglu,
+                                  tie_embeddings=args.tie_embeddings))
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -124,10 +127,16 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _run_bugs(args: argparse.Namespace) -> int:
+    from ttrace_core.examples.megatron_gpt.bugs import ZOO
     from ttrace_core.examples.torch_gpt.parallelize import TORCH_GPT_BUGS
 
+    print("megatron-gpt zoo (ttrace example megatron-gpt --bug NAME):")
+    for bug in ZOO.values():
+        print(f"  {bug.name:<26} {bug.bug_class:<15} {bug.upstream:<28} triggers: {' | '.join(bug.triggers)}")
+        print(f"  {'':<26} culprit: {bug.culprit}; first divergence: {bug.first_divergence}; runs on {bug.runs_on}")
+    print("torch-gpt (ttrace example torch-gpt --bug NAME):")
     for bug in TORCH_GPT_BUGS.values():
-        print(f"{bug.name:<26} torch-gpt  needs --{bug.requires} 2+  culprit {bug.culprit}: {bug.description}")
+        print(f"  {bug.name:<26} needs --{bug.requires} 2+  culprit {bug.culprit}: {bug.description}")
     return 0
 
 

@@ -13,13 +13,6 @@ LAYOUTS = {"tp2": ["--tp", "2"], "tp2-sp": ["--tp", "2", "--sp"], "pp2": ["--pp"
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "ttrace_core" / "examples" / "megatron_gpt" / "train.py"
 
 
-@pytest.fixture(scope="module")
-def megatron_reference(traces) -> Path:
-    out = traces / "megatron-reference"
-    run_ttrace("example", "megatron-gpt", "--steps", "2", "--out", str(out), check_codes=(0,))
-    return out
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS), ids=list(LAYOUTS))
 def test_clean_megatron_layout_matches_the_reference(traces, megatron_reference, name):
     out = traces / f"megatron-{name}"

@@ -81,8 +81,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def pipeline_rename(model: nn.Module) -> tuple[tuple[str, str], ...]:
-    """`decoder.layers.<local>` -> `decoder.layers.<global>` from each layer's own layer_number."""
+    """`decoder.layers.<local>` -> `decoder.layers.<global>` from each layer's own layer_number;
+    on the last stage of a pipeline with tied embeddings, its copy of the word embedding
+    (`output_layer.weight`, marked shared_embedding) is the embedding itself."""
+    model = unwrap(model)
     pairs = []
+    output_weight = getattr(getattr(model, "output_layer", None), "weight", None)
+    if isinstance(output_weight, nn.Parameter) and getattr(output_weight, "shared_embedding", False):
+        pairs.append(("output_layer.weight", "embedding.word_embeddings.weight"))
     for local, layer in getattr(getattr(model, "decoder", None), "layers", nn.ModuleList()).named_children():
         global_index = getattr(layer, "layer_number", int(local) + 1) - 1
         if int(local) != global_index:

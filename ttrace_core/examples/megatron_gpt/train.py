@@ -50,6 +50,10 @@ class MegatronModelConfig:
     """A multiple of the TP degree: no vocab padding."""
     seq_len: int = 16
     """A multiple of the TP degree under sequence parallelism."""
+    swiglu: bool = False
+    """SwiGLU MLP (megatron's gated_linear_unit): fc1 holds [gate; up] per TP rank."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer (summed across the first and last stage under PP)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -88,6 +92,11 @@ class MegatronGPTRunConfig:
         m = self.model
         if m.num_layers % self.pp or m.num_attention_heads % self.tp or m.vocab_size % self.tp or m.seq_len % self.tp:
             raise ValueError(f"the model ({m}) does not divide evenly over tp {self.tp} / pp {self.pp}")
+        if self.bug is not None:
+            from ttrace_core.examples.megatron_gpt.bugs import ZOO
+
+            if self.bug not in ZOO:
+                raise ValueError(f"unknown bug {self.bug!r}; `ttrace bugs` lists the zoo: {', '.join(sorted(ZOO))}")
 
     @property
     def world_size(self) -> int:
@@ -112,7 +121,8 @@ def transformer_config(config: MegatronGPTRunConfig):
         use_cpu_initialization=True, tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
         sequence_parallel=config.sp, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, bias_activation_fusion=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        gated_linear_unit=m.swiglu, activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu)
 
 
 def init_weights(model: torch.nn.Module, seed: int, rename: tuple[tuple[str, str], ...]) -> None:
@@ -173,6 +183,10 @@ def manifest_for(config: MegatronGPTRunConfig, role: str) -> RunManifest:
 def run(config_dict: dict) -> None:
     config = MegatronGPTRunConfig.from_dict(config_dict)
     megatron_cpu.enable()
+    if config.bug is not None:  # the candidate only: the reference runs unpatched
+        from ttrace_core.examples.megatron_gpt.bugs import apply_bug
+
+        apply_bug(config.bug)
     dist.init_process_group("gloo")
     try:
         _train(config)
@@ -207,7 +221,8 @@ def _build(config: MegatronGPTRunConfig):
     tconfig = transformer_config(config)
     model = GPTModel(tconfig, layer_spec(config.precision), vocab_size=config.model.vocab_size,
                      max_sequence_length=config.model.seq_len, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage())
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=config.model.tie_embeddings)
     rename = pipeline_rename(model)
     init_weights(model, config.seed, rename)
     wrapped = Float16Module(tconfig, model) if tconfig.bf16 else model
