@@ -75,10 +75,14 @@ def main() -> None:
             result = compare_runs(reader, reader)
             compare_s = time.perf_counter() - start
         rows.append({"mode": f"compare full trace ({len(result.comparisons)} tensors, {len(result.steps_compared)} steps)",
-                     "ms_per_step": 1000 * compare_s / len(result.steps_compared), "mib_per_step": 0, "overhead": float("nan")})
+                     "ms_per_step": 1000 * compare_s / len(result.steps_compared), "mib_per_step": 0.0, "overhead": float("nan")})
     finally:
         shutil.rmtree(scratch)
     _write(rows, f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.steps} steps after 1 warm-up")
+
+
+def _ratio(value: float) -> str:
+    return "-" if value != value else f"{value:.2f}x"  # NaN: not a recording mode
 
 
 def _write(rows: list[dict], setup: str) -> None:
@@ -88,7 +92,7 @@ def _write(rows: list[dict], setup: str) -> None:
         writer.writeheader()
         writer.writerows(rows)
     lines = [f"# Recording overhead ({setup})", "", "| mode | ms/step | overhead | MiB/step |", "| --- | --- | --- | --- |"]
-    lines += [f"| {r['mode']} | {r['ms_per_step']:.0f} | {r['overhead']:.2f}x | {r['mib_per_step']:.1f} |" for r in rows]
+    lines += [f"| {r['mode']} | {r['ms_per_step']:.0f} | {_ratio(r['overhead'])} | {r['mib_per_step']:.1f} |" for r in rows]
     text = "\n".join(lines) + "\n"
     (RESULTS / "recording_overhead.md").write_text(text)
     print(text)

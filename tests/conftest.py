@@ -42,3 +42,10 @@ def megatron_reference(traces) -> Path:
     out = traces / "megatron-reference"
     run_ttrace("example", "megatron-gpt", "--steps", "2", "--out", str(out), check_codes=(0,))
     return out
+
+
+@pytest.fixture(scope="session")
+def megatron_moe_reference(traces) -> Path:
+    out = traces / "megatron-moe-reference"
+    run_ttrace("example", "megatron-gpt", "--moe", "--steps", "1", "--out", str(out), check_codes=(0,))
+    return out

@@ -43,6 +43,8 @@ def _add_example_parser(commands) -> None:
     megatron.add_argument("--hidden-size", type=int, default=64)
     megatron.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated linear unit)")
     megatron.add_argument("--tie-embeddings", action="store_true", help="share input embedding and output layer")
+    megatron.add_argument("--moe", action="store_true", help="MoE MLP with 2 experts (top-2, all-gather dispatcher)")
+    megatron.add_argument("--ep", type=int, default=1, help="expert-parallel degree (over the DP ranks; needs --moe)")
 
 
 def _torch_gpt_config(args: argparse.Namespace):
@@ -59,10 +61,10 @@ def _megatron_gpt_config(args: argparse.Namespace):
     from ttrace_core.examples.megatron_gpt.train import ENTRYPOINT, MegatronGPTRunConfig, MegatronModelConfig
 
     return ENTRYPOINT, MegatronGPTRunConfig(
-        out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, dist_opt=args.dist_opt,
+        out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, dist_opt=args.dist_opt, ep=args.ep,
         precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
         model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, swiglu=args.swiglu,
-                                  tie_embeddings=args.tie_embeddings))
+                                  tie_embeddings=args.tie_embeddings, num_experts=2 if args.moe else 0))
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -55,6 +55,9 @@ class TracerConfig:
     """fnmatch globs over module fqns (and over the owning module of each parameter)."""
     exclude: tuple[str, ...] = ()
     """Globs removed after `include`; the root module's fqn is ""."""
+    exclude_activations: tuple[str, ...] = ()
+    """Globs of modules whose activations are not recorded while their parameters still are (e.g.
+    MoE experts under expert parallelism, whose inputs mix tokens of several data-parallel ranks)."""
     forward_only: tuple[str, ...] = ()
     """Globs of modules recorded in forward only: a full backward hook wraps a module's inputs, so
     a module that modifies an input in place (megatron's masked softmax) cannot have one."""
@@ -229,7 +232,7 @@ class Tracer:
 
     def _attach_modules(self, model: nn.Module) -> None:
         for local_fqn, module in model.named_modules():
-            if not self._selected(local_fqn):
+            if not self._selected(local_fqn) or any(fnmatch.fnmatchcase(local_fqn, g) for g in self.config.exclude_activations):
                 continue
             fqn = self._global_fqn(local_fqn)
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))

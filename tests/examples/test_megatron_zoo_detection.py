@@ -35,3 +35,15 @@ def test_zoo_bug_is_detected_at_or_after_its_ground_truth(traces, megatron_refer
     assert first_failure >= ground_truth, (
         f"{name}: first divergence {comparisons[first_failure].key} precedes the ground truth {comparisons[ground_truth].key}")
     assert comparisons[first_failure].ratio is None or comparisons[first_failure].ratio > 10
+
+
+def test_router_replicas_not_synchronized_under_sp_are_caught(traces, megatron_moe_reference):
+    out = traces / "zoo-sp-router-replica"
+    run_ttrace("example", "megatron-gpt", "--moe", "--tp", "2", "--sp", "--bug", "sp-router-replica", "--out", str(out),
+               check_codes=(0,))
+    report = traces / "zoo-sp-router-replica.json"
+    assert run_ttrace("compare", str(megatron_moe_reference), str(out), "--json", str(report)).returncode == 1
+    comparisons = load_comparison(report).comparisons
+    first = next(c for c in comparisons if not c)
+    assert first.key.fqn == "decoder.layers.0.mlp.router.weight" and first.key.phase == "grad"
+    assert first.replica_drift is not None  # each TP rank kept its own partial router gradient

@@ -30,6 +30,9 @@ from torch import nn
 # last children). The masked softmax fills its input in place and the vocab-parallel cross entropy
 # its logits (output_layer's output): a full backward hook, which wraps both, forbids that.
 TRACER_EXCLUDE = ("", "decoder")
+# MoE experts see tokens permuted by expert (and, under expert parallelism, gathered from several
+# data-parallel ranks): only their parameters are mapped so far.
+TRACER_EXCLUDE_ACTIVATIONS = ("*.mlp.experts", "*.mlp.experts.*")
 TRACER_FORWARD_ONLY = ("*.scale_mask_softmax", "output_layer")
 
 HIDDEN = "hidden"
@@ -54,6 +57,10 @@ _BOUNDARY_LAYOUTS: dict[str, dict[str, str]] = {
     "RowParallelLinear": {"input.*": "S(-1)", "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
     "DotProductAttention": {"input.*": "S(2)", "output.*": "S(-1)"},
     "FusedScaleMaskSoftmax": {"*": "S(1)"},
+    # Router outputs are [tokens, experts] with tokens = s * b flattened sequence-major, so a
+    # sequence shard is a contiguous token shard.
+    "TopKRouter": {"*": HIDDEN},
+    "MoELayer": {"input.*": HIDDEN, "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
 }
 # Modules whose class is generic: the layout depends on where they sit.
 _BY_NAME_SUFFIX: dict[str, dict[str, str]] = {
@@ -64,6 +71,14 @@ _BY_NAME_SUFFIX: dict[str, dict[str, str]] = {
     "pre_cross_attn_layernorm": {"*": HIDDEN},
     "cross_attention": {"*": HIDDEN},
 }
+
+
+def megatron_tracer_config(**fields):
+    """A TracerConfig for megatron-core: main_grad, and the exclusions above, plus `fields`."""
+    from ttrace_core.tracer import TracerConfig
+
+    return TracerConfig(exclude=TRACER_EXCLUDE, exclude_activations=TRACER_EXCLUDE_ACTIVATIONS,
+                        forward_only=TRACER_FORWARD_ONLY, grad_attr="main_grad", **fields)
 
 
 def _tp_mesh() -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
@@ -80,6 +95,22 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def expert_rename(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """Under expert parallelism local expert i of EP rank r is global expert r * num_local + i."""
+    from megatron.core import parallel_state
+
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    if ep_size == 1:
+        return ()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    pairs = []
+    for fqn, module in unwrap(model).named_modules():
+        if fqn.endswith(".experts.local_experts"):
+            num_local = len(module)
+            pairs += [(f"{fqn}.{i}", f"{fqn}.{ep_rank * num_local + i}") for i in range(num_local) if ep_rank]
+    return tuple(pairs)
+
+
 def pipeline_rename(model: nn.Module) -> tuple[tuple[str, str], ...]:
     """`decoder.layers.<local>` -> `decoder.layers.<global>` from each layer's own layer_number;
     on the last stage of a pipeline with tied embeddings, its copy of the word embedding
@@ -94,6 +125,13 @@ def pipeline_rename(model: nn.Module) -> tuple[tuple[str, str], ...]:
         if int(local) != global_index:
             pairs.append((f"decoder.layers.{local}", f"decoder.layers.{global_index}"))
     return tuple(pairs)
+
+
+def megatron_rename(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """Local -> global names on this rank: experts (most specific, first) then pipeline layers."""
+    pipeline = pipeline_rename(model)
+    experts = tuple((local, global_fqn(target, pipeline)) for local, target in expert_rename(model))
+    return experts + pipeline
 
 
 def global_fqn(fqn: str, rename: tuple[tuple[str, str], ...]) -> str:

@@ -49,6 +49,8 @@ Megatron attributes:
   optimizer/optimizer.py Float16OptimizerWithFloat16Params.__init__; optimizer/distrib_optimizer.py
   DistributedOptimizer.__init__; optimizer/clip_grads.py clip_grad_by_total_norm_fp32 (also its
   copy imported into optimizer/optimizer.py).
+- transformer/moe/moe_utils.py ``te_general_gemm`` -> None when TransformerEngine is absent (the
+  MoE router reads it; megatron binds it only when TE imports).
 - a logging filter on tensor_parallel/random.py's logger drops "CPU RNG state changed within GPU
   RNG context", which CudaRNGStatesTracker.fork would log for every random op it forks, because
   here the "GPU" generator is the CPU one.
@@ -210,6 +212,11 @@ def _patch_torch_cuda() -> None:
 
 
 def _patch_megatron() -> None:
+    moe_utils = _megatron("transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # The MoE router reads this name, which megatron binds only when TransformerEngine imports;
+        # None selects its torch path.
+        _set(moe_utils, "te_general_gemm", None)
     _patch_rng_helpers(_megatron("tensor_parallel.random"))
     _patch_torch_norm(_megatron("transformer.torch_norm"))
     for name in _PROXIED_MODULES:

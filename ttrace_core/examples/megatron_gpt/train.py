@@ -20,18 +20,17 @@ from ttrace_core.generator import normal_full, tokens_full
 from ttrace_core.canonicalize import shard
 from ttrace_core.integrations import megatron_cpu
 from ttrace_core.integrations.megatron import (
-    TRACER_EXCLUDE,
-    TRACER_FORWARD_ONLY,
     declare_distributed_optimizer_ranges,
     declare_megatron_layouts,
     global_fqn,
     parameter_placement,
-    pipeline_rename,
+    megatron_rename,
+    megatron_tracer_config,
     unwrap,
 )
 from ttrace_core.placements import coordinate_from_rank
 from ttrace_core.schema import Layout, RunManifest
-from ttrace_core.tracer import Tracer, TracerConfig
+from ttrace_core.tracer import Tracer
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
@@ -54,6 +53,8 @@ class MegatronModelConfig:
     """SwiGLU MLP (megatron's gated_linear_unit): fc1 holds [gate; up] per TP rank."""
     tie_embeddings: bool = False
     """Share the input embedding with the output layer (summed across the first and last stage under PP)."""
+    num_experts: int = 0
+    """MoE with this many experts (top-2, all-gather token dispatcher); 0 is a dense MLP."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,6 +68,8 @@ class MegatronGPTRunConfig:
     dp: int = 1
     dist_opt: bool = False
     """Megatron's distributed optimizer (shards optimizer state over DP)."""
+    ep: int = 1
+    """Expert parallelism over the data-parallel ranks (needs --moe; dp must be a multiple)."""
     precision: str = "fp32"
     steps: int = 1
     seed: int = 0
@@ -87,6 +90,8 @@ class MegatronGPTRunConfig:
             raise ValueError("--sp needs --tp 2 or more")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r}: choose from {sorted(PRECISIONS)}")
+        if self.ep > 1 and (not self.model.num_experts or self.dp % self.ep or self.model.num_experts % self.ep):
+            raise ValueError(f"--ep {self.ep} needs --moe and divides both dp ({self.dp}) and the experts ({self.model.num_experts})")
         if self.num_micro_batches % self.dp:
             raise ValueError(f"num_micro_batches {self.num_micro_batches} is not a multiple of dp {self.dp}")
         m = self.model
@@ -122,7 +127,18 @@ def transformer_config(config: MegatronGPTRunConfig):
         sequence_parallel=config.sp, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gated_linear_unit=m.swiglu, activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu)
+        gated_linear_unit=m.swiglu, activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
+        **_moe_fields(config))
+
+
+def _moe_fields(config: MegatronGPTRunConfig) -> dict:
+    if not config.model.num_experts:
+        return {}
+    # top-2 of 2 experts: every token reaches every expert, so routing is smooth in the weights and
+    # round-off cannot flip a token to another expert. No linear biases: the CPU MoE path lacks them.
+    return dict(num_moe_experts=config.model.num_experts, moe_router_topk=min(2, config.model.num_experts),
+                moe_token_dispatcher_type="allgather", add_bias_linear=False, expert_model_parallel_size=config.ep,
+                expert_tensor_parallel_size=1 if config.ep > 1 else None)
 
 
 def init_weights(model: torch.nn.Module, seed: int, rename: tuple[tuple[str, str], ...]) -> None:
@@ -168,7 +184,8 @@ def forward_step(data_iterator, model):
 
 
 def manifest_for(config: MegatronGPTRunConfig, role: str) -> RunManifest:
-    degrees = {"tp": config.tp, "sp": int(config.sp), "pp": config.pp, "dp": config.dp, "dist_opt": int(config.dist_opt)}
+    degrees = {"tp": config.tp, "sp": int(config.sp), "pp": config.pp, "dp": config.dp, "ep": config.ep,
+               "dist_opt": int(config.dist_opt)}
     # megatron's rank order: tp fastest, then dp, then pp
     axes, shape = ["pp", "dp", "tp"], [config.pp, config.dp, config.tp]
     return RunManifest(role=role, world_size=config.world_size, degrees=degrees, precision=config.precision,
@@ -199,14 +216,15 @@ def run(config_dict: dict) -> None:
         dist.destroy_process_group()
 
 
-def layer_spec(precision: str):
+def layer_spec(config: MegatronGPTRunConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    if precision != "fp8":
-        return get_gpt_layer_local_spec()
+    moe = dict(num_experts=config.model.num_experts, moe_grouped_gemm=False) if config.model.num_experts else {}
+    if config.precision != "fp8":
+        return get_gpt_layer_local_spec(**moe)
     from ttrace_core.integrations.fp8 import Fp8Recipe, fp8_gpt_layer_local_spec
 
-    return fp8_gpt_layer_local_spec(Fp8Recipe(scaling="current", format="hybrid"))
+    return fp8_gpt_layer_local_spec(Fp8Recipe(scaling="current", format="hybrid"), **moe)
 
 
 def _build(config: MegatronGPTRunConfig):
@@ -216,14 +234,15 @@ def _build(config: MegatronGPTRunConfig):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    parallel_state.initialize_model_parallel(config.tp, config.pp)
+    parallel_state.initialize_model_parallel(config.tp, config.pp, expert_model_parallel_size=config.ep,
+                                             expert_tensor_parallel_size=1 if config.ep > 1 else None)
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
     tconfig = transformer_config(config)
-    model = GPTModel(tconfig, layer_spec(config.precision), vocab_size=config.model.vocab_size,
+    model = GPTModel(tconfig, layer_spec(config), vocab_size=config.model.vocab_size,
                      max_sequence_length=config.model.seq_len, pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=config.model.tie_embeddings)
-    rename = pipeline_rename(model)
+    rename = megatron_rename(model)
     init_weights(model, config.seed, rename)
     wrapped = Float16Module(tconfig, model) if tconfig.bf16 else model
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=config.dist_opt)
@@ -244,9 +263,9 @@ def _train(config: MegatronGPTRunConfig) -> None:
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     local_micro_batches = config.num_micro_batches // dp_size
     role = "candidate" if config.world_size > 1 else "reference"
-    tracer = Tracer(config.out, unwrap(ddp), role=role, manifest=manifest_for(config, role), config=TracerConfig(  # ttrace
-        exclude=TRACER_EXCLUDE, forward_only=TRACER_FORWARD_ONLY, grad_attr="main_grad", loss_scale=1 / local_micro_batches, rename=rename,  # ttrace
-        data_parallel_rank=dp_rank, data_parallel_size=dp_size, stats_only=config.stats_only))  # ttrace
+    tracer = Tracer(config.out, unwrap(ddp), role=role, manifest=manifest_for(config, role), config=megatron_tracer_config(  # ttrace
+        loss_scale=1 / local_micro_batches, rename=rename, data_parallel_rank=dp_rank, data_parallel_size=dp_size,  # ttrace
+        stats_only=config.stats_only))  # ttrace
     declare_megatron_layouts(tracer, ddp, sequence_parallel=config.sp, rename=rename)  # ttrace
     declare_distributed_optimizer_ranges(tracer, ddp, optimizer, rename=rename)  # ttrace
     forward_backward = get_forward_backward_func()
