@@ -18,7 +18,7 @@ from ttrace_core.store import step_file_name
 pytestmark = pytest.mark.distributed
 
 CLEAN_LAYOUTS = {"tp2": ["--tp", "2"], "tp2-sp": ["--tp", "2", "--sp"], "fsdp2": ["--fsdp", "2"],
-                 "ddp2": ["--dp", "2"], "pp2": ["--pp", "2"]}
+                 "ddp2": ["--dp", "2"], "pp2": ["--pp", "2"], "cp2": ["--cp", "2"]}
 
 
 def _record(traces: Path, name: str, *flags: str, steps: int = 2) -> Path:
@@ -47,7 +47,7 @@ def test_parallel_runs_really_hold_shards(traces):
     from ttrace_core.store import RunReader
 
     expected = {"tp2-sp": ("layers.0.ln1", "input.0", ("S(1)",)), "tp2": ("layers.0.attn.wq", "output.0", ("S(-1)",)),
-                "fsdp2": ("layers.0.attn.wq.weight", "value", ("S(0)",))}
+                "fsdp2": ("layers.0.attn.wq.weight", "value", ("S(0)",)), "cp2": ("layers.0.ln1", "input.0", ("S(1)",))}
     for name, (fqn, slot, placements) in expected.items():
         with RunReader(_record(traces, name, *CLEAN_LAYOUTS[name])) as reader:
             metas = next(ms for key, ms in reader.index.items() if key.fqn == fqn and key.slot == slot)
@@ -59,8 +59,9 @@ def test_parallel_runs_really_hold_shards(traces):
     "flags, culprit, phase",
     [(["--tp", "2", "--bug", "rowwise-skip-allreduce"], "layers.0.attn.wo", "forward"),
      (["--tp", "2", "--sp", "--bug", "rowwise-skip-allreduce"], "layers.0.attn.wo", "forward"),
-     (["--dp", "2", "--bug", "ddp-unreduced-grad"], "layers.0.mlp.w2.bias", "grad")],
-    ids=["tp2-rowwise-no-allreduce", "tp2-sp-rowwise-no-reduce-scatter", "ddp2-grad-never-reduced"],
+     (["--dp", "2", "--bug", "ddp-unreduced-grad"], "layers.0.mlp.w2.bias", "grad"),
+     (["--cp", "2", "--bug", "cp-attn-backward"], "layers.3.attn.wv", "backward")],
+    ids=["tp2-rowwise-no-allreduce", "tp2-sp-rowwise-no-reduce-scatter", "ddp2-grad-never-reduced", "cp2-attn-backward"],
 )
 def test_broken_candidate_is_caught_at_the_broken_module(traces, reference_run, flags, culprit, phase):
     name = "-".join(f.strip("-") for f in flags)

@@ -33,6 +33,7 @@ def _add_example_parser(commands) -> None:
     gpt = workloads.add_parser("torch-gpt", help="small GPT with PyTorch TP/SP, DDP, FSDP2 or pipelining")
     _add_common_example_flags(gpt)
     gpt.add_argument("--fsdp", type=int, default=1, help="FSDP2 degree")
+    gpt.add_argument("--cp", type=int, default=1, help="context-parallel degree (sequence chunks per rank)")
     gpt.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     gpt.add_argument("--d-model", type=int, default=64, help="model width")
     megatron = workloads.add_parser("megatron-gpt", help="megatron-core GPTModel (local spec) with Megatron DDP/optimizer")
@@ -52,7 +53,7 @@ def _torch_gpt_config(args: argparse.Namespace):
     from ttrace_core.examples.torch_gpt.train import ENTRYPOINT, TorchGPTRunConfig
 
     return ENTRYPOINT, TorchGPTRunConfig(
-        out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, fsdp=args.fsdp,
+        out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, fsdp=args.fsdp, cp=args.cp,
         precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
         model=GPTConfig(num_layers=args.num_layers, d_model=args.d_model))
 

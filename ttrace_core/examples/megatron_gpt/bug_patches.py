@@ -318,7 +318,7 @@ def apply_swiglu_tp_shard() -> Undo:
 def apply_cp_attention_backward() -> Undo:
     raise NotImplementedError(
         "cp-attn-backward: megatron-core's context parallelism needs TransformerEngine attention, which cannot "
-        "run on CPU; this bug will live in the torch-gpt workload once it has a context-parallel layout")
+        "run on CPU; run it on the PyTorch-native workload: ttrace example torch-gpt --cp 2 --bug cp-attn-backward")
 
 
 def _data_parallel_group() -> Any:

@@ -106,12 +106,13 @@ _BUGS = (
         runs_on="megatron-core", apply=patches.apply_attention_wrong_dq),
     ZooBug(
         name="cp-attn-backward", upstream="Megatron-LM #1464 (like)", bug_class="kernel-backward",
-        description="Context-parallel ring attention's backward combines the partial dK/dV of the KV chunks "
-                    "wrongly; megatron-core's CP needs TransformerEngine attention, which cannot run on CPU, so "
-                    "this bug is meant for the torch-gpt workload and apply() raises NotImplementedError for now.",
+        description="Context-parallel attention's backward keeps only the local queries' dK/dV instead of "
+                    "reduce-scattering them over the CP group. megatron-core's CP needs TransformerEngine "
+                    "attention, which cannot run on CPU, so the bug lives in torch-gpt (`ttrace example "
+                    "torch-gpt --cp 2 --bug cp-attn-backward`), whose CP attention all-gathers K/V.",
         triggers=("--cp 2",),
-        culprit="layers.*.attn (torch-gpt; the context-parallel attention)",
-        first_divergence="backward / layers.3.attn / grad_input.0",
+        culprit="layers.*.attn (torch-gpt): the backward of the context-parallel K/V all-gather",
+        first_divergence="backward / layers.3.attn.wv / grad_output.0",
         runs_on="torch-gpt", apply=patches.apply_cp_attention_backward),
     ZooBug(
         name="pp-tied-embedding-grad", upstream="Megatron-LM #844, #656", bug_class="gradient-sync",

@@ -43,6 +43,8 @@ class Attention(nn.Module):
         d = config.d_model
         self.head_dim = d // config.num_heads
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(d, d) for _ in range(4))
+        self.context_parallel = None
+        """Set under context parallelism: attends over the keys and values of the whole sequence."""
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         batch, seq = x_BTD.shape[0], x_BTD.shape[1]
@@ -50,7 +52,10 @@ class Attention(nn.Module):
         q_BHTK, k_BHTK, v_BHTK = (
             proj(x_BTD).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in (self.wq, self.wk, self.wv)
         )
-        y_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, is_causal=True)
+        if self.context_parallel is not None:
+            y_BHTK = self.context_parallel(q_BHTK, k_BHTK, v_BHTK)
+        else:
+            y_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, is_causal=True)
         return self.wo(y_BHTK.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -86,11 +91,14 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.num_layers)})
         self.ln_f: nn.LayerNorm | None = nn.LayerNorm(config.d_model)
         self.lm_head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.position_offset = 0
+        """Position of this rank's first token: non-zero under context parallelism."""
 
     def forward(self, tokens_or_hidden: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
             batch, seq = tokens_or_hidden.shape
-            positions_BT = torch.arange(seq, device=tokens_or_hidden.device).expand(batch, seq)
+            positions = torch.arange(self.position_offset, self.position_offset + seq, device=tokens_or_hidden.device)
+            positions_BT = positions.expand(batch, seq)
             h_BTD = self.tok_emb(tokens_or_hidden) + self.pos_emb(positions_BT)
         else:
             h_BTD = tokens_or_hidden

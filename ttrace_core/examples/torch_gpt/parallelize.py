@@ -26,7 +26,7 @@ class ExampleBug:
     name: str
     description: str
     requires: str
-    """The degree that must exceed 1 for the bug to trigger: "tp" or "dp"."""
+    """The degree that must exceed 1 for the bug to trigger: "tp", "dp" or "cp"."""
     culprit: str
     """Ground truth: the module (or parameter) at fault."""
 
@@ -38,6 +38,9 @@ TORCH_GPT_BUGS = {
                                "under SP) of its partial sums"),
         ExampleBug(name="ddp-unreduced-grad", requires="dp", culprit="layers.0.mlp.w2.bias",
                    description="DDP ignores layer 0's MLP output bias, so its gradient is never all-reduced"),
+        ExampleBug(name="cp-attn-backward", requires="cp", culprit="layers.*.attn",
+                   description="context-parallel attention backward keeps only the local queries' dK/dV "
+                               "instead of reduce-scattering them (Megatron-LM #1464-like)"),
     )
 }
 
@@ -97,9 +100,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
     fully_shard(model, mesh=dp_mesh)
 
 
-def apply_ddp(model: nn.Module, *, bug: str | None) -> nn.Module:
+def apply_ddp(model: nn.Module, *, bug: str | None, group=None) -> nn.Module:
+    """DDP over `group` (default: every rank): under context parallelism it averages the CP ranks'
+    gradients, each computed from its own sequence chunk."""
     from torch.nn.parallel import DistributedDataParallel
 
     if bug == "ddp-unreduced-grad":
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["layers.0.mlp.w2.bias"])
-    return DistributedDataParallel(model)
+    return DistributedDataParallel(model, process_group=group)

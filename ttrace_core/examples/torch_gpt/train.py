@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
+from ttrace_core.examples.torch_gpt.context_parallel import apply_context_parallel, sequence_chunk
 from ttrace_core.examples.torch_gpt.model import GPT, GPTConfig, loss_fn
 from ttrace_core.examples.torch_gpt.parallelize import TORCH_GPT_BUGS, apply_ddp, apply_fsdp, apply_tensor_parallel
 from ttrace_core.generator import local_from_full, normal_full, tokens_full
@@ -40,6 +42,8 @@ class TorchGPTRunConfig:
     """DistributedDataParallel degree."""
     fsdp: int = 1
     """FSDP2 (fully_shard) degree."""
+    cp: int = 1
+    """Context-parallel degree: each rank holds a contiguous chunk of every sequence."""
     precision: str = "fp32"
     steps: int = 1
     seed: int = 0
@@ -51,11 +55,13 @@ class TorchGPTRunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
 
     def __post_init__(self) -> None:
-        degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "fsdp": self.fsdp}
+        degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "cp": self.cp}
         if any(d < 1 for d in degrees.values()):
             raise ValueError(f"parallel degrees must be >= 1, got {degrees}")
         if sum(d > 1 for d in degrees.values()) > 1:
-            raise ValueError(f"torch-gpt runs one parallelism at a time (TP with or without SP, DDP, FSDP2 or PP), got {degrees}")
+            raise ValueError(f"torch-gpt runs one parallelism at a time (TP with or without SP, DDP, FSDP2, PP or CP), got {degrees}")
+        if self.model.seq_len % self.cp:
+            raise ValueError(f"seq_len {self.model.seq_len} is not a multiple of --cp {self.cp}")
         if self.sp and self.tp == 1:
             raise ValueError("--sp needs --tp 2 or more")
         if self.precision not in PRECISIONS:
@@ -74,7 +80,7 @@ class TorchGPTRunConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.fsdp
+        return self.tp * self.pp * self.dp * self.fsdp * self.cp
 
     @property
     def data_parallel_size(self) -> int:
@@ -117,15 +123,15 @@ def micro_batch(config: TorchGPTRunConfig, global_id: int) -> tuple[torch.Tensor
 def _mesh(config: TorchGPTRunConfig):
     from torch.distributed.device_mesh import init_device_mesh
 
-    for name in ("tp", "pp", "dp", "fsdp"):
+    for name in ("tp", "pp", "dp", "fsdp", "cp"):
         if getattr(config, name) > 1:
             return init_device_mesh("cpu", (getattr(config, name),), mesh_dim_names=(name,))
     return None
 
 
 def manifest_for(config: TorchGPTRunConfig, role: str) -> RunManifest:
-    degrees = {"tp": config.tp, "sp": int(config.sp), "pp": config.pp, "dp": config.dp, "fsdp": config.fsdp}
-    axes = [name for name in ("tp", "pp", "dp", "fsdp") if degrees[name] > 1]
+    degrees = {"tp": config.tp, "sp": int(config.sp), "pp": config.pp, "dp": config.dp, "fsdp": config.fsdp, "cp": config.cp}
+    axes = [name for name in ("tp", "pp", "dp", "fsdp", "cp") if degrees[name] > 1]
     mesh_shape = [degrees[name] for name in axes]
     return RunManifest(role=role, world_size=config.world_size, degrees=degrees, precision=config.precision,
                        seed=config.seed, model={**config.model.to_dict(), "num_micro_batches": config.num_micro_batches,
@@ -161,17 +167,26 @@ def _train(config: TorchGPTRunConfig) -> None:
     if config.fsdp > 1:
         apply_fsdp(model, mesh)
     init_weights(model, config.seed, dtype)
-    wrapped = apply_ddp(model, bug=config.bug) if config.dp > 1 else model
+    if config.cp > 1:
+        apply_context_parallel(model, mesh, seq_len=config.model.seq_len, bug=config.bug)
+    uses_ddp = config.dp > 1 or config.cp > 1
+    wrapped = apply_ddp(model, bug=config.bug, group=mesh.get_group()) if uses_ddp else model
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
     local_micro_batches = config.num_micro_batches // config.data_parallel_size
     dp_rank = mesh.get_local_rank() if config.data_parallel_size > 1 else 0
     role = "candidate" if config.world_size > 1 else "reference"
-    tracer_config = TracerConfig(exclude=("",), loss_scale=1.0 if config.pp > 1 else 1.0 / local_micro_batches,  # ttrace
+    # Backward tensors are scaled like the loss: by 1/(local micro-batches), and by cp because each
+    # CP rank averages its loss over its own 1/cp of the tokens.
+    loss_scale = 1.0 if config.pp > 1 else config.cp / local_micro_batches
+    tracer_config = TracerConfig(exclude=("",), loss_scale=loss_scale,  # ttrace
                                  data_parallel_rank=dp_rank, data_parallel_size=config.data_parallel_size,
                                  stats_only=config.stats_only)
     tracer = Tracer(config.out, model, role=role, optimizer=optimizer, config=tracer_config,  # ttrace
                     manifest=manifest_for(config, role))
     declare_parallelize_plan(tracer, plan, mesh)  # ttrace
+    if config.cp > 1:  # every module boundary is a sequence chunk; gradients follow their tensors
+        for slots in ("input.*", "output.*"):
+            tracer.declare("*", slots, [Shard(1)], mesh)  # ttrace
     step_fn = _pipeline_step_fn(config, model, mesh) if config.pp > 1 else None
     for step in range(config.steps):
         with tracer.step(step):  # ttrace
@@ -179,16 +194,18 @@ def _train(config: TorchGPTRunConfig) -> None:
             if step_fn is not None:
                 step_fn()
             else:
-                _accumulate(config, wrapped, local_micro_batches, dp_rank)
+                _accumulate(config, wrapped, local_micro_batches, dp_rank, mesh)
             optimizer.step()
     tracer.close()  # ttrace
 
 
-def _accumulate(config: TorchGPTRunConfig, model: nn.Module, local_micro_batches: int, dp_rank: int) -> None:
+def _accumulate(config: TorchGPTRunConfig, model: nn.Module, local_micro_batches: int, dp_rank: int, mesh) -> None:
     for local_index in range(local_micro_batches):
         inputs, targets = micro_batch(config, local_index * config.data_parallel_size + dp_rank)
+        if config.cp > 1:
+            inputs, targets = (sequence_chunk(t, mesh.get_local_rank(), config.cp) for t in (inputs, targets))
         last = local_index == local_micro_batches - 1
-        sync = model.no_sync() if (config.dp > 1 and not last) else nullcontext()
+        sync = model.no_sync() if (config.dp > 1 or config.cp > 1) and not last else nullcontext()
         with sync:
             loss = loss_fn(model(inputs), targets) / local_micro_batches
             loss.backward()
