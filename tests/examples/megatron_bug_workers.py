@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ttrace_core.examples.megatron_gpt.bugs import apply_bug
+from tests.integrations.megatron_workers import _stage_name
 from ttrace_core.integrations import megatron_cpu
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
@@ -536,17 +537,6 @@ def _expert_bug(weights: dict, expected: Pass, batches: list) -> None:
 
 
 # --- pipeline ----------------------------------------------------------------------------------
-
-
-def _stage_name(stage: int, layers_per_stage: int) -> Callable[[str], str]:
-    """Stage parameter name -> one-stage name: layers are numbered per stage, the head is tied."""
-    def rename(name: str) -> str:
-        match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.*)", name)
-        if match:
-            return f"decoder.layers.{int(match[1]) + stage * layers_per_stage}.{match[2]}"
-        return "embedding.word_embeddings.weight" if name == "output_layer.weight" else name
-
-    return rename
 
 
 def pipeline_bugs(config: dict) -> None:

@@ -72,6 +72,8 @@ from typing import Any
 
 import torch
 
+from ttrace_core.integrations.patching import patch_attribute
+
 _MISSING = object()
 _UNDO: list[Callable[[], None]] = []
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange")
@@ -118,17 +120,8 @@ def is_enabled() -> bool:
 
 
 def _set(owner: Any, name: str, value: Any) -> None:
-    """Set `owner.name` and record how to undo it, deleting it again if `owner` only inherited it."""
-    original = vars(owner).get(name, _MISSING)
-    setattr(owner, name, value)
-
-    def undo() -> None:
-        if original is _MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
-
-    _UNDO.append(undo)
+    """Set `owner.name` and record how to undo it."""
+    _UNDO.append(patch_attribute(owner, name, value))
 
 
 def _megatron(module: str) -> types.ModuleType:

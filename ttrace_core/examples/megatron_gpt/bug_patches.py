@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ttrace_core.integrations.patching import patch_attribute
+
 Undo = Callable[[], None]
-_MISSING = object()
 
 
 def _megatron(module: str) -> types.ModuleType:
@@ -33,16 +34,7 @@ def replace(owner: Any, name: str, value: Any) -> Undo:
     if not hasattr(owner, name):
         raise ValueError(f"bug zoo: {getattr(owner, '__name__', owner)} has no attribute {name!r}; these patches "
                          "are written for megatron-core 0.16.1")
-    original = vars(owner).get(name, _MISSING)
-    setattr(owner, name, value)
-
-    def undo() -> None:
-        if original is _MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
-
-    return undo
+    return patch_attribute(owner, name, value)
 
 
 def _model_name(name: str) -> str:
