@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+MEGATRON_SIZE = ("--num-layers", "2")
+"""Megatron tests run a 2-layer GPT: every layout still has one layer per pipeline stage."""
 
 
 def run_ttrace(*args: str, timeout: float = 300, check_codes: tuple[int, ...] | None = None) -> subprocess.CompletedProcess:
@@ -40,12 +42,12 @@ def reference_run(traces) -> Path:
 @pytest.fixture(scope="session")
 def megatron_reference(traces) -> Path:
     out = traces / "megatron-reference"
-    run_ttrace("example", "megatron-gpt", "--steps", "2", "--out", str(out), check_codes=(0,))
+    run_ttrace("example", "megatron-gpt", *MEGATRON_SIZE, "--steps", "2", "--out", str(out), check_codes=(0,))
     return out
 
 
 @pytest.fixture(scope="session")
 def megatron_moe_reference(traces) -> Path:
     out = traces / "megatron-moe-reference"
-    run_ttrace("example", "megatron-gpt", "--moe", "--steps", "1", "--out", str(out), check_codes=(0,))
+    run_ttrace("example", "megatron-gpt", *MEGATRON_SIZE, "--moe", "--steps", "1", "--out", str(out), check_codes=(0,))
     return out

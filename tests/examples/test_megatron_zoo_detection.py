@@ -4,7 +4,7 @@ The full sweep over every bug, layout and precision is the detection benchmark."
 
 import pytest
 
-from tests.conftest import load_comparison, run_ttrace
+from tests.conftest import MEGATRON_SIZE, load_comparison, run_ttrace
 from ttrace_core.examples.megatron_gpt.bugs import ZOO
 
 pytestmark = pytest.mark.distributed
@@ -25,7 +25,8 @@ def _position(comparisons, phase_fqn_slot: str) -> int:
 @pytest.mark.parametrize("name", list(CI_SUBSET), ids=list(CI_SUBSET))
 def test_zoo_bug_is_detected_at_or_after_its_ground_truth(traces, megatron_reference, name):
     out = traces / f"zoo-{name}"
-    run_ttrace("example", "megatron-gpt", *CI_SUBSET[name], "--steps", "2", "--bug", name, "--out", str(out), check_codes=(0,))
+    run_ttrace("example", "megatron-gpt", *MEGATRON_SIZE, *CI_SUBSET[name], "--steps", "2", "--bug", name, "--out", str(out),
+               check_codes=(0,))
     report = traces / f"zoo-{name}.json"
     result = run_ttrace("compare", str(megatron_reference), str(out), "--json", str(report))
     assert result.returncode == 1, result.stdout + result.stderr
@@ -39,8 +40,8 @@ def test_zoo_bug_is_detected_at_or_after_its_ground_truth(traces, megatron_refer
 
 def test_router_replicas_not_synchronized_under_sp_are_caught(traces, megatron_moe_reference):
     out = traces / "zoo-sp-router-replica"
-    run_ttrace("example", "megatron-gpt", "--moe", "--tp", "2", "--sp", "--bug", "sp-router-replica", "--out", str(out),
-               check_codes=(0,))
+    run_ttrace("example", "megatron-gpt", *MEGATRON_SIZE, "--moe", "--tp", "2", "--sp", "--bug", "sp-router-replica",
+               "--out", str(out), check_codes=(0,))
     report = traces / "zoo-sp-router-replica.json"
     assert run_ttrace("compare", str(megatron_moe_reference), str(out), "--json", str(report)).returncode == 1
     comparisons = load_comparison(report).comparisons
