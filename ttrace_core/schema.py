@@ -24,6 +24,15 @@ NO_MICRO_BATCH = -1
 SLOT_FAMILIES = ("input", "output", "grad_output", "grad_input", "grad", "value")
 
 
+def global_fqn(fqn: str, rename: tuple[tuple[str, str], ...]) -> str:
+    """Apply the first (local prefix, global prefix) pair that matches whole name components:
+    ("layers.1", "layers.3") renames "layers.1.attn", never "layers.10.attn"."""
+    for local, global_ in rename:
+        if fqn == local or fqn.startswith(local + "."):
+            return global_ + fqn[len(local):]
+    return fqn
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class TensorKey:
     """Canonical name of one logical tensor in one iteration."""

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from ttrace_core.integrations.dtensor import layout_from_dtensor, local_value, mesh_description, placement_str
 from ttrace_core.placements import global_shape_from_local
-from ttrace_core.schema import NO_MICRO_BATCH, SLOT_FAMILIES, Layout, RunManifest, TensorKey, TensorMeta
+from ttrace_core.schema import NO_MICRO_BATCH, SLOT_FAMILIES, Layout, RunManifest, TensorKey, TensorMeta, global_fqn
 from ttrace_core.store import RunWriter, dtype_name, refuse_existing_trace, stats_from_tensor, write_manifest
 
 
@@ -148,10 +148,7 @@ class Tracer:
     # ---- selection and layout resolution ----------------------------------------------------
 
     def _global_fqn(self, fqn: str) -> str:
-        for local, global_ in self.config.rename:
-            if fqn == local or fqn.startswith(local + "."):
-                return global_ + fqn[len(local):]
-        return fqn
+        return global_fqn(fqn, self.config.rename)
 
     def _selected(self, fqn: str) -> bool:
         config = self.config

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ttrace_core.schema import global_fqn
+
 # The model root and the decoder block differ per pipeline stage (and duplicate their first and
 # last children). The masked softmax fills its input in place and the vocab-parallel cross entropy
 # its logits (output_layer's output): a full backward hook, which wraps both, forbids that.
@@ -132,13 +134,6 @@ def megatron_rename(model: nn.Module) -> tuple[tuple[str, str], ...]:
     pipeline = pipeline_rename(model)
     experts = tuple((local, global_fqn(target, pipeline)) for local, target in expert_rename(model))
     return experts + pipeline
-
-
-def global_fqn(fqn: str, rename: tuple[tuple[str, str], ...]) -> str:
-    for local, global_ in rename:
-        if fqn == local or fqn.startswith(local + "."):
-            return global_ + fqn[len(local):]
-    return fqn
 
 
 def parameter_placement(param: torch.Tensor) -> str:

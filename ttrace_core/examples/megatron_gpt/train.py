@@ -22,14 +22,13 @@ from ttrace_core.integrations import megatron_cpu
 from ttrace_core.integrations.megatron import (
     declare_distributed_optimizer_ranges,
     declare_megatron_layouts,
-    global_fqn,
     parameter_placement,
     megatron_rename,
     megatron_tracer_config,
     unwrap,
 )
 from ttrace_core.placements import coordinate_from_rank
-from ttrace_core.schema import Layout, RunManifest
+from ttrace_core.schema import Layout, RunManifest, global_fqn
 from ttrace_core.tracer import Tracer
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
