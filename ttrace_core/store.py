@@ -60,9 +60,9 @@ def array_from_tensor(value: torch.Tensor) -> np.ndarray:
 
 def tensor_from_array(array: np.ndarray, name: str, where: str) -> torch.Tensor:
     if name in _RAW_BITS:
-        return torch.from_numpy(np.ascontiguousarray(array)).view(getattr(torch, name))
+        return torch.from_numpy(np.asarray(array, order="C")).view(getattr(torch, name))
     if name in _NATIVE:
-        return torch.from_numpy(np.ascontiguousarray(array))
+        return torch.from_numpy(np.asarray(array, order="C"))
     raise TraceFormatError(f"{where}: unknown dtype {name!r} in the trace; it was written by another ttrace version")
 
 

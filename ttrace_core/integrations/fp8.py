@@ -234,6 +234,8 @@ class _LinearSetup:
     tp_group: ProcessGroup | None
     sequence_parallel: bool
     allreduce_dgrad: bool
+    used_scales: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Filled by the forward: the inverse scale each operand was cast with (before any gather)."""
 
 
 def _all_gather_fp8(q: Fp8Tensor, group: ProcessGroup) -> Fp8Tensor:
@@ -267,6 +269,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 setup: _LinearSetup) -> torch.Tensor:
         q = setup.quantizers.quantize({"input": input, "weight": weight}, setup.amax_group)
+        setup.used_scales.update(input=q["input"].scale_inv, weight=q["weight"].scale_inv)
         q_input = _all_gather_fp8(q["input"], setup.tp_group) if setup.sequence_parallel else q["input"]
         out = fp8_matmul(q_input.rows(), q["weight"].t(), input.dtype)
         out = out.reshape(*q_input.data.shape[:-1], weight.shape[0])
@@ -304,6 +307,15 @@ def fp8_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 # --- megatron layers and specs (megatron imported lazily) ---------------------------------------
 
 
+class Fp8ScaleInv(torch.nn.Module):
+    """Identity on the inverse scales a linear's input and weight were cast with, so that a tracer
+    hooked on modules records them: every TP rank must use the scale of the whole logical tensor,
+    i.e. the reference's, so a scale that differs is a quantization bug seen where it starts."""
+
+    def forward(self, input_scale_inv: torch.Tensor, weight_scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return input_scale_inv.detach().reshape(1), weight_scale_inv.detach().reshape(1)
+
+
 class _Fp8LinearMixin:
     """Replaces megatron's `_forward_impl` GEMM; everything around it (copy/reduce/scatter) is megatron's."""
 
@@ -313,6 +325,7 @@ class _Fp8LinearMixin:
         super().__init__(*args, **kwargs)
         self.fp8_recipe = fp8_recipe if fp8_recipe is not None else Fp8Recipe()
         self.fp8_quantizers = Fp8Quantizers(self.fp8_recipe)
+        self.fp8_scale_inv = Fp8ScaleInv()
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       gradient_accumulation_fusion: bool, allreduce_dgrad: bool, sequence_parallel: bool,
@@ -324,7 +337,9 @@ class _Fp8LinearMixin:
         setup = _LinearSetup(self.fp8_quantizers, self.fp8_recipe.amax_group(),
                              tp_group if tp_group is not None else self.tp_group,
                              sequence_parallel, allreduce_dgrad)
-        return Fp8LinearFunction.apply(input, weight, bias, setup)
+        output = Fp8LinearFunction.apply(input, weight, bias, setup)
+        self.fp8_scale_inv(setup.used_scales["input"], setup.used_scales["weight"])
+        return output
 
 
 @functools.cache

@@ -35,7 +35,7 @@ TRACER_EXCLUDE = ("", "decoder")
 # MoE experts see tokens permuted by expert (and, under expert parallelism, gathered from several
 # data-parallel ranks): only their parameters are mapped so far.
 TRACER_EXCLUDE_ACTIVATIONS = ("*.mlp.experts", "*.mlp.experts.*")
-TRACER_FORWARD_ONLY = ("*.scale_mask_softmax", "output_layer")
+TRACER_FORWARD_ONLY = ("*.scale_mask_softmax", "output_layer", "*.fp8_scale_inv")
 
 HIDDEN = "hidden"
 """Placeholder resolved to S(0) under sequence parallelism and R otherwise."""
@@ -63,6 +63,8 @@ _BOUNDARY_LAYOUTS: dict[str, dict[str, str]] = {
     # sequence shard is a contiguous token shard.
     "TopKRouter": {"*": HIDDEN},
     "MoELayer": {"input.*": HIDDEN, "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
+    # The fp8 scales a linear cast with: one per logical tensor, so the same on every TP rank.
+    "Fp8ScaleInv": {"*": "R"},
 }
 # Modules whose class is generic: the layout depends on where they sit.
 _BY_NAME_SUFFIX: dict[str, dict[str, str]] = {

@@ -174,7 +174,7 @@ _BUGS = (
                     "of the TP group, so TP ranks quantize their shards of one logical tensor with different scales.",
         triggers=("--tp 2 --precision fp8",),
         culprit="decoder.layers.0.self_attention.linear_qkv (FP8 amax reduction group of every fp8 linear)",
-        first_divergence="forward / decoder.layers.0.self_attention.linear_qkv / output.0",
+        first_divergence="forward / decoder.layers.0.self_attention.linear_qkv.fp8_scale_inv / input.1",
         runs_on="megatron-core", apply=patches.apply_fp8_amax_wrong_group),
     ZooBug(
         name="expert-grad-scale", upstream="Megatron-LM commit 'Fix dist opt grad scale when TP != expert-TP'",
