@@ -1,4 +1,4 @@
-"""`ttrace` command line: example, compare, inspect.
+"""`ttrace` command line: example, estimate, compare, inspect, bugs.
 
 Exit codes: 0 the runs are equivalent (or the command succeeded), 1 a divergence was found,
 2 bad input (one line that names the file or tensor and says why).
@@ -7,10 +7,12 @@ Exit codes: 0 the runs are equivalent (or the command succeeded), 1 a divergence
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from ttrace_core.errors import TtraceError
+from ttrace_core.tolerances import DEFAULT_ALPHA, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS
 
 
 def _add_common_example_flags(parser: argparse.ArgumentParser) -> None:
@@ -34,14 +36,16 @@ def _add_example_parser(commands) -> None:
     _add_common_example_flags(gpt)
     gpt.add_argument("--fsdp", type=int, default=1, help="FSDP2 degree")
     gpt.add_argument("--cp", type=int, default=1, help="context-parallel degree (sequence chunks per rank)")
-    gpt.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    gpt.add_argument("--precision", default="fp32", choices=["fp64", "fp32", "bf16"])
     gpt.add_argument("--d-model", type=int, default=64, help="model width")
     megatron = workloads.add_parser("megatron-gpt", help="megatron-core GPTModel (local spec) with Megatron DDP/optimizer")
     _add_common_example_flags(megatron)
     megatron.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
-    megatron.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp8"],
+    megatron.add_argument("--precision", default="fp32", choices=["fp64", "fp32", "bf16", "fp8"],
                           help="fp8: bf16 with emulated FP8 GEMMs (quantize, dequantize, fp32 GEMM)")
     megatron.add_argument("--hidden-size", type=int, default=64)
+    megatron.add_argument("--record-steps", type=int, default=None,
+                          help="trace only the first N of --steps (every step trains and logs its loss)")
     megatron.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated linear unit)")
     megatron.add_argument("--tie-embeddings", action="store_true", help="share input embedding and output layer")
     megatron.add_argument("--moe", action="store_true", help="MoE MLP with 2 experts (top-2, all-gather dispatcher)")
@@ -64,7 +68,7 @@ def _megatron_gpt_config(args: argparse.Namespace):
     return ENTRYPOINT, MegatronGPTRunConfig(
         out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, dist_opt=args.dist_opt, ep=args.ep,
         precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
-        model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, swiglu=args.swiglu,
+        record_steps=args.record_steps, model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, swiglu=args.swiglu,
                                   tie_embeddings=args.tie_embeddings, num_experts=2 if args.moe else 0))
 
 
@@ -79,6 +83,17 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--worst", type=int, default=10, help="how many worst offenders to list")
     compare.add_argument("--ignore-dtype", action="store_true", help="compare values even when dtypes differ")
     compare.add_argument("--progress", action="store_true", help="draw the progress bar even when stderr is not a terminal")
+    compare.add_argument("--tolerance", default="auto", choices=TOLERANCE_KINDS,
+                         help="auto: perturbation when the reference holds an estimate (`ttrace estimate`), else dtype")
+    compare.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="perturbation: tolerance = alpha x deviation")
+    compare.add_argument("--theorem-k", type=float, default=DEFAULT_THEOREM_K, help="theorem: k in k * C^depth * eps")
+    compare.add_argument("--theorem-c", type=float, default=DEFAULT_THEOREM_C, help="theorem: C in k * C^depth * eps")
+    estimate = commands.add_parser("estimate", help="re-run the reference with perturbed weights to derive per-tensor tolerances")
+    estimate.add_argument("reference")
+    estimate.add_argument("--samples", type=int, default=4, help="perturbed re-runs (the deviation is their maximum)")
+    estimate.add_argument("--relative", type=float, default=None,
+                          help="perturbation size (default: the unit round-off of the run's compute dtype)")
+    estimate.add_argument("--timeout", type=float, default=600.0, help="seconds before a re-run's ranks are killed")
     inspect = commands.add_parser("inspect", help="list what a run directory holds")
     inspect.add_argument("run_dir")
     inspect.add_argument("--tensors", action="store_true", help="list every logical tensor")
@@ -108,16 +123,32 @@ def _run_compare(args: argparse.Namespace) -> int:
     from ttrace_core.compare import compare_runs
     from ttrace_core.report import ProgressBar, render_comparison
     from ttrace_core.store import RunReader
+    from ttrace_core.tolerances import select_tolerances
 
     with RunReader(args.reference) as reference, RunReader(args.candidate) as candidate:
         progress = ProgressBar(enabled=args.progress or sys.stderr.isatty())
-        result = compare_runs(reference, candidate, ignore_dtype=args.ignore_dtype, progress=progress)
+        tolerances = select_tolerances(args.tolerance, reference, candidate, alpha=args.alpha, k=args.theorem_k,
+                                       c=args.theorem_c)
+        result = compare_runs(reference, candidate, tolerances, ignore_dtype=args.ignore_dtype, progress=progress)
     if not result.comparisons:
         raise TtraceError(f"{args.candidate}: no step was completed in both runs, nothing to compare")
     print(render_comparison(result, num_worst=args.worst))
     if args.json:
         Path(args.json).write_text(result.to_json())
     return 0 if result else 1
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    from ttrace_core.estimate import estimate_reference, write_estimate
+
+    estimate = estimate_reference(args.reference, num_samples=args.samples, relative=args.relative, timeout_s=args.timeout)
+    path = write_estimate(args.reference, estimate)
+    relatives = sorted(d.relative for d in estimate.tensors.values() if math.isfinite(d.relative))
+    median = relatives[len(relatives) // 2] if relatives else float("nan")
+    print(f"estimated {len(estimate.tensors)} tensors from {estimate.num_samples} re-runs with weights perturbed by "
+          f"U[-{estimate.relative:.3g}, {estimate.relative:.3g}] ({estimate.seconds:.0f} s); median relative deviation "
+          f"{median:.3g}, largest {relatives[-1] if relatives else float('nan'):.3g}; stored in {path}")
+    return 0
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
@@ -145,7 +176,8 @@ def _run_bugs(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handlers = {"example": _run_example, "compare": _run_compare, "inspect": _run_inspect, "bugs": _run_bugs}
+    handlers = {"example": _run_example, "estimate": _run_estimate, "compare": _run_compare, "inspect": _run_inspect,
+                "bugs": _run_bugs}
     try:
         return handlers[args.command](args)
     except TtraceError as error:

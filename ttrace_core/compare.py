@@ -21,7 +21,7 @@ from ttrace_core.canonicalize import CanonicalTensor, RecordedShard, canonicaliz
 from ttrace_core.errors import ConfigMismatchError, LayoutError
 from ttrace_core.schema import TensorKey, TensorMeta
 from ttrace_core.store import RunReader
-from ttrace_core.tolerances import DtypeTolerances, Tolerance, ToleranceProvider
+from ttrace_core.tolerances import Tolerance, ToleranceProvider, select_tolerances
 
 
 @dataclass(kw_only=True, slots=True)
@@ -195,14 +195,30 @@ def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[s
     if metrics["ratio"] > 1:
         return "mismatch", f"relative error {metrics['error']:.3g} exceeds tolerance {tolerance.rel:.3g} " \
                            f"(ratio {metrics['ratio']:.3g})"
-    if drift is not None and drift["relative_diff"] > tolerance.rel and drift["max_abs_diff"] > tolerance.abs:
-        return "replica_drift", f"replicas on ranks {drift['ranks']} differ by {drift['relative_diff']:.3g} relative"
+    if _drift_ratio(drift, tolerance) > 1:
+        return "replica_drift", f"replicas on ranks {drift['ranks']} differ by {drift['relative_diff']:.3g} relative " \
+                                f"(ratio {_drift_ratio(drift, tolerance):.3g})"
     return "pass", ""
+
+
+def _drift_ratio(drift: dict | None, tolerance: Tolerance) -> float:
+    """How far candidate replicas disagree, in units of the tensor's relative tolerance (0 within abs)."""
+    if drift is None or drift["max_abs_diff"] <= tolerance.abs:
+        return 0.0
+    if tolerance.rel > 0:
+        return drift["relative_diff"] / tolerance.rel
+    return 0.0 if drift["relative_diff"] == 0 else math.inf
 
 
 def _canonical(reader: RunReader, metas: list[TensorMeta], key: TensorKey) -> CanonicalTensor:
     shards = [RecordedShard(rank=m.rank, layout=m.layout, value=reader.read(m)) for m in metas]
     return canonicalize(shards, key)
+
+
+def logical_value(reader: RunReader, key: TensorKey) -> torch.Tensor:
+    """The full logical tensor of `key` in float64, with the recording's loss scale undone."""
+    metas = reader.index[key]
+    return _canonical(reader, metas, key).full.double() / metas[0].scale
 
 
 def _canonical_norm(metas: list[TensorMeta], key: TensorKey) -> float:
@@ -256,6 +272,7 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
     metrics = compare_values(actual, expected, tolerance)
     drift = asdict(cand_full.replica_drift) if cand_full.replica_drift else None
     status, message = _verdict(metrics, drift, tolerance)
+    metrics["ratio"] = max(metrics["ratio"], _drift_ratio(drift, tolerance))  # the ratio that judged it
     return TensorComparison(key=key, status=status, message=message, dtype=cand_dtype, tolerance=tolerance,
                             replica_drift=drift, **metrics)
 
@@ -279,7 +296,7 @@ def _execution_order(reader: RunReader, key: TensorKey) -> tuple:
 def compare_runs(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
                  ignore_dtype: bool = False, progress: Callable[[int, int], None] | None = None) -> RunComparison:
     check_comparable(reference, candidate)
-    tolerances = tolerances or DtypeTolerances(precision=candidate.manifest.precision)
+    tolerances = tolerances or select_tolerances("auto", reference, candidate)
     result = RunComparison(reference=str(reference.run_dir), candidate=str(candidate.run_dir))
     steps = sorted(set(reference.complete_steps) & set(candidate.complete_steps))
     for name, reader in (("reference", reference), ("candidate", candidate)):

@@ -8,6 +8,7 @@ any parallel candidate therefore start from the same logical weights and see the
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
@@ -37,3 +38,28 @@ def tokens_full(seed: int, name: str, shape: tuple[int, ...], vocab_size: int) -
 def local_from_full(full: torch.Tensor, layout: Layout | None) -> torch.Tensor:
     """This rank's slice of a full logical tensor (the whole tensor when it is not sharded)."""
     return full.clone() if layout is None else shard(full, layout)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightPerturbation:
+    """One sample of the perturbation-based tolerance estimate: every logical weight w becomes
+    w * (1 + delta), delta ~ U[-relative, relative] elementwise, drawn from (seed, sample, name) in
+    the full logical shape, so that the perturbed model is the same logical model in any layout."""
+
+    sample: int
+    """Which perturbation (0, 1, ...); each draws independent deltas."""
+    relative: float
+    """Largest relative change per element: the compute dtype's unit round-off by default."""
+
+    def __post_init__(self) -> None:
+        if self.sample < 0 or not 0 < self.relative < 0.5:
+            raise ValueError(f"perturbation sample {self.sample} / relative {self.relative}: need sample >= 0, 0 < relative < 0.5")
+
+    def apply(self, seed: int, name: str, full: torch.Tensor) -> torch.Tensor:
+        generator = generator_for(seed, f"perturbation.{self.sample}.{name}")
+        delta = torch.rand(full.shape, generator=generator, dtype=torch.float64) * 2 - 1
+        return (full.double() * (1 + self.relative * delta)).to(full.dtype)
+
+    @staticmethod
+    def from_dict(data: dict | None) -> WeightPerturbation | None:
+        return None if data is None else WeightPerturbation(**data)

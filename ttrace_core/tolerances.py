@@ -2,16 +2,34 @@
 
 A tensor passes when ||actual - expected||_F <= rel * ||expected||_F + abs * sqrt(numel): the
 additive form of torch.testing.assert_close applied to Frobenius norms, so that near-zero
-references fall back to an absolute, per-element RMS bound. `DtypeTolerances` is the default
-table; tolerances derived from floating-point analysis plug in through `ToleranceProvider`.
+references fall back to an absolute, per-element RMS bound. Three providers:
+
+- `PerturbationTolerances` (the default once the reference holds an estimate): per tensor,
+  rel = max(alpha * r_t, floor), r_t the largest relative deviation the tensor showed when the
+  reference was re-run with weights perturbed by the unit round-off (estimate.py);
+- `TheoremTolerances`: rel = k * C**depth * eps, depth the number of layers between the tensor
+  and the input (forward) or the loss (backward, gradients, updated parameters);
+- `DtypeTolerances`: one (rel, abs) row per dtype.
+
+docs/tolerances.md has the math and the calibration of alpha, k and C.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
+import torch
+
+from ttrace_core.errors import TtraceError
 from ttrace_core.schema import TensorKey
+
+if TYPE_CHECKING:
+    from ttrace_core.estimate import PerturbationEstimate
+    from ttrace_core.store import RunReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +58,19 @@ DTYPE_TOLERANCES: dict[str, tuple[float, float]] = {
 
 
 # The run's `precision` (manifest) names its compute dtype; fp8 recipes accumulate and store in bf16.
-COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+COMPUTE_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+
+
+def machine_epsilon(precision: str) -> float:
+    """eps of the run's compute dtype (bf16's for fp8 recipes: they accumulate and store in bf16)."""
+    if precision not in COMPUTE_DTYPES:
+        raise TtraceError(f"precision {precision!r} has no compute dtype; known: {sorted(COMPUTE_DTYPES)}")
+    return torch.finfo(getattr(torch, COMPUTE_DTYPES[precision])).eps
+
+
+def _storage_epsilon(dtype: str) -> float:
+    torch_dtype = getattr(torch, dtype, None)
+    return torch.finfo(torch_dtype).eps if isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +94,129 @@ class DtypeTolerances:
         if compute_rel > rel:
             rel, abs_, source = compute_rel, max(abs_, compute_abs), f"dtype default ({dtype}, computed in {compute})"
         return Tolerance(rel=rel, abs=abs_, source=source)
+
+
+# alpha: ||candidate - reference|| <= ||candidate - exact|| + ||exact - reference||, each term about
+# one perturbation deviation, so 2; doubled for the spread of the max over few samples. Calibrated
+# on clean layouts only (docs/tolerances.md): their worst error is ~1.1 r_t (fp32), 0.9 (bf16).
+DEFAULT_ALPHA = 4.0
+# Floor, in units of eps: a tensor the perturbation does not move may still differ by one rounding.
+DEFAULT_FLOOR_EPS = 1.0
+
+
+@dataclass(kw_only=True, slots=True)
+class PerturbationTolerances:
+    """rel_t = max(alpha * r_t, floor_eps * eps) from a stored `PerturbationEstimate`.
+
+    r_t is the largest relative deviation over the samples *and over the micro-batches* of the
+    same tensor (same step, phase, fqn, slot): one tensor on different data has the same round-off
+    sensitivity, and pooling turns 4 samples into 16 draws, which matters for tensors of a few
+    elements (an fp8 scale is one), whose deviation is a single, heavy-tailed number.
+    """
+
+    estimate: PerturbationEstimate
+    precision: str
+    alpha: float = DEFAULT_ALPHA
+    floor_eps: float = DEFAULT_FLOOR_EPS
+    fallback: DtypeTolerances = field(default_factory=DtypeTolerances)
+    _pooled: dict[tuple, float] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for key, deviation in self.estimate.tensors.items():
+            group = _micro_batch_group(key)
+            self._pooled[group] = max(self._pooled.get(group, 0.0), deviation.relative)
+
+    def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
+        deviation = self.estimate.tensors.get(key)
+        if deviation is None:
+            fallback = self.fallback.tolerance_for(key, dtype)
+            return Tolerance(fallback.rel, fallback.abs, f"{fallback.source}; not in the perturbation estimate")
+        floor = self.floor_eps * max(machine_epsilon(self.precision), _storage_epsilon(dtype))
+        if deviation.reference_norm == 0:  # an all-zero reference: only an absolute bound means anything
+            rms = self.alpha * deviation.deviation / math.sqrt(max(deviation.numel, 1))
+            return Tolerance(rel=floor, abs=rms, source=f"perturbation: alpha {self.alpha:g} x absolute deviation (zero reference)")
+        relative = self._pooled[_micro_batch_group(key)]
+        if self.alpha * relative < floor:
+            return Tolerance(rel=floor, abs=0.0, source=f"perturbation floor {self.floor_eps:g} eps (r_t {relative:.2g})")
+        return Tolerance(rel=self.alpha * relative, abs=0.0,
+                         source=f"perturbation: alpha {self.alpha:g} x r_t {relative:.2g} ({self.estimate.num_samples} samples)")
+
+
+def _micro_batch_group(key: TensorKey) -> tuple:
+    return key.step, key.phase, key.fqn, key.slot
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
+_EMBEDDING_NAMES = ("emb", "wte", "wpe")
+# Megatron's adopted defaults (test_optimizer_grads_match.py): "C is close to 1; 1.01-1.05 are
+# reasonable", "k absorbs the hidden constant; 2-8 are common choices".
+DEFAULT_THEOREM_K = 4.0
+DEFAULT_THEOREM_C = 1.03
+
+
+def layer_position(fqn: str, num_layers: int) -> int:
+    """1-based layer of a tensor: `layers.<i>` is i + 1; embeddings 0; anything else above the top (L + 1)."""
+    match = _LAYER_INDEX.search(fqn)
+    if match:
+        return int(match.group(1)) + 1
+    return 0 if any(name in fqn for name in _EMBEDDING_NAMES) else num_layers + 1
+
+
+def theorem_depth(key: TensorKey, num_layers: int) -> int:
+    """Layers of round-off a tensor has passed through: from the input in forward, from the loss
+    otherwise (the theorem's L + 1 - l for a gradient of layer l)."""
+    position = layer_position(key.fqn, num_layers)
+    depth = position if key.phase == "forward" else num_layers + 1 - position
+    return max(depth, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class TheoremTolerances:
+    """rel = k * C**depth * eps (TTrace v1, Theorem 5.3); `fixed_depth` pins one depth for every
+    tensor, e.g. L + 1 for Megatron's adopted check at l = 0."""
+
+    num_layers: int
+    precision: str
+    k: float = DEFAULT_THEOREM_K
+    c: float = DEFAULT_THEOREM_C
+    fixed_depth: int | None = None
+
+    def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
+        depth = self.fixed_depth if self.fixed_depth is not None else theorem_depth(key, self.num_layers)
+        rel = self.k * self.c ** depth * machine_epsilon(self.precision)
+        return Tolerance(rel=rel, abs=0.0, source=f"theorem: {self.k:g} x {self.c:g}^{depth} x eps")
+
+
+TOLERANCE_KINDS = ("auto", "perturbation", "theorem", "dtype")
+
+
+def num_layers_of(reader: RunReader) -> int:
+    """The model's layer count: its manifest's num_layers, else the highest `layers.<i>` traced."""
+    declared = reader.manifest.model.get("num_layers")
+    if isinstance(declared, int):
+        return declared
+    indices = [int(m.group(1)) for key in reader.index if (m := _LAYER_INDEX.search(key.fqn))]
+    return max(indices, default=-1) + 1
+
+
+def select_tolerances(kind: str, reference: RunReader, candidate: RunReader, *, alpha: float = DEFAULT_ALPHA,
+                      k: float = DEFAULT_THEOREM_K, c: float = DEFAULT_THEOREM_C) -> ToleranceProvider:
+    """The provider `ttrace compare --tolerance KIND` uses; "auto" is perturbation when the reference holds an estimate."""
+    from ttrace_core.estimate import estimate_path, read_estimate
+
+    precision = candidate.manifest.precision
+    if kind not in TOLERANCE_KINDS:
+        raise TtraceError(f"--tolerance {kind!r}: choose from {', '.join(TOLERANCE_KINDS)}")
+    if kind == "theorem":
+        return TheoremTolerances(num_layers=num_layers_of(reference), precision=precision, k=k, c=c)
+    estimate = read_estimate(reference.run_dir) if kind in ("auto", "perturbation") else None
+    if estimate is None:
+        if kind == "perturbation":
+            raise TtraceError(f"{estimate_path(reference.run_dir)}: no perturbation estimate; run "
+                              f"`ttrace estimate {os.fspath(reference.run_dir)}` first, or pass --tolerance theorem|dtype")
+        return DtypeTolerances(precision=precision)
+    if estimate.precision != precision:
+        raise TtraceError(f"{estimate_path(reference.run_dir)}: estimated for precision {estimate.precision} but the "
+                          f"candidate runs {precision}; estimate a {precision} reference, or pass --tolerance theorem|dtype")
+    return PerturbationTolerances(estimate=estimate, precision=precision, alpha=alpha,
+                                  fallback=DtypeTolerances(precision=precision))

@@ -10,13 +10,15 @@ The reference is this same script on one process with every degree 1. The ttrace
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ttrace_core.generator import normal_full, tokens_full
+from ttrace_core.generator import WeightPerturbation, normal_full, tokens_full
 from ttrace_core.canonicalize import shard
 from ttrace_core.integrations import megatron_cpu
 from ttrace_core.integrations.megatron import (
@@ -34,9 +36,11 @@ from ttrace_core.tracer import Tracer
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 ENTRYPOINT = "ttrace_core.examples.megatron_gpt.train:run"
+LOSSES_FILE = "losses.json"
 # fp8: bf16 parameters and compute (Float16Module) with the four transformer GEMMs in emulated FP8
 # (per-tensor current scaling, e4m3 forward / e5m2 gradients, amax reduced over TP), as TE runs it.
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+# fp64: the oracle of the Dynamo-style baseline in benchmarks/detection.py (grads kept in fp64 too).
+PRECISIONS = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,6 +84,10 @@ class MegatronGPTRunConfig:
     smooth function of the gradient, so round-off in near-zero gradients is not blown up to +-lr."""
     bug: str | None = None
     stats_only: bool = False
+    record_steps: int | None = None
+    """Trace only the first this many steps (None: all); every step trains and logs its loss."""
+    perturbation: dict | None = None
+    """A WeightPerturbation as a dict: set by `ttrace estimate` on its re-runs of the reference."""
     model: MegatronModelConfig = field(default_factory=MegatronModelConfig)
 
     def __post_init__(self) -> None:
@@ -96,6 +104,7 @@ class MegatronGPTRunConfig:
         m = self.model
         if m.num_layers % self.pp or m.num_attention_heads % self.tp or m.vocab_size % self.tp or m.seq_len % self.tp:
             raise ValueError(f"the model ({m}) does not divide evenly over tp {self.tp} / pp {self.pp}")
+        WeightPerturbation.from_dict(self.perturbation)  # validates
         if self.bug is not None:
             from ttrace_core.examples.megatron_gpt.bugs import ZOO
 
@@ -140,7 +149,8 @@ def _moe_fields(config: MegatronGPTRunConfig) -> dict:
                 expert_tensor_parallel_size=1 if config.ep > 1 else None)
 
 
-def init_weights(model: torch.nn.Module, seed: int, rename: tuple[tuple[str, str], ...]) -> None:
+def init_weights(model: torch.nn.Module, seed: int, rename: tuple[tuple[str, str], ...],
+                 perturbation: WeightPerturbation | None = None) -> None:
     """Every parameter from (seed, global name), in full logical shape, sliced by its TP layout."""
     from megatron.core import parallel_state
 
@@ -153,7 +163,10 @@ def init_weights(model: torch.nn.Module, seed: int, rename: tuple[tuple[str, str
             if placement != "R":
                 global_shape[param.partition_dim] *= tp_size
             layout = Layout(global_shape=tuple(global_shape), mesh_shape=(tp_size,), coordinate=(tp_rank,), placements=(placement,))
-            param.copy_(shard(_logical_weight(seed, name, tuple(global_shape)), layout).to(param.dtype))
+            full = _logical_weight(seed, name, tuple(global_shape))
+            if perturbation is not None:
+                full = perturbation.apply(seed, name, full)
+            param.copy_(shard(full, layout).to(param.dtype))
 
 
 def _logical_weight(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -241,10 +254,13 @@ def _build(config: MegatronGPTRunConfig):
                      max_sequence_length=config.model.seq_len, pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=config.model.tie_embeddings)
+    if config.precision == "fp64":  # the local spec's torch norms ignore params_dtype
+        model = model.double()
     rename = megatron_rename(model)
-    init_weights(model, config.seed, rename)
+    init_weights(model, config.seed, rename, WeightPerturbation.from_dict(config.perturbation))
     wrapped = Float16Module(tconfig, model) if tconfig.bf16 else model
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=config.dist_opt)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.precision != "fp64",
+                                               use_distributed_optimizer=config.dist_opt)
     ddp = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=wrapped)
     tconfig.no_sync_func = ddp.no_sync
     tconfig.finalize_model_grads_func = finalize_model_grads
@@ -262,21 +278,46 @@ def _train(config: MegatronGPTRunConfig) -> None:
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     local_micro_batches = config.num_micro_batches // dp_size
     role = "candidate" if config.world_size > 1 else "reference"
+    recorded = None if config.record_steps is None else tuple(range(config.record_steps))
     tracer = Tracer(config.out, unwrap(ddp), role=role, manifest=manifest_for(config, role), config=megatron_tracer_config(  # ttrace
         loss_scale=1 / local_micro_batches, rename=rename, data_parallel_rank=dp_rank, data_parallel_size=dp_size,  # ttrace
-        stats_only=config.stats_only))  # ttrace
+        stats_only=config.stats_only, steps=recorded))  # ttrace
     declare_megatron_layouts(tracer, ddp, sequence_parallel=config.sp, rename=rename)  # ttrace
     declare_distributed_optimizer_ranges(tracer, ddp, optimizer, rename=rename)  # ttrace
     forward_backward = get_forward_backward_func()
+    losses = []
     for step in range(config.steps):
         batches = [micro_batch(config, local * dp_size + dp_rank) for local in range(local_micro_batches)]
         with tracer.step(step):  # ttrace
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
-            forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
-                             num_microbatches=local_micro_batches, seq_length=config.model.seq_len,
-                             micro_batch_size=config.micro_batch_size, forward_only=False)
+            reduced = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
+                                       num_microbatches=local_micro_batches, seq_length=config.model.seq_len,
+                                       micro_batch_size=config.micro_batch_size, forward_only=False)
             tracer.record_gradients()  # ttrace
             optimizer.step()
             tracer.record_parameters()  # ttrace
+        losses.append(_global_loss(reduced))
     tracer.close()  # ttrace
+    _write_losses(config, losses)
+
+
+def _global_loss(reduced: list[dict]) -> float | None:
+    """The step's mean loss over all micro-batches of all DP ranks (None off the last stage)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    local = torch.stack([r["loss"] for r in reduced]).double().mean().reshape(1)
+    dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+    return float(local) / parallel_state.get_data_parallel_world_size()
+
+
+def _write_losses(config: MegatronGPTRunConfig, losses: list[float | None]) -> None:
+    """losses.json beside the trace: the per-step loss curve (the loss-curve baseline reads it)."""
+    from megatron.core import parallel_state
+
+    first_of_last_stage = (parallel_state.is_pipeline_last_stage() and parallel_state.get_data_parallel_rank() == 0
+                           and parallel_state.get_tensor_model_parallel_rank() == 0)
+    if first_of_last_stage:
+        Path(config.out, LOSSES_FILE).write_text(json.dumps({"losses": losses}))

@@ -20,13 +20,13 @@ from torch.distributed.tensor import Shard
 from ttrace_core.examples.torch_gpt.context_parallel import apply_context_parallel, sequence_chunk
 from ttrace_core.examples.torch_gpt.model import GPT, GPTConfig, loss_fn
 from ttrace_core.examples.torch_gpt.parallelize import TORCH_GPT_BUGS, apply_ddp, apply_fsdp, apply_tensor_parallel
-from ttrace_core.generator import local_from_full, normal_full, tokens_full
+from ttrace_core.generator import WeightPerturbation, local_from_full, normal_full, tokens_full
 from ttrace_core.integrations.dtensor import declare_parallelize_plan, layout_from_dtensor
 from ttrace_core.placements import coordinate_from_rank
 from ttrace_core.schema import RunManifest
 from ttrace_core.tracer import Tracer, TracerConfig
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 ENTRYPOINT = "ttrace_core.examples.torch_gpt.train:run"
 
 
@@ -52,6 +52,8 @@ class TorchGPTRunConfig:
     lr: float = 0.1
     bug: str | None = None
     stats_only: bool = False
+    perturbation: dict | None = None
+    """A WeightPerturbation as a dict: set by `ttrace estimate` on its re-runs of the reference."""
     model: GPTConfig = field(default_factory=GPTConfig)
 
     def __post_init__(self) -> None:
@@ -71,6 +73,7 @@ class TorchGPTRunConfig:
             raise ValueError(f"num_micro_batches {self.num_micro_batches} must be a multiple of dp/fsdp ({data_parallel}) and >= pp")
         if self.model.num_layers % self.pp or self.model.num_heads % self.tp or self.model.vocab_size % self.tp:
             raise ValueError(f"the model ({self.model}) does not divide evenly over tp {self.tp} / pp {self.pp}")
+        WeightPerturbation.from_dict(self.perturbation)  # validates
         if self.bug is not None:
             if self.bug not in TORCH_GPT_BUGS:
                 raise ValueError(f"unknown bug {self.bug!r}; `ttrace bugs` lists them: {sorted(TORCH_GPT_BUGS)}")
@@ -96,7 +99,7 @@ class TorchGPTRunConfig:
         return TorchGPTRunConfig(**data)
 
 
-def init_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
+def init_weights(model: nn.Module, seed: int, dtype: torch.dtype, perturbation: WeightPerturbation | None = None) -> None:
     """Give every parameter its logical value from (seed, fqn), sliced by the parameter's own layout."""
     with torch.no_grad():
         for fqn, param in model.named_parameters():
@@ -107,6 +110,8 @@ def init_weights(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
             else:
                 std = 0.3 if "emb" in fqn else 0.02 if leaf == "bias" else 0.08
                 full = normal_full(seed, fqn, tuple(param.shape), std=std)
+            if perturbation is not None:
+                full = perturbation.apply(seed, fqn, full)
             full = full.to(dtype)
             if isinstance(param, torch.distributed.tensor.DTensor):
                 param.to_local().copy_(local_from_full(full, layout_from_dtensor(param)))
@@ -166,7 +171,7 @@ def _train(config: TorchGPTRunConfig) -> None:
     plan = apply_tensor_parallel(model, mesh, sequence_parallel=config.sp, bug=config.bug) if config.tp > 1 else {}
     if config.fsdp > 1:
         apply_fsdp(model, mesh)
-    init_weights(model, config.seed, dtype)
+    init_weights(model, config.seed, dtype, WeightPerturbation.from_dict(config.perturbation))
     if config.cp > 1:
         apply_context_parallel(model, mesh, seq_len=config.model.seq_len, bug=config.bug)
     uses_ddp = config.dp > 1 or config.cp > 1

@@ -1,0 +1,61 @@
+"""CI-sized subset of benchmarks/detection.py: with tolerances estimated by `ttrace estimate`, clean
+low-precision layouts pass and zoo bugs fail, with a margin of at least 3x between them."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MEGATRON_SIZE, load_comparison, run_ttrace
+
+CASES = {
+    # precision, clean layout, bug, bug layout, where the bug must first show
+    "bf16": ("bf16", ["--tp", "2", "--sp"], "sp-final-norm-grad", ["--tp", "2", "--sp"],
+             "grad / decoder.final_layernorm"),
+    "fp8": ("fp8", ["--tp", "2"], "fp8-amax-wrong-group", ["--tp", "2"],
+            "forward / decoder.layers.0.self_attention.linear_qkv.fp8_scale_inv"),
+}
+
+
+def _record(out: Path, precision: str, *flags: str) -> Path:
+    run_ttrace("example", "megatron-gpt", *MEGATRON_SIZE, "--precision", precision, *flags, "--out", str(out),
+               check_codes=(0,))
+    return out
+
+
+def _compare(reference: Path, candidate: Path, json_path: Path) -> tuple[int, object]:
+    result = run_ttrace("compare", str(reference), str(candidate), "--json", str(json_path), check_codes=(0, 1))
+    return result.returncode, load_comparison(json_path)
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_estimated_tolerances_pass_clean_and_catch_the_bug_with_margin(case, tmp_path):
+    precision, clean_flags, bug, bug_flags, culprit = CASES[case]
+    reference = _record(tmp_path / "reference", precision)
+    estimated = run_ttrace("estimate", str(reference), "--samples", "2", check_codes=(0,))
+    assert "stored in" in estimated.stdout
+    assert json.loads((reference / "tolerance_estimate.json").read_text())["num_samples"] == 2
+
+    clean_code, clean = _compare(reference, _record(tmp_path / "clean", precision, *clean_flags), tmp_path / "clean.json")
+    bug_code, buggy = _compare(reference, _record(tmp_path / "bug", precision, *bug_flags, "--bug", bug), tmp_path / "bug.json")
+
+    assert clean_code == 0, [str(c.key) for c in clean.failures][:5]
+    assert bug_code == 1
+    first = buggy.first_divergence
+    assert culprit in str(first.key), str(first.key)
+    assert first.tolerance.source.startswith("perturbation")
+    clean_max = max(c.ratio for c in clean.comparisons if c.ratio is not None)
+    assert first.ratio >= 3 * clean_max, (first.ratio, clean_max)
+
+
+def test_compare_asks_for_an_estimate_when_perturbation_is_requested(megatron_reference):
+    result = run_ttrace("compare", str(megatron_reference), str(megatron_reference), "--tolerance", "perturbation")
+    assert result.returncode == 2
+    assert "ttrace estimate" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_theorem_tolerances_are_selectable(megatron_reference, tmp_path):
+    result = run_ttrace("compare", str(megatron_reference), str(megatron_reference), "--tolerance", "theorem",
+                        "--json", str(tmp_path / "theorem.json"), check_codes=(0,))
+    comparison = load_comparison(tmp_path / "theorem.json")
+    assert result.returncode == 0 and all(c.tolerance.source.startswith("theorem") for c in comparison.comparisons)

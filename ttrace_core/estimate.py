@@ -1,0 +1,160 @@
+"""Perturbation-based error estimation: how far round-off alone can move each traced tensor.
+
+Part of stage 3 (compare). Input: a reference run directory whose manifest names its entrypoint.
+Output: a `PerturbationEstimate` stored beside the trace (`tolerance_estimate.json`), from which
+`tolerances.PerturbationTolerances` derives one tolerance per tensor for every later candidate.
+
+The method (TTrace v2): a backward-stable floating-point run equals the exact computation on
+inputs moved by about the unit round-off u, so the reference re-run with its weights perturbed
+elementwise, w * (1 + delta) with delta ~ U[-u, u], moves each tensor t by as much as round-off
+can. For N samples, deviation_t = max_n ||T_t^(n) - T_t||_F. Relaunching uses only the manifest
+(entrypoint factory and config); the re-runs are written under `.estimate/` and removed after.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ttrace_core.errors import TraceFormatError, TtraceError
+from ttrace_core.schema import TensorKey
+from ttrace_core.store import RunReader, read_manifest
+from ttrace_core.tolerances import machine_epsilon
+
+ESTIMATE_FILE = "tolerance_estimate.json"
+ESTIMATE_FORMAT = "ttrace-perturbation-estimate/1"
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorDeviation:
+    key: TensorKey
+    deviation: float
+    """max over samples of ||perturbed - reference||_F."""
+    reference_norm: float
+    numel: int
+    per_sample: list[float] = field(default_factory=list)
+    """||perturbed - reference||_F / ||reference||_F of each sample (inf where the norm is 0)."""
+
+    @property
+    def relative(self) -> float:
+        if self.reference_norm > 0:
+            return self.deviation / self.reference_norm
+        return 0.0 if self.deviation == 0 else math.inf
+
+
+@dataclass(kw_only=True, slots=True)
+class PerturbationEstimate:
+    precision: str
+    num_samples: int
+    relative: float
+    """Perturbation size: delta ~ U[-relative, relative]."""
+    seconds: float = 0.0
+    tensors: dict[TensorKey, TensorDeviation] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        rows = [{**asdict(d), "key": asdict(d.key)} for d in self.tensors.values()]
+        return json.dumps({"format": ESTIMATE_FORMAT, "precision": self.precision, "num_samples": self.num_samples,
+                           "relative": self.relative, "seconds": self.seconds, "tensors": rows})
+
+    @staticmethod
+    def from_json(text: str, where: str) -> PerturbationEstimate:
+        try:
+            data = json.loads(text)
+            if data.get("format") != ESTIMATE_FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, expected {ESTIMATE_FORMAT!r}")
+            tensors = {}
+            for row in data["tensors"]:
+                key = TensorKey(**row.pop("key"))
+                tensors[key] = TensorDeviation(key=key, **row)
+            return PerturbationEstimate(precision=data["precision"], num_samples=data["num_samples"],
+                                        relative=data["relative"], seconds=data.get("seconds", 0.0), tensors=tensors)
+        except (ValueError, KeyError, TypeError) as error:
+            raise TraceFormatError(f"{where}: not a readable tolerance estimate ({error}); "
+                                   "delete it and run `ttrace estimate` again") from error
+
+
+def estimate_path(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / ESTIMATE_FILE
+
+
+def read_estimate(run_dir: str | os.PathLike) -> PerturbationEstimate | None:
+    path = estimate_path(run_dir)
+    if not path.exists():
+        return None
+    return PerturbationEstimate.from_json(path.read_text(), str(path))
+
+
+def write_estimate(run_dir: str | os.PathLike, estimate: PerturbationEstimate) -> Path:
+    path = estimate_path(run_dir)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(estimate.to_json())
+    os.replace(partial, path)
+    return path
+
+
+def deviations(reference: RunReader, perturbed: RunReader) -> dict[TensorKey, tuple[float, float, int]]:
+    """(||perturbed - reference||_F, ||reference||_F, numel) of every tensor both runs hold."""
+    from ttrace_core.compare import logical_value
+
+    result = {}
+    for key in reference.index:
+        if key not in perturbed.index or reference.index[key][0].stats_only:
+            continue
+        expected, actual = logical_value(reference, key), logical_value(perturbed, key)
+        finite = torch.isfinite(expected) & torch.isfinite(actual)
+        diff = torch.where(finite, actual - expected, torch.zeros((), dtype=torch.float64))
+        norm = torch.where(finite, expected, torch.zeros((), dtype=torch.float64))
+        result[key] = (float(torch.linalg.vector_norm(diff)), float(torch.linalg.vector_norm(norm)), expected.numel())
+    return result
+
+
+def _run_sample(factory: str, config: dict, world_size: int, timeout_s: float) -> None:
+    from ttrace_core.launch import run_ranks
+
+    run_ranks(factory, config, world_size, timeout_s=timeout_s)
+
+
+def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, relative: float | None = None,
+                       timeout_s: float = 600.0, num_workers: int | None = None) -> PerturbationEstimate:
+    """Re-run the reference `num_samples` times with perturbed weights and measure every tensor's deviation."""
+    if num_samples < 1:
+        raise TtraceError(f"--samples {num_samples}: need at least 1 perturbed re-run")
+    run_dir = Path(run_dir)
+    manifest = read_manifest(run_dir)
+    factory, config = manifest.entrypoint.get("factory"), manifest.entrypoint.get("config")
+    if not factory or config is None:
+        raise TtraceError(f"{run_dir}/manifest.json: no entrypoint recorded, so the reference cannot be re-run; "
+                          "record it with `ttrace example` or pass entrypoint= to the Tracer's manifest")
+    relative = relative if relative is not None else machine_epsilon(manifest.precision) / 2  # unit round-off
+    work = run_dir / ".estimate"
+    shutil.rmtree(work, ignore_errors=True)
+    outs = [work / f"sample_{i}" for i in range(num_samples)]
+    configs = [{**config, "out": str(out), "perturbation": {"sample": i, "relative": relative}} for i, out in enumerate(outs)]
+    workers = num_workers or max(1, (os.cpu_count() or 1) // manifest.world_size)
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=min(workers, num_samples)) as pool:
+        for future in [pool.submit(_run_sample, factory, c, manifest.world_size, timeout_s) for c in configs]:
+            future.result()
+    estimate = PerturbationEstimate(precision=manifest.precision, num_samples=num_samples, relative=relative)
+    with RunReader(run_dir) as reference:
+        for out in outs:
+            with RunReader(out) as perturbed:
+                _merge(estimate, deviations(reference, perturbed))
+    estimate.seconds = time.monotonic() - started
+    shutil.rmtree(work, ignore_errors=True)
+    return estimate
+
+
+def _merge(estimate: PerturbationEstimate, sample: dict[TensorKey, tuple[float, float, int]]) -> None:
+    for key, (deviation, norm, numel) in sample.items():
+        entry = estimate.tensors.setdefault(key, TensorDeviation(key=key, deviation=0.0, reference_norm=norm, numel=numel))
+        entry.deviation = max(entry.deviation, deviation)
+        entry.per_sample.append(deviation / norm if norm > 0 else (0.0 if deviation == 0 else math.inf))
