@@ -24,7 +24,8 @@ from pathlib import Path
 
 import baselines
 from ttrace_core.compare import compare_runs
-from ttrace_core.examples.megatron_gpt.bugs import ZOO
+from ttrace_core.examples.megatron_gpt.bugs import ZOO, first_tensor_points_at, localized_correctly
+from ttrace_core.localize import localize
 from ttrace_core.store import RunReader
 from ttrace_core.tolerances import num_layers_of, select_tolerances
 
@@ -77,6 +78,10 @@ class Row:
     assert_close: bool | None
     dynamo: bool | None
     loss_step: str
+    localized_rewrite: str = "-"
+    """Bug runs: does `ttrace localize` name the ground truth first ("yes"/"no", with what it named)."""
+    localized_first_tensor: str = "-"
+    """Bug runs: is the first failing tensor in the ground-truth module (or parameters)?"""
     note: str = ""
 
 
@@ -149,11 +154,23 @@ def evaluate(run: Run, work: Path, spread: float | None) -> Row:
         step = baselines.loss_curve_step(ref_losses, cand_losses, spread)
         loss_step = f"not within {len(ref_losses)}" if step is None else str(step)
     ratios = [c.ratio for c in result.comparisons if c.ratio is not None]
-    return Row(precision=run.precision, run=run.bug or "clean", variant=run.variant, layout=run.layout,
+    rewrite, first_tensor = localization_columns(run, work, reference_run, result)
+    return Row(localized_rewrite=rewrite, localized_first_tensor=first_tensor, precision=run.precision, run=run.bug or "clean", variant=run.variant, layout=run.layout,
                detected=not result.passed, first_divergence=str(first.key) if first is not None else "",
                first_ratio=first.ratio if first is not None else None, max_ratio=max(ratios, default=None), ground_truth=truth,
                theorem=theorem, megatron_l0=l0 is not None, assert_close=elementwise["assert_close"] is not None,
                dynamo=elementwise["dynamo"] is not None, loss_step=loss_step)
+
+
+def localization_columns(run: Run, work: Path, reference_run: Run, result) -> tuple[str, str]:
+    """("yes"/"no: <named>", "yes"/"no") for a bug run; "-" for clean runs and undetected bugs."""
+    if run.bug is None or result.passed:
+        return "-", "-"
+    first = result.first_divergence
+    first_tensor = "yes" if first_tensor_points_at(run.bug, first.key.phase, first.key.fqn) else "no"
+    found = localize(reference_run.directory(work), run.directory(work), original=result)
+    named = found.culprits[0] if found.culprits else "nothing"
+    return ("yes" if localized_correctly(run.bug, found) else f"no: {named}"), first_tensor
 
 
 def compare_from_errors(result, tolerances) -> bool:
@@ -216,6 +233,10 @@ def summary(rows: list[Row]) -> list[str]:
         missed = sum(getattr(r, name) is False for r in bugs)
         alarms = sum(bool(getattr(r, name)) for r in cleans)
         lines.append(f"- {name}: misses {missed}/{len(bugs)} bug runs, false alarms on {alarms}/{len(cleans)} clean runs")
+    detected = [r for r in bugs if r.detected]
+    lines.append(f"- localization, rewrite replay (`ttrace localize`): names the ground truth first in "
+                 f"{sum(r.localized_rewrite == 'yes' for r in detected)}/{len(detected)} detected bug runs; "
+                 f"blaming the first failing tensor: {sum(r.localized_first_tensor == 'yes' for r in detected)}/{len(detected)}")
     loss_missed = sum(r.loss_step.startswith("not") for r in bugs)
     lines.append(f"- loss curve: {loss_missed}/{len(bugs)} bug runs never leave the clean spread within the steps run")
     failed = [r for r in rows if r.note]
@@ -241,7 +262,8 @@ def write_results(rows: list[Row], args: argparse.Namespace, seconds: float) -> 
         writer.writeheader()
         writer.writerows(asdict(r) for r in rows)
     columns = ["precision", "run", "variant", "layout", "detected", "first_divergence", "first_ratio", "max_ratio",
-               "theorem", "megatron_l0", "assert_close", "dynamo", "loss_step", "note"]
+               "localized_rewrite", "localized_first_tensor", "theorem", "megatron_l0", "assert_close", "dynamo",
+               "loss_step", "note"]
     table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     table += ["| " + " | ".join(_fmt(getattr(r, c)) for c in columns) + " |" for r in rows]
     header = [
@@ -253,7 +275,8 @@ def write_results(rows: list[Row], args: argparse.Namespace, seconds: float) -> 
         "tensor, `max_ratio` the largest over the run. Baselines: `theorem` k=4 C=1.03 per-tensor depth; "
         "`megatron_l0` Megatron's check at l=0 on reduced gradients; `assert_close` torch defaults per dtype; "
         "`dynamo` torch._dynamo.utils.same with an fp64 oracle; `loss_step` the first step whose loss leaves the "
-        "clean-vs-reference spread.", "", "## Summary", "", *summary(rows), "", "## Runs", "", *table, ""]
+        "clean-vs-reference spread. `localized_rewrite`: `ttrace localize` (rewrite replay) names the ground-truth "
+        "culprit first; `localized_first_tensor`: the first failing tensor lies in it.", "", "## Summary", "", *summary(rows), "", "## Runs", "", *table, ""]
     (RESULTS / "detection.md").write_text("\n".join(header))
 
 

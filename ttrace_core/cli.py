@@ -1,4 +1,4 @@
-"""`ttrace` command line: example, estimate, compare, inspect, bugs.
+"""`ttrace` command line: example, estimate, compare, localize, inspect, bugs.
 
 Exit codes: 0 the runs are equivalent (or the command succeeded), 1 a divergence was found,
 2 bad input (one line that names the file or tensor and says why).
@@ -94,6 +94,12 @@ def _build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--relative", type=float, default=None,
                           help="perturbation size (default: the unit round-off of the run's compute dtype)")
     estimate.add_argument("--timeout", type=float, default=600.0, help="seconds before a re-run's ranks are killed")
+    localize = commands.add_parser("localize", help="relaunch the candidate with module inputs rewritten to the reference's, name the culprit")
+    localize.add_argument("reference")
+    localize.add_argument("candidate")
+    localize.add_argument("--module", default=None, help="rewrite and judge only this module and its descendants")
+    localize.add_argument("--json", default=None, help="write the localization as JSON here")
+    localize.add_argument("--timeout", type=float, default=600.0, help="seconds before the replay's ranks are killed")
     inspect = commands.add_parser("inspect", help="list what a run directory holds")
     inspect.add_argument("run_dir")
     inspect.add_argument("--tensors", action="store_true", help="list every logical tensor")
@@ -151,6 +157,17 @@ def _run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_localize(args: argparse.Namespace) -> int:
+    from ttrace_core.localize import localize
+    from ttrace_core.report import render_localization
+
+    result = localize(args.reference, args.candidate, module=args.module, timeout_s=args.timeout)
+    print(render_localization(result))
+    if args.json:
+        Path(args.json).write_text(result.to_json())
+    return 0 if result else 1
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
     from ttrace_core.report import render_run
     from ttrace_core.store import RunReader
@@ -176,8 +193,8 @@ def _run_bugs(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handlers = {"example": _run_example, "estimate": _run_estimate, "compare": _run_compare, "inspect": _run_inspect,
-                "bugs": _run_bugs}
+    handlers = {"example": _run_example, "estimate": _run_estimate, "compare": _run_compare, "localize": _run_localize,
+                "inspect": _run_inspect, "bugs": _run_bugs}
     try:
         return handlers[args.command](args)
     except TtraceError as error:

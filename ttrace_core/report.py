@@ -88,3 +88,31 @@ class ProgressBar:
         if done == total:
             sys.stderr.write("\n")
         sys.stderr.flush()
+
+
+def _evidence_lines(evidence) -> list[str]:
+    return [f"      {_number(e.ratio_before):>9} -> {_number(e.ratio_after):>9}  {e.key}" for e in evidence]
+
+
+def render_localization(result) -> str:
+    """A `localize.Localization` as text: culprits with evidence, the module tally, the command."""
+    lines = [f"reference: {result.reference}", f"candidate: {result.candidate}"]
+    if not result.diverged:
+        return "\n".join(lines + ["", "no divergence: no culprit", *result.notes])
+    lines += [f"replay:    {result.replay} (every traced module fed the reference's inputs)", ""]
+    if not result.culprits:
+        lines.append("no culprit found")
+    culprits = [m for m in result.modules if m.verdict == "introduces error"]
+    for module in culprits:
+        lines += [f"culprit: {module.fqn}  (introduces error in {module.phase})",
+                  "      ratio before -> after rewriting"] + _evidence_lines(module.evidence)
+    for finding in result.sync:
+        what = "optimizer step (update or parameter all-gather)" if finding.reduction == "optimizer" \
+            else f"{finding.reduction} gradient reduction"
+        lines += [f"culprit: {what} of {len(finding.params)} parameter(s) [{finding.bug_class}]: {finding.detail}", f"      params: {', '.join(finding.params[:6])}{' ...' if len(finding.params) > 6 else ''}",
+                  "      ratio before -> after rewriting"] + _evidence_lines(finding.evidence)
+    tally = Counter(m.verdict for m in result.modules)
+    lines += ["", f"bug class: {result.bug_class or '-'}",
+              f"modules: {tally['introduces error']} introduce error, {tally['inherits error']} inherit it, {tally['clean']} clean",
+              *result.notes, f"reproduce: {result.command}"]
+    return "\n".join(lines)

@@ -134,13 +134,22 @@ class Tracer:
         self._flat_ranges: dict[tuple[str, str], tuple[int, int]] = {}
         self._state: _StepState | None = None
         self._handles: list = []
+        self._rewriter = None
+        rewrite_from = os.environ.get("TTRACE_REWRITE_FROM")  # set by `ttrace localize` (rewrite.py)
         if self.rank == 0:
             refuse_existing_trace(run_dir, manifest_only=True)
             manifest = manifest or RunManifest(role=role, world_size=world_size)
             manifest.role, manifest.world_size = role, world_size
             manifest.tracer = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.config).items()}
+            if rewrite_from:
+                manifest.tracer |= {"rewrite_from": rewrite_from, "rewrite_module": os.environ.get("TTRACE_REWRITE_MODULE")}
             write_manifest(run_dir, manifest)
         self._attach_modules(model)
+        if rewrite_from:
+            from ttrace_core.rewrite import InputRewriter, rewrite_settings
+
+            self._rewriter = InputRewriter(self, *rewrite_settings())
+            self._rewriter.attach(model, self._handles)
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.record_gradients()))
             self._handles.append(optimizer.register_step_post_hook(lambda *_: self.record_parameters()))
@@ -276,8 +285,9 @@ class Tracer:
             # accumulation, GPipe, 1F1B), so the k-th backward call belongs to the k-th forward.
             micro_batch = self._global_micro_batch(self._state.backward_calls[fqn])
             self._state.backward_calls[fqn] += 1
+            rewritten = self._rewriter is not None and self._rewriter.records_grad_outputs(fqn)
             for index, value in enumerate(grad_output):
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, torch.Tensor) and not rewritten:  # else recorded before the rewrite
                     self._record("backward", fqn, f"grad_output.{index}", value, micro_batch)
             for index, value in enumerate(grad_input):
                 if isinstance(value, torch.Tensor):
@@ -335,3 +345,5 @@ class Tracer:
             handle.remove()
         self._handles.clear()
         self._writer.close()
+        if self._rewriter is not None:
+            self._rewriter.close()

@@ -24,6 +24,9 @@ def test_clean_megatron_layout_matches_the_reference(traces, megatron_reference,
     assert comparison.steps_compared == [0, 1] and all(comparison.comparisons)
     assert {c.key.phase for c in comparison.comparisons} == {"forward", "backward", "grad", "param"}
     assert len(comparison.comparisons) > 1200
+    if name == "tp2":  # a clean candidate: localization names no culprit
+        localized = run_ttrace("localize", str(megatron_reference), str(out), check_codes=(0,))
+        assert "no divergence: no culprit" in localized.stdout
 
 
 def test_integration_takes_at_most_10_lines():

@@ -1,11 +1,13 @@
 """A CI-sized subset of the bug zoo: each bug, in a layout that triggers it, makes `ttrace compare`
-exit 1, and the first divergence is at or downstream of the bug's ground-truth tensor.
-The full sweep over every bug, layout and precision is the detection benchmark."""
+exit 1, the first divergence is at or downstream of the bug's ground-truth tensor, and
+`ttrace localize` names the ground-truth culprit: a module (forward), or the parameters and the
+reduction (gradient sync, scaling, optimizer). The full sweep is the detection benchmark."""
 
 import pytest
 
 from tests.conftest import MEGATRON_SIZE, load_comparison, run_ttrace
-from ttrace_core.examples.megatron_gpt.bugs import ZOO
+from ttrace_core.examples.megatron_gpt.bugs import CULPRITS, ZOO, localized_correctly
+from ttrace_core.localize import Localization
 
 pytestmark = pytest.mark.distributed
 
@@ -36,6 +38,12 @@ def test_zoo_bug_is_detected_at_or_after_its_ground_truth(traces, megatron_refer
     assert first_failure >= ground_truth, (
         f"{name}: first divergence {comparisons[first_failure].key} precedes the ground truth {comparisons[ground_truth].key}")
     assert comparisons[first_failure].ratio is None or comparisons[first_failure].ratio > 10
+
+    localized = run_ttrace("localize", str(megatron_reference), str(out), "--json", str(traces / f"zoo-{name}-loc.json"))
+    assert localized.returncode == 1, localized.stdout + localized.stderr
+    localization = Localization.from_json((traces / f"zoo-{name}-loc.json").read_text())
+    assert localized_correctly(name, localization), (CULPRITS[name], localization.culprits)
+    assert "reproduce: ttrace localize" in localized.stdout
 
 
 def test_router_replicas_not_synchronized_under_sp_are_caught(traces, megatron_moe_reference):

@@ -37,6 +37,7 @@ megatron.core.transformer.moe.moe_utils.te_general_gemm = None without Transform
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -212,3 +213,62 @@ def apply_bug(name: str) -> Callable[[], None]:
     if name not in ZOO:
         raise ValueError(f"unknown bug {name!r}; choose one of: {', '.join(ZOO)}")
     return ZOO[name].apply()
+
+
+@dataclass(frozen=True, kw_only=True)
+class CulpritTruth:
+    """What a localizer must name for a bug, in matchable form (the `culprit` text, as globs)."""
+
+    modules: tuple[str, ...] = ()
+    """fnmatch globs of modules, for bugs inside a module; naming a descendant counts ("<root>" is
+    the code outside every module: loss and schedule)."""
+    params: str = ""
+    """fnmatch glob of the parameters, for bugs outside modules (gradient sync, scaling, optimizer)."""
+    reduction: str = ""
+    """The reduction at fault for those parameters: "TP", "DP", "EP", "PP-embedding", "optimizer"."""
+
+    def names_module(self, fqn: str) -> bool:
+        return any(fnmatch.fnmatchcase(fqn, g) or fnmatch.fnmatchcase(fqn, g + ".*") for g in self.modules)
+
+    def names_sync(self, params: list[str], reduction: str) -> bool:
+        return bool(self.params) and reduction.startswith(self.reduction) and \
+            any(fnmatch.fnmatchcase(p, self.params) for p in params)
+
+
+CULPRITS: dict[str, CulpritTruth] = {
+    "sp-final-norm-grad": CulpritTruth(params="decoder.final_layernorm.*", reduction="TP"),
+    "sp-router-replica": CulpritTruth(params="decoder.layers.*.mlp.router.*", reduction="TP"),
+    "attn-dq-wrong": CulpritTruth(modules=("decoder.layers.*.self_attention.core_attention",)),
+    "cp-attn-backward": CulpritTruth(modules=("layers.*.attn",)),
+    "pp-tied-embedding-grad": CulpritTruth(params="embedding.word_embeddings.weight", reduction="PP-embedding"),
+    "distopt-stale-params": CulpritTruth(params="*", reduction="optimizer"),
+    "vocab-embedding-mask": CulpritTruth(modules=("embedding.word_embeddings",)),
+    "row-parallel-bias-per-rank": CulpritTruth(modules=("decoder.layers.*.self_attention.linear_proj",
+                                                        "decoder.layers.*.mlp.linear_fc2")),
+    "sp-gather-wrong-dim": CulpritTruth(modules=("output_layer", "decoder.layers.*.self_attention.linear_qkv",
+                                                 "decoder.layers.*.mlp.linear_fc1")),
+    "swiglu-tp-shard": CulpritTruth(modules=("decoder.layers.*.mlp",)),
+    "fp8-amax-wrong-group": CulpritTruth(modules=("decoder.layers.*.linear_qkv", "decoder.layers.*.linear_proj",
+                                                  "decoder.layers.*.linear_fc1", "decoder.layers.*.linear_fc2")),
+    "expert-grad-scale": CulpritTruth(params="decoder.layers.*.mlp.experts.*", reduction="EP"),
+    "loss-scale-dp-cp": CulpritTruth(modules=("<root>",)),
+    "dp-grad-avg-twice": CulpritTruth(params="*", reduction="DP"),
+}
+
+
+def localized_correctly(bug_name: str, localization) -> bool:
+    """Does a `localize.Localization` name the bug's ground truth first?"""
+    truth = CULPRITS[bug_name]
+    first_module = next((m.fqn for m in localization.modules if m.verdict == "introduces error"), None)
+    if truth.modules:
+        return first_module is not None and truth.names_module(first_module)
+    return first_module is None and any(truth.names_sync(s.params, s.reduction) for s in localization.sync)
+
+
+def first_tensor_points_at(bug_name: str, phase: str, fqn: str) -> bool:
+    """Would blaming the first failing tensor's module (or parameter) find the bug?"""
+    truth = CULPRITS[bug_name]
+    if truth.modules:
+        module = fqn.rsplit(".", 1)[0] if phase in ("grad", "param") else fqn
+        return truth.names_module(module)
+    return phase in ("grad", "param") and fnmatch.fnmatchcase(fqn, truth.params)

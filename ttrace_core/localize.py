@@ -1,0 +1,318 @@
+"""Stage 4 of record -> canonicalize -> compare -> localize -> render: name the module or reduction at fault.
+
+Input: a reference and a candidate run directory. The candidate is relaunched from its manifest
+(entrypoint factory and config) with input rewriting on (rewrite.py): every traced module computes
+from the reference's inputs and output gradients, while the trace keeps each module's own
+values. Output: a `Localization`, with one verdict per module, the culprits, their evidence
+(ratios before and after rewriting), the bug class and the command that reproduces the replay.
+
+How the replay is read, per step and micro-batch in execution order:
+- an output (forward) or grad_input (backward) that fails: the module was wrong on correct inputs;
+- an input or grad_output that fails while nothing earlier in that micro-batch failed: the code
+  between modules broke it, i.e. the parent's glue (or, with no traced parent, the code outside
+  every module: the loss and the schedule, reported as "<root>");
+- a culprit is a module that introduces error while none of its descendants does; its ancestors
+  inherit the error.
+Only the first step that diverges is judged: later steps start from parameters the bug already
+changed. Then, when no module explains them: a reduced gradient that fails is a gradient-sync bug (its
+replicas disagree along the mesh axis of the missing reduction, or it is off by a constant factor,
+a scaling bug), and an updated parameter that fails while its gradient passes is the optimizer's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ttrace_core.compare import RunComparison, TensorComparison, compare_runs, logical_value
+from ttrace_core.errors import TtraceError
+from ttrace_core.schema import RunManifest, TensorKey
+from ttrace_core.store import RunReader, read_manifest
+from ttrace_core.tolerances import select_tolerances
+
+ROOT = "<root>"
+STRUCTURAL = ("missing", "extra", "shape", "dtype", "layout")
+# A gradient off from the reference by a constant factor (and nothing else) is a scaling bug.
+PURE_SCALE_RESIDUAL = 1e-3
+
+
+@dataclass(kw_only=True, slots=True)
+class Evidence:
+    key: str
+    ratio_before: float | None
+    """Ratio (error / tolerance) in the plain comparison."""
+    ratio_after: float | None
+    """Ratio in the rewriting replay."""
+    status: str
+
+
+@dataclass(kw_only=True, slots=True)
+class ModuleVerdict:
+    fqn: str
+    verdict: str
+    """"introduces error", "inherits error" or "clean"."""
+    phase: str = ""
+    """Where a culprit's error shows: "forward", "backward", "forward glue", "backward glue"."""
+    evidence: list[Evidence] = field(default_factory=list)
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncFinding:
+    params: list[str]
+    reduction: str
+    """"TP", "TP (sequence parallel)", "DP", "PP-embedding", "EP", "optimizer", or "unknown"."""
+    bug_class: str
+    """"gradient-sync", "scaling" or "optimizer"."""
+    detail: str
+    evidence: list[Evidence] = field(default_factory=list)
+
+
+@dataclass(kw_only=True, slots=True)
+class Localization:
+    reference: str
+    candidate: str
+    replay: str | None
+    diverged: bool
+    culprits: list[str] = field(default_factory=list)
+    """Module fqns (execution order), then "params ... (reduction)" for sync findings."""
+    bug_class: str = ""
+    modules: list[ModuleVerdict] = field(default_factory=list)
+    sync: list[SyncFinding] = field(default_factory=list)
+    command: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        """True when nothing is at fault."""
+        return not self.culprits
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, default=str)
+
+    @staticmethod
+    def from_json(text: str) -> Localization:
+        data = json.loads(text)
+        data["modules"] = [ModuleVerdict(**{**m, "evidence": [Evidence(**e) for e in m["evidence"]]}) for m in data["modules"]]
+        data["sync"] = [SyncFinding(**{**s, "evidence": [Evidence(**e) for e in s["evidence"]]}) for s in data["sync"]]
+        return Localization(**data)
+
+
+def parent_of(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ROOT
+
+
+def is_descendant(fqn: str, ancestor: str) -> bool:
+    """Module nesting by name; ROOT (code outside every module) is nobody's ancestor."""
+    return ancestor != ROOT and fqn.startswith(ancestor + ".")
+
+
+def _evidence(key: TensorKey, before: dict[TensorKey, TensorComparison], after: TensorComparison) -> Evidence:
+    original = before.get(key)
+    return Evidence(key=str(key), ratio_before=original.ratio if original is not None else None, ratio_after=after.ratio,
+                    status=after.status)
+
+
+def _module_suspects(replay: RunComparison, before: dict, traced: set[str]) -> dict[str, tuple[str, list[Evidence]]]:
+    """fqn -> (phase, evidence) of every module the replay says introduced an error."""
+    suspects: dict[str, tuple[str, list[Evidence]]] = {}
+    failed_scopes: set[tuple] = set()
+    for c in replay.comparisons:
+        if c.key.phase not in ("forward", "backward") or c.status in STRUCTURAL:
+            continue
+        scope = (c.key.step, c.key.phase, c.key.micro_batch)
+        family = c.key.slot.split(".", 1)[0]
+        if c:
+            continue
+        if family in ("output", "grad_input"):
+            fqn, phase = c.key.fqn, c.key.phase
+        elif scope in failed_scopes:
+            continue  # an input broken by an earlier failure in the same micro-batch
+        else:
+            parent = parent_of(c.key.fqn)
+            fqn, phase = (parent if parent in traced else ROOT), f"{c.key.phase} glue"
+        failed_scopes.add(scope)
+        entry = suspects.setdefault(fqn, (phase, []))
+        if len(entry[1]) < 5:
+            entry[1].append(_evidence(c.key, before, c))
+    return suspects
+
+
+def module_verdicts(original: RunComparison, replay: RunComparison) -> list[ModuleVerdict]:
+    before = {c.key: c for c in original.comparisons}
+    traced = {c.key.fqn for c in replay.comparisons if c.key.phase in ("forward", "backward")}
+    suspects = _module_suspects(replay, before, traced)
+    failing_before = {c.key.fqn for c in original.comparisons if not c and c.key.phase in ("forward", "backward")}
+    verdicts = []
+    for fqn in sorted(traced | set(suspects), key=lambda f: _first_position(replay, f)):
+        if fqn in suspects and not any(is_descendant(other, fqn) for other in suspects if other != fqn):
+            phase, evidence = suspects[fqn]
+            verdicts.append(ModuleVerdict(fqn=fqn, verdict="introduces error", phase=phase, evidence=evidence))
+        elif fqn in suspects or fqn in failing_before:
+            verdicts.append(ModuleVerdict(fqn=fqn, verdict="inherits error"))
+        else:
+            verdicts.append(ModuleVerdict(fqn=fqn, verdict="clean"))
+    return verdicts
+
+
+def _first_position(replay: RunComparison, fqn: str) -> int:
+    return next((i for i, c in enumerate(replay.comparisons) if c.key.fqn == fqn), len(replay.comparisons))
+
+
+def _owner(param_fqn: str) -> str:
+    return parent_of(param_fqn)
+
+
+def _drift_axes(drift: dict, manifest: RunManifest) -> list[str]:
+    ranks = list(drift.get("ranks") or [])
+    if len(ranks) < 2 or not manifest.rank_coordinates:
+        return []
+    first, second = (manifest.rank_coordinates[r] for r in ranks[:2])
+    return [name for name, a, b in zip(manifest.mesh_axis_names, first, second) if a != b]
+
+
+def _reduction_name(axes: list[str], manifest: RunManifest) -> str:
+    if "pp" in axes:
+        return "PP-embedding"
+    if "tp" in axes:
+        return "TP (sequence parallel)" if manifest.degrees.get("sp") else "TP"
+    if "ep" in axes:
+        return "EP"
+    return "DP" if "dp" in axes or "fsdp" in axes else "unknown"
+
+
+def _scale_factor(reference: RunReader, replay: RunReader, key: TensorKey) -> tuple[float, float]:
+    """(s, residual): candidate ~ s * reference, residual = ||a - s e|| / ||a||."""
+    actual, expected = logical_value(replay, key), logical_value(reference, key)
+    denominator = float((expected * expected).sum())
+    if denominator == 0:
+        return math.nan, math.inf
+    s = float((actual * expected).sum()) / denominator
+    norm = float(torch.linalg.vector_norm(actual))
+    return s, (float(torch.linalg.vector_norm(actual - s * expected)) / norm if norm else math.inf)
+
+
+def _classify_gradient(c: TensorComparison, reference: RunReader, replay: RunReader, manifest: RunManifest) -> tuple[str, str, str]:
+    """(reduction, bug class, detail) of one failing reduced gradient; reduction "" = the module's own wgrad."""
+    if c.status == "replica_drift" or (c.replica_drift and c.replica_drift.get("relative_diff", 0) > 0):
+        axes = _drift_axes(c.replica_drift or {}, manifest)
+        if axes:
+            return _reduction_name(axes, manifest), "gradient-sync", f"replicas differ along {'/'.join(axes)}"
+    s, residual = _scale_factor(reference, replay, c.key)
+    data_parallel = max(manifest.degrees.get("dp", 1), manifest.degrees.get("fsdp", 1), manifest.degrees.get("ep", 1))
+    if residual < PURE_SCALE_RESIDUAL and data_parallel > 1:
+        reduction = "EP" if ".experts." in c.key.fqn and manifest.degrees.get("ep", 1) > 1 else "DP"
+        return reduction, "scaling", f"off by a constant factor {s:.4g}"
+    return "", "backward", f"weight gradient wrong (factor {s:.3g}, residual {residual:.2g})"
+
+
+def sync_findings(original: RunComparison, replay: RunComparison, reference: RunReader, replay_reader: RunReader,
+                  manifest: RunManifest, module_culprits: list[str]) -> tuple[list[SyncFinding], list[ModuleVerdict]]:
+    """Failing reduced gradients and updated parameters that no module culprit explains."""
+    before = {c.key: c for c in original.comparisons}
+    groups: dict[tuple[str, str, str], SyncFinding] = {}
+    wgrad: dict[str, ModuleVerdict] = {}
+    failing_grads = {c.key.fqn for c in replay.comparisons if c.key.phase == "grad" and not c}
+    for c in replay.comparisons:
+        if c or c.key.phase not in ("grad", "param") or c.status in STRUCTURAL:
+            continue
+        if any(is_descendant(c.key.fqn, m) for m in module_culprits):
+            continue
+        if c.key.phase == "param":
+            if c.key.fqn in failing_grads:
+                continue  # a wrong gradient gives a wrong update: already reported
+            reduction, bug_class, detail = "optimizer", "optimizer", "updated parameter wrong while its gradient passes"
+        else:
+            reduction, bug_class, detail = _classify_gradient(c, reference, replay_reader, manifest)
+        if not reduction:
+            verdict = wgrad.setdefault(_owner(c.key.fqn), ModuleVerdict(fqn=_owner(c.key.fqn), verdict="introduces error",
+                                                                         phase="backward (weight gradient)"))
+            verdict.evidence.append(_evidence(c.key, before, c))
+            continue
+        finding = groups.setdefault((reduction, bug_class, detail.split(" ")[0]),
+                                    SyncFinding(params=[], reduction=reduction, bug_class=bug_class, detail=detail))
+        finding.params.append(c.key.fqn)
+        if len(finding.evidence) < 5:
+            finding.evidence.append(_evidence(c.key, before, c))
+    return list(groups.values()), list(wgrad.values())
+
+
+def analyze(original: RunComparison, replay: RunComparison, reference: RunReader, replay_reader: RunReader,
+            manifest: RunManifest) -> Localization:
+    modules = module_verdicts(original, replay)
+    introducing = [m.fqn for m in modules if m.verdict == "introduces error"]
+    sync, wgrad_culprits = sync_findings(original, replay, reference, replay_reader, manifest, introducing)
+    modules += wgrad_culprits
+    culprits = introducing + [m.fqn for m in wgrad_culprits]
+    culprits += [f"{_summarize(s.params)} ({s.reduction})" for s in sync]
+    first_class = next((m.phase for m in modules if m.verdict == "introduces error"), "")
+    bug_class = first_class or (sync[0].bug_class + f": {sync[0].reduction}" if sync else "")
+    return Localization(reference=original.reference, candidate=original.candidate, replay=replay.candidate,
+                        diverged=True, culprits=culprits, bug_class=bug_class, modules=modules, sync=sync)
+
+
+def _summarize(params: list[str]) -> str:
+    return ", ".join(params) if len(params) <= 3 else f"{', '.join(params[:3])} and {len(params) - 3} more"
+
+
+def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir: Path, *, module: str | None,
+                            timeout_s: float) -> None:
+    """Run the candidate again from its manifest, with every traced module fed the reference's values."""
+    from ttrace_core.launch import run_ranks
+    from ttrace_core.rewrite import REWRITE_FROM_ENV, REWRITE_MODULE_ENV
+
+    manifest = read_manifest(candidate_dir)
+    factory, config = manifest.entrypoint.get("factory"), manifest.entrypoint.get("config")
+    if not factory or config is None:
+        raise TtraceError(f"{candidate_dir}/manifest.json: no entrypoint recorded, so the candidate cannot be relaunched; "
+                          "record it with `ttrace example` or pass entrypoint= to the Tracer's manifest")
+    shutil.rmtree(replay_dir, ignore_errors=True)
+    saved = {name: os.environ.get(name) for name in (REWRITE_FROM_ENV, REWRITE_MODULE_ENV)}
+    os.environ[REWRITE_FROM_ENV] = str(reference_dir.resolve())
+    os.environ.pop(REWRITE_MODULE_ENV, None)
+    if module is not None:
+        os.environ[REWRITE_MODULE_ENV] = module
+    try:
+        run_ranks(factory, {**config, "out": str(replay_dir)}, manifest.world_size, timeout_s=timeout_s)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike, *, module: str | None = None,
+             timeout_s: float = 600.0, replay_dir: str | os.PathLike | None = None,
+             original: RunComparison | None = None) -> Localization:
+    """Localize the divergence of a candidate; `original`, if given, is its plain comparison (else computed)."""
+    reference_dir, candidate_dir = Path(reference_dir), Path(candidate_dir)
+    command = shlex.join(["ttrace", "localize", str(reference_dir), str(candidate_dir)] + (["--module", module] if module else []))
+    with RunReader(reference_dir) as reference, RunReader(candidate_dir) as candidate:
+        original = original if original is not None else compare_runs(reference, candidate)
+        if not original.comparisons:
+            raise TtraceError(f"{candidate_dir}: no step was completed in both runs, nothing to localize")
+        if original.passed:
+            return Localization(reference=str(reference_dir), candidate=str(candidate_dir), replay=None, diverged=False,
+                                command=command, notes=["the candidate matches the reference: nothing to localize"])
+    replay_dir = Path(replay_dir) if replay_dir else candidate_dir / ".localize" / ("replay" + (f"-{module}" if module else ""))
+    relaunch_with_rewriting(reference_dir, candidate_dir, replay_dir, module=module, timeout_s=timeout_s)
+    with RunReader(reference_dir) as reference, RunReader(replay_dir) as replay_reader:
+        tolerances = select_tolerances("auto", reference, replay_reader)
+        replay = compare_runs(reference, replay_reader, tolerances)
+        # Only the first step that diverges: later steps start from parameters the bug already changed,
+        # so every module would fail there on correct inputs.
+        step = original.first_divergence.key.step
+        replay.comparisons = [c for c in replay.comparisons if c.key.step == step and
+                              (module is None or c.key.fqn == module or c.key.fqn.startswith(module + "."))]
+        result = analyze(original, replay, reference, replay_reader, read_manifest(candidate_dir))
+    result.command = command
+    if not result.culprits:
+        result.notes.append("the divergence disappears when every module gets the reference's inputs: "
+                            "look for state carried between modules that is not a module input")
+    return result

@@ -1,0 +1,142 @@
+"""Input rewriting for stage 4 (localize): run the candidate with every traced module fed the reference's values.
+
+Input: a `Tracer` recording a candidate re-run, and the reference run directory. Output: the same
+trace the tracer writes, except that each traced module *computes* from the reference's inputs
+(forward) and the reference's output gradients (backward), resharded into this rank's layout by
+`canonicalize.shard`, the inverse of the canonical mapping. What the trace *records* at a module
+boundary is still the candidate's own value, taken before the rewrite: so a module whose output
+fails was wrong on correct inputs (it introduces the error), and an input that fails although
+every module feeding it passed was broken by the code between modules (the parent's glue).
+
+Only floating tensors that require grad are rewritten: the dataflow being trained. Token ids,
+masks, rotary tables and detached observers (fp8 scales) keep the candidate's values. A rewrite
+adds `(reference - candidate).detach()` to the candidate's tensor, so the autograd graph stays
+connected and every upstream module still runs its backward.
+
+Enabled by the environment, so that `ttrace localize` can relaunch an unmodified training
+script: TTRACE_REWRITE_FROM=<reference run dir>, optionally TTRACE_REWRITE_MODULE=<fqn> to
+rewrite only that module and its descendants.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ttrace_core.canonicalize import shard
+from ttrace_core.compare import logical_value
+from ttrace_core.integrations.dtensor import local_value
+from ttrace_core.schema import TensorKey
+from ttrace_core.store import RunReader
+
+if TYPE_CHECKING:
+    from ttrace_core.tracer import Tracer
+
+REWRITE_FROM_ENV = "TTRACE_REWRITE_FROM"
+REWRITE_MODULE_ENV = "TTRACE_REWRITE_MODULE"
+
+
+def rewrite_settings() -> tuple[str, str | None] | None:
+    """(reference dir, module fqn or None) when this process is a rewriting replay."""
+    reference = os.environ.get(REWRITE_FROM_ENV)
+    return (reference, os.environ.get(REWRITE_MODULE_ENV) or None) if reference else None
+
+
+def in_subtree(fqn: str, root: str | None) -> bool:
+    return root is None or fqn == root or fqn.startswith(root + ".") or root == ""
+
+
+class InputRewriter:
+    """Forward pre-hooks and backward pre-hooks that feed traced modules the reference's values."""
+
+    def __init__(self, tracer: Tracer, reference_dir: str, module: str | None = None) -> None:
+        self.tracer = tracer
+        self.reference = RunReader(reference_dir)
+        self.module = module
+        self.num_rewritten = 0
+
+    def attach(self, model: nn.Module, handles: list) -> None:
+        config = self.tracer.config
+        for local_fqn, submodule in model.named_modules():
+            fqn = self.tracer._global_fqn(local_fqn)
+            if not self.tracer._selected(local_fqn) or not in_subtree(fqn, self.module) or \
+                    any(fnmatch.fnmatchcase(local_fqn, g) for g in config.exclude_activations):
+                continue
+            # Registered after the tracer's own pre-hook: the tracer records the candidate's input first.
+            handles.append(submodule.register_forward_pre_hook(self._forward_pre_hook(fqn), with_kwargs=True))
+            if not any(fnmatch.fnmatchcase(local_fqn, g) for g in config.forward_only):
+                handles.append(submodule.register_full_backward_pre_hook(self._backward_pre_hook(fqn)))
+
+    def records_grad_outputs(self, fqn: str) -> bool:
+        """The rewriter records (and then replaces) grad_output at these modules, not the tracer."""
+        return in_subtree(fqn, self.module)
+
+    def _reference_local(self, key: TensorKey, like: torch.Tensor, scale: float) -> torch.Tensor | None:
+        if key not in self.reference.index:
+            return None
+        layout = self.tracer._layout_of(key.fqn, key.slot, like, local_value(like), key.micro_batch)
+        full = logical_value(self.reference, key) * scale
+        if tuple(full.shape) != tuple(layout.global_shape):
+            return None  # a different logical shape: leave the candidate's value
+        local = shard(full, layout).to(like.dtype)
+        if isinstance(like, DTensor):
+            return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                      shape=like.shape, stride=like.stride())
+        return local
+
+    def _rewritten(self, key: TensorKey, value: object, scale: float = 1.0) -> object:
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not value.requires_grad:
+            return value
+        target = self._reference_local(key, value, scale)
+        if target is None:
+            return value
+        self.num_rewritten += 1
+        return value + (target - value).detach()
+
+    def _forward_pre_hook(self, fqn: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict):
+            state = self.tracer._state
+            if state is None or not state.pending_forward[fqn] or state.pending_forward[fqn][-1] is None:
+                return None
+            micro_batch = state.pending_forward[fqn][-1]
+
+            def key(slot: str) -> TensorKey:
+                return TensorKey(step=state.step, micro_batch=micro_batch, phase="forward", fqn=fqn, slot=slot)
+
+            leaves, spec = tree_flatten(args)
+            index = 0
+            for position, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor):
+                    leaves[position] = self._rewritten(key(f"input.{index}"), leaf)
+                    index += 1
+            new_kwargs = {name: self._rewritten(key(f"input.{name}"), value) for name, value in kwargs.items()}
+            return tree_unflatten(leaves, spec), new_kwargs
+        return hook
+
+    def _backward_pre_hook(self, fqn: str):
+        def hook(module: nn.Module, grad_output: tuple):
+            tracer, state = self.tracer, self.tracer._state
+            if state is None:
+                return None
+            micro_batch = tracer._global_micro_batch(state.backward_calls[fqn])
+            replaced = []
+            for index, value in enumerate(grad_output):
+                if not isinstance(value, torch.Tensor):
+                    replaced.append(value)
+                    continue
+                tracer._record("backward", fqn, f"grad_output.{index}", value, micro_batch)
+                key = TensorKey(step=state.step, micro_batch=micro_batch, phase="backward", fqn=fqn, slot=f"grad_output.{index}")
+                target = self._reference_local(key, value, tracer.config.loss_scale)
+                self.num_rewritten += target is not None
+                replaced.append(value if target is None else target)
+            return tuple(replaced)
+        return hook
+
+    def close(self) -> None:
+        self.reference.close()
