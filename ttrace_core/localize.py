@@ -118,8 +118,11 @@ def _evidence(key: TensorKey, before: dict[TensorKey, TensorComparison], after: 
                     status=after.status)
 
 
-def _module_suspects(replay: RunComparison, before: dict, traced: set[str]) -> dict[str, tuple[str, list[Evidence]]]:
-    """fqn -> (phase, evidence) of every module the replay says introduced an error."""
+def _module_suspects(replay: RunComparison, before: dict, traced: set[str],
+                     root: str | None) -> dict[str, tuple[str, list[Evidence]]]:
+    """fqn -> (phase, evidence) of every module the replay says introduced an error. With a `root`
+    (a one-module replay) that module's own inputs and output gradients come from unrewritten code
+    outside it: they are not evidence."""
     suspects: dict[str, tuple[str, list[Evidence]]] = {}
     failed_scopes: set[tuple] = set()
     for c in replay.comparisons:
@@ -131,8 +134,8 @@ def _module_suspects(replay: RunComparison, before: dict, traced: set[str]) -> d
             continue
         if family in ("output", "grad_input"):
             fqn, phase = c.key.fqn, c.key.phase
-        elif scope in failed_scopes:
-            continue  # an input broken by an earlier failure in the same micro-batch
+        elif scope in failed_scopes or c.key.fqn == root:
+            continue  # an input broken by an earlier failure in the same micro-batch, or from outside the replay
         else:
             parent = parent_of(c.key.fqn)
             fqn, phase = (parent if parent in traced else ROOT), f"{c.key.phase} glue"
@@ -143,10 +146,10 @@ def _module_suspects(replay: RunComparison, before: dict, traced: set[str]) -> d
     return suspects
 
 
-def module_verdicts(original: RunComparison, replay: RunComparison) -> list[ModuleVerdict]:
+def module_verdicts(original: RunComparison, replay: RunComparison, root: str | None = None) -> list[ModuleVerdict]:
     before = {c.key: c for c in original.comparisons}
     traced = {c.key.fqn for c in replay.comparisons if c.key.phase in ("forward", "backward")}
-    suspects = _module_suspects(replay, before, traced)
+    suspects = _module_suspects(replay, before, traced, root)
     failing_before = {c.key.fqn for c in original.comparisons if not c and c.key.phase in ("forward", "backward")}
     verdicts = []
     for fqn in sorted(traced | set(suspects), key=lambda f: _first_position(replay, f)):
@@ -243,8 +246,8 @@ def sync_findings(original: RunComparison, replay: RunComparison, reference: Run
 
 
 def analyze(original: RunComparison, replay: RunComparison, reference: RunReader, replay_reader: RunReader,
-            manifest: RunManifest) -> Localization:
-    modules = module_verdicts(original, replay)
+            manifest: RunManifest, root: str | None = None) -> Localization:
+    modules = module_verdicts(original, replay, root)
     introducing = [m.fqn for m in modules if m.verdict == "introduces error"]
     sync, wgrad_culprits = sync_findings(original, replay, reference, replay_reader, manifest, introducing)
     modules += wgrad_culprits
@@ -310,7 +313,7 @@ def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike,
         step = original.first_divergence.key.step
         replay.comparisons = [c for c in replay.comparisons if c.key.step == step and
                               (module is None or c.key.fqn == module or c.key.fqn.startswith(module + "."))]
-        result = analyze(original, replay, reference, replay_reader, read_manifest(candidate_dir))
+        result = analyze(original, replay, reference, replay_reader, read_manifest(candidate_dir), root=module)
     result.command = command
     if not result.culprits:
         result.notes.append("the divergence disappears when every module gets the reference's inputs: "

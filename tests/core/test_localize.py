@@ -74,3 +74,11 @@ def test_localization_is_truthy_when_nothing_is_at_fault_and_round_trips():
     assert clean and Localization.from_json(clean.to_json()) == clean
     faulty = Localization(reference="r", candidate="c", replay="p", diverged=True, culprits=["x"])
     assert not faulty
+
+
+def test_a_one_module_replay_does_not_blame_its_own_boundary():
+    # Only "layer.attn" was rewritten: its grad_output comes from unrewritten layers above it.
+    replay = run(comparison("forward", "layer.attn.proj", "output.0", False),
+                 comparison("backward", "layer.attn", "grad_output.0", False, micro_batch=1))
+    result = {v.fqn: v.verdict for v in module_verdicts(run(), replay, root="layer.attn")}
+    assert result == {"layer.attn.proj": "introduces error", "layer.attn": "clean"}

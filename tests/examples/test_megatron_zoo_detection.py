@@ -39,11 +39,16 @@ def test_zoo_bug_is_detected_at_or_after_its_ground_truth(traces, megatron_refer
         f"{name}: first divergence {comparisons[first_failure].key} precedes the ground truth {comparisons[ground_truth].key}")
     assert comparisons[first_failure].ratio is None or comparisons[first_failure].ratio > 10
 
-    localized = run_ttrace("localize", str(megatron_reference), str(out), "--json", str(traces / f"zoo-{name}-loc.json"))
+    # The row-parallel bug is localized the way the dashboard replays one layer: only its subtree.
+    module = ["--module", "decoder.layers.0.self_attention"] if name == "row-parallel-bias-per-rank" else []
+    localized = run_ttrace("localize", str(megatron_reference), str(out), *module, "--json", str(traces / f"zoo-{name}-loc.json"))
     assert localized.returncode == 1, localized.stdout + localized.stderr
     localization = Localization.from_json((traces / f"zoo-{name}-loc.json").read_text())
     assert localized_correctly(name, localization), (CULPRITS[name], localization.culprits)
-    assert "reproduce: ttrace localize" in localized.stdout
+    assert f"reproduce: ttrace localize {megatron_reference} {out}" in localized.stdout
+    if module:
+        assert localization.culprits[0] == "decoder.layers.0.self_attention.linear_proj"
+        assert all(m.fqn.startswith(module[1]) for m in localization.modules)
 
 
 def test_router_replicas_not_synchronized_under_sp_are_caught(traces, megatron_moe_reference):
