@@ -126,6 +126,14 @@ def test_not_a_run_directory_gives_exit_2(tmp_path, reference_run):
     assert result.returncode == 2 and "manifest.json: missing" in result.stderr
 
 
+def test_estimate_and_localize_refuse_a_stats_only_reference(traces, reference_run):
+    stats_only = _record(traces, "stats-only-reference", "--stats-only", steps=1)
+    for command in (["estimate", str(stats_only)], ["localize", str(stats_only), str(reference_run)]):
+        result = run_ttrace(*command)
+        (line,) = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and "stats-only" in line and str(stats_only) in line, command
+
+
 def test_unsupported_layout_is_refused_before_spawning(tmp_path):
     result = run_ttrace("example", "torch-gpt", "--sp", "--out", str(tmp_path / "x"))
     assert result.returncode == 2 and "--sp needs --tp 2 or more" in result.stderr

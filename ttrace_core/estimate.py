@@ -133,6 +133,9 @@ def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, rela
     if not factory or config is None:
         raise TtraceError(f"{run_dir}/manifest.json: no entrypoint recorded, so the reference cannot be re-run; "
                           "record it with `ttrace example` or pass entrypoint= to the Tracer's manifest")
+    if manifest.tracer.get("stats_only"):
+        raise TtraceError(f"{run_dir}: recorded with --stats-only, so it holds no values to measure deviations on; "
+                          "record the reference again without --stats-only")
     relative = relative if relative is not None else machine_epsilon(manifest.precision) / 2  # unit round-off
     work = run_dir / ".estimate"
     shutil.rmtree(work, ignore_errors=True)

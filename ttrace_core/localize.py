@@ -295,6 +295,9 @@ def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike,
              original: RunComparison | None = None) -> Localization:
     """Localize the divergence of a candidate; `original`, if given, is its plain comparison (else computed)."""
     reference_dir, candidate_dir = Path(reference_dir), Path(candidate_dir)
+    if read_manifest(reference_dir).tracer.get("stats_only"):
+        raise TtraceError(f"{reference_dir}: recorded with --stats-only, so it holds no values to feed the candidate's "
+                          "modules; record the reference again without --stats-only")
     command = shlex.join(["ttrace", "localize", str(reference_dir), str(candidate_dir)] + (["--module", module] if module else []))
     with RunReader(reference_dir) as reference, RunReader(candidate_dir) as candidate:
         original = original if original is not None else compare_runs(reference, candidate)
