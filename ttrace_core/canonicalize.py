@@ -110,6 +110,12 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None) -> C
     if not shards:
         raise LayoutError(f"{key}: no shard was recorded")
     layout = _check_consistent(key, shards)
+    if pl.blocked_view(layout) is not None:
+        viewed = [RecordedShard(s.rank, pl.blocked_view(s.layout), s.value.reshape(pl.local_shape(pl.blocked_view(s.layout))))
+                  for s in shards]
+        result = canonicalize(viewed, key)
+        return CanonicalTensor(full=result.full.reshape(layout.global_shape), replica_drift=result.replica_drift,
+                               num_shards=result.num_shards)
     if any(s.layout.flat_range is not None for s in shards):
         return _canonicalize_flat_ranges(shards, key)
     _check_coverage(key, layout, shards)
@@ -186,6 +192,8 @@ def shard(full: torch.Tensor, layout: Layout) -> torch.Tensor:
     """
     if tuple(full.shape) != tuple(layout.global_shape):
         raise LayoutError(f"cannot shard a tensor of shape {tuple(full.shape)} with a layout of global shape {layout.global_shape}")
+    if (view := pl.blocked_view(layout)) is not None:
+        return shard(full.reshape(view.global_shape), view).reshape(pl.local_shape(layout))
     local = full[_region_slices(pl.local_region(layout))].clone()
     if layout.flat_range is not None:
         start, end = layout.flat_range

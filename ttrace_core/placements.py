@@ -11,6 +11,10 @@ A layout assigns one placement to each mesh axis. Their meaning, once:
   are a finding of their own (replica drift).
 - "P(sum)" / "P(avg)", partial: the logical value is the sum (mean) over the axis of what each
   coordinate holds. A RowwiseParallel output before its all-reduce is P(sum) over the TP axis.
+- "SB(d,b)", blocked shard: dim d is b equal blocks, each sharded along the axis, and a rank holds
+  its chunk of every block, concatenated. Megatron's SwiGLU fc1 is SB(0,2): with 8 rows
+  ([gate 0:4; up 4:8]) over 2 ranks, rank 1 holds rows [2:4, 6:8]. Mapped by viewing dim d as
+  (b, d / b) and sharding the second of the two (`blocked_view`).
 - "SS(d,f)", DTensor's _StridedShard (FSDP2 over TP on a 2-D mesh). Recognized so that it can be
   rejected by name: its interleaved offsets are not mapped yet.
 """
@@ -26,13 +30,14 @@ from ttrace_core.schema import Layout
 
 _SHARD = re.compile(r"^S\((-?\d+)\)$")
 _STRIDED = re.compile(r"^SS\((-?\d+),(\d+)\)$")
+_BLOCKED = re.compile(r"^SB\((-?\d+),(\d+)\)$")
 _PARTIAL = re.compile(r"^P\((sum|avg)\)$")
 
 
 @dataclass(frozen=True, slots=True)
 class PlacementSpec:
     kind: str
-    """"shard", "replicate", "partial" or "strided"."""
+    """"shard", "replicate", "partial", "blocked" or "strided"."""
     dim: int | None = None
     reduce_op: str | None = None
     split_factor: int | None = None
@@ -44,6 +49,8 @@ class PlacementSpec:
             return f"P({self.reduce_op})"
         if self.kind == "strided":
             return f"SS({self.dim},{self.split_factor})"
+        if self.kind == "blocked":
+            return f"SB({self.dim},{self.split_factor})"
         return "R"
 
 
@@ -57,7 +64,9 @@ def placement_from_str(text: str) -> PlacementSpec:
         return PlacementSpec("partial", reduce_op=match.group(1))
     if match := _STRIDED.match(text):
         return PlacementSpec("strided", dim=int(match.group(1)), split_factor=int(match.group(2)))
-    raise LayoutError(f"unknown placement {text!r}: expected one of R, S(d), P(sum), P(avg), SS(d,f)")
+    if match := _BLOCKED.match(text):
+        return PlacementSpec("blocked", dim=int(match.group(1)), split_factor=int(match.group(2)))
+    raise LayoutError(f"unknown placement {text!r}: expected one of R, S(d), SB(d,b), P(sum), P(avg), SS(d,f)")
 
 
 def chunk_bounds(size: int, num_chunks: int, index: int) -> tuple[int, int]:
@@ -104,7 +113,42 @@ def local_shape(layout: Layout) -> tuple[int, ...]:
     if layout.flat_range is not None:
         start, end = layout.flat_range
         return (end - start,)
+    view = blocked_view(layout)
+    if view is not None:
+        shape, dim = [length for _, length in local_region(view)], _blocked_dim(layout)
+        return tuple(shape[:dim] + [shape[dim] * shape[dim + 1]] + shape[dim + 2:])
     return tuple(length for _, length in local_region(layout))
+
+
+def _blocked_dim(layout: Layout) -> int:
+    spec = next(placement_from_str(t) for t in layout.placements if t.startswith("SB"))
+    return _normalized_dim(spec.dim, len(layout.global_shape))
+
+
+def blocked_view(layout: Layout) -> Layout | None:
+    """For a layout with an SB(d,b) placement: the same layout on the tensor viewed with dim d split
+    into (b, size / b), where SB becomes a plain S(d + 1); None when there is no SB placement."""
+    specs = [placement_from_str(t) for t in layout.placements]
+    blocked = [spec for spec in specs if spec.kind == "blocked"]
+    if not blocked:
+        return None
+    dims = {_normalized_dim(spec.dim, len(layout.global_shape)) for spec in blocked}
+    blocks = {spec.split_factor for spec in blocked}
+    dim, num_blocks = dims.pop(), blocks.pop()
+    if dims or blocks or layout.global_shape[dim] % num_blocks or layout.flat_range is not None:
+        raise LayoutError(f"placements {layout.placements} of global shape {layout.global_shape}: SB(d,b) needs one "
+                          "dim, one block count dividing it, and no flat range")
+    shape = list(layout.global_shape)
+    shape[dim:dim + 1] = [num_blocks, shape[dim] // num_blocks]
+    placements = []
+    for spec in specs:
+        if spec.kind in ("shard", "blocked"):
+            spec_dim = _normalized_dim(spec.dim, len(layout.global_shape))
+            placements.append(f"S({spec_dim + 1 if spec_dim > dim or spec.kind == 'blocked' else spec_dim})")
+        else:
+            placements.append(str(spec))
+    return Layout(global_shape=tuple(shape), mesh_shape=layout.mesh_shape, coordinate=layout.coordinate,
+                  placements=tuple(placements), mesh_axis_names=layout.mesh_axis_names)
 
 
 def axes_of_kind(layout: Layout, kind: str) -> list[int]:
@@ -121,7 +165,7 @@ def global_shape_from_local(local: tuple[int, ...], mesh_shape: tuple[int, ...],
     shape = list(local)
     for axis, text in enumerate(placements):
         spec = placement_from_str(text)
-        if spec.kind == "shard":
+        if spec.kind in ("shard", "blocked"):
             dim = _normalized_dim(spec.dim, len(shape))
             shape[dim] *= mesh_shape[axis]
     return tuple(shape)

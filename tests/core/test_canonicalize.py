@@ -17,6 +17,9 @@ LAYOUTS = {
     "2d-nested-uneven": ((7, 2), (2, 2), ("S(0)", "S(0)")),
     "2d-replicate-shard": ((4, 6), (2, 3), ("R", "S(1)")),
     "2d-shard-partial": ((4, 6), (2, 2), ("S(0)", "P(sum)")),
+    "blocked-glu-rows": ((8, 3), (2,), ("SB(0,2)",)),
+    "blocked-last-dim": ((2, 3, 12), (2,), ("SB(-1,2)",)),
+    "2d-blocked-then-shard": ((8, 4), (2, 2), ("SB(0,2)", "S(1)")),
 }
 
 
@@ -108,3 +111,13 @@ def test_flat_ranges_that_leave_a_hole_are_rejected():
     layout = Layout(global_shape=(6,), flat_range=(0, 4))
     with pytest.raises(LayoutError, match="no rank holds flat element 4"):
         canonicalize([RecordedShard(0, layout, torch.zeros(4))])
+
+
+def test_blocked_shard_holds_its_chunk_of_every_block():
+    # SwiGLU fc1: rows [gate 0:4; up 4:8] over 2 TP ranks; rank 1 holds [gate 2:4; up 6:8].
+    full = torch.arange(8.0).reshape(8, 1)
+    layout = Layout(global_shape=(8, 1), mesh_shape=(2,), coordinate=(1,), placements=("SB(0,2)",))
+    assert shard(full, layout).flatten().tolist() == [2.0, 3.0, 6.0, 7.0]
+    assert pl.local_shape(layout) == (4, 1)
+    with pytest.raises(LayoutError, match="SB"):
+        pl.blocked_view(Layout(global_shape=(7, 1), mesh_shape=(2,), coordinate=(0,), placements=("SB(0,2)",)))

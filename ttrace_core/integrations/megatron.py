@@ -12,6 +12,7 @@ parallel axis, plus the `TracerConfig.rename` that maps pipeline-stage names to 
   RowParallelLinear inputs are S(-1), its outputs hidden states, its returned bias R;
   core attention's q/k/v [s, b, heads, d] are S(2) (heads; GQA groups stay whole per rank) and
   its output S(-1); softmax and attention dropout [b, heads, s, s] are S(1);
+  a SwiGLU fc1 holds [gate; up] shards per rank: its weight, bias and output are SB(d,2) blocks;
   the vocab-parallel embedding returns its all-reduced output (R);
 - pipeline stages: `decoder.layers.<local>` becomes `decoder.layers.<layer_number - 1>`.
 
@@ -138,9 +139,23 @@ def megatron_rename(model: nn.Module) -> tuple[tuple[str, str], ...]:
     return experts + pipeline
 
 
-def parameter_placement(param: torch.Tensor) -> str:
+def gated_fc1_modules(model: nn.Module) -> set[str]:
+    """Local fqns of the linear_fc1 of every MLP with a gated linear unit (SwiGLU): under TP each rank
+    holds [gate shard; up shard] of the logical [gate; up] rows, the blocked placement SB(0,2)."""
+    return {f"{fqn}.linear_fc1" if fqn else "linear_fc1" for fqn, module in unwrap(model).named_modules()
+            if _is_gated_mlp(module)}
+
+
+def _is_gated_mlp(module: nn.Module) -> bool:
+    known = next((cls.__name__ for cls in type(module).__mro__ if cls.__name__ == "MLP"), None)
+    return known is not None and bool(getattr(getattr(module, "config", None), "gated_linear_unit", False)) \
+        and hasattr(module, "linear_fc1")
+
+
+def parameter_placement(param: torch.Tensor, *, gated: bool = False) -> str:
+    """S(partition_dim) for TP-sharded params (SB(0,2) for a gated fc1's), else R."""
     if getattr(param, "tensor_model_parallel", False):
-        return f"S({param.partition_dim})"
+        return "SB(0,2)" if gated and param.partition_dim == 0 else f"S({param.partition_dim})"
     return "R"
 
 
@@ -168,12 +183,15 @@ def megatron_declarations(model: nn.Module, *, sequence_parallel: bool,
                           rename: tuple[tuple[str, str], ...] = ()) -> Iterator[tuple[str, str, str]]:
     """(global fqn, slot glob, placement) for every parameter and known module boundary."""
     model = unwrap(model)
+    gated = gated_fc1_modules(model)
     for fqn, module in model.named_modules():
         layout = _boundary_layout(fqn, module)
+        if fqn in gated and layout is not None:
+            layout = {**layout, "output.0": "SB(-1,2)", "output.1": "SB(0,2)"}
         for slot_glob, placement in (layout or {}).items():
             yield global_fqn(fqn, rename), slot_glob, _resolve(placement, sequence_parallel)
     for fqn, param in model.named_parameters():
-        yield global_fqn(fqn, rename), "*", parameter_placement(param)
+        yield global_fqn(fqn, rename), "*", parameter_placement(param, gated=fqn.rsplit(".", 1)[0] in gated)
 
 
 def undeclared_modules(model: nn.Module) -> list[str]:

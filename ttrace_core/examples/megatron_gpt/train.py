@@ -24,6 +24,7 @@ from ttrace_core.integrations import megatron_cpu
 from ttrace_core.integrations.megatron import (
     declare_distributed_optimizer_ranges,
     declare_megatron_layouts,
+    gated_fc1_modules,
     parameter_placement,
     megatron_rename,
     megatron_tracer_config,
@@ -155,10 +156,11 @@ def init_weights(model: torch.nn.Module, seed: int, rename: tuple[tuple[str, str
     from megatron.core import parallel_state
 
     tp_size, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    gated = gated_fc1_modules(model)
     with torch.no_grad():
         for fqn, param in model.named_parameters():
             name = global_fqn(fqn, rename)
-            placement = parameter_placement(param)
+            placement = parameter_placement(param, gated=fqn.rsplit(".", 1)[0] in gated)
             global_shape = list(param.shape)
             if placement != "R":
                 global_shape[param.partition_dim] *= tp_size
