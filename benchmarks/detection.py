@@ -112,7 +112,7 @@ def clean_runs(precisions: list[str]) -> list[Run]:
 def record(run: Run, work: Path, loss_steps: int, log: Path) -> str:
     """Record a run unless a complete one is there; returns "" or why it failed."""
     out = run.directory(work)
-    if (out / "manifest.json").exists() and not list(out.glob("*.partial")):
+    if (out / "manifest.json").exists() and list(out.glob("rank_*.h5")) and not list(out.glob("*.partial")):
         return ""
     subprocess.run(["rm", "-rf", str(out)], check=True)
     command = ["ttrace", "example", run.workload, *run.flags(loss_steps), "--out", str(out)]
@@ -269,7 +269,9 @@ def write_results(rows: list[Row], args: argparse.Namespace, seconds: float) -> 
     header = [
         "# Detection benchmark", "",
         f"`python benchmarks/detection.py --precisions {','.join(args.precisions)} --samples {args.samples} "
-        f"--loss-steps {args.loss_steps}` ({seconds / 60:.0f} min on {_cpu_count()} cores). megatron-gpt: 4 layers, "
+        f"--loss-steps {args.loss_steps}` ({seconds / 60:.0f} min on {_cpu_count()} cores"
+        f"{'; rows of variant(s) ' + ','.join(args.variants) + ' re-run and merged' if args.merge and args.variants else ''}). "
+        "megatron-gpt: 4 layers, "
         "hidden 64, 4 micro-batches of 2 x 16 tokens; torch-gpt for cp-attn-backward. ttrace: perturbation tolerances "
         "(alpha 4, floor 1 eps). Ratios are error / tolerance (<= 1 passes); `first_ratio` is at the first divergent "
         "tensor, `max_ratio` the largest over the run. Baselines: `theorem` k=4 C=1.03 per-tensor depth; "
@@ -278,6 +280,45 @@ def write_results(rows: list[Row], args: argparse.Namespace, seconds: float) -> 
         "clean-vs-reference spread. `localized_rewrite`: `ttrace localize` (rewrite replay) names the ground-truth "
         "culprit first; `localized_first_tensor`: the first failing tensor lies in it.", "", "## Summary", "", *summary(rows), "", "## Runs", "", *table, ""]
     (RESULTS / "detection.md").write_text("\n".join(header))
+
+
+def rescored_rows(runs: list[Run], work: Path) -> list[Row]:
+    """The committed rows with ttrace's verdict columns recomputed on the recorded traces."""
+    with (RESULTS / "detection.csv").open() as handle:
+        rows = [_row_from_csv(r) for r in csv.DictReader(handle)]
+    by_key = {(r.precision, r.bug or "clean", r.variant, r.layout): r for r in runs}
+    for row in rows:
+        run = by_key.get((row.precision, row.run, row.variant, row.layout))
+        if run is None or row.detected is None:
+            continue
+        reference_run = Run(workload=run.workload, precision=run.precision, variant=run.variant, layout="")
+        with RunReader(reference_run.directory(work)) as reference, RunReader(run.directory(work)) as candidate:
+            result = compare_runs(reference, candidate, select_tolerances("perturbation", reference, candidate))
+        first = result.first_divergence
+        row.detected, row.first_divergence = not result.passed, str(first.key) if first is not None else ""
+        row.first_ratio = first.ratio if first is not None else None
+        row.max_ratio = max((c.ratio for c in result.comparisons if c.ratio is not None), default=None)
+        print(f"rescored {row.precision} {row.run} {row.layout}: first {_fmt(row.first_ratio)} max {_fmt(row.max_ratio)}", flush=True)
+    return rows
+
+
+def merged_rows(new_rows: list[Row]) -> list[Row]:
+    """The rows of the committed results, with those re-run now replaced (same order)."""
+    with (RESULTS / "detection.csv").open() as handle:
+        old_rows = [_row_from_csv(r) for r in csv.DictReader(handle)]
+    fresh = {(r.precision, r.run, r.variant, r.layout): r for r in new_rows}
+    merged = [fresh.pop((r.precision, r.run, r.variant, r.layout), r) for r in old_rows]
+    return merged + list(fresh.values())
+
+
+def _row_from_csv(data: dict) -> Row:
+    def value(name: str, text: str):
+        if text == "":
+            return None if name in ("detected", "first_ratio", "max_ratio", "theorem", "megatron_l0", "assert_close", "dynamo") else ""
+        if text in ("True", "False"):
+            return text == "True"
+        return float(text) if name in ("first_ratio", "max_ratio") else text
+    return Row(**{name: value(name, text) for name, text in data.items()})
 
 
 def _cpu_count() -> int:
@@ -293,6 +334,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="perturbed re-runs per reference estimate")
     parser.add_argument("--loss-steps", type=int, default=20, help="training steps of every run (loss-curve baseline)")
     parser.add_argument("--only", default=None, help="comma-separated bug names (and 'clean') to run")
+    parser.add_argument("--variants", default=None, type=lambda s: s.split(","),
+                        help="only these model variants (base, swiglu, tied, moe)")
+    parser.add_argument("--rerecord", action="store_true", help="record the selected candidate runs again")
+    parser.add_argument("--rescore", action="store_true",
+                        help="recompute only ttrace's own columns of the committed rows (after a compare change)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of results/detection.csv that this invocation does not re-run")
     args = parser.parse_args()
     started = time.monotonic()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -302,6 +350,16 @@ def main() -> None:
         wanted = set(args.only.split(","))
         cleans = cleans if "clean" in wanted else []
         bugs = [b for b in bugs if b.bug in wanted]
+    if args.variants:
+        cleans, bugs = ([r for r in runs if r.variant in args.variants] for runs in (cleans, bugs))
+    if args.rerecord:
+        for run in cleans + bugs:
+            subprocess.run(["rm", "-rf", str(run.directory(args.work))], check=True)
+    if args.rescore:
+        rows = rescored_rows(cleans + bugs, args.work)
+        write_results(rows, args, time.monotonic() - started)
+        print("\n".join(summary(rows)))
+        return
     prepare_references(cleans + bugs, args.work, args, log)
     failures = {}
     for index, run in enumerate(cleans + bugs, start=1):
@@ -319,6 +377,8 @@ def main() -> None:
         rows.append(row)
         print(f"{row.precision} {row.run} {row.layout}: detected {row.detected} first ratio {_fmt(row.first_ratio)} "
               f"max {_fmt(row.max_ratio)} {row.note}", flush=True)
+    if args.merge:
+        rows = merged_rows(rows)
     write_results(rows, args, time.monotonic() - started)
     print("\n".join(summary(rows)))
 

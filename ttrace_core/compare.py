@@ -205,8 +205,9 @@ def _drift_ratio(drift: dict | None, tolerance: Tolerance) -> float:
     """How far candidate replicas disagree, in units of the tensor's relative tolerance (0 within abs)."""
     if drift is None or drift["max_abs_diff"] <= tolerance.abs:
         return 0.0
-    if tolerance.rel > 0:
-        return drift["relative_diff"] / tolerance.rel
+    allowed = tolerance.rel if tolerance.drift_rel is None else tolerance.drift_rel
+    if allowed > 0:
+        return drift["relative_diff"] / allowed
     return 0.0 if drift["relative_diff"] == 0 else math.inf
 
 

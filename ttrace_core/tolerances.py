@@ -38,6 +38,8 @@ class Tolerance:
     abs: float
     source: str
     """Where the numbers come from, shown next to every verdict ("dtype default (float32)")."""
+    drift_rel: float | None = None
+    """How far the candidate's replicas of the tensor may differ (relative); None: as far as `rel`."""
 
 
 class ToleranceProvider(Protocol):
@@ -134,11 +136,15 @@ class PerturbationTolerances:
         floor = self.floor_eps * max(machine_epsilon(self.precision), _storage_epsilon(dtype))
         if deviation.reference_norm == 0:  # an all-zero reference: only an absolute bound means anything
             rms = self.alpha * deviation.deviation / math.sqrt(max(deviation.numel, 1))
-            return Tolerance(rel=floor, abs=rms, source=f"perturbation: alpha {self.alpha:g} x absolute deviation (zero reference)")
+            return Tolerance(rel=floor, abs=rms, drift_rel=floor,
+                             source=f"perturbation: alpha {self.alpha:g} x absolute deviation (zero reference)")
         relative = self._pooled[_micro_batch_group(key)]
         if self.alpha * relative < floor:
-            return Tolerance(rel=floor, abs=0.0, source=f"perturbation floor {self.floor_eps:g} eps (r_t {relative:.2g})")
-        return Tolerance(rel=self.alpha * relative, abs=0.0,
+            return Tolerance(rel=floor, abs=0.0, drift_rel=floor, source=f"perturbation floor {self.floor_eps:g} eps (r_t {relative:.2g})")
+        # Replicas are one computation on the same inputs, or one collective's result: a correct run
+        # gives them bitwise equal (measured: no clean layout shows any drift), so they may differ by
+        # one rounding (the floor), not by the round-off that separates two layouts.
+        return Tolerance(rel=self.alpha * relative, abs=0.0, drift_rel=floor,
                          source=f"perturbation: alpha {self.alpha:g} x r_t {relative:.2g} ({self.estimate.num_samples} samples)")
 
 

@@ -106,3 +106,14 @@ def test_weight_perturbation_is_bounded_deterministic_and_layout_independent():
     assert not torch.equal(moved, WeightPerturbation(sample=2, relative=1e-3).apply(0, "w", full))
     with pytest.raises(ValueError, match="relative"):
         WeightPerturbation(sample=0, relative=0.0)
+
+
+def test_replicas_may_differ_by_one_rounding_not_by_the_layout_tolerance():
+    quiet = key("forward", "layers.0")
+    provider = PerturbationTolerances(estimate=_estimate((quiet, 0.05, 1.0)), precision="bf16", alpha=4)
+    tolerance = provider.tolerance_for(quiet, "bfloat16")
+    assert tolerance.rel == pytest.approx(0.2) and tolerance.drift_rel == BF16_EPS
+    from ttrace_core.compare import _drift_ratio
+
+    drift = {"ranks": (0, 1), "max_abs_diff": 0.1, "relative_diff": 0.02}
+    assert _drift_ratio(drift, tolerance) == pytest.approx(0.02 / BF16_EPS)
