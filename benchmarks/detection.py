@@ -168,7 +168,7 @@ def localization_columns(run: Run, work: Path, reference_run: Run, result) -> tu
         return "-", "-"
     first = result.first_divergence
     first_tensor = "yes" if first_tensor_points_at(run.bug, first.key.phase, first.key.fqn) else "no"
-    found = localize(reference_run.directory(work), run.directory(work), original=result)
+    found = localize(reference_run.directory(work), run.directory(work), original=result, reuse_replay=True)
     named = found.culprits[0] if found.culprits else "nothing"
     return ("yes" if localized_correctly(run.bug, found) else f"no: {named}"), first_tensor
 

@@ -208,7 +208,8 @@ def _classify_gradient(c: TensorComparison, reference: RunReader, replay: RunRea
             return _reduction_name(axes, manifest), "gradient-sync", f"replicas differ along {'/'.join(axes)}"
     s, residual = _scale_factor(reference, replay, c.key)
     data_parallel = max(manifest.degrees.get("dp", 1), manifest.degrees.get("fsdp", 1), manifest.degrees.get("ep", 1))
-    if residual < PURE_SCALE_RESIDUAL and data_parallel > 1:
+    # Pure scaling: once divided by the factor, the gradient would pass its own tolerance.
+    if residual < max(PURE_SCALE_RESIDUAL, c.tolerance.rel if c.tolerance else 0.0) and data_parallel > 1:
         reduction = "EP" if ".experts." in c.key.fqn and manifest.degrees.get("ep", 1) > 1 else "DP"
         return reduction, "scaling", f"off by a constant factor {s:.4g}"
     return "", "backward", f"weight gradient wrong (factor {s:.3g}, residual {residual:.2g})"
@@ -292,8 +293,9 @@ def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir
 
 def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike, *, module: str | None = None,
              timeout_s: float = 600.0, replay_dir: str | os.PathLike | None = None,
-             original: RunComparison | None = None) -> Localization:
-    """Localize the divergence of a candidate; `original`, if given, is its plain comparison (else computed)."""
+             original: RunComparison | None = None, reuse_replay: bool = False) -> Localization:
+    """Localize the divergence of a candidate; `original`, if given, is its plain comparison (else
+    computed); `reuse_replay` judges a complete replay already in `replay_dir` instead of relaunching."""
     reference_dir, candidate_dir = Path(reference_dir), Path(candidate_dir)
     if read_manifest(reference_dir).tracer.get("stats_only"):
         raise TtraceError(f"{reference_dir}: recorded with --stats-only, so it holds no values to feed the candidate's "
@@ -307,7 +309,10 @@ def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike,
             return Localization(reference=str(reference_dir), candidate=str(candidate_dir), replay=None, diverged=False,
                                 command=command, notes=["the candidate matches the reference: nothing to localize"])
     replay_dir = Path(replay_dir) if replay_dir else candidate_dir / ".localize" / ("replay" + (f"-{module}" if module else ""))
-    relaunch_with_rewriting(reference_dir, candidate_dir, replay_dir, module=module, timeout_s=timeout_s)
+    reusable = reuse_replay and (replay_dir / "manifest.json").exists() and list(replay_dir.glob("rank_*.h5")) \
+        and not list(replay_dir.glob("*.partial"))
+    if not reusable:
+        relaunch_with_rewriting(reference_dir, candidate_dir, replay_dir, module=module, timeout_s=timeout_s)
     with RunReader(reference_dir) as reference, RunReader(replay_dir) as replay_reader:
         tolerances = select_tolerances("auto", reference, replay_reader)
         replay = compare_runs(reference, replay_reader, tolerances)
