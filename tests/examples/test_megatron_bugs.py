@@ -135,3 +135,12 @@ def test_each_bug_moves_what_it_targets_and_only_under_the_patch(worker):
     #   expert-grad-scale (DP2 EP2 MoE)
     # pipeline_bugs: pp-tied-embedding-grad (PP2, tied embeddings)
     run_ranks(f"{WORKERS}:{worker}", {"fp8": _fp8_emulation_available()}, world_size=2, timeout_s=300)
+
+
+def test_every_zoo_bug_has_a_matchable_culprit():
+    from ttrace_core.examples.megatron_gpt.bugs import CULPRITS
+
+    assert set(CULPRITS) == set(ZOO)
+    for name, truth in CULPRITS.items():
+        assert bool(truth.modules) != bool(truth.params), f"{name}: name modules or params + reduction, not both"
+        assert not truth.params or truth.reduction, name
