@@ -19,6 +19,11 @@ CI_SUBSET = {
 }
 
 
+# A replay costs a relaunch: CI localizes a forward module (one subtree) and a TP gradient-sync bug;
+# DP scaling and the optimizer rule are unit-tested (tests/core/test_localize.py) and in the benchmark.
+LOCALIZED_IN_CI = ("row-parallel-bias-per-rank", "sp-final-norm-grad")
+
+
 def _position(comparisons, phase_fqn_slot: str) -> int:
     phase, fqn, slot = (part.strip() for part in phase_fqn_slot.split(" / "))
     return next(i for i, c in enumerate(comparisons) if (c.key.phase, c.key.fqn, c.key.slot) == (phase, fqn, slot))
@@ -39,6 +44,8 @@ def test_zoo_bug_is_detected_at_or_after_its_ground_truth(traces, megatron_refer
         f"{name}: first divergence {comparisons[first_failure].key} precedes the ground truth {comparisons[ground_truth].key}")
     assert comparisons[first_failure].ratio is None or comparisons[first_failure].ratio > 10
 
+    if name not in LOCALIZED_IN_CI:
+        return
     # The row-parallel bug is localized the way the dashboard replays one layer: only its subtree.
     module = ["--module", "decoder.layers.0.self_attention"] if name == "row-parallel-bias-per-rank" else []
     localized = run_ttrace("localize", str(megatron_reference), str(out), *module, "--json", str(traces / f"zoo-{name}-loc.json"))

@@ -8,10 +8,10 @@ import pytest
 
 from tests.conftest import MEGATRON_SIZE, load_comparison, run_ttrace
 
+# bf16 (TP2+SP clean vs sp-final-norm-grad) is the shared tolerance check and a benchmark row; CI
+# keeps the fp8 case, the one fixed tolerances cannot judge.
 CASES = {
     # precision, clean layout, bug, bug layout, where the bug must first show
-    "bf16": ("bf16", ["--tp", "2", "--sp"], "sp-final-norm-grad", ["--tp", "2", "--sp"],
-             "grad / decoder.final_layernorm"),
     "fp8": ("fp8", ["--tp", "2"], "fp8-amax-wrong-group", ["--tp", "2"],
             "forward / decoder.layers.0.self_attention.linear_qkv.fp8_scale_inv"),
 }
