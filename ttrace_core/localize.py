@@ -33,6 +33,7 @@ import torch
 
 from ttrace_core.compare import RunComparison, TensorComparison, compare_runs, logical_value
 from ttrace_core.errors import TtraceError
+from ttrace_core.rewrite import in_subtree
 from ttrace_core.schema import RunManifest, TensorKey
 from ttrace_core.store import RunReader, read_manifest
 from ttrace_core.tolerances import select_tolerances
@@ -167,10 +168,6 @@ def _first_position(replay: RunComparison, fqn: str) -> int:
     return next((i for i, c in enumerate(replay.comparisons) if c.key.fqn == fqn), len(replay.comparisons))
 
 
-def _owner(param_fqn: str) -> str:
-    return parent_of(param_fqn)
-
-
 def _drift_axes(drift: dict, manifest: RunManifest) -> list[str]:
     ranks = list(drift.get("ranks") or [])
     if len(ranks) < 2 or not manifest.rank_coordinates:
@@ -234,8 +231,9 @@ def sync_findings(original: RunComparison, replay: RunComparison, reference: Run
         else:
             reduction, bug_class, detail = _classify_gradient(c, reference, replay_reader, manifest)
         if not reduction:
-            verdict = wgrad.setdefault(_owner(c.key.fqn), ModuleVerdict(fqn=_owner(c.key.fqn), verdict="introduces error",
-                                                                         phase="backward (weight gradient)"))
+            owner = parent_of(c.key.fqn)
+            verdict = wgrad.setdefault(owner, ModuleVerdict(fqn=owner, verdict="introduces error",
+                                                            phase="backward (weight gradient)"))
             verdict.evidence.append(_evidence(c.key, before, c))
             continue
         finding = groups.setdefault((reduction, bug_class, detail.split(" ")[0]),
@@ -320,7 +318,7 @@ def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike,
         # so every module would fail there on correct inputs.
         step = original.first_divergence.key.step
         replay.comparisons = [c for c in replay.comparisons if c.key.step == step and
-                              (module is None or c.key.fqn == module or c.key.fqn.startswith(module + "."))]
+                              in_subtree(c.key.fqn, module)]
         result = analyze(original, replay, reference, replay_reader, read_manifest(candidate_dir), root=module)
     result.command = command
     if not result.culprits:
