@@ -10,8 +10,9 @@ every module feeding it passed was broken by the code between modules (the paren
 
 Only floating tensors that require grad are rewritten: the dataflow being trained. Token ids,
 masks, rotary tables and detached observers (fp8 scales) keep the candidate's values. A rewrite
-adds `(reference - candidate).detach()` to the candidate's tensor, so the autograd graph stays
-connected and every upstream module still runs its backward.
+returns the reference's values bitwise in forward and passes the gradient to the candidate's
+tensor in backward (`_Substitute`), so the autograd graph stays connected and every upstream
+module still runs its backward.
 
 Enabled by the environment, so that `ttrace localize` can relaunch an unmodified training
 script: TTRACE_REWRITE_FROM=<reference run dir>, optionally TTRACE_REWRITE_MODULE=<fqn> to
@@ -31,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ttrace_core.canonicalize import shard
 from ttrace_core.compare import logical_value
+from ttrace_core.dataflow import in_subtree
 from ttrace_core.integrations.dtensor import local_value
 from ttrace_core.schema import TensorKey
 from ttrace_core.store import RunReader
@@ -48,8 +50,17 @@ def rewrite_settings() -> tuple[str, str | None] | None:
     return (reference, os.environ.get(REWRITE_MODULE_ENV) or None) if reference else None
 
 
-def in_subtree(fqn: str, root: str | None) -> bool:
-    return root is None or fqn == root or fqn.startswith(root + ".") or root == ""
+class _Substitute(torch.autograd.Function):
+    """Forward: the reference's values, bitwise (adding a detached difference rounds in bf16).
+    Backward: the gradient goes to the candidate's tensor unchanged."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return target.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class InputRewriter:
@@ -97,7 +108,7 @@ class InputRewriter:
         if target is None:
             return value
         self.num_rewritten += 1
-        return value + (target - value).detach()
+        return _Substitute.apply(value, target)
 
     def _forward_pre_hook(self, fqn: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
