@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 from ttrace_core.errors import TtraceError
-from ttrace_core.tolerances import DEFAULT_ALPHA, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS
+from ttrace_core.tolerances import (
+    DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS,
+)
 
 
 def _add_common_example_flags(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +90,9 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="perturbation: tolerance = alpha x deviation")
     compare.add_argument("--theorem-k", type=float, default=DEFAULT_THEOREM_K, help="theorem: k in k * C^depth * eps")
     compare.add_argument("--theorem-c", type=float, default=DEFAULT_THEOREM_C, help="theorem: C in k * C^depth * eps")
+    compare.add_argument("--exact-inputs-k", type=float, default=DEFAULT_EXACT_INPUTS_K,
+                         help="perturbation/theorem: a tensor whose inputs and weights were bitwise equal to the "
+                              "reference's is also held to k * eps (0: off)")
     estimate = commands.add_parser("estimate", help="re-run the reference with perturbed weights to derive per-tensor tolerances")
     estimate.add_argument("reference")
     estimate.add_argument("--samples", type=int, default=4, help="perturbed re-runs (the deviation is their maximum)")
@@ -135,7 +140,8 @@ def _run_compare(args: argparse.Namespace) -> int:
         progress = ProgressBar(enabled=args.progress or sys.stderr.isatty())
         tolerances = select_tolerances(args.tolerance, reference, candidate, alpha=args.alpha, k=args.theorem_k,
                                        c=args.theorem_c)
-        result = compare_runs(reference, candidate, tolerances, ignore_dtype=args.ignore_dtype, progress=progress)
+        result = compare_runs(reference, candidate, tolerances, ignore_dtype=args.ignore_dtype, progress=progress,
+                              exact_inputs_k=args.exact_inputs_k)
     if not result.comparisons:
         raise TtraceError(f"{args.candidate}: no step was completed in both runs, nothing to compare")
     print(render_comparison(result, num_worst=args.worst))

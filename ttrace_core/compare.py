@@ -18,10 +18,13 @@ import torch
 
 from ttrace_core import placements as pl
 from ttrace_core.canonicalize import CanonicalTensor, RecordedShard, canonicalize
+from ttrace_core.dataflow import ExactInputs
 from ttrace_core.errors import ConfigMismatchError, LayoutError
 from ttrace_core.schema import TensorKey, TensorMeta
 from ttrace_core.store import RunReader
-from ttrace_core.tolerances import Tolerance, ToleranceProvider, select_tolerances
+from ttrace_core.tolerances import (
+    DEFAULT_EXACT_INPUTS_K, DtypeTolerances, Tolerance, ToleranceProvider, exact_inputs_tolerance, select_tolerances,
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,6 +63,12 @@ class TensorComparison:
     @property
     def passed(self) -> bool:
         return self.status == "pass"
+
+    @property
+    def exact(self) -> bool:
+        """Bitwise equal to the reference, on every replica."""
+        return self.passed and not self.stats_only and self.abs_error == 0 and self.replica_drift is None \
+            and self.num_nan[0] == 0 and self.num_inf[0] == 0
 
     def __bool__(self) -> bool:
         return self.passed
@@ -247,10 +256,14 @@ def _compare_stats(key: TensorKey, ref: list[TensorMeta], cand: list[TensorMeta]
 
 
 def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider,
-                   *, ignore_dtype: bool = False) -> TensorComparison:
+                   *, ignore_dtype: bool = False, exact_inputs: tuple[float, int] | None = None) -> TensorComparison:
+    """`exact_inputs` (k, n): everything this tensor is computed from was exact and it combines at
+    most n partial results, so it is also held to k * sqrt(n) * eps (dataflow.py) when tighter."""
     ref_metas, cand_metas = reference.index[key], candidate.index[key]
     ref_dtype, cand_dtype = ref_metas[0].dtype, cand_metas[0].dtype
     tolerance = tolerances.tolerance_for(key, cand_dtype)
+    if exact_inputs:
+        tolerance = exact_inputs_tolerance(tolerance, candidate.manifest.precision, cand_dtype, *exact_inputs)
     if ref_dtype != cand_dtype and not ignore_dtype:
         return TensorComparison(key=key, status="dtype", dtype=cand_dtype,
                                 message=f"dtype {cand_dtype} in the candidate, {ref_dtype} in the reference")
@@ -295,9 +308,14 @@ def _execution_order(reader: RunReader, key: TensorKey) -> tuple:
 
 
 def compare_runs(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
-                 ignore_dtype: bool = False, progress: Callable[[int, int], None] | None = None) -> RunComparison:
+                 ignore_dtype: bool = False, progress: Callable[[int, int], None] | None = None,
+                 exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K) -> RunComparison:
+    """`exact_inputs_k` (None or 0: off) tightens derived tolerances (perturbation, theorem) where a
+    tensor's inputs were exact (dataflow.py); the flat dtype table is left as it is."""
     check_comparable(reference, candidate)
     tolerances = tolerances or select_tolerances("auto", reference, candidate)
+    if isinstance(tolerances, DtypeTolerances):
+        exact_inputs_k = None
     result = RunComparison(reference=str(reference.run_dir), candidate=str(candidate.run_dir))
     steps = sorted(set(reference.complete_steps) & set(candidate.complete_steps))
     for name, reader in (("reference", reference), ("candidate", candidate)):
@@ -313,9 +331,14 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     ordered = sorted(ref_keys, key=lambda k: _execution_order(reference, k))
     extras = sorted(set(cand_keys) - common, key=lambda k: _execution_order(candidate, k))
     total = len(ordered) + len(extras)
+    exact = ExactInputs(common)
     for done, key in enumerate(ordered, start=1):
         if key in common:
-            result.comparisons.append(compare_tensor(key, reference, candidate, tolerances, ignore_dtype=ignore_dtype))
+            num_terms = exact.num_partial_terms(key, candidate.manifest.world_size) if exact_inputs_k else None
+            comparison = compare_tensor(key, reference, candidate, tolerances, ignore_dtype=ignore_dtype,
+                                        exact_inputs=(exact_inputs_k, num_terms) if num_terms else None)
+            exact.mark(key, comparison.exact)
+            result.comparisons.append(comparison)
         else:
             result.comparisons.append(TensorComparison(key=key, status="missing", message="recorded in the reference only"))
         if progress:

@@ -33,7 +33,7 @@ import torch
 
 from ttrace_core.compare import RunComparison, TensorComparison, compare_runs, logical_value
 from ttrace_core.errors import TtraceError
-from ttrace_core.rewrite import in_subtree
+from ttrace_core.dataflow import in_subtree
 from ttrace_core.schema import RunManifest, TensorKey
 from ttrace_core.store import RunReader, read_manifest
 from ttrace_core.tolerances import select_tolerances

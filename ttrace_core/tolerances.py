@@ -193,6 +193,22 @@ class TheoremTolerances:
         return Tolerance(rel=rel, abs=0.0, source=f"theorem: {self.k:g} x {self.c:g}^{depth} x eps")
 
 
+# The exact-inputs rule (dataflow.py): a module fed inputs and parameters bitwise equal to the
+# reference's has no inherited round-off, i.e. it sits at depth 0 of the theorem: k * eps, times
+# sqrt(n) for a result combined from n partial results (roundings of n terms grow like sqrt(n) u).
+DEFAULT_EXACT_INPUTS_K = DEFAULT_THEOREM_K
+
+
+def exact_inputs_tolerance(tolerance: Tolerance, precision: str, dtype: str, k: float, num_terms: int) -> Tolerance:
+    """The tighter of `tolerance` and k * sqrt(num_terms) * eps, for a tensor whose inputs were all exact."""
+    rel = k * math.sqrt(num_terms) * max(machine_epsilon(precision), _storage_epsilon(dtype))
+    if rel >= tolerance.rel:
+        return tolerance
+    drift_rel = min(rel, tolerance.rel if tolerance.drift_rel is None else tolerance.drift_rel)
+    return Tolerance(rel=rel, abs=tolerance.abs, drift_rel=drift_rel,
+                     source=f"exact inputs: {k:g} x sqrt({num_terms}) x eps (theorem depth 0), tighter than {tolerance.source}")
+
+
 TOLERANCE_KINDS = ("auto", "perturbation", "theorem", "dtype")
 
 

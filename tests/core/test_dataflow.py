@@ -1,0 +1,128 @@
+import pytest
+import torch
+from torch import nn
+
+from ttrace_core.compare import compare_runs
+from ttrace_core.dataflow import ExactInputs, in_subtree, owner_of
+from ttrace_core.schema import NO_MICRO_BATCH, TensorKey
+from ttrace_core.store import RunReader
+from ttrace_core.tolerances import Tolerance
+from ttrace_core.tracer import Tracer
+
+
+def act(phase: str, fqn: str, slot: str, micro_batch: int = 0, step: int = 0) -> TensorKey:
+    return TensorKey(step=step, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot)
+
+
+def reduced(phase: str, fqn: str, step: int = 0) -> TensorKey:
+    return TensorKey(step=step, micro_batch=NO_MICRO_BATCH, phase=phase, fqn=fqn, slot="grad" if phase == "grad" else "value")
+
+
+LINEAR_IN = act("forward", "l0.fc", "input.0")
+SCALE_IN = act("forward", "l0.fc.fp8_scale_inv", "input.0")
+LINEAR_OUT = act("forward", "l0.fc", "output.0")
+GRAD_OUT = act("backward", "l0.fc", "grad_output.0")
+GRAD_IN = act("backward", "l0.fc", "grad_input.0")
+WEIGHT_GRAD = reduced("grad", "l0.fc.weight")
+WEIGHT_AFTER = reduced("param", "l0.fc.weight")
+OTHER_AFTER = reduced("param", "l1.fc.weight")
+STEP1_OUT = act("forward", "l0.fc", "output.0", step=1)
+STEP1_IN = act("forward", "l0.fc", "input.0", step=1)
+ALL = [LINEAR_IN, SCALE_IN, LINEAR_OUT, GRAD_OUT, GRAD_IN, WEIGHT_GRAD, WEIGHT_AFTER, OTHER_AFTER, STEP1_IN, STEP1_OUT]
+
+
+@pytest.mark.parametrize(
+    "key, exact, applies",
+    [
+        (LINEAR_OUT, {LINEAR_IN, SCALE_IN}, True),
+        (LINEAR_OUT, {LINEAR_IN}, False),  # state handed to a child (an fp8 scale) differs
+        (LINEAR_OUT, {SCALE_IN}, False),
+        (GRAD_IN, {LINEAR_IN, SCALE_IN, GRAD_OUT}, True),
+        (GRAD_IN, {LINEAR_IN, SCALE_IN}, False),
+        (WEIGHT_GRAD, {LINEAR_IN, SCALE_IN, GRAD_OUT}, True),
+        (WEIGHT_GRAD, {LINEAR_IN, SCALE_IN}, False),
+        (WEIGHT_AFTER, set(ALL), False),  # the optimizer state is not recorded
+        (LINEAR_IN, set(ALL), False),  # inputs are judged on their own
+        (STEP1_OUT, {STEP1_IN, WEIGHT_AFTER}, True),  # a parameter of another module does not matter
+        (STEP1_OUT, {STEP1_IN, OTHER_AFTER}, False),  # later steps need the module's updated weights exact
+    ],
+    ids=["output-exact", "output-child-state-differs", "output-input-differs", "grad-input-exact",
+         "grad-input-grad-output-differs", "weight-grad-exact", "weight-grad-grad-output-differs",
+         "post-step-param-never", "input-never", "step1-own-weights-exact", "step1-own-weights-differ"],
+)
+def test_exact_inputs_rule(key: TensorKey, exact: set[TensorKey], applies: bool):
+    rule = ExactInputs(ALL)
+    for k in ALL:
+        rule.mark(k, k in exact)
+    assert rule.applies(key) is applies
+
+
+def test_a_weight_gradient_needs_every_micro_batch_and_some_evidence():
+    keys = [act("forward", "fc", "input.0", mb) for mb in (0, 1)] + [act("backward", "fc", "grad_output.0", mb) for mb in (0, 1)]
+    rule = ExactInputs([*keys, reduced("grad", "fc.weight")])
+    for k in keys[:-1]:
+        rule.mark(k, True)
+    assert not rule.applies(reduced("grad", "fc.weight"))  # micro-batch 1's grad_output was not exact
+    rule.mark(keys[-1], True)
+    assert rule.applies(reduced("grad", "fc.weight"))
+    assert not ExactInputs(keys[:2]).applies(reduced("grad", "fc.weight"))  # no grad_output recorded at all
+    # a reduced gradient combines one partial per rank and micro-batch; an activation one per rank
+    assert rule.num_partial_terms(reduced("grad", "fc.weight"), world_size=2) == 4
+    assert rule.num_partial_terms(keys[0], world_size=2) is None
+
+
+def test_an_untraced_module_with_weights_inside_blocks_the_rule():
+    # MoE experts are not traced: their fp8 scales depend on which tokens the layout sends them
+    mlp_in, mlp_out = act("forward", "mlp", "input.0"), act("forward", "mlp", "output.0")
+    expert_weight = reduced("param", "mlp.experts.0.fc1.weight")
+    rule = ExactInputs([mlp_in, mlp_out, expert_weight])
+    rule.mark(mlp_in, True)
+    assert not rule.applies(mlp_out)
+    traced = act("forward", "mlp.experts.0.fc1", "input.0")
+    rule = ExactInputs([mlp_in, mlp_out, expert_weight, traced])
+    rule.mark(mlp_in, True)
+    rule.mark(traced, True)
+    assert rule.applies(mlp_out)
+
+
+def test_names():
+    assert owner_of("layers.0.fc.weight") == "layers.0.fc" and owner_of("bias") == ""
+    assert in_subtree("layers.0.fc", "layers.0") and not in_subtree("layers.01", "layers.0")
+    assert in_subtree("anything", "") and in_subtree("anything", None)
+
+
+class LooseTolerances:
+    """A derived-tolerance stand-in: 1% everywhere, as a deep fp8 estimate would be."""
+
+    def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
+        return Tolerance(rel=1e-2, abs=0.0, source="loose")
+
+
+def _record(run_dir, nudge: str | None) -> None:
+    """Two linears; `nudge` multiplies one module's output by 1 + 1e-3 (a small bug)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    if nudge is not None:
+        model.get_submodule(nudge).register_forward_hook(lambda module, args, output: output * (1 + 1e-3))
+    tracer = Tracer(run_dir, model, role="reference")
+    with tracer.step(0):
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)).sum().backward()
+    tracer.close()
+
+
+@pytest.mark.parametrize(
+    "nudge, k, fails",
+    [("1", 4.0, True), ("1", None, False), ("0", 4.0, False)],
+    ids=["exact-input-module-held-to-k-eps", "rule-off", "inexact-input-keeps-the-derived-tolerance"],
+)
+def test_a_module_fed_exact_inputs_is_held_to_its_own_round_off(tmp_path, nudge, k, fails):
+    _record(tmp_path / "ref", None)
+    _record(tmp_path / "cand", nudge)
+    with RunReader(tmp_path / "ref") as ref, RunReader(tmp_path / "cand") as cand:
+        result = compare_runs(ref, cand, LooseTolerances(), exact_inputs_k=k)
+    (output,) = [c for c in result.comparisons if c.key.phase == "forward" and c.key.fqn == "1" and c.key.slot == "output.0"]
+    assert 1e-4 < output.error < 1e-2 and (not output) is fails
+    if fails:
+        assert output.tolerance.rel == pytest.approx(4 * torch.finfo(torch.float32).eps)  # 1 rank: sqrt(1)
+        assert output.tolerance.source.startswith("exact inputs")
+        assert result.first_divergence is output
