@@ -20,8 +20,9 @@ everything it is computed from was exact:
 - `grad / P`: the forward inputs and grad_outputs of P's module in every micro-batch of the step
   (at least one grad_output must be recorded: no evidence, no rule);
 - in every case, the parameters of the module's subtree at the start of the step: equal by the
-  method's premise in the first traced step; in a later step, every one of them recorded after
-  the previous step must have been exact (a trace without parameter values has no later steps).
+  method's premise at step 0 (both runs start from the same logical weights); in a later step,
+  every one of them recorded after the previous step must have been exact (a trace that starts
+  at step 5, or holds no parameter values, gets no rule there).
 
 Post-step parameters are never judged this way: the optimizer state is not recorded.
 """
@@ -61,7 +62,6 @@ class ExactInputs:
             elif key.micro_batch != NO_MICRO_BATCH:
                 self._activations[key.step, key.micro_batch].append(key)
                 self._micro_batches[key.step].add(key.micro_batch)
-        self._first_step = min(self._micro_batches, default=0)
         self._exact: set[TensorKey] = set()
         self._param_owners = {owner_of(k.fqn) for k in keys_list if k.phase in ("grad", "param")}
         self._traced = {(k.step, k.micro_batch, k.fqn) for k in keys_list if k.phase == "forward"}
@@ -110,8 +110,8 @@ class ExactInputs:
         return saw_grad_output or not needs_grad_output
 
     def _params_exact(self, step: int, module: str) -> bool:
-        if step == self._first_step:
-            return True  # the method's premise: both runs start the traced iteration from the same weights
+        if step == 0:
+            return True  # the method's premise: both runs start the first iteration from the same weights
         previous = self._params.get(step - 1)
         if not previous:
             return False

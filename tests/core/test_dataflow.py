@@ -85,6 +85,13 @@ def test_an_untraced_module_with_weights_inside_blocks_the_rule():
     assert rule.applies(mlp_out)
 
 
+def test_a_trace_that_starts_later_has_no_premise_of_equal_weights():
+    step5_in, step5_out = act("forward", "fc", "input.0", step=5), act("forward", "fc", "output.0", step=5)
+    rule = ExactInputs([step5_in, step5_out, reduced("param", "fc.weight", step=5)])
+    rule.mark(step5_in, True)
+    assert not rule.applies(step5_out)
+
+
 def test_names():
     assert owner_of("layers.0.fc.weight") == "layers.0.fc" and owner_of("bias") == ""
     assert in_subtree("layers.0.fc", "layers.0") and not in_subtree("layers.01", "layers.0")
