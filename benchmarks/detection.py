@@ -269,11 +269,13 @@ def write_results(rows: list[Row], args: argparse.Namespace, seconds: float) -> 
     header = [
         "# Detection benchmark", "",
         f"`python benchmarks/detection.py --precisions {','.join(args.precisions)} --samples {args.samples} "
-        f"--loss-steps {args.loss_steps}` ({seconds / 60:.0f} min on {_cpu_count()} cores"
-        f"{'; rows of variant(s) ' + ','.join(args.variants) + ' re-run and merged' if args.merge and args.variants else ''}). "
+        f"--loss-steps {args.loss_steps}{' --rescore' if args.rescore else ''}` ({seconds / 60:.0f} min on {_cpu_count()} cores"
+        f"{'; rows of variant(s) ' + ','.join(args.variants) + ' re-run and merged' if args.merge and args.variants else ''}"
+        f"{'; ttrace columns recomputed on the traces of the full run, localization replays recorded again' if args.rescore else ''}). "
         "megatron-gpt: 4 layers, "
         "hidden 64, 4 micro-batches of 2 x 16 tokens; torch-gpt for cp-attn-backward. ttrace: perturbation tolerances "
-        "(alpha 4, floor 1 eps). Ratios are error / tolerance (<= 1 passes); `first_ratio` is at the first divergent "
+        "(alpha 4, floor 1 eps), tightened to 4 sqrt(n) eps where everything a tensor is computed from was bitwise exact "
+        "(docs/tolerances.md). Ratios are error / tolerance (<= 1 passes); `first_ratio` is at the first divergent "
         "tensor, `max_ratio` the largest over the run. Baselines: `theorem` k=4 C=1.03 per-tensor depth; "
         "`megatron_l0` Megatron's check at l=0 on reduced gradients; `assert_close` torch defaults per dtype; "
         "`dynamo` torch._dynamo.utils.same with an fp64 oracle; `loss_step` the first step whose loss leaves the "
@@ -295,6 +297,7 @@ def rescored_rows(runs: list[Run], work: Path) -> list[Row]:
         with RunReader(reference_run.directory(work)) as reference, RunReader(run.directory(work)) as candidate:
             result = compare_runs(reference, candidate, select_tolerances("perturbation", reference, candidate))
         first = result.first_divergence
+        row.localized_rewrite, row.localized_first_tensor = localization_columns(run, work, reference_run, result)
         row.detected, row.first_divergence = not result.passed, str(first.key) if first is not None else ""
         row.first_ratio = first.ratio if first is not None else None
         row.max_ratio = max((c.ratio for c in result.comparisons if c.ratio is not None), default=None)
@@ -338,7 +341,7 @@ def main() -> None:
                         help="only these model variants (base, swiglu, tied, moe)")
     parser.add_argument("--rerecord", action="store_true", help="record the selected candidate runs again")
     parser.add_argument("--rescore", action="store_true",
-                        help="recompute only ttrace's own columns of the committed rows (after a compare change)")
+                        help="recompute only ttrace's own columns (verdicts, localization) of the committed rows")
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows of results/detection.csv that this invocation does not re-run")
     args = parser.parse_args()
