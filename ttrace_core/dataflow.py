@@ -34,6 +34,10 @@ from collections.abc import Iterable
 
 from ttrace_core.schema import NO_MICRO_BATCH, TensorKey
 
+# The slot families a tensor's value is computed from, and the phase each is recorded in.
+SOURCE_PHASES = {"input": "forward", "grad_output": "backward"}
+
+
 def in_subtree(fqn: str, root: str | None) -> bool:
     """fqn is root or nested inside it; the root module ("") and None hold everything."""
     return not root or fqn == root or fqn.startswith(root + ".")
@@ -100,9 +104,8 @@ class ExactInputs:
         saw_grad_output = False
         for micro_batch in micro_batches:
             for dep in self._activations[step, micro_batch]:
-                wanted = (dep.phase == "forward" and _family(dep.slot) == "input") or \
-                         (dep.phase == "backward" and _family(dep.slot) == "grad_output" and "grad_output" in families)
-                if not wanted or not in_subtree(dep.fqn, module):
+                family = _family(dep.slot)
+                if family not in families or SOURCE_PHASES[family] != dep.phase or not in_subtree(dep.fqn, module):
                     continue
                 if dep not in self._exact:
                     return False
