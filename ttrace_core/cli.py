@@ -92,7 +92,7 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--theorem-c", type=float, default=DEFAULT_THEOREM_C, help="theorem: C in k * C^depth * eps")
     compare.add_argument("--exact-inputs-k", type=float, default=DEFAULT_EXACT_INPUTS_K,
                          help="perturbation/theorem: a tensor whose inputs and weights were bitwise equal to the "
-                              "reference's is also held to k * eps (0: off)")
+                              "reference's is also held to k * sqrt(n) * eps, n partial results (0: off)")
     estimate = commands.add_parser("estimate", help="re-run the reference with perturbed weights to derive per-tensor tolerances")
     estimate.add_argument("reference")
     estimate.add_argument("--samples", type=int, default=4, help="perturbed re-runs (the deviation is their maximum)")

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from ttrace_core.compare import RunComparison, TensorComparison, compare_runs, logical_value
+from ttrace_core.dataflow import in_subtree, owner_of
 from ttrace_core.errors import TtraceError
-from ttrace_core.dataflow import in_subtree
 from ttrace_core.schema import RunManifest, TensorKey
 from ttrace_core.store import RunReader, read_manifest
 from ttrace_core.tolerances import select_tolerances
@@ -105,7 +105,7 @@ class Localization:
 
 
 def parent_of(fqn: str) -> str:
-    return fqn.rsplit(".", 1)[0] if "." in fqn else ROOT
+    return owner_of(fqn) or ROOT
 
 
 def is_descendant(fqn: str, ancestor: str) -> bool:
