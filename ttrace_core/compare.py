@@ -43,7 +43,11 @@ class TensorComparison:
     reference_norm: float | None = None
     tolerance: Tolerance | None = None
     ratio: float | None = None
-    """||actual - expected||_F / (rel * ||expected||_F + abs * sqrt(numel)); <= 1 passes."""
+    """The ratio that judged the tensor: the larger of `value_ratio` and `drift_ratio`; <= 1 passes."""
+    value_ratio: float | None = None
+    """||actual - expected||_F / (rel * ||expected||_F + abs * sqrt(numel))."""
+    drift_ratio: float | None = None
+    """How far the candidate's replicas disagree, in units of the tolerance's drift_rel (0: none)."""
     min_rel_tolerance: float | None = None
     """The smallest rel that would have passed with the same abs."""
     max_abs_diff: float | None = None
@@ -82,7 +86,7 @@ class TensorComparison:
     def from_dict(data: dict) -> TensorComparison:
         data = dict(data)
         data["key"] = TensorKey(**data["key"])
-        data["tolerance"] = Tolerance(**data["tolerance"]) if data.get("tolerance") else None
+        data["tolerance"] = _tolerance_from_dict(data["tolerance"]) if data.get("tolerance") else None
         for name in ("shape", "max_abs_index", "max_rel_index", "num_nan", "num_inf"):
             if data.get(name) is not None:
                 data[name] = tuple(data[name])
@@ -135,18 +139,9 @@ class RunComparison:
             notes=data["notes"], comparisons=[TensorComparison.from_dict(c) for c in data["comparisons"]],
         )
 
-    def to_dataframe(self):
-        import pandas as pd
 
-        rows = []
-        for c in self.comparisons:
-            row = {**asdict(c.key), "status": c.status, "passed": c.passed, "error": c.error, "ratio": c.ratio,
-                   "tolerance_rel": c.tolerance.rel if c.tolerance else None,
-                   "tolerance_source": c.tolerance.source if c.tolerance else None,
-                   "min_rel_tolerance": c.min_rel_tolerance, "max_abs_diff": c.max_abs_diff,
-                   "dtype": c.dtype, "numel": c.numel, "message": c.message}
-            rows.append(row)
-        return pd.DataFrame(rows)
+def _tolerance_from_dict(data: dict) -> Tolerance:
+    return Tolerance(**{**data, "params": tuple((name, value) for name, value in data.get("params", ()))})
 
 
 def _json_default(value: object) -> object:
@@ -202,8 +197,10 @@ def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[s
         return "nonfinite", f"NaN/Inf counts differ: candidate {metrics['num_nan'][0]}/{metrics['num_inf'][0]}, " \
                             f"reference {metrics['num_nan'][1]}/{metrics['num_inf'][1]}"
     if metrics["ratio"] > 1:
+        also = f"; replicas on ranks {drift['ranks']} also differ (drift ratio {_drift_ratio(drift, tolerance):.3g})" \
+            if _drift_ratio(drift, tolerance) > 1 else ""
         return "mismatch", f"relative error {metrics['error']:.3g} exceeds tolerance {tolerance.rel:.3g} " \
-                           f"(ratio {metrics['ratio']:.3g})"
+                           f"(ratio {metrics['ratio']:.3g}){also}"
     if _drift_ratio(drift, tolerance) > 1:
         return "replica_drift", f"replicas on ranks {drift['ranks']} differ by {drift['relative_diff']:.3g} relative " \
                                 f"(ratio {_drift_ratio(drift, tolerance):.3g})"
@@ -250,7 +247,7 @@ def _compare_stats(key: TensorKey, ref: list[TensorMeta], cand: list[TensorMeta]
     return TensorComparison(
         key=key, status=status, dtype=cand[0].dtype, shape=ref[0].layout.global_shape, numel=numel,
         error=abs_error / expected if expected > 0 else math.inf, abs_error=abs_error, reference_norm=expected,
-        tolerance=tolerance, ratio=ratio, stats_only=True,
+        tolerance=tolerance, ratio=ratio, value_ratio=ratio, stats_only=True,
         message="stats-only: compares norms, a lower bound of the error" + ("" if status == "pass" else " (exceeds tolerance)"),
     )
 
@@ -286,9 +283,10 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
     metrics = compare_values(actual, expected, tolerance)
     drift = asdict(cand_full.replica_drift) if cand_full.replica_drift else None
     status, message = _verdict(metrics, drift, tolerance)
-    metrics["ratio"] = max(metrics["ratio"], _drift_ratio(drift, tolerance))  # the ratio that judged it
+    value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(drift, tolerance)
     return TensorComparison(key=key, status=status, message=message, dtype=cand_dtype, tolerance=tolerance,
-                            replica_drift=drift, **metrics)
+                            replica_drift=drift, ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio,
+                            drift_ratio=drift_ratio, **metrics)
 
 
 def check_comparable(reference: RunReader, candidate: RunReader) -> None:

@@ -40,6 +40,10 @@ class Tolerance:
     """Where the numbers come from, shown next to every verdict ("dtype default (float32)")."""
     drift_rel: float | None = None
     """How far the candidate's replicas of the tensor may differ (relative); None: as far as `rel`."""
+    method: str = ""
+    """"dtype", "perturbation", "perturbation-floor", "theorem" or "exact-inputs"."""
+    params: tuple[tuple[str, float], ...] = ()
+    """The numbers the method used, e.g. (("alpha", 4.0), ("r_t", 2e-7), ("samples", 4))."""
 
 
 class ToleranceProvider(Protocol):
@@ -95,7 +99,7 @@ class DtypeTolerances:
         compute_rel, compute_abs = table.get(compute, table["float32"])
         if compute_rel > rel:
             rel, abs_, source = compute_rel, max(abs_, compute_abs), f"dtype default ({dtype}, computed in {compute})"
-        return Tolerance(rel=rel, abs=abs_, source=source)
+        return Tolerance(rel=rel, abs=abs_, source=source, method="dtype")
 
 
 # alpha: ||candidate - reference|| <= ||candidate - exact|| + ||exact - reference||, each term about
@@ -132,19 +136,24 @@ class PerturbationTolerances:
         deviation = self.estimate.tensors.get(key)
         if deviation is None:
             fallback = self.fallback.tolerance_for(key, dtype)
-            return Tolerance(fallback.rel, fallback.abs, f"{fallback.source}; not in the perturbation estimate")
+            return Tolerance(fallback.rel, fallback.abs, f"{fallback.source}; not in the perturbation estimate",
+                             method="dtype")
         floor = self.floor_eps * max(machine_epsilon(self.precision), _storage_epsilon(dtype))
         if deviation.reference_norm == 0:  # an all-zero reference: only an absolute bound means anything
             rms = self.alpha * deviation.deviation / math.sqrt(max(deviation.numel, 1))
-            return Tolerance(rel=floor, abs=rms, drift_rel=floor,
+            return Tolerance(rel=floor, abs=rms, drift_rel=floor, method="perturbation",
+                             params=(("alpha", self.alpha), ("deviation", deviation.deviation), ("samples", self.estimate.num_samples)),
                              source=f"perturbation: alpha {self.alpha:g} x absolute deviation (zero reference)")
         relative = self._pooled[_micro_batch_group(key)]
         if self.alpha * relative < floor:
-            return Tolerance(rel=floor, abs=0.0, drift_rel=floor, source=f"perturbation floor {self.floor_eps:g} eps (r_t {relative:.2g})")
+            return Tolerance(rel=floor, abs=0.0, drift_rel=floor, method="perturbation-floor",
+                             params=(("floor_eps", self.floor_eps), ("r_t", relative), ("samples", self.estimate.num_samples)),
+                             source=f"perturbation floor {self.floor_eps:g} eps (r_t {relative:.2g})")
         # Replicas are one computation on the same inputs, or one collective's result: a correct run
         # gives them bitwise equal (measured: no clean layout shows any drift), so they may differ by
         # one rounding (the floor), not by the round-off that separates two layouts.
-        return Tolerance(rel=self.alpha * relative, abs=0.0, drift_rel=floor,
+        return Tolerance(rel=self.alpha * relative, abs=0.0, drift_rel=floor, method="perturbation",
+                         params=(("alpha", self.alpha), ("r_t", relative), ("samples", self.estimate.num_samples)),
                          source=f"perturbation: alpha {self.alpha:g} x r_t {relative:.2g} ({self.estimate.num_samples} samples)")
 
 
@@ -190,7 +199,8 @@ class TheoremTolerances:
     def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
         depth = self.fixed_depth if self.fixed_depth is not None else theorem_depth(key, self.num_layers)
         rel = self.k * self.c ** depth * machine_epsilon(self.precision)
-        return Tolerance(rel=rel, abs=0.0, source=f"theorem: {self.k:g} x {self.c:g}^{depth} x eps")
+        return Tolerance(rel=rel, abs=0.0, source=f"theorem: {self.k:g} x {self.c:g}^{depth} x eps", method="theorem",
+                         params=(("k", self.k), ("C", self.c), ("depth", depth), ("eps", machine_epsilon(self.precision))))
 
 
 # The exact-inputs rule (dataflow.py): a module fed inputs and parameters bitwise equal to the
@@ -205,7 +215,8 @@ def exact_inputs_tolerance(tolerance: Tolerance, precision: str, dtype: str, k: 
     if rel >= tolerance.rel:
         return tolerance
     drift_rel = min(rel, tolerance.rel if tolerance.drift_rel is None else tolerance.drift_rel)
-    return Tolerance(rel=rel, abs=tolerance.abs, drift_rel=drift_rel,
+    return Tolerance(rel=rel, abs=tolerance.abs, drift_rel=drift_rel, method="exact-inputs",
+                     params=(("k", k), ("n", num_terms), ("eps", rel / (k * math.sqrt(num_terms)))),
                      source=f"exact inputs: {k:g} x sqrt({num_terms}) x eps (theorem depth 0), tighter than {tolerance.source}")
 
 
