@@ -1,4 +1,4 @@
-"""`ttrace` command line: example, estimate, compare, localize, inspect, bugs.
+"""`ttrace` command line: example, estimate, compare, localize, inspect, bugs, dashboard.
 
 Exit codes: 0 the runs are equivalent (or the command succeeded), 1 a divergence was found,
 2 bad input (one line that names the file or tensor and says why).
@@ -90,6 +90,8 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="perturbation: tolerance = alpha x deviation")
     compare.add_argument("--theorem-k", type=float, default=DEFAULT_THEOREM_K, help="theorem: k in k * C^depth * eps")
     compare.add_argument("--theorem-c", type=float, default=DEFAULT_THEOREM_C, help="theorem: C in k * C^depth * eps")
+    compare.add_argument("--rebuild", action="store_true",
+                         help="recompute even when the cached comparison table (under CAND/.ttrace) is up to date")
     compare.add_argument("--exact-inputs-k", type=float, default=DEFAULT_EXACT_INPUTS_K,
                          help="perturbation/theorem: a tensor whose inputs and weights were bitwise equal to the "
                               "reference's is also held to k * sqrt(n) * eps, n partial results (0: off)")
@@ -109,6 +111,10 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("run_dir")
     inspect.add_argument("--tensors", action="store_true", help="list every logical tensor")
     commands.add_parser("bugs", help="list the injectable bugs of the example workloads")
+    dashboard = commands.add_parser("dashboard", help="browse comparisons of the runs under ROOT in a web dashboard")
+    dashboard.add_argument("root", nargs="?", default=".", help="folder holding run directories (searched recursively)")
+    dashboard.add_argument("--port", type=int, default=8501)
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     return parser
 
 
@@ -131,23 +137,23 @@ def _run_example(args: argparse.Namespace) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from ttrace_core.compare import compare_runs
+    from ttrace_core.api import CompareSettings, run_comparison
     from ttrace_core.report import ProgressBar, render_comparison
-    from ttrace_core.store import RunReader
-    from ttrace_core.tolerances import select_tolerances
 
-    with RunReader(args.reference) as reference, RunReader(args.candidate) as candidate:
-        progress = ProgressBar(enabled=args.progress or sys.stderr.isatty())
-        tolerances = select_tolerances(args.tolerance, reference, candidate, alpha=args.alpha, k=args.theorem_k,
-                                       c=args.theorem_c)
-        result = compare_runs(reference, candidate, tolerances, ignore_dtype=args.ignore_dtype, progress=progress,
-                              exact_inputs_k=args.exact_inputs_k)
-    if not result.comparisons:
-        raise TtraceError(f"{args.candidate}: no step was completed in both runs, nothing to compare")
+    settings = CompareSettings(tolerance=args.tolerance, alpha=args.alpha, theorem_k=args.theorem_k,
+                               theorem_c=args.theorem_c, exact_inputs_k=args.exact_inputs_k, ignore_dtype=args.ignore_dtype)
+    progress = ProgressBar(enabled=args.progress or sys.stderr.isatty())
+    result = run_comparison(args.reference, args.candidate, settings, progress=progress, rebuild=args.rebuild)
     print(render_comparison(result, num_worst=args.worst))
     if args.json:
         Path(args.json).write_text(result.to_json())
     return 0 if result else 1
+
+
+def _run_dashboard(args: argparse.Namespace) -> int:
+    from ttrace_core.dashboard import serve
+
+    return serve(args.root, port=args.port, host=args.host)
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
@@ -200,7 +206,7 @@ def _run_bugs(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handlers = {"example": _run_example, "estimate": _run_estimate, "compare": _run_compare, "localize": _run_localize,
-                "inspect": _run_inspect, "bugs": _run_bugs}
+                "inspect": _run_inspect, "bugs": _run_bugs, "dashboard": _run_dashboard}
     try:
         return handlers[args.command](args)
     except TtraceError as error:

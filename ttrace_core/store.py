@@ -199,6 +199,54 @@ def read_manifest(run_dir: str | os.PathLike) -> RunManifest:
     return manifest
 
 
+def _step_file_states(run_dir: Path) -> dict[int, dict[int, bool]]:
+    """step -> rank -> complete, from file names alone."""
+    found: dict[int, dict[int, bool]] = defaultdict(dict)
+    for entry in sorted(os.listdir(run_dir)):
+        if match := _STEP_FILE.match(entry):
+            rank, step = int(match.group(1)), int(match.group(2))
+            if match.group(3) is None or rank not in found[step]:
+                found[step][rank] = match.group(3) is None
+    return found
+
+
+def step_files(run_dir: str | os.PathLike, world_size: int) -> tuple[list[int], list[int]]:
+    """(complete steps, partial steps) of a run, from file names alone: no HDF5 file is opened."""
+    found = _step_file_states(Path(run_dir))
+    complete = [step for step, by_rank in sorted(found.items()) if all(by_rank.get(r, False) for r in range(world_size))]
+    return complete, [step for step in sorted(found) if step not in complete]
+
+
+def read_shards(run_dir: str | os.PathLike, key: TensorKey, world_size: int) -> list[tuple[TensorMeta, torch.Tensor | None]]:
+    """Every rank's shard of one tensor, opening only that dataset in each rank's step file.
+
+    Values are None for stats-only shards. A rank that did not record the key is skipped.
+    """
+    run_dir = Path(run_dir)
+    path = _dataset_path(key)
+    shards = []
+    for rank in range(world_size):
+        file_path = run_dir / step_file_name(rank, key.step)
+        where = f"{file_path}:{path}"
+        try:
+            with h5py.File(file_path, "r") as handle:
+                if path not in handle:
+                    continue
+                dataset = handle[path]
+                meta = _meta_from_json(dataset.attrs["meta"], where)
+                array = None if meta.stats_only else dataset[()]
+        except (OSError, KeyError) as error:
+            raise TraceFormatError(f"{where}: cannot read the dataset ({error}); the file is truncated or corrupted, "
+                                   f"re-record rank {rank}") from error
+        value = None if array is None else tensor_from_array(array, meta.dtype, where)
+        if value is not None and tuple(value.shape) != meta.local_shape:
+            raise TraceFormatError(f"{where}: stored shape {tuple(value.shape)} differs from its metadata {meta.local_shape}")
+        shards.append((meta, value))
+    if not shards:
+        raise TraceFormatError(f"{run_dir}: no rank recorded {key}; pick a tensor the run holds (`ttrace inspect --tensors`)")
+    return shards
+
+
 class RunReader:
     """Read-only view of a run directory: the manifest, which steps are complete, and every shard."""
 
@@ -213,12 +261,7 @@ class RunReader:
         self._scan()
 
     def _scan(self) -> None:
-        found: dict[int, dict[int, bool]] = defaultdict(dict)  # step -> rank -> complete
-        for entry in sorted(os.listdir(self.run_dir)):
-            if match := _STEP_FILE.match(entry):
-                rank, step = int(match.group(1)), int(match.group(2))
-                if match.group(3) is None or rank not in found[step]:
-                    found[step][rank] = match.group(3) is None
+        found = _step_file_states(self.run_dir)
         ranks_seen = {rank for by_rank in found.values() for rank in by_rank}
         for rank in range(self.manifest.world_size):
             if rank not in ranks_seen:

@@ -1,0 +1,92 @@
+import json
+
+import pandas as pd
+import pytest
+
+from tests.synthetic_runs import write_pair
+from ttrace_core.compare import compare_runs
+from ttrace_core.store import RunReader
+from ttrace_core.table import (
+    COLUMNS, comparison_from_table, key_from_tensor_id, layer_of, read_table, table_from_comparison, tensor_id,
+    tensor_kind, write_table,
+)
+from ttrace_core.schema import TensorKey
+
+
+@pytest.fixture
+def compared(tmp_path):
+    reference_dir, candidate_dir = write_pair(tmp_path)
+    with RunReader(reference_dir) as reference, RunReader(candidate_dir) as candidate:
+        result = compare_runs(reference, candidate)
+        frame = table_from_comparison(result, candidate)
+    return result, frame
+
+
+def _normalized(result) -> dict:
+    """JSON of a comparison with NaN/inf as text, for equality."""
+    return json.loads(result.to_json())
+
+
+def test_the_table_round_trips_every_number_through_parquet(tmp_path, compared):
+    result, frame = compared
+    provenance = {"reference": result.reference, "candidate": result.candidate, "steps_compared": result.steps_compared,
+                  "notes": result.notes}
+    write_table(tmp_path / "t.parquet", frame, provenance)
+    again, read_provenance = read_table(tmp_path / "t.parquet")
+    assert read_provenance == provenance
+    assert _normalized(comparison_from_table(again, read_provenance)) == _normalized(result)
+
+
+def test_one_row_per_tensor_instance_in_execution_order(compared):
+    result, frame = compared
+    assert list(frame.columns) == list(COLUMNS)
+    assert list(frame["order"]) == list(range(len(result.comparisons)))
+    assert list(frame["tensor"]) == [tensor_id(c.key) for c in result.comparisons]
+    by_fqn = frame[frame["micro_batch"] == 0].set_index("fqn")
+    assert by_fqn.loc["layers.0.act", "status"] == "mismatch" and by_fqn.loc["layers.0.act", "layer"] == 0
+    assert by_fqn.loc["layers.1.out", "status"] == "missing" and pd.isna(by_fqn.loc["layers.1.out", "ratio"])
+    assert by_fqn.loc["layers.1.lin", "num_nan_candidate"] == 1
+
+
+def test_replica_drift_has_its_own_column_and_the_ratio_that_judged(compared):
+    _, frame = compared
+    row = frame[(frame["fqn"] == "layers.1.norm") & (frame["micro_batch"] == 0)].iloc[0]
+    assert row["status"] == "replica_drift"
+    assert row["value_ratio"] == 0.0  # rank 0's replica equals the reference
+    assert row["drift_ratio"] == pytest.approx(1e-3 / 1e-5, rel=1e-3)
+    assert row["ratio"] == max(row["value_ratio"], row["drift_ratio"])
+    assert json.loads(row["drift_ranks"]) == [0, 1]
+
+
+def test_tolerance_method_and_parameters_are_columns(compared):
+    _, frame = compared
+    row = frame.iloc[0]
+    assert row["tolerance_method"] == "dtype" and row["tolerance_rel"] == 1e-5
+    assert json.loads(row["tolerance_params"]) == {}
+
+
+@pytest.mark.parametrize("key, kind", [
+    (TensorKey(0, 0, "forward", "a.b", "input.0"), "input"),
+    (TensorKey(0, 0, "forward", "a.b", "input.hidden_states"), "input"),
+    (TensorKey(0, 0, "forward", "a.b", "output.1"), "output"),
+    (TensorKey(0, 0, "backward", "a.b", "grad_output.0"), "grad_output"),
+    (TensorKey(0, 0, "backward", "a.b", "grad_input.0"), "grad_input"),
+    (TensorKey(0, -1, "grad", "a.b.weight", "grad"), "param_grad"),
+    (TensorKey(0, -1, "param", "a.b.weight", "value"), "param"),
+], ids=["input", "kwarg-input", "output", "grad_output", "grad_input", "param_grad", "param"])
+def test_tensor_kinds(key, kind):
+    assert tensor_kind(key) == kind
+    assert key_from_tensor_id(tensor_id(key), key.step, key.micro_batch) == key
+
+
+@pytest.mark.parametrize("fqn, layer", [("decoder.layers.12.mlp", 12), ("layers.0", 0), ("embedding", None),
+                                        ("h.3.attn", 3), ("mylayers.4", None)],
+                         ids=["megatron", "torch", "none", "gpt2", "not-a-component"])
+def test_layer_of(fqn, layer):
+    assert layer_of(fqn) == layer
+
+
+def test_root_module_tensor_id_round_trips():
+    key = TensorKey(0, 0, "forward", "", "output.0")
+    assert key_from_tensor_id(tensor_id(key), 0, 0) == key
+    assert tensor_id(key) == "forward//output.0"
