@@ -1,0 +1,197 @@
+"""Figure builders: data in, `go.Figure` out, no streamlit calls.
+
+Colour everywhere is log10(error / tolerance) on one diverging scale, blue (passes by far) through
+white (the pass line, 0) to red (fails by far), so every tensor is judged on the same picture.
+Heatmap cells are square scatter markers, not a `go.Heatmap`: Streamlit returns an empty selection
+for clicks on heatmap traces (streamlit#8760), while scatter points carry their customdata back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import plotly.colors as plotly_colors
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from app.cells import KIND_LABELS, LOG_RATIO_LIMIT
+from ttrace_core.table import KINDS
+
+RATIO_SCALE = [[0.0, "#2166ac"], [0.35, "#92c5de"], [0.5, "#f7f7f7"], [0.5001, "#fddbc7"], [0.75, "#ef8a62"],
+               [1.0, "#67001f"]]
+CATEGORY_STYLE = {
+    "nan": ("NaN in the candidate", "#c51bdd"),
+    "inf": ("Inf in the candidate", "#111111"),
+    "missing": ("missing in one run", "#9e9e9e"),
+    "structure": ("shape / dtype / layout differs", "#ff9800"),
+}
+PHASE_COLOURS = {"forward": "#e8f1fb", "backward": "#fdf1e6", "grad": "#eaf7ea", "param": "#f3eafa"}
+ROW_HEIGHT = 18
+FIRST_DIVERGENCE_COLOUR = "#ffd400"
+
+
+def _colour_axis() -> dict:
+    return dict(colorscale=RATIO_SCALE, cmin=-LOG_RATIO_LIMIT, cmax=LOG_RATIO_LIMIT,
+                colorbar=dict(title="log10(error/tol)", tickvals=[-4, -2, 0, 2, 4],
+                              ticktext=["≤1e-4", "1e-2", "1 (pass line)", "1e2", "≥1e4"]))
+
+
+def _clickable(points: pd.DataFrame) -> dict:
+    return dict(customdata=points[["tensor", "step", "micro_batch"]].astype(object).values.tolist(),
+                text=points["hover"].tolist(), hovertemplate="%{text}<extra></extra>")
+
+
+def _layer_bands(rows: pd.DataFrame) -> list[dict]:
+    """A light band behind every other layer, and a line where the pipeline stage changes."""
+    shapes = []
+    for layer, group in rows.dropna(subset=["layer"]).groupby("layer"):
+        if int(layer) % 2 == 0:
+            shapes.append(dict(type="rect", xref="paper", x0=0, x1=1, y0=group["row"].min() - 0.5,
+                               y1=group["row"].max() + 0.5, fillcolor="#f2f2f2", line_width=0, layer="below"))
+    stages = rows["stage"].ffill()
+    for row in rows["row"][stages.ne(stages.shift()) & stages.notna()].iloc[1:]:
+        shapes.append(dict(type="line", xref="paper", x0=0, x1=1, y0=row - 0.5, y1=row - 0.5,
+                           line=dict(color="#555", width=2, dash="dash")))
+    return shapes
+
+
+def _stage_annotations(rows: pd.DataFrame) -> list[dict]:
+    starts = rows.dropna(subset=["stage"]).drop_duplicates("stage")
+    if len(starts) < 2:
+        return []
+    return [dict(xref="paper", x=1.0, y=r["row"], xanchor="left", text=f"stage {int(r['stage'])}", showarrow=False,
+                 font=dict(size=11, color="#555")) for _, r in starts.iterrows()]
+
+
+def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, str] | None = None) -> go.Figure:
+    """Modules (rows, execution order) x tensor kinds (columns); `first` (module, kind) is outlined."""
+    figure = go.Figure()
+    numeric = cells[cells["category"] == "ratio"]
+    figure.add_trace(go.Scatter(x=numeric["column"], y=numeric["row"], mode="markers", name="error / tolerance",
+                                marker=dict(symbol="square", size=14, color=numeric["value"], line=dict(width=0.5, color="#888"),
+                                            **_colour_axis()), showlegend=False, **_clickable(numeric)))
+    for name, (label, colour) in CATEGORY_STYLE.items():
+        special = cells[cells["category"] == name]
+        if not special.empty:
+            figure.add_trace(go.Scatter(x=special["column"], y=special["row"], mode="markers", name=label,
+                                        marker=dict(symbol="square", size=14, color=colour), **_clickable(special)))
+    if first is not None:
+        marked = cells[(cells["module"] == first[0]) & (cells["kind"] == first[1])]
+        figure.add_trace(go.Scatter(x=marked["column"], y=marked["row"], mode="markers", name="first divergence",
+                                    marker=dict(symbol="square-open", size=22, color=FIRST_DIVERGENCE_COLOUR,
+                                                line=dict(width=3, color=FIRST_DIVERGENCE_COLOUR)), **_clickable(marked)))
+    figure.update_layout(
+        height=max(360, ROW_HEIGHT * len(rows) + 160), margin=dict(l=10, r=80, t=40, b=10), plot_bgcolor="white",
+        shapes=_layer_bands(rows), annotations=_stage_annotations(rows), clickmode="event+select", dragmode=False,
+        legend=dict(orientation="h", y=-0.01, x=0, yanchor="top"),
+        xaxis=dict(tickvals=list(range(len(KINDS))), ticktext=[KIND_LABELS[k] for k in KINDS], side="top",
+                   range=[-0.6, len(KINDS) - 0.4], fixedrange=True),
+        yaxis=dict(tickvals=rows["row"].tolist(), ticktext=rows["module"].replace("", "<root>").tolist(),
+                   autorange="reversed", fixedrange=True, tickfont=dict(size=11)),
+    )
+    return figure
+
+
+def timeline_figure(points: pd.DataFrame, first_order: int | None) -> go.Figure:
+    """log10(ratio) along execution order, with the phases as bands and the first divergence marked."""
+    figure = go.Figure()
+    for phase, group in points.groupby("phase", sort=False):
+        figure.add_vrect(x0=group["order"].min() - 0.5, x1=group["order"].max() + 0.5, fillcolor=PHASE_COLOURS.get(phase, "#eee"),
+                         line_width=0, layer="below", annotation_text=phase, annotation_position="top left")
+    numeric = points[points["category"] == "ratio"]
+    figure.add_trace(go.Scatter(x=numeric["order"], y=numeric["value"], mode="markers", showlegend=False,
+                                marker=dict(size=6, color=numeric["value"], **{**_colour_axis(), "showscale": False}),
+                                **_clickable(numeric)))
+    for name, (label, colour) in CATEGORY_STYLE.items():
+        special = points[points["category"] == name]
+        if not special.empty:
+            figure.add_trace(go.Scatter(x=special["order"], y=[LOG_RATIO_LIMIT] * len(special), mode="markers", name=label,
+                                        marker=dict(symbol="x", size=8, color=colour), **_clickable(special)))
+    figure.add_hline(y=0, line=dict(color="#333", width=1, dash="dot"), annotation_text="pass line")
+    if first_order is not None:
+        figure.add_vline(x=first_order, line=dict(color=FIRST_DIVERGENCE_COLOUR, width=3),
+                         annotation_text="first divergence")
+    figure.update_layout(height=300, margin=dict(l=10, r=10, t=30, b=10), plot_bgcolor="white", dragmode=False,
+                         xaxis=dict(title="execution order"),
+                         yaxis=dict(title="log10(error/tol)", range=[-LOG_RATIO_LIMIT - 0.3, LOG_RATIO_LIMIT + 0.3]))
+    return figure
+
+
+def difference_image_figure(image: np.ndarray, block: tuple[int, int], view_shape: tuple[int, int]) -> go.Figure:
+    """max |candidate - reference| per block of the tensor's 2-D view, on a log colour scale."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logged = np.where(image > 0, np.log10(image), np.nan)
+    figure = go.Figure(go.Heatmap(z=logged, colorscale="Inferno", colorbar=dict(title="log10 |diff|"),
+                                  hovertemplate="block row %{y}, col %{x}<br>log10 max|diff| %{z:.2f}<extra></extra>"))
+    figure.update_layout(height=360, margin=dict(l=10, r=10, t=30, b=10),
+                         title=dict(text=f"|difference|: {view_shape[0]} x {view_shape[1]} view, "
+                                         f"{block[0]} x {block[1]} elements per cell (max)", font=dict(size=12)),
+                         yaxis=dict(autorange="reversed"))
+    return figure
+
+
+def histogram_figure(edges: np.ndarray, counts: np.ndarray, tolerance_rel: float | None) -> go.Figure:
+    centres = np.sqrt(edges[:-1] * edges[1:])
+    figure = go.Figure(go.Bar(x=centres, y=counts, width=np.diff(edges) * 0.9, marker_color="#4a6fa5",
+                              hovertemplate="rel. error ~%{x:.1e}: %{y} elements<extra></extra>"))
+    if tolerance_rel:
+        figure.add_vline(x=tolerance_rel, line=dict(color="#b2182b", dash="dash"), annotation_text="tolerance")
+    figure.update_layout(height=300, margin=dict(l=10, r=10, t=30, b=10), xaxis=dict(type="log", title="|diff| / |reference|"),
+                         yaxis=dict(title="elements"), bargap=0)
+    return figure
+
+
+def _shard_colour(error: float | None, tolerance_rel: float | None) -> str:
+    if error is None or not tolerance_rel:
+        return "#bdbdbd"
+    value = -LOG_RATIO_LIMIT if error == 0 else float(np.clip(math.log10(error / tolerance_rel), -4, 4))
+    fraction = (value + LOG_RATIO_LIMIT) / (2 * LOG_RATIO_LIMIT)
+    return plotly_colors.sample_colorscale(RATIO_SCALE, [fraction])[0]
+
+
+def shard_map_figure(shards: list, shape: tuple[int, ...], tolerance_rel: float | None, highlight_rank: int | None) -> go.Figure:
+    """Which rank holds which slice of each dim; a bar per rank and dim, coloured by that shard's error."""
+    dims = [d for d in range(len(shape)) if any(s.region[d] != (0, shape[d]) for s in shards)] or list(range(min(len(shape), 1)))
+    figure = make_subplots(rows=1, cols=max(len(dims), 1), subplot_titles=[f"dim {d} (size {shape[d]})" for d in dims] or ["scalar"])
+    for column, dim in enumerate(dims, start=1):
+        for shard in shards:
+            start, stop = shard.region[dim]
+            error = "-" if shard.error is None else f"{shard.error:.3g}"
+            width = 3 if shard.rank == highlight_rank else 0.5
+            figure.add_trace(go.Bar(
+                y=[f"rank {shard.rank}"], x=[max(stop - start, 0)], base=[start], orientation="h", showlegend=False,
+                marker=dict(color=_shard_colour(shard.error, tolerance_rel), line=dict(color="#000", width=width)),
+                hovertemplate=(f"rank {shard.rank} {list(shard.coordinate)} {list(shard.placements)}<br>"
+                               f"[{start}:{stop}) of dim {dim}<br>local shape {list(shard.local_shape)}<br>"
+                               f"error {error} {shard.note}<extra></extra>")), row=1, col=column)
+        figure.update_xaxes(range=[0, shape[dim]], row=1, col=column)
+    figure.update_layout(height=80 + 28 * len(shards), margin=dict(l=10, r=10, t=40, b=10), barmode="overlay",
+                         yaxis=dict(autorange="reversed"))
+    return figure
+
+
+def rank_error_figure(shards: list, tolerance_rel: float | None) -> go.Figure:
+    """Per rank: its shard's (or replica's) error against the reference, with the tolerance line."""
+    known = [s for s in shards if s.error is not None]
+    figure = go.Figure(go.Bar(x=[f"rank {s.rank}" for s in known], y=[max(s.error, 1e-17) for s in known],
+                              marker_color=[_shard_colour(s.error, tolerance_rel) for s in known],
+                              hovertemplate="%{x}: error %{y:.3g}<extra></extra>"))
+    if tolerance_rel:
+        figure.add_hline(y=tolerance_rel, line=dict(color="#b2182b", dash="dash"), annotation_text="tolerance")
+    figure.update_layout(height=260, margin=dict(l=10, r=10, t=30, b=10), yaxis=dict(type="log", title="relative error"))
+    return figure
+
+
+def history_figure(rows: pd.DataFrame, current: tuple[int, int] | None) -> go.Figure:
+    """One tensor's ratio over steps and micro-batches."""
+    labels = [f"s{s}" + ("" if m < 0 else f" mb{m}") for s, m in zip(rows["step"], rows["micro_batch"])]
+    ratios = rows["ratio"].astype(float).fillna(np.nan).clip(lower=1e-8)
+    colours = ["#b2182b" if status != "pass" else "#2166ac" for status in rows["status"]]
+    widths = [3 if current == (s, m) else 0 for s, m in zip(rows["step"], rows["micro_batch"])]
+    figure = go.Figure(go.Bar(x=labels, y=ratios, marker=dict(color=colours, line=dict(width=widths, color="#000")),
+                              hovertemplate="%{x}: ratio %{y:.3g}<extra></extra>"))
+    figure.add_hline(y=1, line=dict(color="#333", dash="dot"), annotation_text="pass line")
+    figure.update_layout(height=260, margin=dict(l=10, r=10, t=30, b=10), yaxis=dict(type="log", title="error / tolerance"))
+    return figure

@@ -1,0 +1,51 @@
+"""Choosing a (reference, candidate) pair among the runs under the root: pure functions, no streamlit."""
+
+from __future__ import annotations
+
+from ttrace_core.api import RunInfo
+
+
+def usable(runs: list[RunInfo]) -> list[RunInfo]:
+    return [run for run in runs if run.error is None]
+
+
+def references(runs: list[RunInfo]) -> list[RunInfo]:
+    return [run for run in usable(runs) if run.role == "reference"]
+
+
+def candidates(runs: list[RunInfo]) -> list[RunInfo]:
+    return [run for run in usable(runs) if run.role != "reference"]
+
+
+def matching_reference(runs: list[RunInfo], candidate: RunInfo) -> RunInfo | None:
+    """The reference recorded from the same model at the same precision, nearest in the folder tree."""
+    same = [r for r in references(runs) if r.model == candidate.model and r.precision == candidate.precision]
+    same = same or [r for r in references(runs) if r.model == candidate.model]
+    folder = candidate.path.rsplit("/", 1)[0] if "/" in candidate.path else ""
+    return max(same, key=lambda r: (r.path.startswith(folder), -len(r.path)), default=None)
+
+
+def default_pair(runs: list[RunInfo], ref: str | None, cand: str | None) -> tuple[str | None, str | None]:
+    """The pair to show: the URL's when it names usable runs; else a buggy candidate (a run with a bug
+    recorded in its manifest) with its matching reference, so a first visit lands on something to see."""
+    by_path = {run.path: run for run in usable(runs)}
+    cand_run = by_path.get(cand or "")
+    if cand_run is None:
+        pool = candidates(runs)
+        cand_run = next((c for c in pool if c.bug), pool[0] if pool else None)
+    if ref in by_path:
+        return ref, cand_run.path if cand_run else None
+    matched = matching_reference(runs, cand_run) if cand_run else None
+    return (matched.path if matched else None), (cand_run.path if cand_run else None)
+
+
+def metadata_rows(run: RunInfo) -> dict[str, str]:
+    """What the Runs page shows of one run, as label -> text."""
+    return {
+        "role": run.role or "-", "layout": run.layout, "world size": str(run.world_size), "precision": run.precision or "-",
+        "complete steps": ", ".join(map(str, run.steps)) or "none",
+        "partial steps": ", ".join(map(str, run.partial_steps)) or "none", "injected bug": run.bug or "none",
+        "tolerance estimate": "yes (perturbation)" if run.has_estimate else "no",
+        "recorded by": run.entrypoint or "-", "trace format": str(run.format_version),
+        "model": ", ".join(f"{k}={v}" for k, v in sorted(run.model.items())),
+    }

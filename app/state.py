@@ -1,0 +1,68 @@
+"""The view state of every page, and the URL that carries it: pure functions, no streamlit.
+
+A view is (ref, cand, tensor, step, mb, rank, module); each is a query parameter of the same name,
+so a copied URL opens the same view. `ref` and `cand` are paths relative to the dashboard's root
+and are resolved only through `ttrace_core.api.path_under_root`, which refuses anything outside it.
+A click on a heatmap cell is a plotly selection; `view_from_click` turns it into the tensor view's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from collections.abc import Mapping
+
+ALL_MICRO_BATCHES = "all"
+"""`mb=all` on the heatmap: the worst over micro-batches."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ViewState:
+    ref: str | None = None
+    cand: str | None = None
+    tensor: str | None = None
+    """"phase/fqn/slot" (ttrace_core.table.tensor_id)."""
+    step: int | None = None
+    mb: int | str | None = None
+    """A global micro-batch id, -1 for gradients and parameters, or "all"."""
+    rank: int | None = None
+    module: str | None = None
+
+
+def _as_int(text: str | None) -> int | None:
+    try:
+        return None if text in (None, "") else int(text)
+    except ValueError:
+        return None
+
+
+def state_from_query(params: Mapping[str, str | list[str]]) -> ViewState:
+    """Read a page's state from its query parameters; malformed numbers are dropped, not raised."""
+    def first(name: str) -> str | None:
+        value = params.get(name)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        return value or None
+
+    mb_text = first("mb")
+    mb = ALL_MICRO_BATCHES if mb_text == ALL_MICRO_BATCHES else _as_int(mb_text)
+    return ViewState(ref=first("ref"), cand=first("cand"), tensor=first("tensor"), step=_as_int(first("step")),
+                     mb=mb, rank=_as_int(first("rank")), module=first("module"))
+
+
+def query_from_state(state: ViewState) -> dict[str, str]:
+    """The query parameters of a state, without the unset ones."""
+    return {f.name: str(getattr(state, f.name)) for f in fields(state) if getattr(state, f.name) is not None}
+
+
+def view_from_click(selection: Mapping | None, state: ViewState) -> ViewState | None:
+    """The tensor view a heatmap click opens, or None when the click selected nothing.
+
+    `selection` is what `st.plotly_chart(on_select="rerun")` returns; every clickable marker
+    carries customdata [tensor, step, micro_batch].
+    """
+    points = ((selection or {}).get("selection") or {}).get("points") or []
+    for point in points:
+        data = point.get("customdata")
+        if data and len(data) >= 3 and data[0]:
+            return replace(state, tensor=str(data[0]), step=int(data[1]), mb=int(data[2]), rank=None)
+    return None

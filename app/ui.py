@@ -1,0 +1,97 @@
+"""Streamlit helpers shared by the pages: the root, the URL state, page switches, loading through the api.
+
+Every failure a user can cause (a refused path, an unreadable trace) is shown as one `st.error`
+line, the same text the CLI prints; the page then stops, and the other pages stay usable.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import streamlit as st
+
+from app.state import ViewState, query_from_state, state_from_query
+from ttrace_core import api
+from ttrace_core.dashboard import ROOT_ENV
+from ttrace_core.errors import TtraceError
+
+PAGES_DIR = Path(__file__).resolve().parents[1] / "pages"
+PAGES = {  # url path -> (script, title, icon)
+    "runs": ("runs.py", "Runs", ":material/folder_open:"),
+    "heatmap": ("heatmap.py", "Heatmap", ":material/grid_on:"),
+    "tensor": ("tensor.py", "Tensor", ":material/biotech:"),
+}
+
+
+def page(name: str) -> st.Page:
+    script, title, icon = PAGES[name]
+    return st.Page(PAGES_DIR / script, title=title, icon=icon, url_path=name)
+
+
+def _forward_to_runs() -> None:
+    go_to("runs", view_state())
+
+
+def navigation_pages() -> list[st.Page]:
+    """Every page, plus a hidden default one: Streamlit serves the default page at "/" only, so the
+    app root forwards to /runs (keeping the URL's state) and every page keeps its own path."""
+    home = st.Page(_forward_to_runs, title="ttrace", url_path="home", default=True, visibility="hidden")
+    return [home, *(page(name) for name in PAGES)]
+
+
+def dashboard_root() -> Path:
+    return Path(os.environ.get(ROOT_ENV, ".")).resolve()
+
+
+def view_state() -> ViewState:
+    return state_from_query(st.query_params.to_dict())
+
+
+def show_in_url(state: ViewState) -> None:
+    """Write the whole state into the URL, so that a copied link reopens this exact view."""
+    wanted = query_from_state(state)
+    if st.query_params.to_dict() != wanted:
+        st.query_params.from_dict(wanted)
+
+
+def go_to(name: str, state: ViewState) -> None:
+    st.switch_page(page(name), query_params=query_from_state(state))
+
+
+def stop_with(message: str) -> None:
+    st.error(message, icon=":material/error:")
+    st.stop()
+
+
+def run_pair(state: ViewState) -> tuple[Path, Path]:
+    """The reference and candidate directories of the URL, confined to the root; stops the page otherwise."""
+    if not state.ref or not state.cand:
+        st.info("Pick a reference and a candidate on the Runs page first.")
+        st.page_link(page("runs"), label="Go to Runs", icon=":material/folder_open:")
+        st.stop()
+    try:
+        return api.path_under_root(dashboard_root(), state.ref), api.path_under_root(dashboard_root(), state.cand)
+    except TtraceError as error:
+        stop_with(str(error))
+    raise AssertionError("unreachable")
+
+
+def load_comparison(reference: Path, candidate: Path) -> api.ComparisonTable:
+    """The comparison table from the api (cached on disk); the first computation shows its progress."""
+    bar = st.empty()
+
+    def progress(done: int, total: int) -> None:
+        if done == 1 or done == total or done % 50 == 0:
+            bar.progress(done / max(total, 1), text=f"comparing {done}/{total} tensors (done once, then cached)")
+
+    try:
+        result = api.comparison_table(reference, candidate, progress=progress)
+    except TtraceError as error:
+        stop_with(str(error))
+    bar.empty()
+    return result
+
+
+def pair_caption(state: ViewState) -> None:
+    st.caption(f"reference `{state.ref}` · candidate `{state.cand}` · root `{dashboard_root()}`")

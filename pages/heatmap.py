@@ -1,0 +1,72 @@
+"""Heatmap: every module x tensor kind of one step, coloured by log10(error / tolerance); a click opens the tensor."""
+
+from dataclasses import replace
+
+import streamlit as st
+
+from app import cells, figures
+from app.state import ALL_MICRO_BATCHES, view_from_click
+from app.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, view_state
+
+state = view_state()
+reference, candidate = run_pair(state)
+st.title("Error heatmap")
+pair_caption(state)
+result = load_comparison(reference, candidate)
+frame = result.frame
+first = cells.first_divergence(frame)
+
+steps = sorted(frame["step"].unique().tolist())
+step = state.step if state.step in steps else (int(first["step"]) if first is not None else steps[0])
+micro_batches = sorted(m for m in frame.loc[frame["step"] == step, "micro_batch"].unique().tolist() if m >= 0)
+mb_options = [ALL_MICRO_BATCHES, *micro_batches]
+mb = state.mb if state.mb in mb_options else ALL_MICRO_BATCHES
+left, middle, right = st.columns([1, 1, 3])
+step = left.selectbox("Step", steps, index=steps.index(step))
+mb = middle.selectbox("Micro-batch", mb_options, index=mb_options.index(mb),
+                      format_func=lambda m: "all (worst)" if m == ALL_MICRO_BATCHES else str(m))
+state = replace(state, step=int(step), mb=mb, tensor=None, rank=None)
+show_in_url(state)
+
+if first is None:
+    st.success("Every tensor passes: the candidate matches the reference.", icon=":material/check_circle:")
+else:
+    mb_text = "" if first["micro_batch"] < 0 else f" mb {first['micro_batch']}"
+    st.error(f"First divergence: `{first['tensor']}` (step {first['step']}{mb_text}), ratio {first['ratio']:.3g}: "
+             f"{first['message']}", icon=":material/cancel:")
+
+choices = cells.tensor_choices(frame, int(step))
+with right:
+    picked = st.selectbox("Go to a tensor (failures first)", choices, index=None, placeholder="type to search",
+                          format_func=lambda c: f"{c[0]}" + ("" if c[2] < 0 else f" · mb {c[2]}"))
+if picked is not None:
+    go_to("tensor", replace(state, tensor=picked[0], step=picked[1], mb=picked[2]))
+
+rows = cells.module_rows(frame)
+view_cells = cells.heatmap_cells(frame, int(step), mb)
+marked = None
+if first is not None and first["step"] == step and mb in (ALL_MICRO_BATCHES, first["micro_batch"], -1):
+    marked = (first["module"], first["kind"])
+st.caption("Colour: log10(error / tolerance), 0 is the pass line. The yellow outline is the first divergence. "
+           "Click a cell to open its tensor.")
+event = st.plotly_chart(figures.heatmap_figure(view_cells, rows, marked), key="heatmap", on_select="rerun",
+                        selection_mode="points", config={"displayModeBar": False})
+clicked = view_from_click(event, state)
+if clicked is not None:
+    go_to("tensor", clicked)
+
+st.subheader("Timeline")
+st.caption("Every tensor of the step in execution order: forward, backward, reduced gradients, updated parameters.")
+points = cells.timeline_points(frame, int(step))
+first_order = int(first["order"]) if first is not None and first["step"] == step else None
+timeline = st.plotly_chart(figures.timeline_figure(points, first_order), key="timeline", on_select="rerun",
+                           selection_mode="points", config={"displayModeBar": False})
+clicked = view_from_click(timeline, state)
+if clicked is not None:
+    go_to("tensor", clicked)
+
+drifting = frame[(frame["step"] == step) & (frame["drift_ratio"].fillna(0) > 1)]
+if not drifting.empty:
+    st.subheader("Replica drift")
+    st.caption("Replicated tensors whose copies differ between candidate ranks (ratio against one rounding).")
+    st.dataframe(drifting[["tensor", "micro_batch", "drift_ranks", "drift_relative_diff", "drift_ratio"]], hide_index=True)

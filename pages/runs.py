@@ -1,0 +1,67 @@
+"""Runs: every run under the root; pick a reference and a candidate, see their metadata and the verdict."""
+
+from dataclasses import replace
+
+import pandas as pd
+import streamlit as st
+
+from app import runs as pairing
+from app.state import ViewState
+from app.ui import dashboard_root, go_to, load_comparison, run_pair, show_in_url, stop_with, view_state
+from ttrace_core import api
+from ttrace_core.errors import TtraceError
+
+st.title("Runs")
+state = view_state()
+try:
+    runs = api.find_runs(dashboard_root())
+except TtraceError as error:
+    stop_with(str(error))
+for broken in (run for run in runs if run.error):
+    st.warning(f"`{broken.path}` cannot be used: {broken.error}", icon=":material/warning:")
+if not pairing.references(runs) or not pairing.candidates(runs):
+    stop_with(f"{dashboard_root()}: needs at least one reference run and one candidate run "
+              "(record them with `ttrace example ... --out DIR` or a Tracer)")
+
+for given in (state.ref, state.cand):
+    try:
+        if given:
+            api.path_under_root(dashboard_root(), given)
+    except TtraceError as error:
+        st.error(str(error), icon=":material/block:")
+        state = ViewState()
+ref, cand = pairing.default_pair(runs, state.ref, state.cand)
+ref_paths = [r.path for r in pairing.references(runs)]
+cand_paths = [c.path for c in pairing.candidates(runs)]
+left, right = st.columns(2)
+chosen_ref = left.selectbox("Reference", ref_paths, index=ref_paths.index(ref) if ref in ref_paths else 0)
+chosen_cand = right.selectbox("Candidate", cand_paths, index=cand_paths.index(cand))
+if (chosen_ref, chosen_cand) != (state.ref, state.cand):
+    state = ViewState(ref=chosen_ref, cand=chosen_cand)
+show_in_url(state)
+
+by_path = {run.path: run for run in runs}
+table = pd.DataFrame({name: pairing.metadata_rows(by_path[path]) for name, path in
+                      (("reference", state.ref), ("candidate", state.cand))})
+st.dataframe(table, width="stretch", height=35 * (len(table) + 1) + 3)
+
+reference, candidate = run_pair(state)
+result = load_comparison(reference, candidate)
+provenance = result.provenance
+first = provenance.get("first_divergence")
+counts = f"{provenance['num_tensors'] - provenance['num_failed']}/{provenance['num_tensors']} tensors pass " \
+         f"over steps {provenance['steps_compared']}"
+if first is None:
+    st.success(f"PASSED: the candidate matches the reference. {counts}.", icon=":material/check_circle:")
+else:
+    mb = "" if first["micro_batch"] < 0 else f" mb {first['micro_batch']}"
+    st.error(f"FAILED: first divergence at `{first['tensor']}` (step {first['step']}{mb}). {counts}.",
+             icon=":material/cancel:")
+for note in provenance.get("notes", []):
+    st.warning(note)
+st.caption(f"tolerances: {provenance['tolerance_provider']} · table {result.path.name} "
+           f"({'cached' if result.cached else 'computed'}, {provenance['seconds']} s to compute)")
+st.caption("Next: open the heatmap, then click the cell outlined in yellow (the first divergence) to see its "
+           "tensor: which rank's shard carries the error.")
+if st.button("Open the heatmap", type="primary", icon=":material/grid_on:"):
+    go_to("heatmap", replace(state))

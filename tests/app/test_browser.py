@@ -1,0 +1,119 @@
+"""End to end in a real browser: Playwright driving Debian's chromium (never a downloaded browser).
+
+The server is `ttrace dashboard` on a copy of sample_traces/ (so the comparison cache stays out of
+the repository), on a free port. Outside CI the test is skipped when chromium or playwright is
+missing; in CI (.ci/run installs both) a missing browser fails it.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+SAMPLES = json.loads((ROOT / "sample_traces" / "samples.json").read_text())
+BUGGY = next(s for s in SAMPLES if s.get("expected_exit") == 1 and s.get("first_divergence"))
+
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:  # pragma: no cover - CI installs it
+    sync_playwright = None
+if (sync_playwright is None or not Path(CHROMIUM).exists()) and not os.environ.get("CI"):
+    pytest.skip("needs playwright and Debian's chromium (apt-get install -y chromium)", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"the dashboard exited with {server.returncode}: {server.stdout.read()}")
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+                if response.read() == b"ok":
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"the dashboard was not healthy after {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def dashboard(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dashboard") / "sample_traces"
+    shutil.copytree(ROOT / "sample_traces", root, ignore=shutil.ignore_patterns(".ttrace"))
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "ttrace_core", "dashboard", str(root), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, server)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield chromium
+        chromium.close()
+
+
+def _first_divergence_id() -> str:
+    first = BUGGY["first_divergence"]
+    return f"{first['phase']}/{first['fqn']}/{first['slot']}"
+
+
+def _settled(page) -> None:
+    page.wait_for_selector("[data-test-script-state=notRunning]", timeout=120_000)
+
+
+def test_click_the_first_divergence_then_share_the_link(dashboard, browser):
+    query = urllib.parse.urlencode({"ref": BUGGY["reference"], "cand": BUGGY["name"]})
+    page = browser.new_page(viewport={"width": 1600, "height": 1400})
+    page.goto(f"{dashboard}/heatmap?{query}")
+    page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=180_000)
+    _settled(page)
+    marked = page.locator(".js-plotly-plot").first.locator(".scatterlayer .trace").last.locator("path.point")
+    assert marked.count() == 1, "the first divergence is not marked on the heatmap"
+    box = marked.bounding_box()
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.wait_for_function("() => location.pathname.endsWith('/tensor')", timeout=60_000)
+    page.get_by_text("Shard map").wait_for(timeout=60_000)
+    shared = page.url
+    assert urllib.parse.parse_qs(urllib.parse.urlparse(shared).query)["tensor"] == [_first_divergence_id()]
+    assert page.locator("[data-testid=stException]").count() == 0
+
+    fresh = browser.new_context(viewport={"width": 1600, "height": 1400}).new_page()
+    fresh.goto(shared)
+    fresh.get_by_text("Shard map").wait_for(timeout=60_000)
+    assert fresh.get_by_role("heading", name=_first_divergence_id()).count() == 1
+    assert fresh.locator("[data-testid=stException]").count() == 0
+    fresh.context.close()
+    page.close()
+
+
+def test_a_url_escaping_the_root_is_refused_on_the_page(dashboard, browser):
+    page = browser.new_page()
+    page.goto(f"{dashboard}/heatmap?" + urllib.parse.urlencode({"ref": BUGGY["reference"], "cand": "../../../etc"}))
+    page.get_by_text("outside the dashboard root").wait_for(timeout=60_000)
+    assert page.locator("[data-testid=stException]").count() == 0
+    assert page.locator(".js-plotly-plot").count() == 0
+    page.close()

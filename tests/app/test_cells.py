@@ -1,0 +1,51 @@
+import math
+
+import pytest
+
+from app import cells
+from tests.synthetic_runs import write_pair
+from ttrace_core import api
+
+
+@pytest.fixture(scope="module")
+def frame(tmp_path_factory):
+    reference, candidate = write_pair(tmp_path_factory.mktemp("runs"))
+    return api.comparison(reference, candidate)
+
+
+def test_rows_are_modules_in_the_order_they_first_ran(frame):
+    rows = cells.module_rows(frame)
+    assert list(rows["module"]) == ["layers.0.lin", "layers.0.act", "layers.1.norm", "layers.1.lin", "layers.1.out"]
+    assert list(rows["layer"]) == [0, 0, 1, 1, 1] and list(rows["row"]) == [0, 1, 2, 3, 4]
+
+
+def test_cells_show_the_worst_tensor_with_its_own_category(frame):
+    view = cells.heatmap_cells(frame, 0, "all").set_index(["module", "kind"])
+    assert view.loc[("layers.0.act", "output"), "category"] == "ratio"
+    assert view.loc[("layers.0.act", "output"), "micro_batch"] == 1  # mb 1 has the larger ratio (7.6e4 > 6.3e4)
+    assert view.loc[("layers.0.act", "output"), "value"] == cells.LOG_RATIO_LIMIT
+    assert view.loc[("layers.1.lin", "output"), "category"] == "nan"
+    assert view.loc[("layers.1.out", "output"), "category"] == "missing"
+    assert view.loc[("layers.0.lin", "output"), "value"] == -cells.LOG_RATIO_LIMIT  # exact: the far blue end
+    assert view.loc[("layers.0.lin", "param_grad"), "tensor"] == "grad/layers.0.lin.weight/grad"
+    assert "worst of 2 tensors" in view.loc[("layers.0.act", "output"), "hover"]
+
+
+def test_one_micro_batch_keeps_the_step_gradients(frame):
+    view = cells.heatmap_cells(frame, 0, 0)
+    assert set(view["micro_batch"]) == {0, -1}
+    assert cells.heatmap_cells(frame, 7, "all").empty
+
+
+@pytest.mark.parametrize("ratio, value", [(None, math.nan), (0.0, -4.0), (1.0, 0.0), (100.0, 2.0), (1e9, 4.0),
+                                          (math.inf, 4.0)], ids=["none", "zero", "pass-line", "fail", "clipped", "inf"])
+def test_log_ratio(ratio, value):
+    assert cells.log_ratio(ratio) == value or (math.isnan(value) and math.isnan(cells.log_ratio(ratio)))
+
+
+def test_tensor_choices_list_failures_first_and_the_first_divergence_is_found(frame):
+    choices = cells.tensor_choices(frame, 0)
+    assert choices[0] == ("forward/layers.0.act/output.0", 0, 0)
+    assert choices[-1][0] == "grad/layers.0.lin.weight/grad"
+    assert cells.first_divergence(frame)["tensor"] == "forward/layers.0.act/output.0"
+    assert list(cells.history(frame, "forward/layers.0.act/output.0")["micro_batch"]) == [0, 1]

@@ -1,0 +1,60 @@
+import numpy as np
+import pandas as pd
+import pytest
+
+from app import cells, figures
+from tests.synthetic_runs import write_pair
+from ttrace_core import api
+
+
+@pytest.fixture(scope="module")
+def frame(tmp_path_factory):
+    return api.comparison(*write_pair(tmp_path_factory.mktemp("runs")))
+
+
+def _traces(figure) -> dict:
+    return {trace.name: trace for trace in figure.data}
+
+
+def test_heatmap_cells_are_clickable_square_markers_on_one_diverging_scale(frame):
+    rows, view = cells.module_rows(frame), cells.heatmap_cells(frame, 0, "all")
+    figure = figures.heatmap_figure(view, rows, ("layers.0.act", "output"))
+    traces = _traces(figure)
+    assert all(trace.type == "scatter" for trace in figure.data)  # heatmap traces return no click selection
+    numeric = traces["error / tolerance"]
+    assert numeric.marker.symbol == "square" and numeric.marker.cmin == -4 and numeric.marker.cmax == 4
+    assert all(len(point) == 3 for trace in figure.data for point in trace.customdata)
+    assert traces["first divergence"].customdata[0][0] == "forward/layers.0.act/output.0"
+    assert traces["NaN in the candidate"].marker.color == figures.CATEGORY_STYLE["nan"][1]
+    assert list(figure.layout.yaxis.ticktext) == list(rows["module"])
+
+
+def test_pipeline_stages_are_marked(frame):
+    staged = frame.assign(stage=[0 if layer == 0 else 1 for layer in frame["layer"]])
+    rows = cells.module_rows(staged)
+    figure = figures.heatmap_figure(cells.heatmap_cells(staged, 0, "all"), rows)
+    assert [a.text for a in figure.layout.annotations] == ["stage 0", "stage 1"]
+    assert any(shape.type == "line" and shape.y0 == 1.5 for shape in figure.layout.shapes)
+
+
+def test_timeline_marks_the_first_divergence_and_the_pass_line(frame):
+    points = cells.timeline_points(frame, 0)
+    figure = figures.timeline_figure(points, first_order=1)
+    assert any(shape.type == "line" and shape.x0 == 1 for shape in figure.layout.shapes)
+    assert {a.text for a in figure.layout.annotations} >= {"first divergence", "pass line", "forward", "grad"}
+
+
+def test_tensor_figures_draw_the_view(frame, tmp_path):
+    reference, candidate = write_pair(tmp_path)
+    view = api.tensor_view(reference, candidate, "forward/layers.0.act/output.0", 0, 0)
+    shard_map = figures.shard_map_figure(view.shards, view.shape, 1e-5, highlight_rank=1)
+    bars = [(trace.y[0], trace.base[0], trace.x[0]) for trace in shard_map.data]
+    assert bars == [("rank 0", 0, 4), ("rank 1", 4, 4)]  # rows 0:4 and 4:8 of dim 0
+    assert shard_map.data[1].marker.line.width == 3  # the highlighted rank
+    image = figures.difference_image_figure(view.image, view.image_block, view.image_view_shape)
+    assert np.isnan(image.data[0].z[0]).all() and np.nanmax(image.data[0].z) == pytest.approx(0.0, abs=1e-6)
+    histogram = figures.histogram_figure(view.histogram_edges, view.histogram_counts, 1e-5)
+    assert histogram.data[0].y.sum() == 24 and histogram.layout.xaxis.type == "log"
+    history = figures.history_figure(cells.history(frame, "forward/layers.0.act/output.0"), (0, 0))
+    assert list(history.data[0].x) == ["s0 mb0", "s0 mb1"]
+    assert figures.rank_error_figure(view.shards, 1e-5).data[0].x == ("rank 0", "rank 1")

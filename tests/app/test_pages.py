@@ -1,0 +1,117 @@
+"""Every dashboard page through AppTest, driven by its query parameters as a shared link would be."""
+
+import json
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from tests.synthetic_runs import write_pair, write_run
+from ttrace_core.dashboard import ROOT_ENV
+
+MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
+PAIR = {"ref": "reference", "cand": "candidate"}
+FIRST = "forward/layers.0.act/output.0"
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    write_pair(tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{")
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    return tmp_path
+
+
+def _open(page: str, **params) -> AppTest:
+    app = AppTest.from_file(MAIN, default_timeout=60)
+    if page != "runs":
+        app.switch_page(f"../pages/{page}.py")
+    for name, value in params.items():
+        app.query_params[name] = str(value)
+    return app.run()
+
+
+def _url(app: AppTest) -> dict[str, str]:
+    return {name: value[0] if isinstance(value, list) else value for name, value in app.query_params.items()}
+
+
+def _errors(app: AppTest) -> list[str]:
+    return [error.value for error in app.error]
+
+
+def _figures(app: AppTest) -> list[dict]:
+    return [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")]
+
+
+def test_runs_page_picks_a_pair_shows_its_verdict_and_writes_it_into_the_url(root):
+    app = _open("runs")
+    assert not app.exception
+    assert _url(app) == PAIR
+    assert any("broken" in warning.value and "not a valid manifest" in warning.value for warning in app.warning)
+    assert any(f"first divergence at `{FIRST}`" in error for error in _errors(app))
+    assert [box.value for box in app.selectbox] == ["reference", "candidate"]
+
+
+def test_heatmap_draws_clickable_cells_and_marks_the_first_divergence(root):
+    app = _open("heatmap", **PAIR)
+    assert not app.exception
+    heatmap = _figures(app)[0]
+    traces = {trace.get("name"): trace for trace in heatmap["data"]}
+    marked = traces["first divergence"]
+    assert marked["customdata"] == [[FIRST, 0, 1]]  # the first divergence's cell, its worst micro-batch
+    assert all(len(point) == 3 for trace in heatmap["data"] for point in trace["customdata"])
+    assert {"NaN in the candidate", "missing in one run"} <= set(traces)
+    assert _url(app) == {**PAIR, "step": "0", "mb": "all"}
+
+
+def test_heatmap_micro_batch_choice_lands_in_the_url(root):
+    app = _open("heatmap", **PAIR)
+    app.selectbox[1].set_value(1).run()
+    assert not app.exception
+    assert _url(app)["mb"] == "1"
+
+
+def test_the_keyboard_way_opens_the_tensor_page(root):
+    app = _open("heatmap", **PAIR)
+    app.selectbox[2].set_value((FIRST, 0, 0)).run()
+    assert not app.exception
+    assert app.title[0].value == FIRST
+    assert _url(app) == {**PAIR, "tensor": FIRST, "step": "0", "mb": "0"}
+
+
+def test_tensor_page_shows_the_shard_map_and_the_rank_that_carries_the_error(root):
+    app = _open("tensor", **PAIR, tensor=FIRST, step=0, mb=0, rank=1)
+    assert not app.exception
+    assert app.title[0].value == FIRST
+    shard_table = app.dataframe[0].value
+    assert list(shard_table["rank"]) == [0, 1] and shard_table["error"][0] == 0 and shard_table["error"][1] > 0.1
+    assert [chart.key for chart in app.get("plotly_chart")] == ["shard_map", "ranks", "image", "histogram", "history"]
+    worst = app.dataframe[1].value
+    assert int(worst["index"][0].strip("()").split(",")[0]) >= 4 and abs(worst["abs_diff"][0] - 1.0) < 1e-6  # in rank 1's rows
+    assert _url(app) == {**PAIR, "tensor": FIRST, "step": "0", "mb": "0", "rank": "1"}
+
+
+@pytest.mark.parametrize("page", ["heatmap", "tensor"])
+def test_a_path_outside_the_root_is_refused_on_the_page(root, page):
+    app = _open(page, ref="../../../../etc", cand="../../../../etc", tensor=FIRST, step=0, mb=0)
+    assert not app.exception
+    assert any("outside the dashboard root" in error for error in _errors(app))
+    assert not app.get("plotly_chart")
+
+
+def test_a_truncated_trace_is_one_line_and_the_other_runs_stay_usable(root):
+    write_run(root / "truncated", role="candidate", world_size=2)
+    step_file = root / "truncated" / "rank_00000.step_000000.h5"
+    step_file.write_bytes(step_file.read_bytes()[:200])
+    app = _open("heatmap", ref="reference", cand="truncated")
+    assert not app.exception
+    (error,) = _errors(app)
+    assert "rank_00000.step_000000.h5: not a readable HDF5 file" in error and "\n" not in error
+    assert not _open("heatmap", **PAIR).exception
+
+
+def test_pages_without_a_pair_point_to_the_runs_page(root):
+    app = _open("heatmap")
+    assert not app.exception and "Pick a reference and a candidate" in app.info[0].value

@@ -1,0 +1,24 @@
+from app.runs import default_pair, matching_reference
+from ttrace_core.api import RunInfo
+
+MODEL = {"num_layers": 2}
+RUNS = [
+    RunInfo(path="bf16/reference", role="reference", precision="bf16", model=MODEL),
+    RunInfo(path="fp32/reference", role="reference", precision="fp32", model=MODEL),
+    RunInfo(path="fp32/clean", role="candidate", precision="fp32", model=MODEL),
+    RunInfo(path="fp32/bug", role="candidate", precision="fp32", model=MODEL, bug="row-parallel-bias-per-rank"),
+    RunInfo(path="other/reference", role="reference", precision="fp32", model={"num_layers": 4}),
+    RunInfo(path="broken", role="candidate", error="unreadable"),
+]
+
+
+def test_a_candidate_gets_the_reference_of_its_model_and_precision():
+    assert matching_reference(RUNS, RUNS[2]).path == "fp32/reference"
+    assert matching_reference(RUNS, RunInfo(path="x", role="candidate", precision="bf16", model=MODEL)).path == "bf16/reference"
+    assert matching_reference(RUNS, RunInfo(path="y", role="candidate", precision="fp32", model={"other": 1})) is None
+
+
+def test_the_first_visit_lands_on_a_buggy_candidate_and_the_url_wins_otherwise():
+    assert default_pair(RUNS, None, None) == ("fp32/reference", "fp32/bug")
+    assert default_pair(RUNS, "bf16/reference", "fp32/clean") == ("bf16/reference", "fp32/clean")
+    assert default_pair(RUNS, "../../etc", "broken") == ("fp32/reference", "fp32/bug")

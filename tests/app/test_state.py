@@ -1,0 +1,36 @@
+import pytest
+
+from app.state import ALL_MICRO_BATCHES, ViewState, query_from_state, state_from_query, view_from_click
+
+FULL = ViewState(ref="fp32/reference", cand="fp32/bug", tensor="forward/layers.0.attn/output.0", step=2, mb=3, rank=1,
+                 module="layers.0.attn")
+
+
+def test_the_url_round_trips_every_field():
+    assert state_from_query(query_from_state(FULL)) == FULL
+    assert query_from_state(ViewState(ref="a")) == {"ref": "a"}
+
+
+@pytest.mark.parametrize("params, expected", [
+    ({"step": "x", "mb": "-", "rank": ""}, ViewState()),
+    ({"mb": "all"}, ViewState(mb=ALL_MICRO_BATCHES)),
+    ({"mb": "-1", "step": "0"}, ViewState(mb=-1, step=0)),
+    ({"ref": ["a", "b"]}, ViewState(ref="a")),
+    ({"tensor": ""}, ViewState()),
+], ids=["malformed-numbers-dropped", "all-micro-batches", "gradient-micro-batch", "repeated-key", "empty"])
+def test_state_from_query(params, expected):
+    assert state_from_query(params) == expected
+
+
+@pytest.mark.parametrize("event, expected", [
+    (None, None),
+    ({"selection": {"points": []}}, None),
+    ({"selection": {"points": [{"x": 1, "y": 2}]}}, None),
+    ({"selection": {"points": [{"customdata": ["grad/l.w/grad", 0, -1]}]}},
+     ViewState(ref="r", cand="c", tensor="grad/l.w/grad", step=0, mb=-1)),
+    ({"selection": {"points": [{"customdata": ["forward/l/output.0", 1, 2]}, {"customdata": ["other", 0, 0]}]}},
+     ViewState(ref="r", cand="c", tensor="forward/l/output.0", step=1, mb=2)),
+], ids=["no-event", "nothing-selected", "point-without-customdata", "gradient-cell", "first-point-wins"])
+def test_a_click_opens_the_tensor_of_its_cell(event, expected):
+    state = ViewState(ref="r", cand="c", step=5, mb=ALL_MICRO_BATCHES, rank=3)
+    assert view_from_click(event, state) == expected

@@ -1,0 +1,39 @@
+"""`ttrace dashboard ROOT`: serve the Streamlit app (app/main.py) on the runs under ROOT.
+
+The app runs in its own `streamlit run` process, so this module never imports streamlit. The root
+reaches the app through the `TTRACE_ROOT` variable of that process's environment (set explicitly
+for the child, the caller's environment is not changed).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ttrace_core.errors import TtraceError
+
+ROOT_ENV = "TTRACE_ROOT"
+APP_ENTRYPOINT = Path(__file__).resolve().parents[1] / "app" / "main.py"
+
+
+def streamlit_command(root: Path, *, port: int, host: str) -> list[str]:
+    return [sys.executable, "-m", "streamlit", "run", str(APP_ENTRYPOINT), "--server.address", host,
+            "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
+
+
+def serve(root: str | os.PathLike, *, port: int = 8501, host: str = "127.0.0.1") -> int:
+    root = Path(root).resolve()
+    if not root.is_dir():
+        raise TtraceError(f"{root}: not a directory; pass the folder that holds your run directories")
+    if not APP_ENTRYPOINT.is_file():
+        raise TtraceError(f"{APP_ENTRYPOINT}: the dashboard app is missing; install ttrace from a source checkout "
+                          "(pip install -e .)")
+    print(f"ttrace dashboard: serving the runs under {root} at http://{host}:{port}/runs", flush=True)
+    env = {**os.environ, ROOT_ENV: str(root)}
+    try:
+        return subprocess.call(streamlit_command(root, port=port, host=host), env=env)
+    except KeyboardInterrupt:
+        return 0
