@@ -66,14 +66,20 @@ def module_rows(frame: pd.DataFrame) -> pd.DataFrame:
     return firsts[["module", "layer", "stage", "row"]]
 
 
-def _hover(row: pd.Series, count: int) -> str:
-    tolerance = "-" if pd.isna(row["tolerance_rel"]) else f"{row['tolerance_rel']:.3g} ({row['tolerance_source']})"
-    numbers = "-" if pd.isna(row["error"]) else f"{row['error']:.3g}"
-    ratio = "-" if pd.isna(row["ratio"]) else f"{row['ratio']:.3g}"
-    mb = "" if row["micro_batch"] < 0 else f" mb {row['micro_batch']}"
-    return (f"<b>{row['tensor']}</b><br>step {row['step']}{mb}: {row['status']}<br>error {numbers}<br>"
-            f"tolerance {tolerance}<br>ratio {ratio}<br>shape {row['shape'] or '-'} {row['dtype'] or ''}"
-            + (f"<br>worst of {count} tensors" if count > 1 else ""))
+def _formatted(values: pd.Series) -> pd.Series:
+    return values.astype(float).map(lambda v: "-" if math.isnan(v) else f"{v:.3g}")
+
+
+def hover_texts(rows: pd.DataFrame, counts: pd.Series | None = None) -> pd.Series:
+    """The hover text of each row: tensor, verdict, error, tolerance with its source, ratio, shape."""
+    micro_batch = rows["micro_batch"].map(lambda m: "" if m < 0 else f" mb {m}")
+    tolerance = _formatted(rows["tolerance_rel"]) + " (" + rows["tolerance_source"].fillna("none") + ")"
+    text = ("<b>" + rows["tensor"] + "</b><br>step " + rows["step"].astype(str) + micro_batch + ": " + rows["status"]
+            + "<br>error " + _formatted(rows["error"]) + "<br>tolerance " + tolerance + "<br>ratio "
+            + _formatted(rows["ratio"]) + "<br>shape " + rows["shape"].fillna("-") + " " + rows["dtype"].fillna(""))
+    if counts is not None:
+        text = text + counts.map(lambda n: f"<br>worst of {n} tensors" if n > 1 else "")
+    return text
 
 
 def heatmap_cells(frame: pd.DataFrame, step: int, micro_batch: int | str) -> pd.DataFrame:
@@ -90,7 +96,8 @@ def heatmap_cells(frame: pd.DataFrame, step: int, micro_batch: int | str) -> pd.
     worst["column"] = worst["kind"].map({kind: index for index, kind in enumerate(KINDS)})
     worst["value"] = [log_ratio(r) for r in worst["ratio"]]
     worst["category"] = [category(r) for r in worst.to_dict("records")]
-    worst["hover"] = [_hover(r, counts[(r["module"], r["kind"])]) for _, r in worst.iterrows()]
+    worst["hover"] = hover_texts(worst, pd.Series(counts.loc[list(zip(worst["module"], worst["kind"]))].values,
+                                                   index=worst.index))
     columns = ["module", "kind", "row", "column", "value", "category", "tensor", "step", "micro_batch", "hover", "passed"]
     return worst.dropna(subset=["column"])[columns].reset_index(drop=True)
 
@@ -100,7 +107,7 @@ def timeline_points(frame: pd.DataFrame, step: int) -> pd.DataFrame:
     rows = frame[frame["step"] == step].sort_values("order").copy()
     rows["value"] = [log_ratio(r) for r in rows["ratio"]]
     rows["category"] = [category(r) for r in rows.to_dict("records")]
-    rows["hover"] = [_hover(r, 1) for _, r in rows.iterrows()]
+    rows["hover"] = hover_texts(rows)
     return rows
 
 

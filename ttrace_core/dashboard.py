@@ -1,14 +1,13 @@
 """`ttrace dashboard ROOT`: serve the Streamlit app (app/main.py) on the runs under ROOT.
 
-The app runs in its own `streamlit run` process, so this module never imports streamlit. The root
-reaches the app through the `TTRACE_ROOT` variable of that process's environment (set explicitly
-for the child, the caller's environment is not changed).
+The app runs as `python -m streamlit run`, exec'd in place of this command, so this module never
+imports streamlit. The root reaches the app through the `TTRACE_ROOT` variable, set in the
+server's own environment only.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,8 +31,7 @@ def serve(root: str | os.PathLike, *, port: int = 8501, host: str = "127.0.0.1")
         raise TtraceError(f"{APP_ENTRYPOINT}: the dashboard app is missing; install ttrace from a source checkout "
                           "(pip install -e .)")
     print(f"ttrace dashboard: serving the runs under {root} at http://{host}:{port}/runs", flush=True)
-    env = {**os.environ, ROOT_ENV: str(root)}
-    try:
-        return subprocess.call(streamlit_command(root, port=port, host=host), env=env)
-    except KeyboardInterrupt:
-        return 0
+    command = streamlit_command(root, port=port, host=host)
+    # Replace this process rather than start a child: a signal sent to `ttrace dashboard` (Ctrl-C, a
+    # test's terminate()) then reaches the server itself, which never outlives its command.
+    os.execve(command[0], command, {**os.environ, ROOT_ENV: str(root)})

@@ -8,15 +8,14 @@ missing; in CI (.ci/run installs both) a missing browser fails it.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.app.server import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -31,37 +30,17 @@ if (sync_playwright is None or not Path(CHROMIUM).exists()) and not os.environ.g
     pytest.skip("needs playwright and Debian's chromium (apt-get install -y chromium)", allow_module_level=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"the dashboard exited with {server.returncode}: {server.stdout.read()}")
-        try:
-            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
-                if response.read() == b"ok":
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"the dashboard was not healthy after {timeout_s} s")
-
-
 @pytest.fixture(scope="module")
 def dashboard(tmp_path_factory):
     root = tmp_path_factory.mktemp("dashboard") / "sample_traces"
     shutil.copytree(ROOT / "sample_traces", root, ignore=shutil.ignore_patterns(".ttrace"))
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "ttrace_core", "dashboard", str(root), "--port", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, server)
+        wait_healthy(url, server)
         yield url
     finally:
         server.terminate()
