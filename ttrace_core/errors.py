@@ -22,3 +22,7 @@ class ConfigMismatchError(TtraceError):
 
 class LaunchError(TtraceError):
     """A spawned rank failed or timed out."""
+
+
+class TtraceInternalError(Exception):
+    """Something failed that the user's input does not explain: the CLI exits 3. Not a TtraceError."""

@@ -33,7 +33,8 @@ def resolve(target: str):
     return getattr(importlib.import_module(module_name), function_name)
 
 
-def _child(rank: int, world_size: int, port: int, target: str, config: dict) -> None:
+def _child(rank: int, world_size: int, port: int, target: str, config: dict, env: dict[str, str]) -> None:
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # On a timeout the launcher sends SIGUSR1 first: every rank prints where it is stuck.
@@ -45,8 +46,10 @@ def _child(rank: int, world_size: int, port: int, target: str, config: dict) -> 
         raise SystemExit(1)
 
 
-def run_ranks(target: str, config: dict, world_size: int, *, timeout_s: float = 600.0) -> None:
-    """Call `target(config)` ("module:function") on `world_size` ranks; raise LaunchError if one fails."""
+def run_ranks(target: str, config: dict, world_size: int, *, timeout_s: float = 600.0,
+              env: dict[str, str] | None = None) -> None:
+    """Call `target(config)` ("module:function") on `world_size` ranks; raise LaunchError if one fails.
+    `env` is added to the ranks' environment only (spawned ranks; under torchrun, set it yourself)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
@@ -56,7 +59,7 @@ def run_ranks(target: str, config: dict, world_size: int, *, timeout_s: float = 
         return
     context = multiprocessing.get_context("spawn")
     port = free_port()
-    processes = [context.Process(target=_child, args=(rank, world_size, port, target, config), daemon=False)
+    processes = [context.Process(target=_child, args=(rank, world_size, port, target, config, env or {}), daemon=False)
                  for rank in range(world_size)]
     for process in processes:
         process.start()

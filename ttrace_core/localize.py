@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 import os
 import shlex
 import shutil
@@ -34,6 +35,7 @@ import torch
 from ttrace_core.compare import RunComparison, TensorComparison, compare_runs, logical_value
 from ttrace_core.dataflow import in_subtree, owner_of
 from ttrace_core.errors import TtraceError
+from ttrace_core.reproduction import check_reproduction
 from ttrace_core.schema import RunManifest, TensorKey
 from ttrace_core.store import RunReader, read_manifest
 from ttrace_core.tolerances import select_tolerances
@@ -88,10 +90,23 @@ class Localization:
     sync: list[SyncFinding] = field(default_factory=list)
     command: str = ""
     notes: list[str] = field(default_factory=list)
+    reproduction: dict | None = None
+    """reproduction.Reproduction as a dict: whether the replay recomputed the candidate's exact-input tensors."""
 
     def __bool__(self) -> bool:
         """True when nothing is at fault."""
         return not self.culprits
+
+    @property
+    def reproduced(self) -> bool | None:
+        return None if self.reproduction is None else self.reproduction["reproduced"]
+
+    @property
+    def exit_code(self) -> int:
+        """0 no divergence, 1 culprit named, 4 diverged but not explained (or the replay does not reproduce)."""
+        if not self.diverged:
+            return 0
+        return 1 if self.culprits and self.reproduced is not False else 4
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, default=str)
@@ -265,7 +280,7 @@ def _summarize(params: list[str]) -> str:
 def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir: Path, *, module: str | None,
                             timeout_s: float) -> None:
     """Run the candidate again from its manifest, with every traced module fed the reference's values."""
-    from ttrace_core.launch import run_ranks
+    from ttrace_core.launch import resolve, run_ranks
     from ttrace_core.rewrite import REWRITE_FROM_ENV, REWRITE_MODULE_ENV
 
     manifest = read_manifest(candidate_dir)
@@ -273,55 +288,73 @@ def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir
     if not factory or config is None:
         raise TtraceError(f"{candidate_dir}/manifest.json: no entrypoint recorded, so the candidate cannot be relaunched; "
                           "record it with `ttrace example` or pass entrypoint= to the Tracer's manifest")
-    shutil.rmtree(replay_dir, ignore_errors=True)
-    saved = {name: os.environ.get(name) for name in (REWRITE_FROM_ENV, REWRITE_MODULE_ENV)}
-    os.environ[REWRITE_FROM_ENV] = str(reference_dir.resolve())
-    os.environ.pop(REWRITE_MODULE_ENV, None)
-    if module is not None:
-        os.environ[REWRITE_MODULE_ENV] = module
     try:
-        run_ranks(factory, {**config, "out": str(replay_dir)}, manifest.world_size, timeout_s=timeout_s)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        resolve(factory)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise TtraceError(f"{candidate_dir}/manifest.json: entrypoint {factory!r} cannot be imported here ({error}); "
+                          "install the package that defines it, or run from the directory the candidate was recorded in") from error
+    shutil.rmtree(replay_dir, ignore_errors=True)
+    env = {REWRITE_FROM_ENV: str(reference_dir.resolve()), REWRITE_MODULE_ENV: module or ""}
+    run_ranks(factory, {**config, "out": str(replay_dir)}, manifest.world_size, timeout_s=timeout_s, env=env)
+
+
+def _judge_replay(original: RunComparison, reference_dir: Path, candidate_dir: Path, replay_dir: Path,
+                  module: str | None) -> Localization:
+    step = original.first_divergence.key.step
+    with RunReader(reference_dir) as reference, RunReader(candidate_dir) as candidate, \
+            RunReader(replay_dir) as replay_reader:
+        reproduction = check_reproduction(original, candidate, replay_reader, step)
+        if reproduction.reproduced is False:
+            return Localization(reference=original.reference, candidate=original.candidate, replay=str(replay_dir),
+                                diverged=True, reproduction=asdict(reproduction), notes=[
+                                    f"the replay does not reproduce the candidate: {len(reproduction.mismatches)}+ of "
+                                    f"{reproduction.num_checked} tensors computed from exact inputs differ, so no "
+                                    "verdict is given; run the replay where the candidate was recorded"])
+        replay = compare_runs(reference, replay_reader, select_tolerances("auto", reference, replay_reader))
+        # Only the first step that diverges: later steps start from parameters the bug already changed,
+        # so every module would fail there on correct inputs.
+        replay.comparisons = [c for c in replay.comparisons if c.key.step == step and in_subtree(c.key.fqn, module)]
+        result = analyze(original, replay, reference, replay_reader, candidate.manifest, root=module)
+    result.reproduction = asdict(reproduction)
+    if reproduction.reproduced is None:
+        result.notes.append("reproduction not verified: no tensor of the candidate had only exact sources")
+    if not result.culprits:
+        result.notes.append(f"the replay reproduces the candidate ({reproduction.num_checked} tensors checked), yet with "
+                            "every module fed the reference's inputs nothing fails: the error comes from state carried "
+                            "between modules that is not a module input (a cached tensor, an RNG state, a residual "
+                            "kept in a variable)")
+    return result
 
 
 def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike, *, module: str | None = None,
              timeout_s: float = 600.0, replay_dir: str | os.PathLike | None = None,
-             original: RunComparison | None = None, reuse_replay: bool = False) -> Localization:
+             original: RunComparison | None = None, reuse_replay: bool = False,
+             progress: Callable[[str], None] | None = None) -> Localization:
     """Localize the divergence of a candidate; `original`, if given, is its plain comparison (else
-    computed); `reuse_replay` judges a complete replay already in `replay_dir` instead of relaunching."""
+    computed); `reuse_replay` judges a complete replay already in `replay_dir` instead of relaunching.
+    `progress` hears about each of the three stages (compare, replay, judge)."""
+    progress = progress or (lambda message: None)
     reference_dir, candidate_dir = Path(reference_dir), Path(candidate_dir)
     if read_manifest(reference_dir).tracer.get("stats_only"):
         raise TtraceError(f"{reference_dir}: recorded with --stats-only, so it holds no values to feed the candidate's "
                           "modules; record the reference again without --stats-only")
     command = shlex.join(["ttrace", "localize", str(reference_dir), str(candidate_dir)] + (["--module", module] if module else []))
-    with RunReader(reference_dir) as reference, RunReader(candidate_dir) as candidate:
-        original = original if original is not None else compare_runs(reference, candidate)
-        if not original.comparisons:
-            raise TtraceError(f"{candidate_dir}: no step was completed in both runs, nothing to localize")
-        if original.passed:
-            return Localization(reference=str(reference_dir), candidate=str(candidate_dir), replay=None, diverged=False,
-                                command=command, notes=["the candidate matches the reference: nothing to localize"])
+    progress("1/3 comparing the candidate with the reference")
+    if original is None:
+        with RunReader(reference_dir) as reference, RunReader(candidate_dir) as candidate:
+            original = compare_runs(reference, candidate)
+    if not original.comparisons:
+        raise TtraceError(f"{candidate_dir}: no step was completed in both runs, nothing to localize")
+    if original.passed:
+        return Localization(reference=str(reference_dir), candidate=str(candidate_dir), replay=None, diverged=False,
+                            command=command, notes=["the candidate matches the reference: nothing to localize"])
     replay_dir = Path(replay_dir) if replay_dir else candidate_dir / ".localize" / ("replay" + (f"-{module}" if module else ""))
     reusable = reuse_replay and (replay_dir / "manifest.json").exists() and list(replay_dir.glob("rank_*.h5")) \
         and not list(replay_dir.glob("*.partial"))
     if not reusable:
+        progress("2/3 replaying the candidate with the reference's inputs")
         relaunch_with_rewriting(reference_dir, candidate_dir, replay_dir, module=module, timeout_s=timeout_s)
-    with RunReader(reference_dir) as reference, RunReader(replay_dir) as replay_reader:
-        tolerances = select_tolerances("auto", reference, replay_reader)
-        replay = compare_runs(reference, replay_reader, tolerances)
-        # Only the first step that diverges: later steps start from parameters the bug already changed,
-        # so every module would fail there on correct inputs.
-        step = original.first_divergence.key.step
-        replay.comparisons = [c for c in replay.comparisons if c.key.step == step and
-                              in_subtree(c.key.fqn, module)]
-        result = analyze(original, replay, reference, replay_reader, read_manifest(candidate_dir), root=module)
+    progress("3/3 checking the replay reproduces the candidate, then judging every module")
+    result = _judge_replay(original, reference_dir, candidate_dir, replay_dir, module)
     result.command = command
-    if not result.culprits:
-        result.notes.append("the divergence disappears when every module gets the reference's inputs: "
-                            "look for state carried between modules that is not a module input")
     return result

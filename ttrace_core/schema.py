@@ -137,6 +137,8 @@ class RunManifest:
     entrypoint: dict = field(default_factory=dict)
     """{"factory": "module:function", "config": {...}}: what relaunches this run."""
     tracer: dict = field(default_factory=dict)
+    environment: dict = field(default_factory=dict)
+    """Where it was recorded (fingerprint.py): command, Python and package versions, variables, world size."""
 
     def to_dict(self) -> dict:
         return asdict(self)

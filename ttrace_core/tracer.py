@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from ttrace_core.integrations.dtensor import layout_from_dtensor, local_value, mesh_description, placement_str
 from ttrace_core.placements import global_shape_from_local
+from ttrace_core.fingerprint import environment_fingerprint
 from ttrace_core.schema import NO_MICRO_BATCH, SLOT_FAMILIES, Layout, RunManifest, TensorKey, TensorMeta, global_fqn
 from ttrace_core.store import RunWriter, dtype_name, refuse_existing_trace, stats_from_tensor, write_manifest
 
@@ -141,6 +142,7 @@ class Tracer:
             manifest = manifest or RunManifest(role=role, world_size=world_size)
             manifest.role, manifest.world_size = role, world_size
             manifest.tracer = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.config).items()}
+            manifest.environment = environment_fingerprint(world_size)
             if rewrite_from:
                 manifest.tracer |= {"rewrite_from": rewrite_from, "rewrite_module": os.environ.get("TTRACE_REWRITE_MODULE")}
             write_manifest(run_dir, manifest)

@@ -1,0 +1,74 @@
+import shutil
+
+import pytest
+
+from tests.synthetic_runs import write_pair
+from ttrace_core.compare import RunComparison, TensorComparison, compare_runs
+from ttrace_core.schema import TensorKey
+from ttrace_core.fingerprint import environment_fingerprint, fingerprint_differences
+from ttrace_core.reproduction import check_reproduction, reproducible_keys
+from ttrace_core.store import RunReader
+
+
+@pytest.fixture
+def runs(tmp_path):
+    reference, candidate = write_pair(tmp_path)
+    with RunReader(reference) as ref, RunReader(candidate) as cand:
+        original = compare_runs(ref, cand)
+    return reference, candidate, original
+
+
+def _compared(fqn: str, slot: str, *, exact: bool, phase: str = "forward", micro_batch: int = 0) -> TensorComparison:
+    key = TensorKey(step=0, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot)
+    return TensorComparison(key=key, status="pass", abs_error=0.0 if exact else 1e-9, error=0.0, ratio=0.0)
+
+
+def test_only_tensors_whose_sources_were_exact_are_reproducible():
+    original = RunComparison(reference="r", candidate="c", comparisons=[
+        _compared("a", "input.0", exact=True), _compared("a", "output.0", exact=False),
+        _compared("b", "input.0", exact=False), _compared("b", "output.0", exact=False),
+        _compared("a", "grad_output.0", exact=True, phase="backward"),
+        _compared("a", "grad_input.0", exact=False, phase="backward"),
+        _compared("b", "grad_output.0", exact=True, phase="backward"),
+        _compared("b", "grad_input.0", exact=False, phase="backward"),
+    ])
+    keys = [(k.phase, k.fqn, k.slot) for k in reproducible_keys(original, 0)]
+    assert keys == [("forward", "a", "output.0"), ("backward", "a", "grad_input.0")]
+    assert reproducible_keys(original, 1) == []
+
+
+def _copy_with(candidate, tmp_path, change=None):
+    replay = tmp_path / "replay"
+    shutil.copytree(candidate, replay)
+    if change:
+        change(replay)
+    return replay
+
+
+def test_a_faithful_replay_reproduces_and_a_changed_one_does_not(runs, tmp_path, monkeypatch):
+    reference, candidate, original = runs
+    exact_key = next(c.key for c in original.comparisons if c.passed and c.key.phase == "forward")
+    monkeypatch.setattr("ttrace_core.reproduction.reproducible_keys", lambda original, step: [exact_key])
+    with RunReader(candidate) as cand, RunReader(_copy_with(candidate, tmp_path)) as replay:
+        same = check_reproduction(original, cand, replay, 0)
+    assert same.reproduced is True and same.num_checked == 1 and same.mismatches == []
+
+    def perturb(replay_dir):
+        import h5py
+        with h5py.File(replay_dir / "rank_00001.step_000000.h5", "r+") as handle:
+            handle[f"forward/mb_{exact_key.micro_batch:04d}/{exact_key.fqn}#{exact_key.slot}"][0, 0] += 1.0
+
+    shutil.rmtree(tmp_path / "replay")
+    with RunReader(candidate) as cand, RunReader(_copy_with(candidate, tmp_path, perturb)) as replay:
+        changed = check_reproduction(original, cand, replay, 0)
+    assert changed.reproduced is False and str(exact_key) in changed.mismatches[0]
+
+
+def test_fingerprint_differences_name_what_changed():
+    recorded = environment_fingerprint(2)
+    now = {**recorded, "packages": {**recorded["packages"], "torch": "9.9"},
+           "variables": {**recorded["variables"], "OMP_NUM_THREADS": "8", "TTRACE_REWRITE_FROM": "/ref"}}
+    assert fingerprint_differences(recorded, now) == [f"torch: {recorded['packages']['torch']} -> 9.9",
+                                                      f"OMP_NUM_THREADS: {recorded['variables']['OMP_NUM_THREADS']} -> 8"]
+    assert fingerprint_differences(recorded, recorded) == []
+    assert "no environment fingerprint" in fingerprint_differences({}, recorded)[0]
