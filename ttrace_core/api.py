@@ -6,6 +6,8 @@
   `RunComparison`, which the CLI renders;
 - `tensor_view(ref, cand, tensor, step, micro_batch)`: one tensor's canonical arrays, their
   difference and the per-rank shard map, read from the few datasets that hold it;
+- `submit_replay(ref, cand, module)`: a localization replay as a job (jobs.py), cached by its
+  inputs; `localization(job)` reads its verdict;
 - `path_under_root(root, relative)`: a user-given path confined to the root (the dashboard serves
   only files under it).
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -26,6 +29,7 @@ from pathlib import Path
 import pandas as pd
 
 from ttrace_core import table
+from ttrace_core.jobs import Job, JobSpec, submit
 from ttrace_core.compare import RunComparison, compare_runs
 from ttrace_core.errors import TraceFormatError, TtraceError
 from ttrace_core.estimate import ESTIMATE_FILE
@@ -36,8 +40,9 @@ from ttrace_core.tolerances import (
     DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS, select_tolerances,
 )
 
-__all__ = ["CompareSettings", "ComparisonTable", "RunInfo", "TensorView", "comparison", "comparison_table",
-           "find_runs", "path_under_root", "run_comparison", "tensor_view", "ttrace_version"]
+__all__ = ["CompareSettings", "ComparisonTable", "Job", "RunInfo", "TensorView", "comparison", "comparison_table",
+           "find_runs", "localization", "path_under_root", "replay_job", "run_info", "run_comparison", "submit_replay", "tensor_view",
+           "ttrace_version"]
 
 # Directories of a run that hold derived data, not runs to list (replays are listed by the localizer).
 _DERIVED_DIRS = (".ttrace", ".localize")
@@ -113,6 +118,12 @@ def _run_info(root: Path, run_dir: Path) -> RunInfo:
                    bug=config.get("bug"), has_estimate=(run_dir / ESTIMATE_FILE).is_file(),
                    entrypoint=manifest.entrypoint.get("factory"), format_version=manifest.format_version,
                    error=None if complete else f"{run_dir}: no complete step (partial: {partial}); re-record the run")
+
+
+def run_info(run_dir: str | os.PathLike) -> RunInfo:
+    """One run's metadata (its path relative to its parent folder)."""
+    run_dir = Path(run_dir).resolve()
+    return _run_info(run_dir.parent, run_dir)
 
 
 def find_runs(root: str | os.PathLike) -> list[RunInfo]:
@@ -238,3 +249,53 @@ def tensor_view(reference: str | os.PathLike, candidate: str | os.PathLike, tens
     """One tensor of both runs: canonical arrays, difference image, histogram, worst elements, shard map."""
     key = table.key_from_tensor_id(tensor, step, micro_batch)
     return build_tensor_view(Path(reference), Path(candidate), key, region=region, num_worst=num_worst)
+
+
+LOCALIZE_EXIT_CODES = (0, 1, 4)
+"""`ttrace localize` exit codes that carry a verdict: none, culprit named, diverged but not explained."""
+_PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def replay_job_dir(reference: Path, candidate: Path, module: str | None) -> Path:
+    inputs = {"reference": _fingerprint(reference), "candidate": _fingerprint(candidate), "module": module,
+              "ttrace": ttrace_version()}
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    return candidate / ".ttrace" / "jobs" / f"localize-{digest}"
+
+
+def _job_environment() -> dict[str, str]:
+    """The replay's environment, written out: this process's, minus any rewrite settings, plus one
+    thread per rank and the project on the path."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("TTRACE_REWRITE")}
+    path = os.pathsep.join(p for p in (str(_PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+    return {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": path}
+
+
+def submit_replay(reference: str | os.PathLike, candidate: str | os.PathLike, module: str | None = None, *,
+                  timeout_s: float = 900.0, rerun: bool = False) -> Job:
+    """Start (or find) the localization replay of a candidate: the whole model, or one module's subtree.
+    Asking again for the same inputs answers from the finished job at once."""
+    reference, candidate = Path(reference).resolve(), Path(candidate).resolve()
+    for run_dir in (reference, candidate):
+        read_manifest(run_dir)
+    directory = replay_job_dir(reference, candidate, module)
+    command = [sys.executable, "-m", "ttrace_core", "localize", str(reference), str(candidate), "--here",
+               "--json", str(directory / "result.json"), "--replay-dir", str(directory / "replay"),
+               "--timeout", str(timeout_s)] + (["--module", module] if module else [])
+    spec = JobSpec(command=command, env=_job_environment(), cwd=str(_PROJECT_ROOT), timeout_s=timeout_s + 120,
+                   success_codes=LOCALIZE_EXIT_CODES)
+    return submit(directory, spec, rerun=rerun)
+
+
+def replay_job(reference: str | os.PathLike, candidate: str | os.PathLike, module: str | None = None) -> Job | None:
+    """The replay job of these runs and module if one was ever submitted (running or finished), else None."""
+    directory = replay_job_dir(Path(reference).resolve(), Path(candidate).resolve(), module)
+    return Job(directory) if (directory / "spec.json").exists() else None
+
+
+def localization(job: Job):
+    """The `localize.Localization` of a complete replay job, else None."""
+    from ttrace_core.localize import Localization
+
+    result = job.result()
+    return None if result is None else Localization.from_json(json.dumps(result))

@@ -1,7 +1,8 @@
-"""`ttrace` command line: example, estimate, compare, localize, inspect, bugs, dashboard.
+"""`ttrace` command line: example, estimate, compare, localize, inspect, bugs, report, dashboard.
 
-Exit codes: 0 the runs are equivalent (or the command succeeded), 1 a divergence was found,
-2 bad input (one line that names the file or tensor and says why).
+Exit codes: 0 the runs are equivalent (or the command succeeded), 1 a divergence was found (localize:
+a culprit was named), 2 bad input (one line that names the file or tensor and says why), 3 an
+internal error, 4 (localize) a divergence that the replay does not explain or does not reproduce.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import traceback
 from pathlib import Path
 
-from ttrace_core.errors import TtraceError
+from ttrace_core.errors import TtraceError, TtraceInternalError
 from ttrace_core.tolerances import (
     DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS,
 )
@@ -107,10 +109,19 @@ def _build_parser() -> argparse.ArgumentParser:
     localize.add_argument("--module", default=None, help="rewrite and judge only this module and its descendants")
     localize.add_argument("--json", default=None, help="write the localization as JSON here")
     localize.add_argument("--timeout", type=float, default=600.0, help="seconds before the replay's ranks are killed")
+    localize.add_argument("--rerun", action="store_true", help="replay again even when a finished replay of these runs exists")
+    localize.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # run in this process (what the job runs)
+    localize.add_argument("--replay-dir", default=None, help=argparse.SUPPRESS)
     inspect = commands.add_parser("inspect", help="list what a run directory holds")
     inspect.add_argument("run_dir")
     inspect.add_argument("--tensors", action="store_true", help="list every logical tensor")
     commands.add_parser("bugs", help="list the injectable bugs of the example workloads")
+    report = commands.add_parser("report", help="write a self-contained HTML report, or a Markdown summary for a review")
+    report.add_argument("reference")
+    report.add_argument("candidate")
+    report.add_argument("-o", "--out", default=None, help="write the HTML report here (opens offline, no Python needed)")
+    report.add_argument("--markdown", action="store_true", help="print a short Markdown summary (verdict, first "
+                                                                  "divergence, culprit, evidence)")
     dashboard = commands.add_parser("dashboard", help="browse comparisons of the runs under ROOT in a web dashboard")
     dashboard.add_argument("root", nargs="?", default=".", help="folder holding run directories (searched recursively)")
     dashboard.add_argument("--port", type=int, default=8501)
@@ -150,6 +161,29 @@ def _run_compare(args: argparse.Namespace) -> int:
     return 0 if result else 1
 
 
+def _run_report(args: argparse.Namespace) -> int:
+    from ttrace_core.api import localization, replay_job, run_comparison
+    from ttrace_core.report import render_markdown
+
+    if not args.out and not args.markdown:
+        raise TtraceError("ttrace report: pass -o report.html for the HTML report, --markdown for a summary, or both")
+    result = run_comparison(args.reference, args.candidate)
+    if args.out:
+        # The HTML is drawn by the dashboard's figure builders (app/report.py): the render stage, which
+        # may use plotly; the core itself never imports it.
+        try:
+            from app.report import write_report
+        except ModuleNotFoundError as error:
+            raise TtraceError(f"the HTML report is drawn by the dashboard wing, which is not importable ({error}); "
+                              "install ttrace from its source checkout: pip install --no-deps -e .") from error
+        path = write_report(args.reference, args.candidate, args.out)
+        print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB); it opens offline in any browser")
+    if args.markdown:
+        job = replay_job(args.reference, args.candidate)
+        print(render_markdown(result, localization(job) if job is not None else None))
+    return 0 if result else 1
+
+
 def _run_dashboard(args: argparse.Namespace) -> int:
     from ttrace_core.dashboard import serve
 
@@ -169,15 +203,44 @@ def _run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_localize(args: argparse.Namespace) -> int:
+def _localize_here(args: argparse.Namespace) -> int:
+    """The replay itself, in this process: what a localize job runs."""
+    from ttrace_core.api import run_comparison
     from ttrace_core.localize import localize
     from ttrace_core.report import render_localization
 
-    result = localize(args.reference, args.candidate, module=args.module, timeout_s=args.timeout)
+    original = run_comparison(args.reference, args.candidate)
+    result = localize(args.reference, args.candidate, module=args.module, timeout_s=args.timeout, original=original,
+                      replay_dir=args.replay_dir, progress=lambda message: print(f"[progress] {message}", flush=True))
     print(render_localization(result))
     if args.json:
         Path(args.json).write_text(result.to_json())
-    return 0 if result else 1
+    return result.exit_code
+
+
+def _run_localize(args: argparse.Namespace) -> int:
+    """Submit the replay as a job (or reuse the finished one), follow its log, print its verdict."""
+    if args.here:
+        return _localize_here(args)
+    from ttrace_core.api import localization, submit_replay
+    from ttrace_core.report import render_localization
+
+    job = submit_replay(args.reference, args.candidate, args.module, timeout_s=args.timeout, rerun=args.rerun)
+    if job.cached:
+        print(f"(cached replay: {job.directory})")
+    status = job.wait()
+    result = localization(job)
+    if result is None:
+        tail = "\n".join(job.log_tail(15))
+        error_line = next((line for line in reversed(job.log_tail(15)) if line.startswith("ttrace: error:")), None)
+        if error_line:
+            print(error_line, file=sys.stderr)
+            return 2
+        raise TtraceInternalError(f"the localize job {status.state} ({status.message}); its log ends with:\n{tail}")
+    print(render_localization(result))
+    if args.json:
+        Path(args.json).write_text(result.to_json())
+    return result.exit_code
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
@@ -206,12 +269,21 @@ def _run_bugs(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handlers = {"example": _run_example, "estimate": _run_estimate, "compare": _run_compare, "localize": _run_localize,
-                "inspect": _run_inspect, "bugs": _run_bugs, "dashboard": _run_dashboard}
+                "inspect": _run_inspect, "bugs": _run_bugs, "dashboard": _run_dashboard,
+                "report": _run_report}
     try:
         return handlers[args.command](args)
     except TtraceError as error:
         print(f"ttrace: error: {error}".replace("\n", " "), file=sys.stderr)
         return 2
+    except TtraceInternalError as error:
+        print(f"ttrace: internal error: {error}", file=sys.stderr)
+        return 3
+    except Exception as error:  # a bug of ttrace's own: say so, with the traceback for the report
+        traceback.print_exc()
+        print(f"ttrace: internal error: {type(error).__name__}: {error}; please report it with the traceback above",
+              file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -100,6 +100,14 @@ def render_localization(result) -> str:
     if not result.diverged:
         return "\n".join(lines + ["", "no divergence: no culprit", *result.notes])
     lines += [f"replay:    {result.replay} (every traced module fed the reference's inputs)", ""]
+    if result.reproduced is False:
+        reproduction = result.reproduction
+        lines += ["NOT REPRODUCED: the replay computes something else than the candidate recorded, "
+                  "so nothing is blamed.", "  tensors computed from exact inputs that differ:"]
+        lines += [f"    {mismatch}" for mismatch in reproduction["mismatches"]]
+        lines += ["  environment differences (recorded -> replay):"]
+        lines += [f"    {difference}" for difference in reproduction["differences"] or ["none recorded"]]
+        return "\n".join(lines + ["", *result.notes, f"reproduce: {result.command}"])
     if not result.culprits:
         lines.append("no culprit found")
     culprits = [m for m in result.modules if m.verdict == "introduces error"]
@@ -109,10 +117,42 @@ def render_localization(result) -> str:
     for finding in result.sync:
         what = "optimizer step (update or parameter all-gather)" if finding.reduction == "optimizer" \
             else f"{finding.reduction} gradient reduction"
-        lines += [f"culprit: {what} of {len(finding.params)} parameter(s) [{finding.bug_class}]: {finding.detail}", f"      params: {', '.join(finding.params[:6])}{' ...' if len(finding.params) > 6 else ''}",
-                  "      ratio before -> after rewriting"] + _evidence_lines(finding.evidence)
+        params = f"{', '.join(finding.params[:6])}{' ...' if len(finding.params) > 6 else ''}"
+        lines += [f"culprit: {params}: the {what} introduces the error [{finding.bug_class}]: {finding.detail} "
+                  f"({len(finding.params)} parameter(s))", "      ratio before -> after rewriting"] \
+            + _evidence_lines(finding.evidence)
     tally = Counter(m.verdict for m in result.modules)
     lines += ["", f"bug class: {result.bug_class or '-'}",
               f"modules: {tally['introduces error']} introduce error, {tally['inherits error']} inherit it, {tally['clean']} clean",
               *result.notes, f"reproduce: {result.command}"]
+    return "\n".join(lines)
+
+
+def render_markdown(result: RunComparison, localization=None) -> str:
+    """A short summary for a review comment: verdict, first divergence, culprit, evidence."""
+    statuses = Counter(c.status for c in result.comparisons)
+    passed = statuses.get("pass", 0)
+    lines = [f"**ttrace: {'PASSED' if result else 'FAILED'}** · {passed}/{len(result.comparisons)} tensors pass "
+             f"over steps {result.steps_compared}", "",
+             f"- reference: `{result.reference}`", f"- candidate: `{result.candidate}`"]
+    first = result.first_divergence
+    if first is not None:
+        tolerance = f"{first.tolerance.rel:.3g} ({first.tolerance.source})" if first.tolerance else "-"
+        lines += [f"- first divergence: `{first.key}`: {first.status}, error {_number(first.error)}, "
+                  f"tolerance {tolerance}, ratio {_number(first.ratio)}"]
+    if localization is not None and localization.diverged:
+        if localization.reproduced is False:
+            lines.append("- localization: the replay does not reproduce the candidate; nothing blamed")
+        elif localization.culprits:
+            lines.append(f"- culprit: `{localization.culprits[0]}` ({localization.bug_class or '-'})"
+                         + (f", and {len(localization.culprits) - 1} more" if len(localization.culprits) > 1 else ""))
+            culprit = next((m for m in localization.modules if m.verdict == "introduces error"), None)
+            evidence = culprit.evidence if culprit else (localization.sync[0].evidence if localization.sync else [])
+            lines += [f"  - `{e.key}`: ratio {_number(e.ratio_before)} before, {_number(e.ratio_after)} with the "
+                      "reference's inputs" for e in evidence[:3]]
+        else:
+            lines.append("- localization: diverged, but no module or reduction explains it")
+        lines.append(f"- reproduce: `{localization.command}`")
+    elif first is not None:
+        lines.append(f"- localize: `ttrace localize {result.reference} {result.candidate}`")
     return "\n".join(lines)
