@@ -21,6 +21,7 @@ PAGES = {  # url path -> (script, title, icon)
     "runs": ("runs.py", "Runs", ":material/folder_open:"),
     "heatmap": ("heatmap.py", "Heatmap", ":material/grid_on:"),
     "tensor": ("tensor.py", "Tensor", ":material/biotech:"),
+    "localize": ("localize.py", "Localize", ":material/my_location:"),
 }
 
 

@@ -5,6 +5,7 @@ from dataclasses import replace
 import streamlit as st
 
 from app import cells, figures
+from app.report import report_html
 from app.state import ALL_MICRO_BATCHES, view_from_click
 from app.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, view_state
 
@@ -35,6 +36,10 @@ else:
     st.error(f"First divergence: `{first['tensor']}` (step {first['step']}{mb_text}), ratio {first['ratio']:.3g}: "
              f"{first['message']}", icon=":material/cancel:")
 
+st.download_button("Export report", data=lambda: report_html(reference, candidate), file_name="ttrace-report.html",
+                   mime="text/html", icon=":material/download:",
+                   help="one self-contained HTML file: heatmap, timeline, verdicts, worst tensors; opens offline")
+
 choices = cells.tensor_choices(frame, int(step))
 with right:
     picked = st.selectbox("Go to a tensor (failures first)", choices, index=None, placeholder="type to search",
@@ -54,6 +59,13 @@ event = st.plotly_chart(figures.heatmap_figure(view_cells, rows, marked), key="h
 clicked = view_from_click(event, state)
 if clicked is not None:
     go_to("tensor", clicked)
+
+with st.container(horizontal=True):
+    suspects = [m for m in rows["module"] if m]
+    default = suspects.index(first["module"]) if first is not None and first["module"] in suspects else 0
+    target = st.selectbox("Replay a module with the reference's inputs", suspects, index=default)
+    if st.button("Open in Localize", icon=":material/my_location:"):
+        go_to("localize", replace(state, module=target, step=None, mb=None))
 
 st.subheader("Timeline")
 st.caption("Every tensor of the step in execution order: forward, backward, reduced gradients, updated parameters.")

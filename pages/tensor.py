@@ -33,6 +33,8 @@ state = replace(state, step=current[0], mb=current[1])
 row = frame[(frame["tensor"] == state.tensor) & (frame["step"] == state.step) & (frame["micro_batch"] == state.mb)].iloc[0]
 if middle.button("Back to the heatmap", icon=":material/grid_on:"):
     go_to("heatmap", replace(state, tensor=None, rank=None))
+if middle.button("Replay its module", icon=":material/my_location:"):
+    go_to("localize", replace(state, module=row["module"] or None, tensor=None, step=None, mb=None, rank=None))
 
 verdict = f"**{row['status']}** · error {row['error']:.3g} · tolerance {row['tolerance_rel']:.3g} · ratio {row['ratio']:.3g}" \
     if pd.notna(row["ratio"]) else f"**{row['status']}**"

@@ -96,3 +96,39 @@ def test_a_url_escaping_the_root_is_refused_on_the_page(dashboard, browser):
     assert page.locator("[data-testid=stException]").count() == 0
     assert page.locator(".js-plotly-plot").count() == 0
     page.close()
+
+
+def test_replay_the_first_divergence_module_from_the_heatmap(dashboard, browser):
+    """Heatmap -> Localize on the first divergence's module -> Replay -> the verdict names the zoo's culprit."""
+    culprit = BUGGY["culprit"]
+    page = browser.new_page(viewport={"width": 1600, "height": 1400})
+    page.goto(f"{dashboard}/heatmap?" + urllib.parse.urlencode({"ref": BUGGY["reference"], "cand": BUGGY["name"]}))
+    page.get_by_role("button", name="Open in Localize").click(timeout=180_000)
+    page.wait_for_function("() => location.pathname.endsWith('/localize')", timeout=60_000)
+    assert urllib.parse.parse_qs(urllib.parse.urlparse(page.url).query)["module"] == [BUGGY["first_divergence"]["fqn"]]
+    page.get_by_role("button", name="Replay with reference inputs").click(timeout=60_000)
+    page.get_by_text("Culprit (introduces the error)").wait_for(timeout=300_000)
+    assert culprit in page.get_by_text("Culprit (introduces the error)").inner_text()
+    assert page.locator("[data-testid=stException]").count() == 0
+    page.close()
+
+
+def test_the_exported_report_draws_offline(dashboard, browser, tmp_path):
+    page = browser.new_page(viewport={"width": 1600, "height": 1400})
+    page.goto(f"{dashboard}/heatmap?" + urllib.parse.urlencode({"ref": BUGGY["reference"], "cand": BUGGY["name"]}))
+    with page.expect_download(timeout=180_000) as download:
+        page.get_by_role("button", name="Export report").click(timeout=180_000)
+    report = tmp_path / "report.html"
+    download.value.save_as(report)
+    page.close()
+    assert report.stat().st_size < 10 * 2**20
+    offline = browser.new_context(offline=True)
+    requests = []
+    offline.route("**/*", lambda route: (requests.append(route.request.url),
+                                         route.continue_() if route.request.url.startswith("file:") else route.abort()))
+    viewer = offline.new_page()
+    viewer.goto(report.as_uri())
+    viewer.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=30_000)
+    assert viewer.locator(".js-plotly-plot").count() >= 2  # heatmap and timeline
+    assert [url for url in requests if not url.startswith("file:")] == []
+    offline.close()

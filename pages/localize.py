@@ -1,0 +1,89 @@
+"""Localize: replay the candidate with the reference's inputs; each module introduces, inherits or is clean."""
+
+from dataclasses import replace
+
+import streamlit as st
+
+from app import cells, verdicts
+from app.report import report_html
+from app.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, stop_with, view_state
+from ttrace_core import api
+from ttrace_core.errors import TtraceError
+
+WHOLE_MODEL = ""
+
+state = view_state()
+reference, candidate = run_pair(state)
+st.title("Localize")
+pair_caption(state)
+frame = load_comparison(reference, candidate).frame
+modules = [WHOLE_MODEL, *cells.module_rows(frame)["module"].tolist()]
+module = state.module if state.module in modules else WHOLE_MODEL
+if state.module and state.module not in modules and state.module.rsplit(".", 1)[0] in modules:
+    module = state.module.rsplit(".", 1)[0]  # a parameter's name: replay the module that owns it
+module = st.selectbox("Replay target", modules, index=modules.index(module),
+                      format_func=lambda m: "the whole model" if m == WHOLE_MODEL else m)
+state = replace(state, module=module or None, tensor=None, rank=None)
+show_in_url(state)
+st.caption("The replay relaunches the candidate from its manifest with every traced module of the target fed the "
+           "reference's inputs and output gradients. A module whose own outputs still fail introduces the error; "
+           "one that fails only before rewriting inherits it.")
+
+job = api.replay_job(reference, candidate, state.module)
+left, right = st.columns([1, 4])
+if left.button("Replay with reference inputs", type="primary", icon=":material/play_arrow:",
+               disabled=job is not None and not job.status().done):
+    try:
+        job = api.submit_replay(reference, candidate, state.module, rerun=job is not None and job.status().done)
+    except TtraceError as error:
+        stop_with(str(error))
+if job is None:
+    st.info("No replay of this target yet.")
+    st.stop()
+
+
+@st.fragment(run_every=1.0)
+def follow(job: api.Job) -> None:
+    status = job.status()
+    if status.done:
+        st.rerun()  # the whole page draws the verdict
+    st.progress(verdicts.progress_fraction(status.progress),
+                text=f"running for {status.seconds or 0:.0f} s: {status.progress or status.message}")
+    st.code("\n".join(job.log_tail(12)) or "(no output yet)", language=None)
+    if st.button("Cancel", icon=":material/stop:"):
+        job.cancel()
+
+
+status = job.status()
+if not status.done:
+    follow(job)
+    st.stop()
+if status.state != "complete":
+    st.error(f"The replay {status.state.replace('_', ' ')}: {status.message}", icon=":material/error:")
+    st.code("\n".join(job.log_tail(15)), language=None)
+    st.stop()
+
+result = api.localization(job)
+level, line = verdicts.summary(result)
+getattr(st, level)(line)
+st.caption(f"replay {job.directory.name} · {status.seconds or 0:.0f} s · reproduce: `{result.command}`")
+if result.reproduction:
+    reproduction = result.reproduction
+    with st.expander(f"Reproduction check: {reproduction['num_checked']} tensors computed from exact inputs",
+                     expanded=result.reproduced is False):
+        st.write("mismatches:", reproduction["mismatches"] or "none")
+        st.write("environment differences (recorded -> replay):", reproduction["differences"] or "none")
+for finding in result.sync:
+    st.error(f"The {finding.reduction} gradient reduction introduces the error ({finding.bug_class}: {finding.detail}) "
+             f"in {len(finding.params)} parameter(s): {', '.join(finding.params[:6])}")
+rows = verdicts.verdict_rows(result, state.module)
+if not rows.empty:
+    st.subheader("Modules")
+    st.dataframe(rows.drop(columns=["fqn"]), hide_index=True, height=min(600, 35 * (len(rows) + 1) + 3))
+for target in verdicts.bisect_targets(result, state.module):
+    if st.button(f"Bisect further: replay {target} alone", key=f"bisect-{target}"):
+        go_to("localize", replace(state, module=target))
+for note in result.notes:
+    st.caption(note)
+st.download_button("Export report", data=lambda: report_html(reference, candidate), file_name="ttrace-report.html",
+                   mime="text/html", icon=":material/download:")
