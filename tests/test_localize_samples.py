@@ -82,3 +82,12 @@ def test_a_missing_entrypoint_says_which_and_what_to_do(samples):
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert "'no_such_package.train:run' cannot be imported" in line and "install the package" in line
+
+
+def test_a_layer_is_replayed_alone_and_still_names_the_culprit(samples):
+    sample = next(s for s in BUGGY if s["bug"] == "row-parallel-bias-per-rank")
+    result, localization = _localize(samples, sample["reference"], sample["name"], "--module", "decoder.layers.0")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert localization.replay_scope == "module alone" and "only the module ran" in result.stdout
+    assert localization.culprits[0] == sample["culprit"] and localization.reproduced is True
+    assert all(m.fqn.startswith("decoder.layers.0") for m in localization.modules)

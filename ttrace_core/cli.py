@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -209,9 +210,15 @@ def _localize_here(args: argparse.Namespace) -> int:
     from ttrace_core.localize import localize
     from ttrace_core.report import render_localization
 
+    started = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[progress] {message} (t={time.perf_counter() - started:.1f} s)", flush=True)
+
     original = run_comparison(args.reference, args.candidate)
     result = localize(args.reference, args.candidate, module=args.module, timeout_s=args.timeout, original=original,
-                      replay_dir=args.replay_dir, progress=lambda message: print(f"[progress] {message}", flush=True))
+                      replay_dir=args.replay_dir, progress=progress)
+    progress("done")
     print(render_localization(result))
     if args.json:
         Path(args.json).write_text(result.to_json())

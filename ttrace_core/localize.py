@@ -90,6 +90,8 @@ class Localization:
     sync: list[SyncFinding] = field(default_factory=list)
     command: str = ""
     notes: list[str] = field(default_factory=list)
+    replay_scope: str = ""
+    """"module alone" (only the module ran, module_replay.py), "whole model", or "reused"."""
     reproduction: dict | None = None
     """reproduction.Reproduction as a dict: whether the replay recomputed the candidate's exact-input tensors."""
 
@@ -277,9 +279,24 @@ def _summarize(params: list[str]) -> str:
     return ", ".join(params) if len(params) <= 3 else f"{', '.join(params[:3])} and {len(params) - 3} more"
 
 
+def _module_replay_factory(factory: str) -> str | None:
+    """The workload's one-module replay entrypoint ("pkg.train:replay_module" beside "pkg.train:run"), if any."""
+    from ttrace_core.launch import resolve
+
+    module_name = factory.partition(":")[0]
+    try:
+        resolve(f"{module_name}:replay_module")
+    except (ImportError, AttributeError):
+        return None
+    return f"{module_name}:replay_module"
+
+
 def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir: Path, *, module: str | None,
-                            timeout_s: float) -> None:
-    """Run the candidate again from its manifest, with every traced module fed the reference's values."""
+                            timeout_s: float, step: int = 0) -> str:
+    """Run the candidate again from its manifest, with every traced module (of `module`'s subtree) fed
+    the reference's values. With a module at step 0 and a workload that can, only that module runs
+    (module_replay.py); else the whole model. Returns which: "module alone" or "whole model"."""
+    from ttrace_core.errors import LaunchError
     from ttrace_core.launch import resolve, run_ranks
     from ttrace_core.rewrite import REWRITE_FROM_ENV, REWRITE_MODULE_ENV
 
@@ -293,9 +310,20 @@ def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir
     except (ImportError, AttributeError, ValueError) as error:
         raise TtraceError(f"{candidate_dir}/manifest.json: entrypoint {factory!r} cannot be imported here ({error}); "
                           "install the package that defines it, or run from the directory the candidate was recorded in") from error
-    shutil.rmtree(replay_dir, ignore_errors=True)
     env = {REWRITE_FROM_ENV: str(reference_dir.resolve()), REWRITE_MODULE_ENV: module or ""}
+    module_factory = _module_replay_factory(factory) if module and step == 0 else None
+    if module_factory:
+        shutil.rmtree(replay_dir, ignore_errors=True)
+        replay = {"module": module, "candidate": str(candidate_dir.resolve()), "step": step}
+        try:
+            run_ranks(module_factory, {**config, "out": str(replay_dir), "module_replay": replay}, manifest.world_size,
+                      timeout_s=timeout_s, env=env)
+            return "module alone"
+        except LaunchError as error:
+            print(f"{module} cannot be replayed alone ({error}); replaying it inside the whole model", flush=True)
+    shutil.rmtree(replay_dir, ignore_errors=True)
     run_ranks(factory, {**config, "out": str(replay_dir)}, manifest.world_size, timeout_s=timeout_s, env=env)
+    return "whole model"
 
 
 def _judge_replay(original: RunComparison, reference_dir: Path, candidate_dir: Path, replay_dir: Path,
@@ -353,8 +381,11 @@ def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike,
         and not list(replay_dir.glob("*.partial"))
     if not reusable:
         progress("2/3 replaying the candidate with the reference's inputs")
-        relaunch_with_rewriting(reference_dir, candidate_dir, replay_dir, module=module, timeout_s=timeout_s)
+        scope = relaunch_with_rewriting(reference_dir, candidate_dir, replay_dir, module=module, timeout_s=timeout_s,
+                                        step=original.first_divergence.key.step)
+    else:
+        scope = "reused"
     progress("3/3 checking the replay reproduces the candidate, then judging every module")
     result = _judge_replay(original, reference_dir, candidate_dir, replay_dir, module)
-    result.command = command
+    result.command, result.replay_scope = command, scope
     return result

@@ -99,7 +99,10 @@ def render_localization(result) -> str:
     lines = [f"reference: {result.reference}", f"candidate: {result.candidate}"]
     if not result.diverged:
         return "\n".join(lines + ["", "no divergence: no culprit", *result.notes])
-    lines += [f"replay:    {result.replay} (every traced module fed the reference's inputs)", ""]
+    scope = {"module alone": "only the module ran, on the reference's inputs",
+             "whole model": "the whole model ran, every traced module fed the reference's inputs"}.get(result.replay_scope,
+                                                                                                    "every traced module fed the reference's inputs")
+    lines += [f"replay:    {result.replay} ({scope})", ""]
     if result.reproduced is False:
         reproduction = result.reproduction
         lines += ["NOT REPRODUCED: the replay computes something else than the candidate recorded, "

@@ -211,8 +211,7 @@ def manifest_for(config: MegatronGPTRunConfig, role: str) -> RunManifest:
                        rank_coordinates=[list(coordinate_from_rank(r, tuple(shape))) for r in range(config.world_size)])
 
 
-def run(config_dict: dict) -> None:
-    config = MegatronGPTRunConfig.from_dict(config_dict)
+def _in_process_group(config: MegatronGPTRunConfig, body) -> None:
     megatron_cpu.enable()
     if config.bug is not None:  # the candidate only: the reference runs unpatched
         from ttrace_core.examples.megatron_gpt.bugs import apply_bug
@@ -220,7 +219,7 @@ def run(config_dict: dict) -> None:
         apply_bug(config.bug)
     dist.init_process_group("gloo")
     try:
-        _train(config)
+        body(config)
         dist.barrier()
     finally:
         # No collective here: after a failure on one rank a barrier would wait for the others forever.
@@ -228,6 +227,26 @@ def run(config_dict: dict) -> None:
 
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def run(config_dict: dict) -> None:
+    _in_process_group(MegatronGPTRunConfig.from_dict(config_dict), _train)
+
+
+def replay_module(config_dict: dict) -> None:
+    """A one-module replay (ttrace_core/module_replay.py): build the candidate as `run` does, then call
+    only `config_dict["module_replay"]["module"]` on the recorded inputs of its first step."""
+    replay = config_dict["module_replay"]
+    config = MegatronGPTRunConfig.from_dict({k: v for k, v in config_dict.items() if k != "module_replay"})
+
+    def body(config: MegatronGPTRunConfig) -> None:
+        from ttrace_core.module_replay import drive_module
+
+        ddp, optimizer, rename = _build(config)
+        tracer = _attach_tracer(config, ddp, optimizer, rename)
+        drive_module(tracer, unwrap(ddp), replay["candidate"], replay["module"], replay.get("step", 0))
+
+    _in_process_group(config, body)
 
 
 def layer_spec(config: MegatronGPTRunConfig):
@@ -272,6 +291,20 @@ def _build(config: MegatronGPTRunConfig):
     return ddp, optimizer, rename
 
 
+def _attach_tracer(config: MegatronGPTRunConfig, ddp, optimizer, rename) -> Tracer:
+    from megatron.core import parallel_state
+
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    role = "candidate" if config.world_size > 1 else "reference"
+    recorded = None if config.record_steps is None else tuple(range(config.record_steps))
+    tracer = Tracer(config.out, unwrap(ddp), role=role, manifest=manifest_for(config, role), config=megatron_tracer_config(  # ttrace
+        loss_scale=1 / (config.num_micro_batches // dp_size), rename=rename, data_parallel_rank=dp_rank,  # ttrace
+        data_parallel_size=dp_size, stats_only=config.stats_only, steps=recorded))  # ttrace
+    declare_megatron_layouts(tracer, ddp, sequence_parallel=config.sp, rename=rename)  # ttrace
+    declare_distributed_optimizer_ranges(tracer, ddp, optimizer, rename=rename)  # ttrace
+    return tracer
+
+
 def _train(config: MegatronGPTRunConfig) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -279,13 +312,7 @@ def _train(config: MegatronGPTRunConfig) -> None:
     ddp, optimizer, rename = _build(config)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     local_micro_batches = config.num_micro_batches // dp_size
-    role = "candidate" if config.world_size > 1 else "reference"
-    recorded = None if config.record_steps is None else tuple(range(config.record_steps))
-    tracer = Tracer(config.out, unwrap(ddp), role=role, manifest=manifest_for(config, role), config=megatron_tracer_config(  # ttrace
-        loss_scale=1 / local_micro_batches, rename=rename, data_parallel_rank=dp_rank, data_parallel_size=dp_size,  # ttrace
-        stats_only=config.stats_only, steps=recorded))  # ttrace
-    declare_megatron_layouts(tracer, ddp, sequence_parallel=config.sp, rename=rename)  # ttrace
-    declare_distributed_optimizer_ranges(tracer, ddp, optimizer, rename=rename)  # ttrace
+    tracer = _attach_tracer(config, ddp, optimizer, rename)
     forward_backward = get_forward_backward_func()
     losses = []
     for step in range(config.steps):
