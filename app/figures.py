@@ -29,6 +29,10 @@ CATEGORY_STYLE = {
 }
 PHASE_COLOURS = {"forward": "#e8f1fb", "backward": "#fdf1e6", "grad": "#eaf7ea", "param": "#f3eafa"}
 ROW_HEIGHT = 18
+LABEL_CHAR_PX = 6.2
+MAX_LABEL_PX = 420
+TIMELINE_GL_POINTS = 3000
+"""Above this many points the timeline is drawn with WebGL (scattergl): SVG markers slow the browser."""
 FIRST_DIVERGENCE_COLOUR = "#ffd400"
 
 
@@ -61,8 +65,16 @@ def _stage_annotations(rows: pd.DataFrame) -> list[dict]:
     starts = rows.dropna(subset=["stage"]).drop_duplicates("stage")
     if len(starts) < 2:
         return []
-    return [dict(xref="paper", x=1.0, y=r["row"], xanchor="left", text=f"stage {int(r['stage'])}", showarrow=False,
+    return [dict(xref="paper", yref="y", x=1.0, y=r["row"], xanchor="left", text=f"stage {int(r['stage'])}", showarrow=False,
                  font=dict(size=11, color="#555")) for _, r in starts.iterrows()]
+
+
+def _row_labels(rows: pd.DataFrame) -> list[dict]:
+    """Module names as annotations, not tick labels: plotly measures every tick label's box on each
+    draw, which took 20+ s for the 774 rows of a 48-layer model (benchmarks/results/dashboard.md);
+    annotations draw in well under a second."""
+    return [dict(xref="paper", yref="y", x=0, y=row, xanchor="right", xshift=-6, showarrow=False, text=module or "<root>",
+                 font=dict(size=11, color="#444")) for module, row in zip(rows["module"], rows["row"])]
 
 
 def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, str] | None = None) -> go.Figure:
@@ -82,14 +94,16 @@ def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, st
         figure.add_trace(go.Scatter(x=marked["column"], y=marked["row"], mode="markers", name="first divergence",
                                     marker=dict(symbol="square-open", size=22, color=FIRST_DIVERGENCE_COLOUR,
                                                 line=dict(width=3, color=FIRST_DIVERGENCE_COLOUR)), **_clickable(marked)))
+    labels = _row_labels(rows)
     figure.update_layout(
-        height=max(360, ROW_HEIGHT * len(rows) + 160), margin=dict(l=10, r=80, t=40, b=10), plot_bgcolor="white",
-        shapes=_layer_bands(rows), annotations=_stage_annotations(rows), clickmode="event+select", dragmode=False,
+        height=max(360, ROW_HEIGHT * len(rows) + 160), plot_bgcolor="white",
+        margin=dict(l=min(MAX_LABEL_PX, 12 + LABEL_CHAR_PX * max((len(a["text"]) for a in labels), default=4)), r=80,
+                    t=40, b=10),
+        shapes=_layer_bands(rows), annotations=_stage_annotations(rows) + labels, clickmode="event+select", dragmode=False,
         legend=dict(orientation="h", y=-0.01, x=0, yanchor="top"),
         xaxis=dict(tickvals=list(range(len(KINDS))), ticktext=[KIND_LABELS[k] for k in KINDS], side="top",
                    range=[-0.6, len(KINDS) - 0.4], fixedrange=True),
-        yaxis=dict(tickvals=rows["row"].tolist(), ticktext=rows["module"].replace("", "<root>").tolist(),
-                   autorange="reversed", fixedrange=True, tickfont=dict(size=11)),
+        yaxis=dict(tickvals=rows["row"].tolist(), showticklabels=False, autorange="reversed", fixedrange=True),
     )
     return figure
 
@@ -101,7 +115,8 @@ def timeline_figure(points: pd.DataFrame, first_order: int | None) -> go.Figure:
         figure.add_vrect(x0=group["order"].min() - 0.5, x1=group["order"].max() + 0.5, fillcolor=PHASE_COLOURS.get(phase, "#eee"),
                          line_width=0, layer="below", annotation_text=phase, annotation_position="top left")
     numeric = points[points["category"] == "ratio"]
-    figure.add_trace(go.Scatter(x=numeric["order"], y=numeric["value"], mode="markers", showlegend=False,
+    scatter = go.Scattergl if len(points) > TIMELINE_GL_POINTS else go.Scatter
+    figure.add_trace(scatter(x=numeric["order"], y=numeric["value"], mode="markers", showlegend=False,
                                 marker=dict(size=6, color=numeric["value"], **{**_colour_axis(), "showscale": False}),
                                 **_clickable(numeric)))
     for name, (label, colour) in CATEGORY_STYLE.items():

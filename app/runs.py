@@ -47,5 +47,6 @@ def metadata_rows(run: RunInfo) -> dict[str, str]:
         "partial steps": ", ".join(map(str, run.partial_steps)) or "none", "injected bug": run.bug or "none",
         "tolerance estimate": "yes (perturbation)" if run.has_estimate else "no",
         "recorded by": run.entrypoint or "-", "trace format": str(run.format_version),
+        "versions": ", ".join(f"{name} {version}" for name, version in run.versions.items()) or "not recorded",
         "model": ", ".join(f"{k}={v}" for k, v in sorted(run.model.items())),
     }

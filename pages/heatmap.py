@@ -9,6 +9,9 @@ from app.report import report_html
 from app.state import ALL_MICRO_BATCHES, view_from_click
 from app.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, view_state
 
+MAX_CHOICES = 3000
+"""The "Go to a tensor" box lists failures first; past this many options it only grows the page."""
+
 state = view_state()
 reference, candidate = run_pair(state)
 st.title("Error heatmap")
@@ -40,7 +43,7 @@ st.download_button("Export report", data=lambda: report_html(reference, candidat
                    mime="text/html", icon=":material/download:",
                    help="one self-contained HTML file: heatmap, timeline, verdicts, worst tensors; opens offline")
 
-choices = cells.tensor_choices(frame, int(step))
+choices = cells.tensor_choices(frame, int(step))[:MAX_CHOICES]
 with right:
     picked = st.selectbox("Go to a tensor (failures first)", choices, index=None, placeholder="type to search",
                           format_func=lambda c: f"{c[0]}" + ("" if c[2] < 0 else f" · mb {c[2]}"))

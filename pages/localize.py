@@ -66,7 +66,9 @@ if status.state != "complete":
 result = api.localization(job)
 level, line = verdicts.summary(result)
 getattr(st, level)(line)
-st.caption(f"replay {job.directory.name} · {status.seconds or 0:.0f} s · reproduce: `{result.command}`")
+scope = {"module alone": "only this module ran", "whole model": "the whole model ran"}.get(result.replay_scope,
+                                                                                       result.replay_scope)
+st.caption(f"replay {job.directory.name} · {scope} · {status.seconds or 0:.0f} s · reproduce: `{result.command}`")
 if result.reproduction:
     reproduction = result.reproduction
     with st.expander(f"Reproduction check: {reproduction['num_checked']} tensors computed from exact inputs",

@@ -94,6 +94,8 @@ class RunInfo:
     entrypoint: str | None = None
     """What recorded (and relaunches) the run, "module:function"."""
     format_version: int | None = None
+    versions: dict = field(default_factory=dict)
+    """Python and package versions from the manifest's environment fingerprint (empty for older traces)."""
     error: str | None = None
     """Why the run cannot be used (one line), else None."""
 
@@ -103,6 +105,11 @@ class RunInfo:
         parts = [f"{name}{value}" if value > 1 else name for name, value in sorted(self.degrees.items())
                  if isinstance(value, int) and (value > 1 or (value == 1 and name in ("sp", "dist_opt")))]
         return " ".join(parts) or "single rank"
+
+
+def _versions(environment: dict) -> dict:
+    packages = {name: version for name, version in (environment.get("packages") or {}).items() if version}
+    return {"python": environment["python"], **packages} if environment.get("python") else packages
 
 
 def _run_info(root: Path, run_dir: Path) -> RunInfo:
@@ -117,6 +124,7 @@ def _run_info(root: Path, run_dir: Path) -> RunInfo:
                    degrees=dict(manifest.degrees), steps=complete, partial_steps=partial, model=dict(manifest.model),
                    bug=config.get("bug"), has_estimate=(run_dir / ESTIMATE_FILE).is_file(),
                    entrypoint=manifest.entrypoint.get("factory"), format_version=manifest.format_version,
+                   versions=_versions(manifest.environment),
                    error=None if complete else f"{run_dir}: no complete step (partial: {partial}); re-record the run")
 
 

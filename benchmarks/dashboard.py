@@ -1,0 +1,356 @@
+"""Dashboard latency on a 48-layer Megatron GPT: first comparison, cached heatmap, cell click to tensor view.
+
+Records (or reuses) a reference (tp 1) and a candidate (tp 2 with the row-parallel-bias-per-rank
+bug) under --workdir, serves them with `ttrace dashboard`, and drives the pages in Debian's
+chromium through Playwright: the first comparison (CAND/.ttrace deleted), the heatmap once the
+comparison is cached, and a click on the first-divergence cell until the tensor page has drawn.
+The tensor page's server-side work (`api.comparison_table` from the cache + `api.tensor_view`) is
+also timed in this process, and so is opening each run's index (`RunReader`). Prints a table and
+writes results/dashboard.md.
+
+    python benchmarks/dashboard.py [--workdir /tmp/ttrace-bench-dashboard] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import plotly
+import plotly.offline
+from playwright.sync_api import Page, sync_playwright
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `app` of this checkout (not an installed package)
+
+from app import cells, figures  # noqa: E402
+from ttrace_core import api  # noqa: E402
+from ttrace_core.errors import TtraceError  # noqa: E402
+from ttrace_core.store import RunReader  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+NUM_LAYERS = 48
+RUNS = {  # run directory name -> extra flags of `ttrace example megatron-gpt`
+    "ref": [],
+    "cand": ["--tp", "2", "--bug", "row-parallel-bias-per-rank"],
+}
+CHROMIUM = "/usr/bin/chromium"
+IDLE = "[data-test-script-state=notRunning]"
+NUM_TENSOR_CHARTS = 5
+"""The tensor page draws shard map, per rank, |difference|, histogram and history; the heatmap page two."""
+PAGE_TIMEOUT_MS = 900_000
+"""Generous: on 2 shared cores a 48-layer heatmap takes a minute or more to draw."""
+HEATMAP_GOAL_S = 2.0
+TENSOR_SERVER_GOAL_S = 0.5
+
+
+@dataclass(kw_only=True, slots=True)
+class Measure:
+    name: str
+    value: str
+    goal: str = "-"
+    met: bool | None = None
+    """None when the measure has no goal."""
+
+
+def record(workdir: Path) -> dict[str, float | None]:
+    """Record every run missing a complete step; seconds per run, None for a reused one."""
+    seconds: dict[str, float | None] = {}
+    for name, flags in RUNS.items():
+        run_dir = workdir / name
+        if _complete(run_dir):
+            seconds[name] = None
+            continue
+        shutil.rmtree(run_dir, ignore_errors=True)
+        command = [sys.executable, "-m", "ttrace_core", "example", "megatron-gpt", "--num-layers", str(NUM_LAYERS),
+                   "--steps", "1", *flags, "--out", str(run_dir)]
+        started = time.perf_counter()
+        subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        seconds[name] = time.perf_counter() - started
+    return seconds
+
+
+def _complete(run_dir: Path) -> bool:
+    try:
+        with RunReader(run_dir) as reader:
+            return bool(reader.complete_steps) and not reader.partial_steps
+    except (TtraceError, OSError):
+        return False
+
+
+def _median_seconds(action: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _open_index(run_dir: Path) -> int:
+    with RunReader(run_dir) as reader:
+        return len(reader.index)
+
+
+def _trace_mib(run_dir: Path) -> float:
+    return sum(p.stat().st_size for p in run_dir.glob("*.h5")) / 2**20
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_dashboard(root: Path, port: int, log: Path) -> subprocess.Popen:
+    """`ttrace dashboard ROOT` in its own process group (it spawns `streamlit run`), once healthy."""
+    server = subprocess.Popen(["ttrace", "dashboard", str(root), "--port", str(port)], stdout=log.open("w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"ttrace dashboard exited with {server.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as response:
+                if response.read().strip() == b"ok":
+                    return server
+        except OSError:
+            pass
+        time.sleep(0.2)
+    stop_dashboard(server)
+    raise RuntimeError(f"ttrace dashboard not healthy on port {port} after 60 s; see {log}")
+
+
+def stop_dashboard(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def _drawn(page: Page, num_charts: int, timeout_ms: int, *, markers: bool) -> None:
+    """Wait until the script is idle with `num_charts` plotly charts drawn (with scatter markers when
+    `markers`: the heatmap's cells); fail at once on a shown exception."""
+    marker_test = "document.querySelector('.js-plotly-plot .scatterlayer path.point') !== null" if markers else "true"
+    page.wait_for_function(f"""() => document.querySelector('[data-testid=stException]') !== null
+        || (document.querySelector('{IDLE}') !== null
+            && document.querySelectorAll('.js-plotly-plot').length >= {num_charts} && {marker_test})""",
+                           timeout=timeout_ms, polling=50)
+    exception = page.locator("[data-testid=stException]")
+    if exception.count():
+        raise RuntimeError(f"{page.url}: the page shows an exception: {exception.first.inner_text()[:500]}")
+
+
+def time_heatmap(page: Page, url: str, timeout_ms: int) -> float:
+    started = time.perf_counter()
+    page.goto(url)
+    _drawn(page, 1, timeout_ms, markers=True)
+    return time.perf_counter() - started
+
+
+def click_first_divergence(page: Page) -> tuple[float, str]:
+    """Click the heatmap's outlined first-divergence cell (else its first cell); seconds to the drawn tensor page."""
+    heatmap = page.locator(".js-plotly-plot").first
+    marker = heatmap.locator(".scatterlayer .trace").last.locator("path.point").first
+    marker.scroll_into_view_if_needed()
+    box = marker.bounding_box()
+    started = time.perf_counter()
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.wait_for_function("() => location.href.includes('tensor=')", timeout=PAGE_TIMEOUT_MS, polling=50)
+    _drawn(page, NUM_TENSOR_CHARTS, PAGE_TIMEOUT_MS, markers=False)
+    seconds = time.perf_counter() - started
+    return seconds, urllib.parse.parse_qs(urllib.parse.urlparse(page.url).query)["tensor"][0]
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def browse(base: str, candidate: Path, repeats: int) -> dict:
+    """The three browser measures; the comparison cache under the candidate is deleted first."""
+    shutil.rmtree(candidate / ".ttrace", ignore_errors=True)
+    url = f"{base}/heatmap?" + urllib.parse.urlencode({"ref": "ref", "cand": "cand"})
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            context = browser.new_context(viewport={"width": 1600, "height": 1200})
+            page = context.new_page()
+            first_s = time_heatmap(page, url, PAGE_TIMEOUT_MS)
+            page.close()
+            _progress(f"first comparison -> drawn heatmap: {first_s:.1f} s")
+            cached = []
+            for _ in range(repeats):
+                page = context.new_page()
+                cached.append(time_heatmap(page, url, PAGE_TIMEOUT_MS))
+                _progress(f"cached heatmap -> drawn: {cached[-1]:.2f} s")
+                num_markers = page.locator(".js-plotly-plot").first.locator(".scatterlayer path.point").count()
+                page.close()
+            page = context.new_page()
+            time_heatmap(page, url, PAGE_TIMEOUT_MS)
+            click_s, tensor = click_first_divergence(page)
+            _progress(f"click -> drawn tensor page ({tensor}): {click_s:.2f} s")
+        finally:
+            browser.close()
+    return {"first_s": first_s, "cached_s": cached, "num_markers": num_markers, "click_s": click_s, "tensor": tensor}
+
+
+def tensor_server_seconds(reference: Path, candidate: Path, tensor: str, repeats: int) -> dict[str, float | int]:
+    """The tensor page's server-side work in this process: the cached table, then one tensor's view."""
+    frame = api.comparison_table(reference, candidate).frame
+    row = frame[frame["tensor"] == tensor].sort_values(["step", "micro_batch"]).iloc[0]
+    step, micro_batch = int(row["step"]), int(row["micro_batch"])
+    table_s = _median_seconds(lambda: api.comparison_table(reference, candidate), repeats)
+    view_s = _median_seconds(lambda: api.tensor_view(reference, candidate, tensor, step, micro_batch), repeats)
+    both_s = _median_seconds(lambda: (api.comparison_table(reference, candidate),
+                                      api.tensor_view(reference, candidate, tensor, step, micro_batch)), repeats)
+    return {"table_s": table_s, "view_s": view_s, "both_s": both_s, "num_rows": len(frame)}
+
+
+def heatmap_server_seconds(reference: Path, candidate: Path, repeats: int) -> float:
+    """The heatmap page's own work in this process: cached table, cells, both figures, serialized."""
+    def work() -> None:
+        frame = api.comparison_table(reference, candidate).frame
+        first = cells.first_divergence(frame)
+        step = int(first["step"]) if first is not None else int(frame["step"].min())
+        rows = cells.module_rows(frame)
+        figures.heatmap_figure(cells.heatmap_cells(frame, step, "all"), rows).to_json()
+        figures.timeline_figure(cells.timeline_points(frame, step), None).to_json()
+
+    return _median_seconds(work, repeats)
+
+
+def page_figures(reference: Path, candidate: Path) -> dict[str, dict]:
+    """The heatmap page's two figures as plotly JSON, built as the page builds them (first divergence's step, all mbs)."""
+    frame = api.comparison_table(reference, candidate).frame
+    first = cells.first_divergence(frame)
+    step = int(first["step"]) if first is not None else int(frame["step"].min())
+    marked = (first["module"], first["kind"]) if first is not None else None
+    heatmap = figures.heatmap_figure(cells.heatmap_cells(frame, step, "all"), cells.module_rows(frame), marked)
+    timeline = figures.timeline_figure(cells.timeline_points(frame, step), None if first is None else int(first["order"]))
+    return {"heatmap": json.loads(heatmap.to_json()), "timeline": json.loads(timeline.to_json())}
+
+
+def plotly_render_seconds(specs: dict[str, dict]) -> dict[str, float]:
+    """Seconds for plotly.js (the one bundled with plotly.py) to draw each figure in a bare chromium page:
+    the browser's share of a page load, without Streamlit."""
+    seconds = {}
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1200})
+            page.set_content("<div id=chart style='width:1500px'></div>")
+            page.add_script_tag(content=plotly.offline.get_plotlyjs())
+            for name, spec in specs.items():
+                seconds[name] = page.evaluate("""async (spec) => { Plotly.purge('chart'); const started = performance.now();
+                    await Plotly.newPlot('chart', spec.data, spec.layout, {displayModeBar: false});
+                    return (performance.now() - started) / 1000; }""", spec)
+        finally:
+            browser.close()
+    return seconds
+
+
+def _goal(name: str, seconds: float, goal_s: float) -> Measure:
+    return Measure(name=name, value=f"{seconds:.2f} s", goal=f"< {goal_s:g} s", met=seconds < goal_s)
+
+
+def measures(workdir: Path, browser: dict, server: dict, heatmap_s: float, index_s: dict[str, float],
+             index_keys: dict[str, int], provenance: dict, repeats: int) -> list[Measure]:
+    reference, candidate = workdir / "ref", workdir / "cand"
+    heatmap_rows = server["heatmap_rows"]
+    plotly_js = f"(plotly.py {plotly.__version__})"
+    return [
+        Measure(name="trace size ref / cand", value=f"{_trace_mib(reference):.0f} / {_trace_mib(candidate):.0f} MiB"),
+        Measure(name="tensor keys ref / cand (RunReader index)", value=f"{index_keys['ref']} / {index_keys['cand']}"),
+        Measure(name="open run index ref (RunReader)", value=f"{index_s['ref']:.2f} s"),
+        Measure(name="open run index cand (RunReader)", value=f"{index_s['cand']:.2f} s"),
+        Measure(name="comparison table rows / heatmap module rows / heatmap markers",
+                value=f"{server['num_rows']} / {heatmap_rows} / {browser['num_markers']}"),
+        Measure(name="first comparison, browser goto -> drawn heatmap", value=f"{browser['first_s']:.1f} s"),
+        Measure(name="  of which compare_runs + table (provenance seconds)", value=f"{provenance['seconds']:.1f} s"),
+        _goal(f"cached heatmap, goto -> drawn (median of {repeats})", statistics.median(browser["cached_s"]), HEATMAP_GOAL_S),
+        Measure(name="  heatmap page server work in-process (table + cells + figures)", value=f"{heatmap_s:.2f} s"),
+        *[Measure(name=f"  plotly.js {plotly_js} draws the {name} figure alone (bare page)", value=f"{seconds:.2f} s")
+          for name, seconds in server["render_s"].items()],
+        Measure(name="cell click -> drawn tensor page, browser wall time", value=f"{browser['click_s']:.2f} s"),
+        _goal("tensor page server time: comparison_table (cached) + tensor_view (median of 5)", server["both_s"],
+              TENSOR_SERVER_GOAL_S),
+        Measure(name="  comparison_table (cached)", value=f"{server['table_s']:.3f} s"),
+        Measure(name=f"  tensor_view ({browser['tensor']})", value=f"{server['view_s']:.3f} s"),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/ttrace-bench-dashboard"),
+                        help="where the traces live; complete runs there are reused")
+    parser.add_argument("--repeats", type=int, default=3, help="cached heatmap loads (median)")
+    args = parser.parse_args()
+    workdir = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    recorded = record(workdir)
+    load = os.getloadavg()[0]
+    reference, candidate = workdir / "ref", workdir / "cand"
+    index_s = {name: _median_seconds(lambda: _open_index(workdir / name), 3) for name in RUNS}
+    index_keys = {name: _open_index(workdir / name) for name in RUNS}
+    port = free_port()
+    server_process = start_dashboard(workdir, port, workdir / "dashboard.log")
+    try:
+        browser = browse(f"http://127.0.0.1:{port}", candidate, args.repeats)
+    finally:
+        stop_dashboard(server_process)
+    cached = api.comparison_table(reference, candidate)
+    server = tensor_server_seconds(reference, candidate, browser["tensor"], 5)
+    server["heatmap_rows"] = len(cells.module_rows(cached.frame))
+    heatmap_s = heatmap_server_seconds(reference, candidate, 3)
+    server["render_s"] = plotly_render_seconds(page_figures(reference, candidate))
+    rows = measures(workdir, browser, server, heatmap_s, index_s, index_keys, cached.provenance, args.repeats)
+    _write(rows, recorded, (load, os.getloadavg()[0]))
+
+
+def _recording_note(recorded: dict[str, float | None]) -> str:
+    parts = [f"{name} {'reused' if s is None else f'recorded in {s:.0f} s'}" for name, s in recorded.items()]
+    return ", ".join(parts)
+
+
+def _met(measure: Measure) -> str:
+    return "-" if measure.met is None else ("yes" if measure.met else "**no**")
+
+
+def _write(rows: list[Measure], recorded: dict[str, float | None], load: tuple[float, float]) -> None:
+    cpu = platform.processor() or platform.machine()
+    lines = [
+        f"# Dashboard latency ({NUM_LAYERS}-layer Megatron GPT, hidden 64, 4 micro-batches, 1 step)", "",
+        f"- date: {datetime.now().isoformat(timespec='seconds')}",
+        f"- machine: {os.cpu_count()} cores ({cpu}), CPU only, Python {platform.python_version()}, chromium {CHROMIUM}; "
+        f"1-min load average {load[0]:.2f} at the start, {load[1]:.2f} at the end (the server, chromium and other "
+        "users' jobs share the cores)",
+        "- runs: ref = tp 1; cand = tp 2 with --bug row-parallel-bias-per-rank (OMP_NUM_THREADS=1; "
+        f"{_recording_note(recorded)})",
+        "- browser times include page load, the Streamlit script run and plotly drawing; server times are in-process", "",
+        "| measure | value | goal | met? |", "| --- | --- | --- | --- |",
+    ]
+    lines += [f"| {m.name} | {m.value} | {m.goal} | {_met(m)} |" for m in rows]
+    text = "\n".join(lines) + "\n"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "dashboard.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
