@@ -1,6 +1,6 @@
 """The view state of every page, and the URL that carries it: pure functions, no streamlit.
 
-A view is (ref, cand, tensor, step, mb, rank, module); each is a query parameter of the same name,
+A view is (ref, cand, tensor, step, mb, rank, module, rows); each is a query parameter of the same name,
 so a copied URL opens the same view. `ref` and `cand` are paths relative to the dashboard's root
 and are resolved only through `ttrace_core.api.path_under_root`, which refuses anything outside it.
 A click on a heatmap cell is a plotly selection; `view_from_click` turns it into the tensor view's state.
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from collections.abc import Mapping
 
+ROW_CHOICES = ("modules", "layers")
 ALL_MICRO_BATCHES = "all"
 """`mb=all` on the heatmap: the worst over micro-batches."""
 
@@ -26,6 +27,8 @@ class ViewState:
     """A global micro-batch id, -1 for gradients and parameters, or "all"."""
     rank: int | None = None
     module: str | None = None
+    rows: str | None = None
+    """Heatmap rows: "modules" or "layers" (every module of a layer in one row)."""
 
 
 def _as_int(text: str | None) -> int | None:
@@ -46,7 +49,8 @@ def state_from_query(params: Mapping[str, str | list[str]]) -> ViewState:
     mb_text = first("mb")
     mb = ALL_MICRO_BATCHES if mb_text == ALL_MICRO_BATCHES else _as_int(mb_text)
     return ViewState(ref=first("ref"), cand=first("cand"), tensor=first("tensor"), step=_as_int(first("step")),
-                     mb=mb, rank=_as_int(first("rank")), module=first("module"))
+                     mb=mb, rank=_as_int(first("rank")), module=first("module"),
+                     rows=first("rows") if first("rows") in ROW_CHOICES else None)
 
 
 def query_from_state(state: ViewState) -> dict[str, str]:
@@ -64,5 +68,5 @@ def view_from_click(selection: Mapping | None, state: ViewState) -> ViewState | 
     for point in points:
         data = point.get("customdata")
         if data and len(data) >= 3 and data[0]:
-            return replace(state, tensor=str(data[0]), step=int(data[1]), mb=int(data[2]), rank=None)
+            return replace(state, tensor=str(data[0]), step=int(data[1]), mb=int(data[2]), rank=None, rows=None)
     return None

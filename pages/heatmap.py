@@ -6,9 +6,11 @@ import streamlit as st
 
 from app import cells, figures
 from app.report import report_html
-from app.state import ALL_MICRO_BATCHES, view_from_click
+from app.state import ALL_MICRO_BATCHES, ROW_CHOICES, view_from_click
 from app.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, view_state
 
+MODULE_ROWS_BY_DEFAULT = 200
+"""Past this many modules the heatmap opens with one row per layer (a 48-layer GPT has 774 modules)."""
 MAX_CHOICES = 3000
 """The "Go to a tensor" box lists failures first; past this many options it only grows the page."""
 
@@ -25,11 +27,15 @@ step = state.step if state.step in steps else (int(first["step"]) if first is no
 micro_batches = sorted(m for m in frame.loc[frame["step"] == step, "micro_batch"].unique().tolist() if m >= 0)
 mb_options = [ALL_MICRO_BATCHES, *micro_batches]
 mb = state.mb if state.mb in mb_options else ALL_MICRO_BATCHES
-left, middle, right = st.columns([1, 1, 3])
+num_modules = frame["module"].nunique()
+rows_choice = state.rows or ("layers" if num_modules > MODULE_ROWS_BY_DEFAULT else "modules")
+left, middle, rows_box, right = st.columns([1, 1, 1, 3])
 step = left.selectbox("Step", steps, index=steps.index(step))
 mb = middle.selectbox("Micro-batch", mb_options, index=mb_options.index(mb),
                       format_func=lambda m: "all (worst)" if m == ALL_MICRO_BATCHES else str(m))
-state = replace(state, step=int(step), mb=mb, tensor=None, rank=None)
+rows_choice = rows_box.selectbox("Rows", ROW_CHOICES, index=ROW_CHOICES.index(rows_choice),
+                                 help=f"one row per module ({num_modules}), or per layer (its worst module)")
+state = replace(state, step=int(step), mb=mb, tensor=None, rank=None, rows=rows_choice)
 show_in_url(state)
 
 if first is None:
@@ -48,13 +54,14 @@ with right:
     picked = st.selectbox("Go to a tensor (failures first)", choices, index=None, placeholder="type to search",
                           format_func=lambda c: f"{c[0]}" + ("" if c[2] < 0 else f" · mb {c[2]}"))
 if picked is not None:
-    go_to("tensor", replace(state, tensor=picked[0], step=picked[1], mb=picked[2]))
+    go_to("tensor", replace(state, tensor=picked[0], step=picked[1], mb=picked[2], rows=None))
 
-rows = cells.module_rows(frame)
-view_cells = cells.heatmap_cells(frame, int(step), mb)
+shown = cells.rows_by_layer(frame) if rows_choice == "layers" else frame
+rows = cells.module_rows(shown)
+view_cells = cells.heatmap_cells(shown, int(step), mb)
 marked = None
 if first is not None and first["step"] == step and mb in (ALL_MICRO_BATCHES, first["micro_batch"], -1):
-    marked = (first["module"], first["kind"])
+    marked = (shown.loc[first.name, "module"], first["kind"])
 st.caption("Colour: log10(error / tolerance), 0 is the pass line. The yellow outline is the first divergence. "
            "Click a cell to open its tensor.")
 event = st.plotly_chart(figures.heatmap_figure(view_cells, rows, marked), key="heatmap", on_select="rerun",
@@ -64,11 +71,11 @@ if clicked is not None:
     go_to("tensor", clicked)
 
 with st.container(horizontal=True):
-    suspects = [m for m in rows["module"] if m]
+    suspects = [m for m in cells.module_rows(frame)["module"] if m]
     default = suspects.index(first["module"]) if first is not None and first["module"] in suspects else 0
     target = st.selectbox("Replay a module with the reference's inputs", suspects, index=default)
     if st.button("Open in Localize", icon=":material/my_location:"):
-        go_to("localize", replace(state, module=target, step=None, mb=None))
+        go_to("localize", replace(state, module=target, step=None, mb=None, rows=None))
 
 st.subheader("Timeline")
 st.caption("Every tensor of the step in execution order: forward, backward, reduced gradients, updated parameters.")

@@ -15,15 +15,13 @@ the whole model.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ttrace_core.errors import TtraceError
-from ttrace_core.schema import TensorKey
-from ttrace_core.store import RunReader
+from ttrace_core.store import forward_inputs
 
 
 def find_module(tracer, model: nn.Module, fqn: str) -> nn.Module | None:
@@ -31,16 +29,12 @@ def find_module(tracer, model: nn.Module, fqn: str) -> nn.Module | None:
     return next((module for local, module in model.named_modules() if tracer._global_fqn(local) == fqn), None)
 
 
-def recorded_calls(candidate: RunReader, rank: int, step: int, fqn: str) -> list[tuple[int, dict[str, torch.Tensor]]]:
-    """(global micro-batch, {slot: this rank's recorded value}) of every forward call of `fqn`, in call order."""
-    calls: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
-    for key, metas in candidate.index.items():
-        if key.step != step or key.phase != "forward" or key.fqn != fqn or not key.slot.startswith("input."):
-            continue
-        for meta in metas:
-            if meta.rank == rank:
-                calls[key.micro_batch][key.slot.removeprefix("input.")] = candidate.read(meta)
-    return sorted(calls.items())
+def recorded_calls(candidate_dir: str | Path, rank: int, step: int, fqn: str) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """(global micro-batch, {input name: this rank's recorded value}) of every forward call of `fqn`, in
+    call order; only those datasets are read (a 48-layer trace's full index takes seconds to open)."""
+    calls = forward_inputs(candidate_dir, rank, step, fqn)
+    return [(micro_batch, {slot.removeprefix("input."): value for slot, value in inputs.items()})
+            for micro_batch, inputs in sorted(calls.items())]
 
 
 def call_arguments(inputs: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -66,8 +60,7 @@ def _output_tensors(output: object) -> list[torch.Tensor]:
 def drive_module(tracer, model: nn.Module, candidate_dir: str | Path, fqn: str, step: int = 0) -> int:
     """Call the module once per recorded micro-batch of this rank, forward and backward; returns the call count."""
     target = find_module(tracer, model, fqn)
-    with RunReader(candidate_dir) as candidate:
-        calls = recorded_calls(candidate, tracer.rank, step, fqn) if target is not None else []
+    calls = recorded_calls(candidate_dir, tracer.rank, step, fqn) if target is not None else []
     with tracer.step(step):
         for _, inputs in calls:
             args, kwargs = call_arguments(inputs)

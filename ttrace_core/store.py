@@ -247,6 +247,27 @@ def read_shards(run_dir: str | os.PathLike, key: TensorKey, world_size: int) -> 
     return shards
 
 
+def forward_inputs(run_dir: str | os.PathLike, rank: int, step: int, fqn: str) -> dict[int, dict[str, torch.Tensor]]:
+    """{global micro-batch: {slot: value}} of the forward inputs one rank recorded for one module,
+    reading only those datasets (names are listed, nothing else is opened)."""
+    path = Path(run_dir) / step_file_name(rank, step)
+    prefix = f"{fqn or '<root>'}#input."
+    calls: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+    try:
+        with h5py.File(path, "r") as handle:
+            forward = handle.get("forward")
+            for group_name in (sorted(forward) if forward is not None else []):
+                group = forward[group_name]
+                for name in group:
+                    if name.startswith(prefix):
+                        meta = _meta_from_json(group[name].attrs["meta"], f"{path}:forward/{group_name}/{name}")
+                        calls[meta.key.micro_batch][meta.key.slot] = tensor_from_array(group[name][()], meta.dtype, str(path))
+    except OSError as error:
+        raise TraceFormatError(f"{path}: not a readable HDF5 file ({error}); it is truncated or corrupted, "
+                               f"re-record rank {rank}") from error
+    return dict(calls)
+
+
 class RunReader:
     """Read-only view of a run directory: the manifest, which steps are complete, and every shard."""
 

@@ -49,3 +49,18 @@ def test_tensor_choices_list_failures_first_and_the_first_divergence_is_found(fr
     assert choices[-1][0] == "grad/layers.0.lin.weight/grad"
     assert cells.first_divergence(frame)["tensor"] == "forward/layers.0.act/output.0"
     assert list(cells.history(frame, "forward/layers.0.act/output.0")["micro_batch"]) == [0, 1]
+
+
+def test_rows_by_layer_fold_every_module_of_a_layer_into_one_row(frame):
+    layered = cells.rows_by_layer(frame)
+    assert list(cells.module_rows(layered)["module"]) == ["layers.0", "layers.1"]
+    view = cells.heatmap_cells(layered, 0, "all").set_index(["module", "kind"])
+    assert view.loc[("layers.1", "output"), "category"] == "nan"  # the worst of norm, lin (NaN) and out (missing)
+    assert view.loc[("layers.0", "output"), "tensor"] == "forward/layers.0.act/output.0"
+
+
+def test_the_timeline_has_one_point_per_module_and_kind_where_it_first_ran(frame):
+    points = cells.timeline_points(frame, 0)
+    assert len(points) == 6 and list(points["order"]) == sorted(points["order"])
+    act = points[points["module"] == "layers.0.act"].iloc[0]
+    assert act["micro_batch"] == 1 and act["order"] == 1  # worst micro-batch, drawn at its first appearance

@@ -49,7 +49,7 @@ def test_a_finished_replay_shows_its_verdicts_at_once(root):
     _finished_job(root, None, localization=CULPRIT)
     app = _open("localize", **PAIR)
     assert not app.exception
-    assert any("Culprit: layers.0.act" in error for error in _errors(app))
+    assert any("Culprit (introduces the error): layers.0.act" in error for error in _errors(app))
     table = app.dataframe[0].value
     assert list(table["verdict"]) == ["🟠 inherits", "🔴 introduces", "🟢 clean"]
     assert table["ratio after"][1] == 6e4

@@ -63,19 +63,28 @@ def test_heatmap_draws_clickable_cells_and_marks_the_first_divergence(root):
     assert marked["customdata"] == [[FIRST, 0, 1]]  # the first divergence's cell, its worst micro-batch
     assert all(len(point) == 3 for trace in heatmap["data"] for point in trace["customdata"])
     assert {"NaN in the candidate", "missing in one run"} <= set(traces)
-    assert _url(app) == {**PAIR, "step": "0", "mb": "all"}
+    assert _url(app) == {**PAIR, "step": "0", "mb": "all", "rows": "modules"}
+
+
+def test_heatmap_rows_per_layer_from_the_url(root):
+    app = _open("heatmap", **PAIR, rows="layers")
+    assert not app.exception
+    heatmap = _figures(app)[0]
+    labels = [a["text"] for a in heatmap["layout"]["annotations"] if a.get("xanchor") == "right"]
+    assert labels == ["layers.0", "layers.1"]
+    assert heatmap["data"][-1]["name"] == "first divergence" and heatmap["data"][-1]["customdata"][0][0] == FIRST
 
 
 def test_heatmap_micro_batch_choice_lands_in_the_url(root):
     app = _open("heatmap", **PAIR)
-    app.selectbox[1].set_value(1).run()
+    next(box for box in app.selectbox if box.label == "Micro-batch").set_value(1).run()
     assert not app.exception
     assert _url(app)["mb"] == "1"
 
 
 def test_the_keyboard_way_opens_the_tensor_page(root):
     app = _open("heatmap", **PAIR)
-    app.selectbox[2].set_value((FIRST, 0, 0)).run()
+    next(box for box in app.selectbox if box.label.startswith("Go to a tensor")).set_value((FIRST, 0, 0)).run()
     assert not app.exception
     assert app.title[0].value == FIRST
     assert _url(app) == {**PAIR, "tensor": FIRST, "step": "0", "mb": "0"}

@@ -3,7 +3,7 @@ import pytest
 from app.state import ALL_MICRO_BATCHES, ViewState, query_from_state, state_from_query, view_from_click
 
 FULL = ViewState(ref="fp32/reference", cand="fp32/bug", tensor="forward/layers.0.attn/output.0", step=2, mb=3, rank=1,
-                 module="layers.0.attn")
+                 module="layers.0.attn", rows="layers")
 
 
 def test_the_url_round_trips_every_field():
@@ -17,7 +17,8 @@ def test_the_url_round_trips_every_field():
     ({"mb": "-1", "step": "0"}, ViewState(mb=-1, step=0)),
     ({"ref": ["a", "b"]}, ViewState(ref="a")),
     ({"tensor": ""}, ViewState()),
-], ids=["malformed-numbers-dropped", "all-micro-batches", "gradient-micro-batch", "repeated-key", "empty"])
+    ({"rows": "pixels"}, ViewState()),
+], ids=["malformed-numbers-dropped", "all-micro-batches", "gradient-micro-batch", "repeated-key", "empty", "unknown-rows"])
 def test_state_from_query(params, expected):
     assert state_from_query(params) == expected
 

@@ -4,7 +4,7 @@ import torch
 from ttrace_core.errors import TtraceError
 from ttrace_core.module_replay import call_arguments, recorded_calls
 from ttrace_core.schema import Layout, RunManifest, TensorKey, TensorMeta
-from ttrace_core.store import RunReader, RunWriter, write_manifest
+from ttrace_core.store import RunWriter, write_manifest
 
 
 def test_arguments_keep_their_positions_and_names_and_floats_require_grad():
@@ -34,9 +34,8 @@ def _record_inputs(run_dir) -> None:
 
 def test_recorded_calls_are_this_ranks_inputs_in_micro_batch_order(tmp_path):
     _record_inputs(tmp_path)
-    with RunReader(tmp_path) as reader:
-        calls = recorded_calls(reader, 1, 0, "layer")
-        assert [micro_batch for micro_batch, _ in calls] == [0, 1]
-        assert sorted(calls[0][1]) == ["0", "mask"] and sorted(calls[1][1]) == ["0"]
-        assert calls[0][1]["0"].tolist() == [10.0, 10.0] and calls[1][1]["0"].tolist() == [11.0, 11.0]  # rank 1's values
-        assert recorded_calls(reader, 0, 0, "other") == []
+    calls = recorded_calls(tmp_path, 1, 0, "layer")
+    assert [micro_batch for micro_batch, _ in calls] == [0, 1]
+    assert sorted(calls[0][1]) == ["0", "mask"] and sorted(calls[1][1]) == ["0"]
+    assert calls[0][1]["0"].tolist() == [10.0, 10.0] and calls[1][1]["0"].tolist() == [11.0, 11.0]  # rank 1's values
+    assert recorded_calls(tmp_path, 0, 0, "other") == []
