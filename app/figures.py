@@ -77,8 +77,10 @@ def _row_labels(rows: pd.DataFrame) -> list[dict]:
                  font=dict(size=11, color="#444")) for module, row in zip(rows["module"], rows["row"])]
 
 
-def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, str] | None = None) -> go.Figure:
-    """Modules (rows, execution order) x tensor kinds (columns); `first` (module, kind) is outlined."""
+def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, str] | None = None,
+                   first_tensor: tuple[str, int, int] | None = None) -> go.Figure:
+    """Modules (rows, execution order) x tensor kinds (columns); `first` (module, kind) is outlined and
+    a click on the outline opens `first_tensor` (tensor, step, micro-batch)."""
     figure = go.Figure()
     numeric = cells[cells["category"] == "ratio"]
     figure.add_trace(go.Scatter(x=numeric["column"], y=numeric["row"], mode="markers", name="error / tolerance",
@@ -90,7 +92,9 @@ def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, st
             figure.add_trace(go.Scatter(x=special["column"], y=special["row"], mode="markers", name=label,
                                         marker=dict(symbol="square", size=14, color=colour), **_clickable(special)))
     if first is not None:
-        marked = cells[(cells["module"] == first[0]) & (cells["kind"] == first[1])]
+        marked = cells[(cells["module"] == first[0]) & (cells["kind"] == first[1])].copy()
+        if first_tensor is not None:  # a click on the outline opens the first divergence itself, not the cell's worst
+            marked[["tensor", "step", "micro_batch"]] = [list(first_tensor)] * len(marked)
         figure.add_trace(go.Scatter(x=marked["column"], y=marked["row"], mode="markers", name="first divergence",
                                     marker=dict(symbol="square-open", size=22, color=FIRST_DIVERGENCE_COLOUR,
                                                 line=dict(width=3, color=FIRST_DIVERGENCE_COLOUR)), **_clickable(marked)))

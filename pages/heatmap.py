@@ -64,7 +64,8 @@ if first is not None and first["step"] == step and mb in (ALL_MICRO_BATCHES, fir
     marked = (shown.loc[first.name, "module"], first["kind"])
 st.caption("Colour: log10(error / tolerance), 0 is the pass line. The yellow outline is the first divergence. "
            "Click a cell to open its tensor.")
-event = st.plotly_chart(figures.heatmap_figure(view_cells, rows, marked), key="heatmap", on_select="rerun",
+first_tensor = None if first is None else (first["tensor"], int(first["step"]), int(first["micro_batch"]))
+event = st.plotly_chart(figures.heatmap_figure(view_cells, rows, marked, first_tensor), key="heatmap", on_select="rerun",
                         selection_mode="points", config={"displayModeBar": False})
 clicked = view_from_click(event, state)
 if clicked is not None:

@@ -329,8 +329,9 @@ def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir
 def _judge_replay(original: RunComparison, reference_dir: Path, candidate_dir: Path, replay_dir: Path,
                   module: str | None) -> Localization:
     step = original.first_divergence.key.step
-    with RunReader(reference_dir) as reference, RunReader(candidate_dir) as candidate, \
-            RunReader(replay_dir) as replay_reader:
+    # A module's replay reads only that subtree's tensors of each run.
+    with RunReader(reference_dir, subtree=module) as reference, RunReader(candidate_dir, subtree=module) as candidate, \
+            RunReader(replay_dir, subtree=module) as replay_reader:
         reproduction = check_reproduction(original, candidate, replay_reader, step)
         if reproduction.reproduced is False:
             return Localization(reference=original.reference, candidate=original.candidate, replay=str(replay_dir),

@@ -271,8 +271,11 @@ def forward_inputs(run_dir: str | os.PathLike, rank: int, step: int, fqn: str) -
 class RunReader:
     """Read-only view of a run directory: the manifest, which steps are complete, and every shard."""
 
-    def __init__(self, run_dir: str | os.PathLike) -> None:
+    def __init__(self, run_dir: str | os.PathLike, *, subtree: str | None = None) -> None:
+        """`subtree`: index only the tensors of that module and its descendants (their parameters
+        included); the other datasets' metadata is never read (a 48-layer trace's full index takes seconds)."""
         self.run_dir = Path(run_dir)
+        self.subtree = subtree or None
         self.manifest = read_manifest(run_dir)
         self._files: dict[tuple[int, int], h5py.File] = {}
         self.index: dict[TensorKey, list[TensorMeta]] = defaultdict(list)
@@ -312,7 +315,7 @@ class RunReader:
         where = f"{path}"
 
         def visit(name: str, node: h5py.Dataset | h5py.Group) -> None:
-            if isinstance(node, h5py.Dataset):
+            if isinstance(node, h5py.Dataset) and self._wanted(name):
                 if "meta" not in node.attrs:
                     raise TraceFormatError(f"{where}: dataset {name} has no ttrace metadata; the file was not written by ttrace")
                 meta = _meta_from_json(node.attrs["meta"], f"{where}:{name}")
@@ -322,6 +325,12 @@ class RunReader:
             handle.visititems(visit)
         except (OSError, RuntimeError, KeyError) as error:
             raise TraceFormatError(f"{path}: corrupted HDF5 structure ({error}); re-record rank {rank}") from error
+
+    def _wanted(self, dataset_path: str) -> bool:
+        if self.subtree is None:
+            return True
+        fqn = dataset_path.rsplit("/", 1)[-1].split("#", 1)[0]
+        return fqn == self.subtree or fqn.startswith(self.subtree + ".")
 
     def read(self, meta: TensorMeta) -> torch.Tensor:
         """The recorded local values of one shard, in its recorded dtype."""

@@ -60,7 +60,7 @@ def test_heatmap_draws_clickable_cells_and_marks_the_first_divergence(root):
     heatmap = _figures(app)[0]
     traces = {trace.get("name"): trace for trace in heatmap["data"]}
     marked = traces["first divergence"]
-    assert marked["customdata"] == [[FIRST, 0, 1]]  # the first divergence's cell, its worst micro-batch
+    assert marked["customdata"] == [[FIRST, 0, 0]]  # a click on the outline opens the first divergence itself
     assert all(len(point) == 3 for trace in heatmap["data"] for point in trace["customdata"])
     assert {"NaN in the candidate", "missing in one run"} <= set(traces)
     assert _url(app) == {**PAIR, "step": "0", "mb": "all", "rows": "modules"}
@@ -72,7 +72,7 @@ def test_heatmap_rows_per_layer_from_the_url(root):
     heatmap = _figures(app)[0]
     labels = [a["text"] for a in heatmap["layout"]["annotations"] if a.get("xanchor") == "right"]
     assert labels == ["layers.0", "layers.1"]
-    assert heatmap["data"][-1]["name"] == "first divergence" and heatmap["data"][-1]["customdata"][0][0] == FIRST
+    assert heatmap["data"][-1]["name"] == "first divergence" and heatmap["data"][-1]["customdata"] == [[FIRST, 0, 0]]
 
 
 def test_heatmap_micro_batch_choice_lands_in_the_url(root):

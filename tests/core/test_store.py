@@ -107,3 +107,12 @@ def test_recording_into_an_existing_trace_is_refused(tmp_path):
     _record(tmp_path, {0: torch.ones(2)})
     with pytest.raises(TraceFormatError, match="already holds a trace"):
         refuse_existing_trace(tmp_path)
+
+
+def test_a_subtree_reader_indexes_only_that_module_and_its_descendants(tmp_path):
+    _record(tmp_path, {0: torch.ones(2), 1: torch.ones(3)})  # modules m0 and m1
+    write_manifest(tmp_path, RunManifest(role="reference", world_size=1))
+    with RunReader(tmp_path, subtree="m1") as reader:
+        assert [key.fqn for key in reader.index] == ["m1"]
+    with RunReader(tmp_path, subtree="m") as reader:  # whole name components only: "m" holds neither
+        assert list(reader.index) == []
