@@ -175,7 +175,7 @@ def time_message_page(page: Page, base: str) -> float:
 def time_open_heatmap_in_app(page: Page, base: str) -> float:
     """In the loaded app: the Runs page's "Open the heatmap" button to a drawn heatmap."""
     page.goto(f"{base}/runs?" + urllib.parse.urlencode({"ref": "ref", "cand": "cand"}))
-    button = page.get_by_role("button", name="Open the heatmap")
+    button = page.get_by_role("link", name="Open the heatmap")
     button.wait_for(timeout=PAGE_TIMEOUT_MS)
     page.wait_for_selector(IDLE, timeout=PAGE_TIMEOUT_MS)
     started = time.perf_counter()

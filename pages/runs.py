@@ -1,13 +1,11 @@
 """Runs: every run under the root; pick a reference and a candidate, see their metadata and the verdict."""
 
-from dataclasses import replace
-
 import pandas as pd
 import streamlit as st
 
 from app import runs as pairing
-from app.state import ViewState
-from app.ui import dashboard_root, go_to, load_comparison, run_pair, show_in_url, stop_with, view_state
+from app.state import ViewState, query_from_state
+from app.ui import dashboard_root, load_comparison, page, run_pair, show_in_url, stop_with, view_state
 from ttrace_core import api
 from ttrace_core.errors import TtraceError
 
@@ -63,5 +61,5 @@ st.caption(f"tolerances: {provenance['tolerance_provider']} · table {result.pat
            f"({'cached' if result.cached else 'computed'}, {provenance['seconds']} s to compute)")
 st.caption("Next: open the heatmap, then click the cell outlined in yellow (the first divergence) to see its "
            "tensor: which rank's shard carries the error.")
-if st.button("Open the heatmap", type="primary", icon=":material/grid_on:"):
-    go_to("heatmap", replace(state))
+# A link, not a button: the browser switches page at once instead of first rerunning this one.
+st.page_link(page("heatmap"), label="Open the heatmap", icon=":material/grid_on:", query_params=query_from_state(state))

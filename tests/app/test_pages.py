@@ -52,6 +52,8 @@ def test_runs_page_picks_a_pair_shows_its_verdict_and_writes_it_into_the_url(roo
     assert any("broken" in warning.value and "not a valid manifest" in warning.value for warning in app.warning)
     assert any(f"first divergence at `{FIRST}`" in error for error in _errors(app))
     assert [box.value for box in app.selectbox] == ["reference", "candidate"]
+    (link,) = app.get("page_link")  # straight to the heatmap of this pair
+    assert link.proto.page == "heatmap" and link.proto.query_string == "ref=reference&cand=candidate"
 
 
 def test_heatmap_draws_clickable_cells_and_marks_the_first_divergence(root):
