@@ -82,7 +82,8 @@ def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, st
     """Modules (rows, execution order) x tensor kinds (columns); `first` (module, kind) is outlined and
     a click on the outline opens `first_tensor` (tensor, step, micro-batch)."""
     figure = go.Figure()
-    numeric = cells[cells["category"] == "ratio"]
+    # Reading order (top row first, left to right), so the first marker in the page is the top-left cell.
+    numeric = cells[cells["category"] == "ratio"].sort_values(["row", "column"])
     figure.add_trace(go.Scatter(x=numeric["column"], y=numeric["row"], mode="markers", name="error / tolerance",
                                 marker=dict(symbol="square", size=14, color=numeric["value"], line=dict(width=0.5, color="#888"),
                                             **_colour_axis()), showlegend=False, **_clickable(numeric)))

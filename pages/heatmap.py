@@ -9,10 +9,11 @@ from app.report import report_html
 from app.state import ALL_MICRO_BATCHES, ROW_CHOICES, view_from_click
 from app.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, view_state
 
+# Past this many modules the heatmap opens with one row per layer (a 48-layer GPT has 774 modules).
+# (Comments, not docstrings: Streamlit's magic would print a bare string on the page.)
 MODULE_ROWS_BY_DEFAULT = 200
-"""Past this many modules the heatmap opens with one row per layer (a 48-layer GPT has 774 modules)."""
+# The "Go to a tensor" box lists failures first; past this many options it only grows the page.
 MAX_CHOICES = 3000
-"""The "Go to a tensor" box lists failures first; past this many options it only grows the page."""
 
 state = view_state()
 reference, candidate = run_pair(state)

@@ -168,6 +168,6 @@ def build_tensor_view(reference_dir: Path, candidate_dir: Path, key: TensorKey, 
     counts, _ = np.histogram(np.clip(relative[relative > 0], HISTOGRAM_EDGES[0], HISTOGRAM_EDGES[-1]), HISTOGRAM_EDGES)
     return TensorView(key=key, dtype=recorded[0][0].dtype, shape=tuple(expected.shape), reference=reference,
                       candidate=candidate, image=image, image_block=block, image_view_shape=tuple(matrix.shape),
-                      histogram_edges=HISTOGRAM_EDGES, histogram_counts=counts, num_exact=int((relative == 0).sum()),
+                      histogram_edges=HISTOGRAM_EDGES, histogram_counts=counts, num_exact=int((abs_diff == 0).sum()),
                       worst=_worst_elements(reference, candidate, abs_diff, num_worst), shards=shards,
                       replica_drift=drift)

@@ -31,6 +31,14 @@ def test_heatmap_cells_are_clickable_square_markers_on_one_diverging_scale(frame
     assert figure.layout.yaxis.showticklabels is False
 
 
+def test_heatmap_markers_come_in_reading_order(frame):
+    # The first marker in the page is the top-left cell: the DOM order a keyboard or a probe walks.
+    view = cells.heatmap_cells(frame, 0, "all").sample(frac=1.0, random_state=0)
+    numeric = _traces(figures.heatmap_figure(view, cells.module_rows(frame)))["error / tolerance"]
+    positions = list(zip(numeric.y, numeric.x))
+    assert len(positions) > 3 and positions == sorted(positions)
+
+
 def test_pipeline_stages_are_marked(frame):
     staged = frame.assign(stage=[0 if layer == 0 else 1 for layer in frame["layer"]])
     rows = cells.module_rows(staged)
