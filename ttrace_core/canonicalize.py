@@ -50,6 +50,27 @@ def _region_slices(region: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
     return tuple(slice(start, start + length) for start, length in region)
 
 
+def _held_values(full: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A copy of the values of `full` that `layout.coordinate` holds, in its local order (flat range not applied)."""
+    blocks = pl.local_blocks(layout)
+    if len(blocks) == 1:
+        return full[_region_slices(blocks[0][0])].clone()
+    local = full.new_empty(tuple(sum(length for _, length in runs) for runs in pl.local_runs(layout)))
+    for global_region, local_region in blocks:
+        local[_region_slices(local_region)] = full[_region_slices(global_region)]
+    return local
+
+
+def _put_held_values(full: torch.Tensor, layout: Layout, value: torch.Tensor, *, accumulate: bool) -> None:
+    """Write (or add, in float64) a local tensor held under `layout` back into its places in `full`."""
+    for global_region, local_region in pl.local_blocks(layout):
+        block = value[_region_slices(local_region)]
+        if accumulate:
+            full[_region_slices(global_region)] += block.double()
+        else:
+            full[_region_slices(global_region)] = block
+
+
 def _check_consistent(key: TensorKey | None, shards: list[RecordedShard]) -> Layout:
     first = shards[0].layout
     for shard_ in shards[1:]:
@@ -104,7 +125,8 @@ def _check_coverage(key: TensorKey | None, layout: Layout, shards: list[Recorded
 def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None) -> CanonicalTensor:
     """Assemble the full logical tensor from its recorded shards.
 
-    Shard placements put each block at its global offset; partial placements are summed in
+    Shard placements put each block at its global offset (several blocks per shard under SS,
+    see placements.py); partial placements are summed in
     float64 (and divided for avg); replicas are compared, and the first one is used.
     """
     if not shards:
@@ -122,8 +144,7 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None) -> C
     dtype = shards[0].value.dtype
     blocks: dict[tuple, dict[tuple[int, ...], list[RecordedShard]]] = defaultdict(lambda: defaultdict(list))
     for shard_ in sorted(shards, key=lambda s: s.rank):
-        region = pl.local_region(shard_.layout)
-        blocks[region][pl.partial_coordinate(shard_.layout)].append(shard_)
+        blocks[pl.local_runs(shard_.layout)][pl.partial_coordinate(shard_.layout)].append(shard_)
     partial_axes = pl.axes_of_kind(layout, "partial")
     specs = pl.parsed_placements(layout)
     num_avg = 1
@@ -135,16 +156,12 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None) -> C
         full = torch.zeros(layout.global_shape, dtype=torch.float64)
     else:
         full = torch.empty(layout.global_shape, dtype=dtype)
-    for region, by_partial in blocks.items():
-        index = _region_slices(region)
+    for by_partial in blocks.values():
         for replicas in by_partial.values():
             drift = _replica_drift(replicas)
             if drift is not None:
                 drifts.append(drift)
-            if partial_axes:
-                full[index] += replicas[0].value.double()
-            else:
-                full[index] = replicas[0].value
+            _put_held_values(full, replicas[0].layout, replicas[0].value, accumulate=bool(partial_axes))
     if partial_axes:
         full = (full / num_avg).to(dtype)
     worst = max(drifts, key=lambda d: d.relative_diff) if drifts else None
@@ -194,7 +211,7 @@ def shard(full: torch.Tensor, layout: Layout) -> torch.Tensor:
         raise LayoutError(f"cannot shard a tensor of shape {tuple(full.shape)} with a layout of global shape {layout.global_shape}")
     if (view := pl.blocked_view(layout)) is not None:
         return shard(full.reshape(view.global_shape), view).reshape(pl.local_shape(layout))
-    local = full[_region_slices(pl.local_region(layout))].clone()
+    local = _held_values(full, layout)
     if layout.flat_range is not None:
         start, end = layout.flat_range
         return local.reshape(-1)[start:end].clone()

@@ -15,8 +15,20 @@ A layout assigns one placement to each mesh axis. Their meaning, once:
   its chunk of every block, concatenated. Megatron's SwiGLU fc1 is SB(0,2): with 8 rows
   ([gate 0:4; up 4:8]) over 2 ranks, rank 1 holds rows [2:4, 6:8]. Mapped by viewing dim d as
   (b, d / b) and sharding the second of the two (`blocked_view`).
-- "SS(d,f)", DTensor's _StridedShard (FSDP2 over TP on a 2-D mesh). Recognized so that it can be
-  rejected by name: its interleaved offsets are not mapped yet.
+- "SS(d,f)", DTensor's _StridedShard(d, split_factor=f), which FSDP2 `fully_shard` puts on the DP
+  axis of a parameter that TP already shards along d: the rows are cut for TP first and then for
+  FSDP, the opposite of the left-to-right nesting of S(d). The current extent of dim d is cut into
+  f `torch.chunk` pieces, each piece is cut into (axis size) `torch.chunk` chunks, and coordinate i
+  holds chunk i of every piece, concatenated in piece order. Later placements on dim d cut that
+  concatenation as usual. On a (dp=2, tp=2) mesh, an [8, 4] weight with (SS(0,2), S(0)): along dp
+  the pieces are rows 0:4 and 4:8, so dp=1 holds rows [2:4, 6:8]; along tp, tp=0 holds the first
+  half of that, rows 2:4, and (dp=0, tp=1) holds rows 4:6. Uneven sizes follow torch.chunk at both
+  cuts, as DTensor does: 5 rows under SS(0,2) alone over 2 ranks give rank 0 rows [0:2, 3:4] and
+  rank 1 rows [2:3, 4:5].
+
+Along each dim a coordinate holds a tuple of runs, (start, length) ranges of global indices in the
+order the local tensor stores them (`local_runs`). Every placement but SS keeps that a single run;
+an empty shard is one run of length 0 at the place it would start.
 """
 
 from __future__ import annotations
@@ -78,35 +90,100 @@ def chunk_bounds(size: int, num_chunks: int, index: int) -> tuple[int, int]:
 
 def _normalized_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
-        raise LayoutError(f"placement S({dim}) names a dim a {ndim}-dim tensor does not have")
+        raise LayoutError(f"a placement on dim {dim} names a dim a {ndim}-dim tensor does not have")
     return dim % ndim
 
 
 def parsed_placements(layout: Layout) -> list[PlacementSpec]:
-    specs = [placement_from_str(text) for text in layout.placements]
-    for axis, spec in enumerate(specs):
-        if spec.kind == "strided":
-            name = layout.mesh_axis_names[axis] if axis < len(layout.mesh_axis_names) else str(axis)
-            raise LayoutError(
-                f"placement _StridedShard(dim={spec.dim}, split_factor={spec.split_factor}) on mesh axis "
-                f"{name!r} (FSDP2 over TP) is not supported yet; record these parameters on a 1-D mesh "
-                "or exclude them with TracerConfig(exclude=...)"
-            )
-    return specs
+    return [placement_from_str(text) for text in layout.placements]
+
+
+Runs = tuple[tuple[int, int], ...]
+"""(start, length) ranges of global indices along one dim, in the order the local tensor holds them."""
+
+
+def strided_chunk_positions(size: int, split_factor: int, num_chunks: int, index: int) -> Runs:
+    """(start, length) positions within an extent of `size` that chunk `index` of an SS(d, split_factor)
+    cut into `num_chunks` holds: chunk `index` of each of the `split_factor` pieces, in piece order."""
+    positions = []
+    for piece in range(split_factor):
+        piece_start, piece_length = chunk_bounds(size, split_factor, piece)
+        offset, length = chunk_bounds(piece_length, num_chunks, index)
+        positions.append((piece_start + offset, length))
+    return tuple(positions)
+
+
+def _global_position(runs: Runs, position: int) -> int:
+    """The global index at `position` of the concatenated runs (one past the last run at the end)."""
+    for start, length in runs:
+        if position < length:
+            return start + position
+        position -= length
+    return runs[-1][0] + runs[-1][1]
+
+
+def runs_at(runs: Runs, positions: Runs) -> Runs:
+    """The global runs at `positions` ((start, length) ranges of the concatenation of `runs`), merged;
+    a single run of length 0 at the first position when the positions hold nothing."""
+    taken: list[tuple[int, int]] = []
+    for position, length in positions:
+        base = 0
+        for start, run_length in runs:
+            low, high = max(position, base), min(position + length, base + run_length)
+            if low < high:
+                if taken and taken[-1][0] + taken[-1][1] == start + low - base:
+                    taken[-1] = (taken[-1][0], taken[-1][1] + high - low)
+                else:
+                    taken.append((start + low - base, high - low))
+            base += run_length
+    return tuple(taken) or ((_global_position(runs, positions[0][0]), 0),)
+
+
+def local_runs(layout: Layout) -> tuple[Runs, ...]:
+    """Per tensor dim, the runs of global indices that `layout.coordinate` holds (see the module docstring).
+
+    Placements apply left to right, each to the extent the previous ones left along its dim, as
+    DTensor's compute_local_shape_and_global_offset does.
+    """
+    ndim = len(layout.global_shape)
+    runs: list[Runs] = [((0, size),) for size in layout.global_shape]
+    for axis, spec in enumerate(parsed_placements(layout)):
+        if spec.kind not in ("shard", "strided"):
+            continue
+        dim = _normalized_dim(spec.dim, ndim)
+        size = sum(length for _, length in runs[dim])
+        num_chunks, index = layout.mesh_shape[axis], layout.coordinate[axis]
+        if spec.kind == "shard":
+            positions = (chunk_bounds(size, num_chunks, index),)
+        else:
+            positions = strided_chunk_positions(size, spec.split_factor, num_chunks, index)
+        runs[dim] = runs_at(runs[dim], positions)
+    return tuple(runs)
 
 
 def local_region(layout: Layout) -> tuple[tuple[int, int], ...]:
-    """(start, length) per tensor dim of the block that `layout.coordinate` holds."""
-    ndim = len(layout.global_shape)
-    region = [(0, size) for size in layout.global_shape]
-    for axis, spec in enumerate(parsed_placements(layout)):
-        if spec.kind != "shard":
-            continue
-        dim = _normalized_dim(spec.dim, ndim)
-        start, length = region[dim]
-        offset, local_length = chunk_bounds(length, layout.mesh_shape[axis], layout.coordinate[axis])
-        region[dim] = (start + offset, local_length)
+    """(start, length) per tensor dim of the block that `layout.coordinate` holds, when it is one block."""
+    region = []
+    for dim, runs in enumerate(local_runs(layout)):
+        if len(runs) != 1:
+            raise LayoutError(
+                f"placements {layout.placements} on mesh {layout.mesh_shape} give coordinate {layout.coordinate} "
+                f"{len(runs)} separate ranges {list(runs)} along dim {dim} of global shape {layout.global_shape}, "
+                "not one block: only canonicalize() and shard() map such a shard (by local_blocks)"
+            )
+        region.append(runs[0])
     return tuple(region)
+
+
+def local_blocks(layout: Layout) -> list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]]:
+    """(global region, local region) of every contiguous block `layout.coordinate` holds, each region
+    (start, length) per dim: the local tensor at the local region equals the full one at the global."""
+    blocks: list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = [((), ())]
+    for runs in local_runs(layout):
+        offsets = [sum(length for _, length in runs[:i]) for i in range(len(runs))]
+        blocks = [(global_ + (run,), local + ((offset, run[1]),))
+                  for global_, local in blocks for run, offset in zip(runs, offsets)]
+    return blocks
 
 
 def local_shape(layout: Layout) -> tuple[int, ...]:
@@ -115,9 +192,9 @@ def local_shape(layout: Layout) -> tuple[int, ...]:
         return (end - start,)
     view = blocked_view(layout)
     if view is not None:
-        shape, dim = [length for _, length in local_region(view)], _blocked_dim(layout)
+        shape, dim = list(local_shape(view)), _blocked_dim(layout)
         return tuple(shape[:dim] + [shape[dim] * shape[dim + 1]] + shape[dim + 2:])
-    return tuple(length for _, length in local_region(layout))
+    return tuple(sum(length for _, length in runs) for runs in local_runs(layout))
 
 
 def _blocked_dim(layout: Layout) -> int:
@@ -142,9 +219,14 @@ def blocked_view(layout: Layout) -> Layout | None:
     shape[dim:dim + 1] = [num_blocks, shape[dim] // num_blocks]
     placements = []
     for spec in specs:
-        if spec.kind in ("shard", "blocked"):
+        if spec.kind in ("shard", "blocked", "strided"):
             spec_dim = _normalized_dim(spec.dim, len(layout.global_shape))
-            placements.append(f"S({spec_dim + 1 if spec_dim > dim or spec.kind == 'blocked' else spec_dim})")
+            if spec.kind == "strided" and spec_dim == dim:
+                raise LayoutError(f"placements {layout.placements} of global shape {layout.global_shape}: SS and SB "
+                                  f"on the same dim {dim} cannot be mapped; record this tensor unblocked")
+            view_dim = spec_dim + 1 if spec_dim > dim or spec.kind == "blocked" else spec_dim
+            placements.append(str(PlacementSpec(spec.kind if spec.kind == "strided" else "shard", dim=view_dim,
+                                                split_factor=spec.split_factor)))
         else:
             placements.append(str(spec))
     return Layout(global_shape=tuple(shape), mesh_shape=layout.mesh_shape, coordinate=layout.coordinate,
@@ -165,7 +247,7 @@ def global_shape_from_local(local: tuple[int, ...], mesh_shape: tuple[int, ...],
     shape = list(local)
     for axis, text in enumerate(placements):
         spec = placement_from_str(text)
-        if spec.kind in ("shard", "blocked"):
+        if spec.kind in ("shard", "blocked", "strided"):
             dim = _normalized_dim(spec.dim, len(shape))
             shape[dim] *= mesh_shape[axis]
     return tuple(shape)

@@ -20,6 +20,14 @@ LAYOUTS = {
     "blocked-glu-rows": ((8, 3), (2,), ("SB(0,2)",)),
     "blocked-last-dim": ((2, 3, 12), (2,), ("SB(-1,2)",)),
     "2d-blocked-then-shard": ((8, 4), (2, 2), ("SB(0,2)", "S(1)")),
+    "2d-fsdp-over-tp": ((8, 4), (2, 2), ("SS(0,2)", "S(0)")),
+    "2d-fsdp-over-tp-uneven": ((7, 3), (2, 2), ("SS(0,2)", "S(0)")),
+    "2d-fsdp-over-tp-zero-size": ((3, 2), (2, 2), ("SS(0,2)", "S(0)")),
+    "strided-alone-uneven": ((5, 3), (2,), ("SS(0,2)",)),
+    "2d-shard-then-strided": ((8, 2), (2, 2), ("S(0)", "SS(0,2)")),
+    "2d-strided-both-dims": ((5, 4), (2, 2), ("SS(0,2)", "SS(1,2)")),
+    "2d-strided-partial": ((4, 6), (2, 2), ("SS(1,3)", "P(sum)")),
+    "2d-strided-then-blocked": ((3, 8), (2, 2), ("SS(0,2)", "SB(1,2)")),
 }
 
 
@@ -121,3 +129,32 @@ def test_blocked_shard_holds_its_chunk_of_every_block():
     assert pl.local_shape(layout) == (4, 1)
     with pytest.raises(LayoutError, match="SB"):
         pl.blocked_view(Layout(global_shape=(7, 1), mesh_shape=(2,), coordinate=(0,), placements=("SB(0,2)",)))
+
+
+@pytest.mark.parametrize(
+    "shape, placements, held_by_rank",
+    [
+        # FSDP2 over TP: rows cut for tp first, then for dp; rank = dp * 2 + tp
+        ((8,), ("SS(0,2)", "S(0)"), [[0, 1], [4, 5], [2, 3], [6, 7]]),
+        # uneven: dp=0 holds rows [0, 1, 4, 5] and dp=1 rows [2, 3, 6]; tp cuts those in torch.chunk order
+        ((7,), ("SS(0,2)", "S(0)"), [[0, 1], [4, 5], [2, 3], [6]]),
+        ((3,), ("SS(0,2)", "S(0)"), [[0], [2], [1], []]),
+        ((8,), ("S(0)", "SS(0,2)"), [[0, 2], [1, 3], [4, 6], [5, 7]]),
+        ((5,), ("SS(0,2)", "R"), [[0, 1, 3], [0, 1, 3], [2, 4], [2, 4]]),
+        # arange(8).view(4, 2): dp=0 holds rows 0 and 2, tp the column
+        ((4, 2), ("SS(0,2)", "S(1)"), [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ],
+    ids=["fsdp-over-tp", "fsdp-over-tp-uneven", "fsdp-over-tp-empty-rank", "shard-then-strided",
+         "strided-replicated-uneven", "strided-rows-sharded-columns"],
+)
+def test_strided_shard_gives_every_rank_of_a_2x2_mesh_its_indices(shape, placements, held_by_rank):
+    full = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    shards = _shards_of(full, (2, 2), placements)
+    assert [s.value.flatten().tolist() for s in shards] == [[float(i) for i in held] for held in held_by_rank]
+    assert torch.equal(canonicalize(shards).full, full)
+
+
+def test_strided_shards_of_the_wrong_size_are_rejected():
+    layout = Layout(global_shape=(7,), mesh_shape=(2, 2), coordinate=(1, 1), placements=("SS(0,2)", "S(0)"))
+    with pytest.raises(LayoutError, match=r"w: rank 3 holds shape \(2,\) but placements \('SS\(0,2\)', 'S\(0\)'\).*imply \(1,\)"):
+        canonicalize([RecordedShard(3, layout, torch.zeros(2))], key="w")
