@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 import traceback
@@ -84,7 +85,9 @@ def _build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="compare a candidate run against a reference run")
     compare.add_argument("reference")
     compare.add_argument("candidate")
-    compare.add_argument("--json", default=None, help="write the full comparison as JSON here")
+    compare.add_argument("--json", default=None, metavar="PATH",
+                         help="write the full comparison as strict JSON here (NaN/inf as null); '-': to stdout, "
+                              "and the table to stderr")
     compare.add_argument("--worst", type=int, default=10, help="how many worst offenders to list")
     compare.add_argument("--ignore-dtype", action="store_true", help="compare values even when dtypes differ")
     compare.add_argument("--progress", action="store_true", help="draw the progress bar even when stderr is not a terminal")
@@ -108,7 +111,9 @@ def _build_parser() -> argparse.ArgumentParser:
     localize.add_argument("reference")
     localize.add_argument("candidate")
     localize.add_argument("--module", default=None, help="rewrite and judge only this module and its descendants")
-    localize.add_argument("--json", default=None, help="write the localization as JSON here")
+    localize.add_argument("--json", default=None, metavar="PATH",
+                          help="write the localization as strict JSON here (NaN/inf as null); '-': to stdout, "
+                               "and the report to stderr")
     localize.add_argument("--timeout", type=float, default=600.0, help="seconds before the replay's ranks are killed")
     localize.add_argument("--rerun", action="store_true", help="replay again even when a finished replay of these runs exists")
     localize.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # run in this process (what the job runs)
@@ -128,6 +133,29 @@ def _build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--port", type=int, default=8501)
     dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     return parser
+
+
+def _check_output_path(path: str | None, flag: str) -> None:
+    """Refuse an output file whose folder is missing before any work is done, not after it."""
+    if path is None or (path == "-" and flag == "--json"):
+        return
+    if Path(path).is_dir():
+        raise TtraceError(f"{flag} {path}: is a directory; pass a file name")
+    if not Path(path).resolve().parent.is_dir():
+        raise TtraceError(f"{flag} {path}: folder {Path(path).resolve().parent} does not exist; create it first")
+
+
+def _human_stream(args: argparse.Namespace):
+    """Where the human-readable report goes: stderr when `--json -` has stdout for the JSON."""
+    return sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
+
+
+def _write_json(destination: str, text: str) -> None:
+    if destination == "-":
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    else:
+        Path(destination).write_text(text)
 
 
 def _run_example(args: argparse.Namespace) -> int:
@@ -154,11 +182,12 @@ def _run_compare(args: argparse.Namespace) -> int:
 
     settings = CompareSettings(tolerance=args.tolerance, alpha=args.alpha, theorem_k=args.theorem_k,
                                theorem_c=args.theorem_c, exact_inputs_k=args.exact_inputs_k, ignore_dtype=args.ignore_dtype)
+    _check_output_path(args.json, "--json")
     progress = ProgressBar(enabled=args.progress or sys.stderr.isatty())
     result = run_comparison(args.reference, args.candidate, settings, progress=progress, rebuild=args.rebuild)
-    print(render_comparison(result, num_worst=args.worst))
+    print(render_comparison(result, num_worst=args.worst), file=_human_stream(args))
     if args.json:
-        Path(args.json).write_text(result.to_json())
+        _write_json(args.json, result.to_json())
     return 0 if result else 1
 
 
@@ -167,7 +196,9 @@ def _run_report(args: argparse.Namespace) -> int:
     from ttrace_core.report import render_markdown
 
     if not args.out and not args.markdown:
-        raise TtraceError("ttrace report: pass -o report.html for the HTML report, --markdown for a summary, or both")
+        raise TtraceError("report: nothing to write; pass -o report.html for the HTML report, --markdown for a "
+                          "summary, or both")
+    _check_output_path(args.out, "-o")
     result = run_comparison(args.reference, args.candidate)
     if args.out:
         # The HTML is drawn by the dashboard's figure builders (app/report.py): the render stage, which
@@ -176,7 +207,7 @@ def _run_report(args: argparse.Namespace) -> int:
             from app.report import write_report
         except ModuleNotFoundError as error:
             raise TtraceError(f"the HTML report is drawn by the dashboard wing, which is not importable ({error}); "
-                              "install ttrace from its source checkout: pip install --no-deps -e .") from error
+                              "install its dependencies: pip install 'ttrace[dashboard]' -c requirements.txt") from error
         path = write_report(args.reference, args.candidate, args.out)
         print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB); it opens offline in any browser")
     if args.markdown:
@@ -215,13 +246,14 @@ def _localize_here(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"[progress] {message} (t={time.perf_counter() - started:.1f} s)", flush=True)
 
+    _check_output_path(args.json, "--json")
     original = run_comparison(args.reference, args.candidate)
     result = localize(args.reference, args.candidate, module=args.module, timeout_s=args.timeout, original=original,
                       replay_dir=args.replay_dir, progress=progress)
     progress("done")
-    print(render_localization(result))
+    print(render_localization(result), file=_human_stream(args))
     if args.json:
-        Path(args.json).write_text(result.to_json())
+        _write_json(args.json, result.to_json())
     return result.exit_code
 
 
@@ -232,9 +264,10 @@ def _run_localize(args: argparse.Namespace) -> int:
     from ttrace_core.api import localization, submit_replay
     from ttrace_core.report import render_localization
 
+    _check_output_path(args.json, "--json")
     job = submit_replay(args.reference, args.candidate, args.module, timeout_s=args.timeout, rerun=args.rerun)
     if job.cached:
-        print(f"(cached replay: {job.directory})")
+        print(f"(cached replay: {job.directory})", file=_human_stream(args))
     status = job.wait()
     result = localization(job)
     if result is None:
@@ -244,9 +277,9 @@ def _run_localize(args: argparse.Namespace) -> int:
             print(error_line, file=sys.stderr)
             return 2
         raise TtraceInternalError(f"the localize job {status.state} ({status.message}); its log ends with:\n{tail}")
-    print(render_localization(result))
+    print(render_localization(result), file=_human_stream(args))
     if args.json:
-        Path(args.json).write_text(result.to_json())
+        _write_json(args.json, result.to_json())
     return result.exit_code
 
 
@@ -273,24 +306,47 @@ def _run_bugs(args: argparse.Namespace) -> int:
     return 0
 
 
+REPORT_IT = "this is a bug in ttrace: please report it on the ttrace issue tracker"
+
+
+def _internal_error(error: Exception) -> int:
+    """A bug of ttrace's own: say so, with the traceback for the report."""
+    traceback.print_exc()
+    print(f"ttrace: internal error: {type(error).__name__}: {error}; {REPORT_IT} with the traceback above",
+          file=sys.stderr)
+    return 3
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handlers = {"example": _run_example, "estimate": _run_estimate, "compare": _run_compare, "localize": _run_localize,
                 "inspect": _run_inspect, "bugs": _run_bugs, "dashboard": _run_dashboard,
                 "report": _run_report}
     try:
-        return handlers[args.command](args)
+        code = handlers[args.command](args)
+        sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at the interpreter's exit
+        return code
     except TtraceError as error:
         print(f"ttrace: error: {error}".replace("\n", " "), file=sys.stderr)
         return 2
     except TtraceInternalError as error:
-        print(f"ttrace: internal error: {error}", file=sys.stderr)
+        print(f"ttrace: internal error: {error}\n{REPORT_IT} with the output above", file=sys.stderr)
         return 3
-    except Exception as error:  # a bug of ttrace's own: say so, with the traceback for the report
-        traceback.print_exc()
-        print(f"ttrace: internal error: {type(error).__name__}: {error}; please report it with the traceback above",
-              file=sys.stderr)
-        return 3
+    except KeyboardInterrupt:
+        print("ttrace: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # stdout closed early (`ttrace ... | head`): stop quietly, as SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+        return 141
+    except OSError as error:
+        if error.filename is None:
+            return _internal_error(error)
+        # A path the user gave (or its folder) cannot be read or written: input or environment, not a bug.
+        print(f"ttrace: error: {error.filename}: {error.strerror or error}; check the path, its folder and "
+              "their permissions", file=sys.stderr)
+        return 2
+    except Exception as error:
+        return _internal_error(error)
 
 
 if __name__ == "__main__":

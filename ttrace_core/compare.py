@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ttrace_core import placements as pl
+from ttrace_core import strict_json
 from ttrace_core.canonicalize import CanonicalTensor, RecordedShard, canonicalize
 from ttrace_core.dataflow import ExactInputs
 from ttrace_core.errors import ConfigMismatchError, LayoutError
@@ -125,11 +126,12 @@ class RunComparison:
         return sorted(self.comparisons, key=badness, reverse=True)[:count]
 
     def to_json(self) -> str:
-        return json.dumps({
+        """Strict JSON: a NaN or infinite number (the ratio of a tensor with NaNs) is written as null."""
+        return strict_json.dumps({
             "reference": self.reference, "candidate": self.candidate, "passed": self.passed,
             "steps_compared": self.steps_compared, "notes": self.notes,
             "comparisons": [c.to_dict() for c in self.comparisons],
-        }, indent=1, default=_json_default)
+        }, indent=1)
 
     @staticmethod
     def from_json(text: str) -> RunComparison:
@@ -142,12 +144,6 @@ class RunComparison:
 
 def _tolerance_from_dict(data: dict) -> Tolerance:
     return Tolerance(**{**data, "params": tuple((name, value) for name, value in data.get("params", ()))})
-
-
-def _json_default(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    raise TypeError(f"cannot serialize {type(value)}")
 
 
 def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -111,7 +111,9 @@ class Localization:
         return 1 if self.culprits and self.reproduced is not False else 4
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, default=str)
+        from ttrace_core import strict_json  # strict JSON: a NaN or infinite ratio is written as null
+
+        return strict_json.dumps(asdict(self), indent=1, default=str)
 
     @staticmethod
     def from_json(text: str) -> Localization:

@@ -174,6 +174,8 @@ def refuse_existing_trace(run_dir: str | os.PathLike, *, manifest_only: bool = F
     opened their first step files, so only a manifest proves an earlier run.
     """
     path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise TraceFormatError(f"{path}: is a file, not a directory; record into a new directory")
     earlier = path.is_dir() and ((path / MANIFEST_NAME).exists() or
                                  (not manifest_only and any(_STEP_FILE.match(p) for p in os.listdir(path))))
     if earlier:
@@ -188,6 +190,8 @@ def read_manifest(run_dir: str | os.PathLike) -> RunManifest:
         raise TraceFormatError(f"{path}: missing; this directory is not a ttrace run (or its recording never started)")
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON object was expected, found a {type(data).__name__}")
         manifest = RunManifest.from_dict(data)
     except (ValueError, TypeError) as error:
         raise TraceFormatError(f"{path}: not a valid manifest ({error}); re-record the run") from error

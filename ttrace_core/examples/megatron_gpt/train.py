@@ -92,6 +92,8 @@ class MegatronGPTRunConfig:
     model: MegatronModelConfig = field(default_factory=MegatronModelConfig)
 
     def __post_init__(self) -> None:
+        if self.steps < 1 or self.model.num_layers < 1:
+            raise ValueError(f"--steps {self.steps} --num-layers {self.model.num_layers}: both must be at least 1")
         if min(self.tp, self.pp, self.dp) < 1:
             raise ValueError(f"parallel degrees must be >= 1, got tp {self.tp} pp {self.pp} dp {self.dp}")
         if self.sp and self.tp == 1:

@@ -57,6 +57,8 @@ class TorchGPTRunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
 
     def __post_init__(self) -> None:
+        if self.steps < 1 or self.model.num_layers < 1:
+            raise ValueError(f"--steps {self.steps} --num-layers {self.model.num_layers}: both must be at least 1")
         degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "fsdp": self.fsdp, "cp": self.cp}
         if any(d < 1 for d in degrees.values()):
             raise ValueError(f"parallel degrees must be >= 1, got {degrees}")
