@@ -272,9 +272,9 @@ def replay_job_dir(reference: Path, candidate: Path, module: str | None) -> Path
 
 
 def _job_environment() -> dict[str, str]:
-    """The replay's environment, written out: this process's, minus any rewrite settings, plus one
-    thread per rank and the project on the path."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith("TTRACE_REWRITE")}
+    """The replay's environment, written out: this process's, minus any ttrace session it runs in,
+    plus one thread per rank and the project on the path."""
+    env = {name: value for name, value in os.environ.items() if name != "TTRACE_SESSION"}
     path = os.pathsep.join(p for p in (str(_PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
     return {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": path}
 

@@ -15,8 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 PACKAGES = ("ttrace", "torch", "numpy", "megatron-core", "transformer-engine", "h5py")
 # Variables that change what a CPU training step computes or how it is laid out.
 VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "CUBLAS_WORKSPACE_CONFIG",
-             "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "PYTHONHASHSEED", "TTRACE_REWRITE_FROM",
-             "TTRACE_REWRITE_MODULE")
+             "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "PYTHONHASHSEED")
 
 
 def _version(package: str) -> str | None:
@@ -38,14 +37,14 @@ def environment_fingerprint(world_size: int | None = None) -> dict:
 
 
 def fingerprint_differences(recorded: dict, current: dict) -> list[str]:
-    """"what: recorded -> now" for every field that differs (the command and the rewrite variables
+    """"what: recorded -> now" for every field that differs (the command and ttrace's own variables
     differ in every replay by design, so they are left out)."""
     if not recorded:
         return ["the candidate's manifest has no environment fingerprint (recorded by an older ttrace)"]
     differences = []
     for group in ("packages", "variables"):
         for name in sorted(set(recorded.get(group, {})) | set(current.get(group, {}))):
-            if name.startswith("TTRACE_REWRITE"):
+            if name.startswith("TTRACE_"):
                 continue
             before, now = recorded.get(group, {}).get(name), current.get(group, {}).get(name)
             if before != now:

@@ -1,6 +1,6 @@
 """Stage 4 (localize), one module alone: run a module on the reference's inputs without the rest of the model.
 
-Input: a built candidate model with its `Tracer` (rewriting on, TTRACE_REWRITE_MODULE = the
+Input: a built candidate model with its `Tracer` (rewriting on, restricted to the
 module), the candidate's run directory and the module's global fqn. Output: the tracer's trace of
 that module's subtree for the first step: per micro-batch, the module is called on this rank's
 recorded inputs; the rewriter (rewrite.py) swaps them, and every descendant's inputs and output
@@ -26,7 +26,7 @@ from ttrace_core.store import forward_inputs
 
 def find_module(tracer, model: nn.Module, fqn: str) -> nn.Module | None:
     """The submodule whose global fqn is `fqn`, or None when this rank does not hold it (another pipeline stage)."""
-    return next((module for local, module in model.named_modules() if tracer._global_fqn(local) == fqn), None)
+    return next((module for local, module in model.named_modules() if tracer.global_fqn(local) == fqn), None)
 
 
 def recorded_calls(candidate_dir: str | Path, rank: int, step: int, fqn: str) -> list[tuple[int, dict[str, torch.Tensor]]]:

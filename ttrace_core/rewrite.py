@@ -14,14 +14,14 @@ returns the reference's values bitwise in forward and passes the gradient to the
 tensor in backward (`_Substitute`), so the autograd graph stays connected and every upstream
 module still runs its backward.
 
-Enabled by the environment, so that `ttrace localize` can relaunch an unmodified training
-script: TTRACE_REWRITE_FROM=<reference run dir>, optionally TTRACE_REWRITE_MODULE=<fqn> to
-rewrite only that module and its descendants.
+Switched on explicitly: `ttrace localize` relaunches the candidate in a rewrite session
+(session.py; for the examples, a `rewrite` entry in their config), which hands an `InputRewriter`
+to the Tracer. It plugs in through the Tracer's public seam (traced_modules, current_forward_call,
+coming_backward_call, layout_of, record); no environment variable turns it on.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import os
 from typing import TYPE_CHECKING
 
@@ -33,22 +33,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ttrace_core.canonicalize import shard
 from ttrace_core.compare import logical_value
 from ttrace_core.dataflow import in_subtree
-from ttrace_core.integrations.dtensor import local_value
 from ttrace_core.schema import TensorKey
 from ttrace_core.store import RunReader
 
 if TYPE_CHECKING:
     from ttrace_core.tracer import Tracer
-
-REWRITE_FROM_ENV = "TTRACE_REWRITE_FROM"
-REWRITE_MODULE_ENV = "TTRACE_REWRITE_MODULE"
-
-
-def rewrite_settings() -> tuple[str, str | None] | None:
-    """(reference dir, module fqn or None) when this process is a rewriting replay."""
-    reference = os.environ.get(REWRITE_FROM_ENV)
-    return (reference, os.environ.get(REWRITE_MODULE_ENV) or None) if reference else None
-
 
 class _Substitute(torch.autograd.Function):
     """Forward: the reference's values, bitwise (adding a detached difference rounds in bf16).
@@ -66,22 +55,24 @@ class _Substitute(torch.autograd.Function):
 class InputRewriter:
     """Forward pre-hooks and backward pre-hooks that feed traced modules the reference's values."""
 
-    def __init__(self, tracer: Tracer, reference_dir: str, module: str | None = None) -> None:
-        self.tracer = tracer
+    def __init__(self, reference_dir: str | os.PathLike, module: str | None = None) -> None:
+        self.reference_dir = str(reference_dir)
         self.reference = RunReader(reference_dir)
-        self.module = module
+        self.module = module or None
         self.num_rewritten = 0
+        self.tracer: Tracer | None = None
 
-    def attach(self, model: nn.Module, handles: list) -> None:
-        config = self.tracer.config
-        for local_fqn, submodule in model.named_modules():
-            fqn = self.tracer._global_fqn(local_fqn)
-            if not self.tracer._selected(local_fqn) or not in_subtree(fqn, self.module) or \
-                    any(fnmatch.fnmatchcase(local_fqn, g) for g in config.exclude_activations):
+    def describe(self) -> dict:
+        return {"rewrite_from": self.reference_dir, "rewrite_module": self.module}
+
+    def attach(self, tracer: Tracer, model: nn.Module, handles: list) -> None:
+        self.tracer = tracer
+        for fqn, submodule, backward in tracer.traced_modules(model):
+            if not in_subtree(fqn, self.module):
                 continue
             # Registered after the tracer's own pre-hook: the tracer records the candidate's input first.
             handles.append(submodule.register_forward_pre_hook(self._forward_pre_hook(fqn), with_kwargs=True))
-            if not any(fnmatch.fnmatchcase(local_fqn, g) for g in config.forward_only):
+            if backward:
                 handles.append(submodule.register_full_backward_pre_hook(self._backward_pre_hook(fqn)))
 
     def records_grad_outputs(self, fqn: str) -> bool:
@@ -91,7 +82,7 @@ class InputRewriter:
     def _reference_local(self, key: TensorKey, like: torch.Tensor, scale: float) -> torch.Tensor | None:
         if key not in self.reference.index:
             return None
-        layout = self.tracer._layout_of(key.fqn, key.slot, like, local_value(like), key.micro_batch)
+        layout = self.tracer.layout_of(key, like)
         full = logical_value(self.reference, key) * scale
         if tuple(full.shape) != tuple(layout.global_shape):
             return None  # a different logical shape: leave the candidate's value
@@ -112,13 +103,13 @@ class InputRewriter:
 
     def _forward_pre_hook(self, fqn: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
-            state = self.tracer._state
-            if state is None or not state.pending_forward[fqn] or state.pending_forward[fqn][-1] is None:
+            call = self.tracer.current_forward_call(fqn)
+            if call is None:
                 return None
-            micro_batch = state.pending_forward[fqn][-1]
+            micro_batch, index_of_call = call
 
             def key(slot: str) -> TensorKey:
-                return TensorKey(step=state.step, micro_batch=micro_batch, phase="forward", fqn=fqn, slot=slot)
+                return self.tracer.key("forward", fqn, slot, micro_batch, index_of_call)
 
             leaves, spec = tree_flatten(args)
             index = 0
@@ -132,17 +123,17 @@ class InputRewriter:
 
     def _backward_pre_hook(self, fqn: str):
         def hook(module: nn.Module, grad_output: tuple):
-            tracer, state = self.tracer, self.tracer._state
-            if state is None:
+            tracer = self.tracer
+            call = tracer.coming_backward_call(fqn)
+            if call is None:
                 return None
-            micro_batch = tracer._global_micro_batch(state.backward_calls[fqn])
             replaced = []
             for index, value in enumerate(grad_output):
                 if not isinstance(value, torch.Tensor):
                     replaced.append(value)
                     continue
-                tracer._record("backward", fqn, f"grad_output.{index}", value, micro_batch)
-                key = TensorKey(step=state.step, micro_batch=micro_batch, phase="backward", fqn=fqn, slot=f"grad_output.{index}")
+                key = tracer.key("backward", fqn, f"grad_output.{index}", *call)
+                tracer.record(key, value)
                 target = self._reference_local(key, value, tracer.config.loss_scale)
                 self.num_rewritten += target is not None
                 replaced.append(value if target is None else target)
@@ -151,3 +142,8 @@ class InputRewriter:
 
     def close(self) -> None:
         self.reference.close()
+
+
+def rewriter_from_config(rewrite: dict | None) -> InputRewriter | None:
+    """The rewriter a replay's config asks for ({"reference": dir, "module": fqn or None}), or None."""
+    return None if not rewrite else InputRewriter(rewrite["reference"], rewrite.get("module"))

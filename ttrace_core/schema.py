@@ -33,6 +33,18 @@ def global_fqn(fqn: str, rename: tuple[tuple[str, str], ...]) -> str:
     return fqn
 
 
+# Name components that wrappers insert between a module and its children: activation checkpointing
+# (CheckpointWrapper), torch.compile (OptimizedModule) and FSDP1. The reference has none of them.
+WRAPPER_COMPONENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def strip_wrappers(fqn: str) -> str:
+    """"layers.0._checkpoint_wrapped_module.attn" -> "layers.0.attn": the model's own name."""
+    if not any(part in fqn for part in WRAPPER_COMPONENTS):
+        return fqn
+    return ".".join(part for part in fqn.split(".") if part not in WRAPPER_COMPONENTS)
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class TensorKey:
     """Canonical name of one logical tensor in one iteration."""
@@ -44,13 +56,20 @@ class TensorKey:
     fqn: str
     """Module fqn for activations, parameter fqn for grad/param phases."""
     slot: str
+    call: int = 0
+    """Which call of the module within its micro-batch (a chunked loss or a tied layer runs a module
+    several times per micro-batch); 0 for the first call and for grad/param tensors."""
 
     def __str__(self) -> str:
         mb = "" if self.micro_batch == NO_MICRO_BATCH else f" / mb {self.micro_batch}"
-        return f"step {self.step}{mb} / {self.phase} / {self.fqn or '<root>'} / {self.slot}"
+        call = f" / call {self.call}" if self.call else ""
+        return f"step {self.step}{mb} / {self.phase} / {self.fqn or '<root>'}{call} / {self.slot}"
 
     def execution_order(self) -> tuple[int, int, int]:
         return (self.step, PHASE_ORDER[self.phase], self.micro_batch)
+
+    def with_call(self, call: int) -> TensorKey:
+        return TensorKey(step=self.step, micro_batch=self.micro_batch, phase=self.phase, fqn=self.fqn, slot=self.slot, call=call)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +158,8 @@ class RunManifest:
     tracer: dict = field(default_factory=dict)
     environment: dict = field(default_factory=dict)
     """Where it was recorded (fingerprint.py): command, Python and package versions, variables, world size."""
+    blind_spots: dict[str, str] = field(default_factory=dict)
+    """Modules whose boundaries the trace cannot see, and why (inside a torch.compile region, ...)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -89,7 +89,8 @@ def stats_from_tensor(value: torch.Tensor) -> TensorStats:
 
 def _dataset_path(key: TensorKey) -> str:
     group = "all" if key.micro_batch < 0 else f"mb_{key.micro_batch:04d}"
-    return f"{key.phase}/{group}/{key.fqn or '<root>'}#{key.slot}"
+    call = f"@{key.call}" if key.call else ""
+    return f"{key.phase}/{group}/{key.fqn or '<root>'}#{key.slot}{call}"
 
 
 def _meta_to_json(meta: TensorMeta) -> str:

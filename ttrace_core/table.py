@@ -30,7 +30,7 @@ from ttrace_core.schema import TensorKey
 from ttrace_core.store import RunReader
 from ttrace_core.tolerances import Tolerance
 
-TABLE_FORMAT_VERSION = 1
+TABLE_FORMAT_VERSION = 2  # 2: the "call" column
 METADATA_KEY = b"ttrace"
 
 # Tensor kinds in the order the heatmap shows them: (phase, slot family) -> kind.
@@ -41,7 +41,7 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
 _JSON_COLUMNS = ("shape", "max_abs_index", "max_rel_index", "tolerance_params", "drift_ranks")
 _INT_COLUMNS = ("layer", "stage", "numel", "num_mismatched")
 COLUMNS = (
-    "tensor", "step", "micro_batch", "phase", "fqn", "slot", "module", "layer", "stage", "kind", "order", "status",
+    "tensor", "step", "micro_batch", "phase", "fqn", "slot", "call", "module", "layer", "stage", "kind", "order", "status",
     "passed", "message", "dtype", "shape", "numel", "error", "abs_error", "reference_norm", "ratio", "value_ratio",
     "drift_ratio", "min_rel_tolerance", "tolerance_rel", "tolerance_abs", "tolerance_drift_rel", "tolerance_method",
     "tolerance_params", "tolerance_source", "max_abs_diff", "max_abs_index", "max_rel_diff", "max_rel_index",
@@ -52,14 +52,16 @@ COLUMNS = (
 
 
 def tensor_id(key: TensorKey) -> str:
-    """"phase/fqn/slot": a tensor across steps and micro-batches (the URL's `tensor`)."""
-    return f"{key.phase}/{key.fqn}/{key.slot}"
+    """"phase/fqn/slot": a tensor across steps and micro-batches (the URL's `tensor`); a module's later
+    calls within a micro-batch add "@call" ("forward/lm_head/output.0@1")."""
+    return f"{key.phase}/{key.fqn}/{key.slot}" + (f"@{key.call}" if key.call else "")
 
 
 def key_from_tensor_id(text: str, step: int, micro_batch: int) -> TensorKey:
     phase, rest = text.split("/", 1)
     fqn, slot = rest.rsplit("/", 1)
-    return TensorKey(step=step, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot)
+    slot, _, call = slot.partition("@")
+    return TensorKey(step=step, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot, call=int(call or 0))
 
 
 def tensor_kind(key: TensorKey) -> str:
@@ -91,7 +93,7 @@ def row_from_comparison(c: TensorComparison, order: int, stage: int | None) -> d
     drift = c.replica_drift or {}
     return {
         "tensor": tensor_id(c.key), "step": c.key.step, "micro_batch": c.key.micro_batch, "phase": c.key.phase,
-        "fqn": c.key.fqn, "slot": c.key.slot, "module": module_of(c.key), "layer": layer_of(c.key.fqn), "stage": stage,
+        "fqn": c.key.fqn, "slot": c.key.slot, "call": c.key.call, "module": module_of(c.key), "layer": layer_of(c.key.fqn), "stage": stage,
         "kind": tensor_kind(c.key), "order": order, "status": c.status, "passed": c.passed, "message": c.message,
         "dtype": c.dtype, "shape": c.shape, "numel": c.numel, "error": c.error, "abs_error": c.abs_error,
         "reference_norm": c.reference_norm, "ratio": c.ratio, "value_ratio": c.value_ratio, "drift_ratio": c.drift_ratio,
@@ -138,7 +140,7 @@ def _tuple(row: dict, name: str) -> tuple | None:
 
 def comparison_from_row(row: dict) -> TensorComparison:
     key = TensorKey(step=int(row["step"]), micro_batch=int(row["micro_batch"]), phase=row["phase"], fqn=row["fqn"],
-                    slot=row["slot"])
+                    slot=row["slot"], call=int(row.get("call", 0) or 0))
     tolerance = None
     if _optional(row["tolerance_method"]) is not None:
         tolerance = Tolerance(rel=row["tolerance_rel"], abs=row["tolerance_abs"], source=row["tolerance_source"],

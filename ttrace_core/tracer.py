@@ -27,10 +27,10 @@ import dataclasses
 import fnmatch
 import os
 import warnings
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,16 +38,37 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
-from ttrace_core.integrations.dtensor import layout_from_dtensor, local_value, mesh_description, placement_str
+from ttrace_core.integrations.dtensor import (
+    layout_from_dtensor, layout_of_converted_output, local_value, mesh_description, placement_str,
+)
 from ttrace_core.placements import global_shape_from_local
 from ttrace_core.fingerprint import environment_fingerprint
-from ttrace_core.schema import NO_MICRO_BATCH, SLOT_FAMILIES, Layout, RunManifest, TensorKey, TensorMeta, global_fqn
+from ttrace_core.schema import (
+    NO_MICRO_BATCH, SLOT_FAMILIES, WRAPPER_COMPONENTS, Layout, RunManifest, TensorKey, TensorMeta, global_fqn,
+    strip_wrappers,
+)
+from ttrace_core.step_state import StepState
 from ttrace_core.store import RunWriter, dtype_name, refuse_existing_trace, stats_from_tensor, write_manifest
 
 
 # A module whose inputs need no gradient (an embedding fed token ids) still gets its grad_output
 # recorded; torch warns about exactly that case on every backward.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    """A module that only wraps another (its child is traced under the wrapper's name instead). Told by
+    the child's name, not the class: fully_shard swaps a wrapper's class for a subclass of its own."""
+    return any(name in WRAPPER_COMPONENTS for name, _ in module.named_children())
+
+
+class InputRewriting(Protocol):
+    """What the Tracer needs of localize's input rewriting (rewrite.InputRewriter)."""
+
+    def attach(self, tracer: Tracer, model: nn.Module, handles: list) -> None: ...
+    def records_grad_outputs(self, fqn: str) -> bool: ...
+    def describe(self) -> dict: ...
+    def close(self) -> None: ...
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,16 +122,6 @@ class _Declaration:
     mesh_axis_names: tuple[str, ...]
 
 
-@dataclass(slots=True)
-class _StepState:
-    step: int
-    seq: int = 0
-    forward_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    backward_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    pending_forward: dict[str, list[int | None]] = field(default_factory=lambda: defaultdict(list))
-    forward_layouts: dict[tuple[str, int, str], Layout] = field(default_factory=dict)
-
-
 def _slot_family(slot: str) -> str:
     return slot.rsplit(".", 1)[0] if "." in slot else slot
 
@@ -123,7 +134,9 @@ def _tensors_of(values: object) -> list[torch.Tensor]:
 class Tracer:
     def __init__(self, run_dir: str | os.PathLike, model: nn.Module, *, role: str,
                  optimizer: torch.optim.Optimizer | None = None, config: TracerConfig | None = None,
-                 manifest: RunManifest | None = None) -> None:
+                 manifest: RunManifest | None = None, rewriter: InputRewriting | None = None) -> None:
+        """`rewriter` (localize's input rewriting, rewrite.py) is the one way to change what traced modules
+        compute; without it the hooks only read."""
         if role not in ("reference", "candidate"):
             raise ValueError(f"role must be 'reference' or 'candidate', got {role!r}")
         self.config = config or TracerConfig()
@@ -133,38 +146,52 @@ class Tracer:
         self._writer = RunWriter(run_dir, self.rank)
         self._declarations: list[_Declaration] = []
         self._flat_ranges: dict[tuple[str, str], tuple[int, int]] = {}
-        self._state: _StepState | None = None
+        self._state: StepState | None = None
         self._handles: list = []
-        self._rewriter = None
-        rewrite_from = os.environ.get("TTRACE_REWRITE_FROM")  # set by `ttrace localize` (rewrite.py)
+        self._rewriter = rewriter
         if self.rank == 0:
             refuse_existing_trace(run_dir, manifest_only=True)
             manifest = manifest or RunManifest(role=role, world_size=world_size)
             manifest.role, manifest.world_size = role, world_size
             manifest.tracer = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.config).items()}
-            manifest.environment = environment_fingerprint(world_size)
-            if rewrite_from:
-                manifest.tracer |= {"rewrite_from": rewrite_from, "rewrite_module": os.environ.get("TTRACE_REWRITE_MODULE")}
+            manifest.environment = manifest.environment or environment_fingerprint(world_size)
+            if rewriter is not None:
+                manifest.tracer |= rewriter.describe()
             write_manifest(run_dir, manifest)
+        self._handles.append(model.register_forward_pre_hook(self._root_pre_hook))
         self._attach_modules(model)
-        if rewrite_from:
-            from ttrace_core.rewrite import InputRewriter, rewrite_settings
-
-            self._rewriter = InputRewriter(self, *rewrite_settings())
-            self._rewriter.attach(model, self._handles)
+        if rewriter is not None:
+            rewriter.attach(self, model, self._handles)
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.record_gradients()))
             self._handles.append(optimizer.register_step_post_hook(lambda *_: self.record_parameters()))
 
     # ---- selection and layout resolution ----------------------------------------------------
 
-    def _global_fqn(self, fqn: str) -> str:
-        return global_fqn(fqn, self.config.rename)
+    def global_fqn(self, local_fqn: str) -> str:
+        """The reference's name of this rank's module or parameter: wrapper components dropped
+        (activation checkpointing, torch.compile), then the config's renames applied."""
+        return global_fqn(strip_wrappers(local_fqn), self.config.rename)
 
-    def _selected(self, fqn: str) -> bool:
+    def is_selected(self, local_fqn: str) -> bool:
         config = self.config
-        return any(fnmatch.fnmatchcase(fqn, g) for g in config.include) and \
-            not any(fnmatch.fnmatchcase(fqn, g) for g in config.exclude)
+        return any(fnmatch.fnmatchcase(local_fqn, g) for g in config.include) and \
+            not any(fnmatch.fnmatchcase(local_fqn, g) for g in config.exclude)
+
+    def traced_modules(self, model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
+        """(global fqn, module, whether its backward is hooked) of every module whose activations are
+        recorded. A wrapper inside the model (a checkpoint wrapper) is skipped and the module it wraps
+        traced under its name; a wrapper at the root (torch.compile's) is traced itself, outside the
+        compiled code, and the module it wraps skipped."""
+        config = self.config
+        wrapped_root = {id(child) for name, child in model.named_children() if name in WRAPPER_COMPONENTS}
+        for local_fqn, module in model.named_modules():
+            name = strip_wrappers(local_fqn)
+            if (local_fqn and _is_wrapper(module)) or id(module) in wrapped_root or not self.is_selected(name) or \
+                    any(fnmatch.fnmatchcase(name, g) for g in config.exclude_activations):
+                continue
+            backward = not any(fnmatch.fnmatchcase(name, g) for g in config.forward_only)
+            yield self.global_fqn(local_fqn), module, backward
 
     def declare(self, fqn_glob: str, slot_glob: str, placements: Sequence, mesh) -> None:
         """Declare the layout of plain (non-DTensor) tensors at matching module slots.
@@ -197,39 +224,54 @@ class Tracer:
                               placements=d.placements, mesh_axis_names=d.mesh_axis_names)
         return None
 
-    def _layout_of(self, fqn: str, slot: str, value: torch.Tensor, local: torch.Tensor, micro_batch: int) -> Layout:
+    def layout_of(self, key: TensorKey, value: torch.Tensor) -> Layout:
+        """The layout in effect for `value`, recorded (or about to be recorded) under `key`."""
+        local = local_value(value)
         if isinstance(value, DTensor):
             return layout_from_dtensor(value)
-        if (declared := self._declared_layout(fqn, slot, local)) is not None:
+        if (declared := self._declared_layout(key.fqn, key.slot, local)) is not None:
             return declared
-        if slot.startswith("grad_") and self._state is not None:
+        if (converted := self._converted_layout(key, local)) is not None:
+            return converted
+        if key.slot.startswith("grad_") and self._state is not None:
             # The gradient of a tensor is laid out like the tensor itself.
-            forward_slot = slot.removeprefix("grad_")
-            inherited = self._state.forward_layouts.get((fqn, micro_batch, forward_slot))
+            forward_slot = key.slot.removeprefix("grad_")
+            inherited = self._state.forward_layouts.get((key.fqn, key.micro_batch, key.call, forward_slot))
             if inherited is not None and inherited.global_shape and len(inherited.global_shape) == local.dim():
                 return inherited
         return Layout.replicated(tuple(local.shape))
 
+    def _converted_layout(self, key: TensorKey, local: torch.Tensor) -> Layout | None:
+        if key.phase != "forward" or not key.slot.startswith("output.") or self._state is None:
+            return None
+        before = self._state.converted_outputs.get(key.fqn) or []
+        index = int(key.slot.removeprefix("output."))
+        return layout_of_converted_output(before[index], local) if index < len(before) and before[index] is not None else None
+
     # ---- recording ----------------------------------------------------------------------------
 
     def _recording(self) -> bool:
-        return self._state is not None
+        # A forward that runs inside a backward is activation checkpointing's recomputation, not a new call.
+        return self._state is not None and torch._C._current_graph_task_id() == -1
 
-    def _record(self, phase: str, fqn: str, slot: str, value: torch.Tensor, micro_batch: int) -> None:
-        if _slot_family(slot) not in self.config.slots:
+    def key(self, phase: str, fqn: str, slot: str, micro_batch: int, call: int = 0) -> TensorKey:
+        return TensorKey(step=self._state.step, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot, call=call)
+
+    def record(self, key: TensorKey, value: torch.Tensor) -> None:
+        """Store one tensor of the current step under `key` (skipped when its slot kind is not selected)."""
+        if _slot_family(key.slot) not in self.config.slots:
             return
         state = self._state
         local = local_value(value)
-        layout = self._layout_of(fqn, slot, value, local, micro_batch)
-        if (flat_range := self._flat_ranges.get((fqn, slot))) is not None:
+        layout = self.layout_of(key, value)
+        if (flat_range := self._flat_ranges.get((key.fqn, key.slot))) is not None:
             local = local.reshape(-1)[flat_range[0]:flat_range[1]]
             layout = dataclasses.replace(layout, flat_range=flat_range)
-        if phase == "forward" and layout.mesh_shape:
-            state.forward_layouts[(fqn, micro_batch, slot)] = layout
+        if key.phase == "forward" and layout.mesh_shape:
+            state.forward_layouts[(key.fqn, key.micro_batch, key.call, key.slot)] = layout
         meta = TensorMeta(
-            key=TensorKey(step=state.step, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot),
-            rank=self.rank, dtype=dtype_name(local.dtype), local_shape=tuple(local.shape), layout=layout,
-            seq=state.seq, scale=self.config.loss_scale if phase == "backward" else 1.0,
+            key=key, rank=self.rank, dtype=dtype_name(local.dtype), local_shape=tuple(local.shape), layout=layout,
+            seq=state.seq, scale=self.config.loss_scale if key.phase == "backward" else 1.0,
             stats=stats_from_tensor(local), stats_only=self.config.stats_only,
         )
         state.seq += 1
@@ -238,15 +280,32 @@ class Tracer:
     def _global_micro_batch(self, local_index: int) -> int:
         return local_index * self.config.data_parallel_size + self.config.data_parallel_rank
 
+    def current_forward_call(self, fqn: str) -> tuple[int, int] | None:
+        """(global micro-batch, call) of the forward of `fqn` in progress, None outside one (or in shape
+        inference). A forward recomputed by activation checkpointing belongs to the call whose backward runs."""
+        if self._state is None:
+            return None
+        if not self._recording():
+            return self._state.next_backward_call(fqn, pop=False)
+        pending = self._state.pending_forward[fqn]
+        return pending[-1] if pending else None
+
+    def coming_backward_call(self, fqn: str) -> tuple[int, int] | None:
+        """(global micro-batch, call) the next backward of `fqn` belongs to."""
+        return None if self._state is None else self._state.next_backward_call(fqn, pop=False)
+
     def _attach_modules(self, model: nn.Module) -> None:
-        for local_fqn, module in model.named_modules():
-            if not self._selected(local_fqn) or any(fnmatch.fnmatchcase(local_fqn, g) for g in self.config.exclude_activations):
-                continue
-            fqn = self._global_fqn(local_fqn)
+        for fqn, module, backward in self.traced_modules(model):
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._forward_hook(fqn)))
-            if not any(fnmatch.fnmatchcase(local_fqn, g) for g in self.config.forward_only):
+            # Before a parallel style's own output hook: the DTensor it is about to make local.
+            self._handles.append(module.register_forward_hook(self._see_output_dtensors(fqn), prepend=True))
+            if backward:
                 self._handles.append(module.register_full_backward_hook(self._backward_hook(fqn)))
+
+    def _root_pre_hook(self, module: nn.Module, args: tuple) -> None:
+        if self._recording() and not any(t.is_meta for t in _tensors_of(args)):
+            self._state.root_calls += 1
 
     def _pre_hook(self, fqn: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -256,14 +315,23 @@ class Tracer:
             if any(t.is_meta for t in _tensors_of((args, kwargs))):
                 state.pending_forward[fqn].append(None)  # shape inference (pipelining): not a micro-batch
                 return None
-            micro_batch = self._global_micro_batch(state.forward_calls[fqn])
-            state.forward_calls[fqn] += 1
-            state.pending_forward[fqn].append(micro_batch)
+            local, call = state.next_forward_call(fqn)
+            micro_batch = self._global_micro_batch(local)
+            state.pending_forward[fqn].append((micro_batch, call))
             for index, value in enumerate(_tensors_of(args)):
-                self._record("forward", fqn, f"input.{index}", value, micro_batch)
+                self.record(self.key("forward", fqn, f"input.{index}", micro_batch, call), value)
             for name, value in kwargs.items():
                 if isinstance(value, torch.Tensor):
-                    self._record("forward", fqn, f"input.{name}", value, micro_batch)
+                    self.record(self.key("forward", fqn, f"input.{name}", micro_batch, call), value)
+            return None
+        return hook
+
+    def _see_output_dtensors(self, fqn: str):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if self._recording():
+                outputs = _tensors_of(output)
+                seen = [value if isinstance(value, DTensor) else None for value in outputs]
+                self._state.converted_outputs[fqn] = seen if any(v is not None for v in seen) else []
             return None
         return hook
 
@@ -271,37 +339,43 @@ class Tracer:
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             if not self._recording() or not self._state.pending_forward[fqn]:
                 return None
-            micro_batch = self._state.pending_forward[fqn].pop()
-            if micro_batch is None:
+            entry = self._state.pending_forward[fqn].pop()
+            if entry is None:
                 return None
-            for index, value in enumerate(_tensors_of(output)):
-                self._record("forward", fqn, f"output.{index}", value, micro_batch)
+            micro_batch, call = entry
+            outputs = _tensors_of(output)
+            for index, value in enumerate(outputs):
+                self.record(self.key("forward", fqn, f"output.{index}", micro_batch, call), value)
+            if any(value.requires_grad for value in outputs):  # else no backward will come for this call
+                self._state.pending_backward[fqn].append(entry)
+            self._state.converted_outputs.pop(fqn, None)
             return None
         return hook
 
     def _backward_hook(self, fqn: str):
         def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-            if not self._recording():
+            if self._state is None:
                 return None
-            # Backward of a module's micro-batches runs in the order of their forwards (sequential
-            # accumulation, GPipe, 1F1B), so the k-th backward call belongs to the k-th forward.
-            micro_batch = self._global_micro_batch(self._state.backward_calls[fqn])
-            self._state.backward_calls[fqn] += 1
+            entry = self._state.next_backward_call(fqn, pop=True)
+            if entry is None:
+                return None
+            micro_batch, call = entry
             rewritten = self._rewriter is not None and self._rewriter.records_grad_outputs(fqn)
             for index, value in enumerate(grad_output):
                 if isinstance(value, torch.Tensor) and not rewritten:  # else recorded before the rewrite
-                    self._record("backward", fqn, f"grad_output.{index}", value, micro_batch)
+                    self.record(self.key("backward", fqn, f"grad_output.{index}", micro_batch, call), value)
             for index, value in enumerate(grad_input):
                 if isinstance(value, torch.Tensor):
-                    self._record("backward", fqn, f"grad_input.{index}", value, micro_batch)
+                    self.record(self.key("backward", fqn, f"grad_input.{index}", micro_batch, call), value)
             return None
         return hook
 
     def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for local_fqn, param in self.model.named_parameters():
-            owner = local_fqn.rsplit(".", 1)[0] if "." in local_fqn else ""
-            if self._selected(owner):
-                yield self._global_fqn(local_fqn), param
+            name = strip_wrappers(local_fqn)
+            owner = name.rsplit(".", 1)[0] if "." in name else ""
+            if self.is_selected(owner):
+                yield self.global_fqn(local_fqn), param
 
     def record_gradients(self) -> None:
         """Record every parameter's reduced gradient; call after backward, before optimizer.step()."""
@@ -310,14 +384,14 @@ class Tracer:
         for fqn, param in self._named_parameters():
             grad = getattr(param, self.config.grad_attr, None)
             if grad is not None:
-                self._record("grad", fqn, "grad", grad, NO_MICRO_BATCH)
+                self.record(self.key("grad", fqn, "grad", NO_MICRO_BATCH), grad)
 
     def record_parameters(self) -> None:
         """Record every parameter's value; call after optimizer.step()."""
         if not self._recording():
             return
         for fqn, param in self._named_parameters():
-            self._record("param", fqn, "value", param, NO_MICRO_BATCH)
+            self.record(self.key("param", fqn, "value", NO_MICRO_BATCH), param)
 
     # ---- steps --------------------------------------------------------------------------------
 
@@ -328,7 +402,7 @@ class Tracer:
             yield
             return
         self._writer.begin_step(step)
-        self._state = _StepState(step=step)
+        self._state = StepState(step=step)
         try:
             yield
         except BaseException:

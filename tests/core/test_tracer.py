@@ -150,8 +150,9 @@ def test_rename_maps_local_names_to_the_reference_names(tmp_path):
 
 def test_rename_matches_whole_name_components(tmp_path):
     tracer = Tracer(tmp_path, _model(), role="candidate", config=TracerConfig(rename=(("layers.1", "layers.3"),)))
-    assert tracer._global_fqn("layers.1.attn") == "layers.3.attn"
-    assert tracer._global_fqn("layers.10.attn") == "layers.10.attn"
+    assert tracer.global_fqn("layers.1.attn") == "layers.3.attn"
+    assert tracer.global_fqn("layers.10.attn") == "layers.10.attn"
+    assert tracer.global_fqn("layers.1._checkpoint_wrapped_module.attn") == "layers.3.attn"  # wrappers dropped
     tracer.close()
 
 
@@ -160,3 +161,29 @@ def test_other_ranks_step_files_do_not_make_rank_0_refuse(tmp_path):
     (tmp_path / "rank_00001.step_000000.h5.partial").write_bytes(b"")
     Tracer(tmp_path, _model(), role="candidate").close()
     assert (tmp_path / "manifest.json").exists()
+
+
+def test_calls_within_a_micro_batch_and_checkpoint_recomputation(tmp_path):
+    """A head called twice per micro-batch is recorded per call; a checkpointed block's forward,
+    recomputed during backward, is recorded once, under the model's own names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    body, head = nn.Sequential(nn.Linear(4, 4), checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))), nn.Linear(4, 2)
+    model = nn.ModuleDict({"body": body, "head": head})
+    model.forward = lambda x: body(x)  # the root's call is the micro-batch clock
+    tracer = Tracer(tmp_path, model, role="reference")
+    with tracer.step(0):
+        for _ in range(2):
+            hidden = model(torch.randn(3, 4))
+            sum(head(chunk).square().sum() for chunk in hidden.chunk(2)).backward()
+    tracer.close()
+    with RunReader(tmp_path) as reader:
+        keys = set(reader.index)
+    outputs = {(k.fqn, k.micro_batch, k.call) for k in keys if k.phase == "forward" and k.slot == "output.0"}
+    assert {(f, mb, c) for f, mb, c in outputs if f == "head"} == {("head", mb, c) for mb in (0, 1) for c in (0, 1)}
+    assert {(f, mb, c) for f, mb, c in outputs if f.startswith("body.1")} == \
+        {(f, mb, 0) for f in ("body.1", "body.1.0", "body.1.1") for mb in (0, 1)}
+    grads = {(k.fqn, k.micro_batch, k.call) for k in keys if k.phase == "backward" and k.slot == "grad_output.0"}
+    assert {g for g in grads if g[0] == "head"} == {("head", mb, c) for mb in (0, 1) for c in (0, 1)}
+    assert not any("_checkpoint_wrapped_module" in k.fqn for k in keys)

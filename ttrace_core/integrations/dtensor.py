@@ -53,6 +53,26 @@ def layout_from_dtensor(value: DTensor) -> Layout:
     )
 
 
+def layout_of_converted_output(before: DTensor, local: torch.Tensor) -> Layout | None:
+    """The layout of a plain tensor a parallel style returned for the DTensor `before` (ColwiseParallel,
+    RowwiseParallel, SequenceParallel with use_local_output): the style redistributed it to its
+    output layouts, then took its local part. The same global shape means replicated; one dim
+    smaller by the axis' share means sharded along that dim (Colwise's last dim, SP's sequence)."""
+    global_shape, local_shape = tuple(before.shape), tuple(local.shape)
+    mesh_shape, coordinate, names = mesh_description(before.device_mesh)
+    if len(global_shape) != len(local_shape) or len(mesh_shape) != 1:
+        return None
+    differing = [dim for dim, (g, n) in enumerate(zip(global_shape, local_shape)) if g != n]
+    if not differing:
+        placements = ("R",)
+    elif len(differing) == 1 and -(-global_shape[differing[0]] // mesh_shape[0]) >= local_shape[differing[0]]:
+        placements = (f"S({differing[0]})",)
+    else:
+        return None
+    return Layout(global_shape=global_shape, mesh_shape=mesh_shape, coordinate=coordinate, placements=placements,
+                  mesh_axis_names=names)
+
+
 def local_value(value: torch.Tensor) -> torch.Tensor:
     """The values this rank holds, after any pending asynchronous collective has completed."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
