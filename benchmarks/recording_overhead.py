@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     model = GPTConfig(vocab_size=1000, seq_len=128, d_model=256, num_heads=4, num_layers=4)
-    run = TorchGPTRunConfig(out="", model=model, micro_batch_size=4, num_micro_batches=4)
+    run = TorchGPTRunConfig(model=model, micro_batch_size=4, num_micro_batches=4)
     scratch = Path(tempfile.mkdtemp(prefix="ttrace-bench-"))
     try:
         rows = [measure(run, mode, scratch / mode.replace(" ", "-"), args.steps) for mode in ("no tracer", "full", "stats-only")]

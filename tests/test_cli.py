@@ -139,15 +139,23 @@ def test_unsupported_layout_is_refused_before_spawning(tmp_path):
     assert result.returncode == 2 and "--sp needs --tp 2 or more" in result.stderr
 
 
-def test_runs_unchanged_under_torchrun(traces, reference_run):
+def test_the_example_records_under_torchrun_like_any_script(traces, reference_run):
     out = traces / "torchrun-tp2"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    "-m", "ttrace_core", "example", "torch-gpt", "--tp", "2", "--out", str(out)],
-                   env=env, timeout=300, check=True, capture_output=True, cwd=ROOT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "ttrace_core.examples", "torch-gpt", "--config", '{"tp": 2}']
+    run_ttrace("record", "--out", str(out), "--", *torchrun, check_codes=(0,))
     result = run_ttrace("compare", str(reference_run), str(out))
     assert result.returncode == 0, result.stdout
-    assert json.loads((out / "manifest.json").read_text())["world_size"] == 2
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["entrypoint"]["command"] == torchrun
+
+
+def test_ttrace_example_under_torchrun_says_how_to_record_it(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           "-m", "ttrace_core", "example", "torch-gpt", "--out", str(tmp_path / "x")],
+                          env=env, timeout=120, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode != 0 and "ttrace record --out" in done.stderr and not (tmp_path / "x").exists()
 
 
 def test_inspect_and_progress_bar(traces, reference_run):

@@ -96,6 +96,11 @@ CASES = [
     ("example-zero-steps", "example torch-gpt --steps 0 --out {new}", 2, "--steps 0 --num-layers 4: both must be at least 1"),
     ("example-sp-without-tp", "example megatron-gpt --sp --out {new}", 2, "--sp needs --tp 2 or more"),
     ("example-out-missing-usage", "example torch-gpt", 2, "the following arguments are required: --out"),
+    ("record-no-command", "record --out {new}", 2, "no command; write it after --"),
+    ("record-into-an-existing-trace", "record --out {ref} -- true", 2, "already holds a trace"),
+    ("record-command-not-found", "record --out {new} -- no-such-program-here", 2, "cannot start"),
+    ("record-command-fails", "record --out {new} -- false", 2, "exited with code 1"),
+    ("record-command-records-nothing", "record --out {new} -- true", 2, "recorded nothing into"),
     ("no-command-usage", "", 2, "the following arguments are required: command"),
 ]
 

@@ -8,6 +8,7 @@ internal error, 4 (localize) a divergence that the replay does not explain or do
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -63,7 +64,7 @@ def _torch_gpt_config(args: argparse.Namespace):
     from ttrace_core.examples.torch_gpt.train import ENTRYPOINT, TorchGPTRunConfig
 
     return ENTRYPOINT, TorchGPTRunConfig(
-        out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, fsdp=args.fsdp, cp=args.cp,
+        tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, fsdp=args.fsdp, cp=args.cp,
         precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
         model=GPTConfig(num_layers=args.num_layers, d_model=args.d_model))
 
@@ -72,7 +73,7 @@ def _megatron_gpt_config(args: argparse.Namespace):
     from ttrace_core.examples.megatron_gpt.train import ENTRYPOINT, MegatronGPTRunConfig, MegatronModelConfig
 
     return ENTRYPOINT, MegatronGPTRunConfig(
-        out=str(Path(args.out).resolve()), tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, dist_opt=args.dist_opt, ep=args.ep,
+        tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, dist_opt=args.dist_opt, ep=args.ep,
         precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
         record_steps=args.record_steps, model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, swiglu=args.swiglu,
                                   tie_embeddings=args.tie_embeddings, num_experts=2 if args.moe else 0))
@@ -121,6 +122,15 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="list what a run directory holds")
     inspect.add_argument("run_dir")
     inspect.add_argument("--tensors", action="store_true", help="list every logical tensor")
+    record = commands.add_parser("record", help="run your training command with tracing on (its script calls "
+                                                "ttrace_core.attach): ttrace record --out DIR -- torchrun ... train.py")
+    record.add_argument("--out", required=True, help="run directory to record into")
+    record.add_argument("--seed", type=int, default=0, help="seed of the weights drawn from (seed, parameter name)")
+    record.add_argument("--stats-only", action="store_true", help="store statistics instead of tensor values")
+    record.add_argument("--role", choices=["reference", "candidate"], default=None,
+                        help="default: reference on one rank, candidate on more")
+    record.add_argument("--timeout", type=float, default=3600.0, help="seconds before the command is killed")
+    record.add_argument("user_command", nargs=argparse.REMAINDER, help="-- then the command, e.g. torchrun ... train.py")
     commands.add_parser("bugs", help="list the injectable bugs of the example workloads")
     report = commands.add_parser("report", help="write a self-contained HTML report, or a Markdown summary for a review")
     report.add_argument("reference")
@@ -159,20 +169,24 @@ def _write_json(destination: str, text: str) -> None:
 
 
 def _run_example(args: argparse.Namespace) -> int:
-    from ttrace_core.launch import resolve, run_ranks
-    from ttrace_core.store import refuse_existing_trace
+    """`ttrace record` of the example as an ordinary command (python -m ttrace_core.examples ...), so
+    that estimate and localize relaunch it like any user's script."""
+    from ttrace_core.launch import under_torchrun
+    from ttrace_core.record import record
 
     builders = {"torch-gpt": _torch_gpt_config, "megatron-gpt": _megatron_gpt_config}
     try:
-        entrypoint, config = builders[args.workload](args)
+        _, config = builders[args.workload](args)
     except ValueError as error:
         raise TtraceError(f"{args.workload}: {error}") from error
-    refuse_existing_trace(config.out)  # before spawning: one clear line instead of a failed rank
-    if config.world_size == 1 and args.workload == "torch-gpt":
-        resolve(entrypoint)(config.to_dict())
-    else:  # megatron needs a process group even on one rank
-        run_ranks(entrypoint, config.to_dict(), config.world_size, timeout_s=args.timeout)
-    print(f"recorded {config.world_size} rank(s) into {config.out}")
+    command = [sys.executable, "-m", "ttrace_core.examples", args.workload, "--config", json.dumps(config.to_dict()),
+               "--timeout", str(args.timeout)]
+    if under_torchrun():
+        raise TtraceError(f"ttrace example starts its own ranks; to run the example under torchrun, record it with: "
+                          f"ttrace record --out {args.out} -- torchrun --standalone --nproc-per-node "
+                          f"{config.world_size} -m ttrace_core.examples {args.workload} --config '{json.dumps(config.to_dict())}'")
+    out = record(args.out, command, seed=config.seed, stats_only=config.stats_only, timeout_s=args.timeout + 120)
+    print(f"recorded {config.world_size} rank(s) into {out}")
     return 0
 
 
@@ -283,6 +297,15 @@ def _run_localize(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _run_record(args: argparse.Namespace) -> int:
+    from ttrace_core.record import record
+
+    command = args.user_command[1:] if args.user_command[:1] == ["--"] else args.user_command
+    out = record(args.out, command, seed=args.seed, stats_only=args.stats_only, role=args.role, timeout_s=args.timeout)
+    print(f"recorded {out}")
+    return 0
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
     from ttrace_core.report import render_run
     from ttrace_core.store import RunReader
@@ -321,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handlers = {"example": _run_example, "estimate": _run_estimate, "compare": _run_compare, "localize": _run_localize,
                 "inspect": _run_inspect, "bugs": _run_bugs, "dashboard": _run_dashboard,
-                "report": _run_report}
+                "report": _run_report, "record": _run_record}
     try:
         code = handlers[args.command](args)
         sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at the interpreter's exit

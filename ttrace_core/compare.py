@@ -339,4 +339,19 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
             progress(done, total)
     for key in extras:
         result.comparisons.append(TensorComparison(key=key, status="extra", message="recorded in the candidate only"))
+    if (finding := data_mismatch_finding(result)) is not None:
+        result.notes.insert(0, finding)
     return result
+
+
+def data_mismatch_finding(result: RunComparison) -> str | None:
+    """Integer forward inputs (token ids, labels) come from the data loader, not from arithmetic: when
+    the first divergence is one, the runs were fed different micro-batches and everything after it
+    follows from that, so it is named as such instead of as a numerical error."""
+    first = result.first_divergence
+    if first is None or first.key.phase != "forward" or not first.key.slot.startswith("input") or \
+            not (first.dtype or "").startswith(("int", "uint", "bool")):
+        return None
+    return (f"data-mismatch: {first.key} holds {first.dtype} inputs that differ from the reference's, so the runs "
+            "were not fed the same micro-batches; the candidate's global micro-batch m (local micro-batch k of "
+            "data-parallel rank r is m = k * dp + r) must be the reference's m-th (README: your own script)")

@@ -23,7 +23,8 @@ PAGES_DIR = APP_ENTRYPOINT.parents[1] / "pages"
 def streamlit_command(root: Path, *, port: int, host: str) -> list[str]:
     return [sys.executable, "-m", "streamlit", "run", str(APP_ENTRYPOINT), "--server.address", host,
             "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
-            "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
+            "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal",
+            "--runner.magicEnabled", "false"]  # a bare string in a page must never print itself
 
 
 def serve(root: str | os.PathLike, *, port: int = 8501, host: str = "127.0.0.1") -> int:

@@ -116,23 +116,18 @@ def deviations(reference: RunReader, perturbed: RunReader) -> dict[TensorKey, tu
     return result
 
 
-def _run_sample(factory: str, config: dict, world_size: int, timeout_s: float) -> None:
-    from ttrace_core.launch import run_ranks
-
-    run_ranks(factory, config, world_size, timeout_s=timeout_s)
-
-
 def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, relative: float | None = None,
                        timeout_s: float = 600.0, num_workers: int | None = None) -> PerturbationEstimate:
     """Re-run the reference `num_samples` times with perturbed weights and measure every tensor's deviation."""
+    from ttrace_core.record import relaunch
+
     if num_samples < 1:
         raise TtraceError(f"--samples {num_samples}: need at least 1 perturbed re-run")
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)
-    factory, config = manifest.entrypoint.get("factory"), manifest.entrypoint.get("config")
-    if not factory or config is None:
+    if not manifest.entrypoint.get("command") and not manifest.entrypoint.get("factory"):
         raise TtraceError(f"{run_dir}/manifest.json: no entrypoint recorded, so the reference cannot be re-run; "
-                          "record it with `ttrace example` or pass entrypoint= to the Tracer's manifest")
+                          "record it with `ttrace record -- COMMAND` (or `ttrace example`)")
     if manifest.tracer.get("stats_only"):
         raise TtraceError(f"{run_dir}: recorded with --stats-only, so it holds no values to measure deviations on; "
                           "record the reference again without --stats-only")
@@ -140,11 +135,12 @@ def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, rela
     work = run_dir / ".estimate"
     shutil.rmtree(work, ignore_errors=True)
     outs = [work / f"sample_{i}" for i in range(num_samples)]
-    configs = [{**config, "out": str(out), "perturbation": {"sample": i, "relative": relative}} for i, out in enumerate(outs)]
     workers = num_workers or max(1, (os.cpu_count() or 1) // manifest.world_size)
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=min(workers, num_samples)) as pool:
-        for future in [pool.submit(_run_sample, factory, c, manifest.world_size, timeout_s) for c in configs]:
+        futures = [pool.submit(relaunch, run_dir, manifest, out.resolve(), timeout_s=timeout_s,
+                               perturbation={"sample": i, "relative": relative}) for i, out in enumerate(outs)]
+        for future in futures:
             future.result()
     estimate = PerturbationEstimate(precision=manifest.precision, num_samples=num_samples, relative=relative)
     with RunReader(run_dir) as reference:

@@ -67,7 +67,8 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(staging, path)
 
 
-def _alive(pid: int | None) -> bool:
+def process_alive(pid: int | None) -> bool:
+    """Whether process `pid` is running (a zombie is not)."""
     if not pid:
         return False
     try:
@@ -101,11 +102,11 @@ class Job:
         path = self.directory / "status.json"
         if not path.exists():  # the supervisor has not written its first status yet
             holder = (self.directory / "lock").read_text().strip() if (self.directory / "lock").exists() else ""
-            if holder and not _alive(int(holder)):
+            if holder and not process_alive(int(holder)):
                 return JobStatus(state="failed", message="the job's supervisor died before starting; submit it again")
             return JobStatus(state="running", message="starting")
         status = JobStatus(**json.loads(path.read_text()))
-        if not status.done and not _alive(status.pid):
+        if not status.done and not process_alive(status.pid):
             # The supervisor is gone without a final word (killed with SIGKILL, machine restart).
             status = JobStatus(**{**asdict(status), "state": "failed", "finished": time.time(),
                                   "message": "the job's supervisor died before finishing; submit it again"})
@@ -167,7 +168,7 @@ def submit(directory: str | os.PathLike, spec: JobSpec, *, rerun: bool = False) 
         descriptor = os.open(directory / "lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         holder = (directory / "lock").read_text().strip()
-        if _alive(int(holder) if holder.isdigit() else None) or not holder:
+        if process_alive(int(holder) if holder.isdigit() else None) or not holder:
             return job
         (directory / "lock").unlink(missing_ok=True)
         return submit(directory, spec, rerun=rerun)

@@ -281,51 +281,36 @@ def _summarize(params: list[str]) -> str:
     return ", ".join(params) if len(params) <= 3 else f"{', '.join(params[:3])} and {len(params) - 3} more"
 
 
-def _module_replay_factory(factory: str) -> str | None:
-    """The workload's one-module replay entrypoint ("pkg.train:replay_module" beside "pkg.train:run"), if any."""
-    from ttrace_core.launch import resolve
-
-    module_name = factory.partition(":")[0]
-    try:
-        resolve(f"{module_name}:replay_module")
-    except (ImportError, AttributeError):
-        return None
-    return f"{module_name}:replay_module"
-
-
 def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir: Path, *, module: str | None,
                             timeout_s: float, step: int = 0) -> str:
     """Run the candidate again from its manifest, with every traced module (of `module`'s subtree) fed
-    the reference's values. With a module at step 0 and a workload that can, only that module runs
-    (module_replay.py); else the whole model. Returns which: "module alone" or "whole model"."""
+    the reference's values. With a module at step 0, the run is asked to call only that module
+    (Session.one_module_replay; the bundled examples can, a script that does not check runs whole).
+    Returns which ran: "module alone" or "whole model"."""
     from ttrace_core.errors import LaunchError
-    from ttrace_core.launch import resolve, run_ranks
-    from ttrace_core.rewrite import REWRITE_FROM_ENV, REWRITE_MODULE_ENV
+    from ttrace_core.record import relaunch
 
     manifest = read_manifest(candidate_dir)
-    factory, config = manifest.entrypoint.get("factory"), manifest.entrypoint.get("config")
-    if not factory or config is None:
-        raise TtraceError(f"{candidate_dir}/manifest.json: no entrypoint recorded, so the candidate cannot be relaunched; "
-                          "record it with `ttrace example` or pass entrypoint= to the Tracer's manifest")
-    try:
-        resolve(factory)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise TtraceError(f"{candidate_dir}/manifest.json: entrypoint {factory!r} cannot be imported here ({error}); "
-                          "install the package that defines it, or run from the directory the candidate was recorded in") from error
-    env = {REWRITE_FROM_ENV: str(reference_dir.resolve()), REWRITE_MODULE_ENV: module or ""}
-    module_factory = _module_replay_factory(factory) if module and step == 0 else None
-    if module_factory:
+    rewrite = {"reference": str(reference_dir.resolve()), "module": module}
+    if module and step == 0:
         shutil.rmtree(replay_dir, ignore_errors=True)
-        replay = {"module": module, "candidate": str(candidate_dir.resolve()), "step": step}
+        alone = {**rewrite, "alone": {"candidate": str(candidate_dir.resolve()), "step": step}}
         try:
-            run_ranks(module_factory, {**config, "out": str(replay_dir), "module_replay": replay}, manifest.world_size,
-                      timeout_s=timeout_s, env=env)
-            return "module alone"
+            relaunch(candidate_dir, manifest, replay_dir.resolve(), rewrite=alone, timeout_s=timeout_s)
+            if _holds_only(replay_dir, module):
+                return "module alone"
         except LaunchError as error:
             print(f"{module} cannot be replayed alone ({error}); replaying it inside the whole model", flush=True)
     shutil.rmtree(replay_dir, ignore_errors=True)
-    run_ranks(factory, {**config, "out": str(replay_dir)}, manifest.world_size, timeout_s=timeout_s, env=env)
+    relaunch(candidate_dir, manifest, replay_dir.resolve(), rewrite=rewrite, timeout_s=timeout_s)
     return "whole model"
+
+
+def _holds_only(replay_dir: Path, module: str) -> bool:
+    """Whether a replay recorded only `module`'s subtree (it ran alone) rather than the whole model."""
+    with RunReader(replay_dir) as replay:
+        return bool(replay.index) and all(in_subtree(owner_of(key.fqn) if key.phase in ("grad", "param") else key.fqn,
+                                                    module) for key in replay.index)
 
 
 def _judge_replay(original: RunComparison, reference_dir: Path, candidate_dir: Path, replay_dir: Path,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import math
 import sys
 from collections import Counter
@@ -51,12 +53,19 @@ def render_comparison(result: RunComparison, *, num_worst: int = 10) -> str:
     return "\n".join(lines)
 
 
+def _entrypoint_text(entrypoint: dict) -> str:
+    if entrypoint.get("command"):
+        return f"{shlex.join(entrypoint['command'])} (in {entrypoint.get('cwd') or '?'})"
+    return entrypoint.get("factory") or "-"
+
+
 def render_run(reader: RunReader, *, list_tensors: bool) -> str:
     m = reader.manifest
     lines = [f"run: {reader.run_dir}", f"role: {m.role}  world_size: {m.world_size}  degrees: {m.degrees}",
              f"mesh: {m.mesh_shape} {m.mesh_axis_names}  rank coordinates: {m.rank_coordinates}",
-             f"precision: {m.precision}  seed: {m.seed}  entrypoint: {m.entrypoint.get('factory', '-')}",
+             f"precision: {m.precision}  seed: {m.seed}  entrypoint: {_entrypoint_text(m.entrypoint)}",
              f"model: {m.model}", f"complete steps: {reader.complete_steps}"]
+    lines += [f"blind spot: {fqn or '<root>'}: {why}" for fqn, why in sorted(m.blind_spots.items())]
     lines += [f"partial step {s}: {why}" for s, why in sorted(reader.partial_steps.items())]
     by_phase = Counter(key.phase for key in reader.index)
     num_shards = sum(len(metas) for metas in reader.index.values())

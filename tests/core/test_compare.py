@@ -66,3 +66,18 @@ def test_compute_precision_loosens_fp32_storage():
     assert tolerance.rel == 4e-2 and "computed in bfloat16" in tolerance.source
     assert DtypeTolerances(precision="fp32").tolerance_for(KEY, "float32").rel == 1e-5
     assert DtypeTolerances(precision="fp8").tolerance_for(KEY, "float32").rel == 4e-2
+
+
+@pytest.mark.parametrize("dtype, slot, named", [
+    ("int64", "input.0", True),          # token ids differ: the runs were fed different micro-batches
+    ("float32", "input.0", False),       # a float input is computed: a numerical divergence
+    ("int64", "output.0", False),        # an integer output is computed too
+], ids=["token-ids", "float-input", "int-output"])
+def test_a_first_divergence_in_integer_inputs_is_named_a_data_mismatch(dtype, slot, named):
+    from ttrace_core.compare import data_mismatch_finding
+
+    key = TensorKey(step=0, micro_batch=1, phase="forward", fqn="", slot=slot)
+    result = RunComparison(reference="ref", candidate="cand",
+                           comparisons=[TensorComparison(key=key, status="mismatch", dtype=dtype)])
+    finding = data_mismatch_finding(result)
+    assert (finding is not None and finding.startswith("data-mismatch: step 0 / mb 1")) == named

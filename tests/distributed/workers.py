@@ -111,7 +111,7 @@ def record_with_full_tensors(config: dict) -> None:
     dist.init_process_group("gloo")
     try:
         mesh = init_device_mesh("cpu", (2,))
-        run = TorchGPTRunConfig(out=config["out"], model=GPTConfig(num_layers=2))
+        run = TorchGPTRunConfig(model=GPTConfig(num_layers=2))
         model = GPT(run.model)
         plan = apply_tensor_parallel(model, mesh, sequence_parallel=True, bug=None) if config["layout"] == "tp-sp" else {}
         if config["layout"] == "fsdp":
@@ -120,7 +120,7 @@ def record_with_full_tensors(config: dict) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         fsdp = config["layout"] == "fsdp"
         num_local = 2 if fsdp else 4
-        tracer = Tracer(run.out, model, role="candidate", optimizer=optimizer,
+        tracer = Tracer(config["out"], model, role="candidate", optimizer=optimizer,
                         config=TracerConfig(exclude=("",), loss_scale=1 / num_local,
                                             data_parallel_rank=dist.get_rank() if fsdp else 0, data_parallel_size=2 if fsdp else 1))
         declare_parallelize_plan(tracer, plan, mesh)

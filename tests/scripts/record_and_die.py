@@ -27,7 +27,7 @@ def die_on_second_call():
 
 
 def main(out: str) -> None:
-    config = TorchGPTRunConfig(out=out, steps=2)
+    config = TorchGPTRunConfig(steps=2)
     model = GPT(config.model)
     init_weights(model, config.seed, torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)

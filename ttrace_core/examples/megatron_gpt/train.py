@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import ttrace_core as ttrace
 from ttrace_core.generator import WeightPerturbation, normal_full, tokens_full
 from ttrace_core.canonicalize import shard
 from ttrace_core.integrations import megatron_cpu
@@ -32,7 +33,6 @@ from ttrace_core.integrations.megatron import (
 )
 from ttrace_core.placements import coordinate_from_rank
 from ttrace_core.schema import Layout, RunManifest, global_fqn
-from ttrace_core.tracer import Tracer
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
@@ -63,8 +63,9 @@ class MegatronModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class MegatronGPTRunConfig:
-    out: str
-    """Run directory to record into."""
+    """One run of the example; `ttrace example megatron-gpt` records it through `ttrace record`, which
+    also says where (the session's run directory) and in which mode (record, perturb, rewrite)."""
+
     tp: int = 1
     sp: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
@@ -87,8 +88,6 @@ class MegatronGPTRunConfig:
     stats_only: bool = False
     record_steps: int | None = None
     """Trace only the first this many steps (None: all); every step trains and logs its loss."""
-    perturbation: dict | None = None
-    """A WeightPerturbation as a dict: set by `ttrace estimate` on its re-runs of the reference."""
     model: MegatronModelConfig = field(default_factory=MegatronModelConfig)
 
     def __post_init__(self) -> None:
@@ -107,7 +106,6 @@ class MegatronGPTRunConfig:
         m = self.model
         if m.num_layers % self.pp or m.num_attention_heads % self.tp or m.vocab_size % self.tp or m.seq_len % self.tp:
             raise ValueError(f"the model ({m}) does not divide evenly over tp {self.tp} / pp {self.pp}")
-        WeightPerturbation.from_dict(self.perturbation)  # validates
         if self.bug is not None:
             from ttrace_core.examples.megatron_gpt.bugs import ZOO
 
@@ -123,9 +121,9 @@ class MegatronGPTRunConfig:
 
     @staticmethod
     def from_dict(data: dict) -> MegatronGPTRunConfig:
-        data = dict(data)
-        data["model"] = MegatronModelConfig(**data.get("model", {}))
-        return MegatronGPTRunConfig(**data)
+        """Also reads configs recorded by older versions (with `out`, `perturbation` fields, now the session's)."""
+        known = {k: v for k, v in data.items() if k in MegatronGPTRunConfig.__dataclass_fields__}
+        return MegatronGPTRunConfig(**{**known, "model": MegatronModelConfig(**data.get("model", {}))})
 
 
 def transformer_config(config: MegatronGPTRunConfig):
@@ -236,19 +234,9 @@ def run(config_dict: dict) -> None:
 
 
 def replay_module(config_dict: dict) -> None:
-    """A one-module replay (ttrace_core/module_replay.py): build the candidate as `run` does, then call
-    only `config_dict["module_replay"]["module"]` on the recorded inputs of its first step."""
-    replay = config_dict["module_replay"]
-    config = MegatronGPTRunConfig.from_dict({k: v for k, v in config_dict.items() if k != "module_replay"})
-
-    def body(config: MegatronGPTRunConfig) -> None:
-        from ttrace_core.module_replay import drive_module
-
-        ddp, optimizer, rename = _build(config)
-        tracer = _attach_tracer(config, ddp, optimizer, rename)
-        drive_module(tracer, unwrap(ddp), replay["candidate"], replay["module"], replay.get("step", 0))
-
-    _in_process_group(config, body)
+    """A one-module replay of a run recorded by an older ttrace (its manifest names this factory): as
+    `run`, whose session then asks for it (Session.one_module_replay)."""
+    run(config_dict)
 
 
 def layer_spec(config: MegatronGPTRunConfig):
@@ -280,7 +268,7 @@ def _build(config: MegatronGPTRunConfig):
     if config.precision == "fp64":  # the local spec's torch norms ignore params_dtype
         model = model.double()
     rename = megatron_rename(model)
-    init_weights(model, config.seed, rename, WeightPerturbation.from_dict(config.perturbation))
+    init_weights(model, config.seed, rename, ttrace.weight_perturbation())  # ttrace
     wrapped = Float16Module(tconfig, model) if tconfig.bf16 else model
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.precision != "fp64",
                                                use_distributed_optimizer=config.dist_opt)
@@ -293,18 +281,19 @@ def _build(config: MegatronGPTRunConfig):
     return ddp, optimizer, rename
 
 
-def _attach_tracer(config: MegatronGPTRunConfig, ddp, optimizer, rename) -> Tracer:
+def _attach(config: MegatronGPTRunConfig, ddp, optimizer, rename) -> ttrace.Session:
+    """The public API a user's script calls, with Megatron's layouts from the adapter (integrations/megatron.py)."""
     from megatron.core import parallel_state
 
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     role = "candidate" if config.world_size > 1 else "reference"
     recorded = None if config.record_steps is None else tuple(range(config.record_steps))
-    tracer = Tracer(config.out, unwrap(ddp), role=role, manifest=manifest_for(config, role), config=megatron_tracer_config(  # ttrace
+    session = ttrace.attach(unwrap(ddp), weights="own", manifest=manifest_for(config, role), config=megatron_tracer_config(  # ttrace
         loss_scale=1 / (config.num_micro_batches // dp_size), rename=rename, data_parallel_rank=dp_rank,  # ttrace
         data_parallel_size=dp_size, stats_only=config.stats_only, steps=recorded))  # ttrace
-    declare_megatron_layouts(tracer, ddp, sequence_parallel=config.sp, rename=rename)  # ttrace
-    declare_distributed_optimizer_ranges(tracer, ddp, optimizer, rename=rename)  # ttrace
-    return tracer
+    declare_megatron_layouts(session, ddp, sequence_parallel=config.sp, rename=rename)  # ttrace
+    declare_distributed_optimizer_ranges(session, ddp, optimizer, rename=rename)  # ttrace
+    return session
 
 
 def _train(config: MegatronGPTRunConfig) -> None:
@@ -314,23 +303,27 @@ def _train(config: MegatronGPTRunConfig) -> None:
     ddp, optimizer, rename = _build(config)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     local_micro_batches = config.num_micro_batches // dp_size
-    tracer = _attach_tracer(config, ddp, optimizer, rename)
+    session = _attach(config, ddp, optimizer, rename)
+    if session.one_module_replay:  # `ttrace localize --module`: only that module runs, on recorded inputs
+        session.replay_one_module(unwrap(ddp))
+        return
     forward_backward = get_forward_backward_func()
     losses = []
     for step in range(config.steps):
         batches = [micro_batch(config, local * dp_size + dp_rank) for local in range(local_micro_batches)]
-        with tracer.step(step):  # ttrace
+        with session.step(step):  # ttrace
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             reduced = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
                                        num_microbatches=local_micro_batches, seq_length=config.model.seq_len,
                                        micro_batch_size=config.micro_batch_size, forward_only=False)
-            tracer.record_gradients()  # ttrace
+            session.record_gradients()  # ttrace
             optimizer.step()
-            tracer.record_parameters()  # ttrace
+            session.record_parameters()  # ttrace
         losses.append(_global_loss(reduced))
-    tracer.close()  # ttrace
-    _write_losses(config, losses)
+    session.close()  # ttrace
+    if session.run_dir is not None:
+        _write_losses(session.run_dir, losses)
 
 
 def _global_loss(reduced: list[dict]) -> float | None:
@@ -344,11 +337,11 @@ def _global_loss(reduced: list[dict]) -> float | None:
     return float(local) / parallel_state.get_data_parallel_world_size()
 
 
-def _write_losses(config: MegatronGPTRunConfig, losses: list[float | None]) -> None:
+def _write_losses(run_dir: Path, losses: list[float | None]) -> None:
     """losses.json beside the trace: the per-step loss curve (the loss-curve baseline reads it)."""
     from megatron.core import parallel_state
 
     first_of_last_stage = (parallel_state.is_pipeline_last_stage() and parallel_state.get_data_parallel_rank() == 0
                            and parallel_state.get_tensor_model_parallel_rank() == 0)
     if first_of_last_stage:
-        Path(config.out, LOSSES_FILE).write_text(json.dumps({"losses": losses}))
+        Path(run_dir, LOSSES_FILE).write_text(json.dumps({"losses": losses}))

@@ -4,7 +4,8 @@ Every layout trains the same logical model on the same global batch: `num_micro_
 micro-batches per step, each generated from (seed, global micro-batch id), with weights generated
 from (seed, parameter name) and sliced by each parameter's layout. The reference accumulates all
 micro-batches on one rank; DDP/FSDP2 rank r takes micro-batches r, r + dp, ...; pipelining feeds
-all of them through its schedule. The ttrace lines are marked `# ttrace`.
+all of them through its schedule. The ttrace lines are marked `# ttrace`: the same public API a user's script calls
+(`ttrace_core.attach`), with the example's own weight draw (weights="own") and layout declarations.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from torch.distributed.tensor import Shard
 from ttrace_core.examples.torch_gpt.context_parallel import apply_context_parallel, sequence_chunk
 from ttrace_core.examples.torch_gpt.model import GPT, GPTConfig, loss_fn
 from ttrace_core.examples.torch_gpt.parallelize import TORCH_GPT_BUGS, apply_ddp, apply_fsdp, apply_tensor_parallel
+import ttrace_core as ttrace
 from ttrace_core.generator import WeightPerturbation, local_from_full, normal_full, tokens_full
 from ttrace_core.integrations.dtensor import declare_parallelize_plan, layout_from_dtensor
 from ttrace_core.placements import coordinate_from_rank
 from ttrace_core.schema import RunManifest
-from ttrace_core.tracer import Tracer, TracerConfig
+from ttrace_core.tracer import TracerConfig
 
 PRECISIONS = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 ENTRYPOINT = "ttrace_core.examples.torch_gpt.train:run"
@@ -32,8 +34,9 @@ ENTRYPOINT = "ttrace_core.examples.torch_gpt.train:run"
 
 @dataclass(kw_only=True, slots=True)
 class TorchGPTRunConfig:
-    out: str
-    """Run directory to record into."""
+    """One run of the example; `ttrace example torch-gpt` records it through `ttrace record`, which
+    also says where (the session's run directory) and in which mode (record, perturb, rewrite)."""
+
     tp: int = 1
     sp: bool = False
     """Sequence parallelism on top of TP."""
@@ -52,8 +55,6 @@ class TorchGPTRunConfig:
     lr: float = 0.1
     bug: str | None = None
     stats_only: bool = False
-    perturbation: dict | None = None
-    """A WeightPerturbation as a dict: set by `ttrace estimate` on its re-runs of the reference."""
     model: GPTConfig = field(default_factory=GPTConfig)
 
     def __post_init__(self) -> None:
@@ -75,7 +76,6 @@ class TorchGPTRunConfig:
             raise ValueError(f"num_micro_batches {self.num_micro_batches} must be a multiple of dp/fsdp ({data_parallel}) and >= pp")
         if self.model.num_layers % self.pp or self.model.num_heads % self.tp or self.model.vocab_size % self.tp:
             raise ValueError(f"the model ({self.model}) does not divide evenly over tp {self.tp} / pp {self.pp}")
-        WeightPerturbation.from_dict(self.perturbation)  # validates
         if self.bug is not None:
             if self.bug not in TORCH_GPT_BUGS:
                 raise ValueError(f"unknown bug {self.bug!r}; `ttrace bugs` lists them: {sorted(TORCH_GPT_BUGS)}")
@@ -96,9 +96,9 @@ class TorchGPTRunConfig:
 
     @staticmethod
     def from_dict(data: dict) -> TorchGPTRunConfig:
-        data = dict(data)
-        data["model"] = GPTConfig(**data.get("model", {}))
-        return TorchGPTRunConfig(**data)
+        """Also reads configs recorded by older versions (with `out`, `perturbation` fields, now the session's)."""
+        known = {k: v for k, v in data.items() if k in TorchGPTRunConfig.__dataclass_fields__}
+        return TorchGPTRunConfig(**{**known, "model": GPTConfig(**data.get("model", {}))})
 
 
 def init_weights(model: nn.Module, seed: int, dtype: torch.dtype, perturbation: WeightPerturbation | None = None) -> None:
@@ -173,7 +173,7 @@ def _train(config: TorchGPTRunConfig) -> None:
     plan = apply_tensor_parallel(model, mesh, sequence_parallel=config.sp, bug=config.bug) if config.tp > 1 else {}
     if config.fsdp > 1:
         apply_fsdp(model, mesh)
-    init_weights(model, config.seed, dtype, WeightPerturbation.from_dict(config.perturbation))
+    init_weights(model, config.seed, dtype, ttrace.weight_perturbation())  # ttrace
     if config.cp > 1:
         apply_context_parallel(model, mesh, seq_len=config.model.seq_len, bug=config.bug)
     uses_ddp = config.dp > 1 or config.cp > 1
@@ -188,22 +188,22 @@ def _train(config: TorchGPTRunConfig) -> None:
     tracer_config = TracerConfig(exclude=("",), loss_scale=loss_scale,  # ttrace
                                  data_parallel_rank=dp_rank, data_parallel_size=config.data_parallel_size,
                                  stats_only=config.stats_only)
-    tracer = Tracer(config.out, model, role=role, optimizer=optimizer, config=tracer_config,  # ttrace
-                    manifest=manifest_for(config, role))
-    declare_parallelize_plan(tracer, plan, mesh)  # ttrace
+    session = ttrace.attach(model, optimizer, weights="own", config=tracer_config,  # ttrace
+                            manifest=manifest_for(config, role))  # ttrace
+    declare_parallelize_plan(session, plan, mesh)  # ttrace
     if config.cp > 1:  # every module boundary is a sequence chunk; gradients follow their tensors
         for slots in ("input.*", "output.*"):
-            tracer.declare("*", slots, [Shard(1)], mesh)  # ttrace
+            session.declare("*", slots, [Shard(1)], mesh)  # ttrace
     step_fn = _pipeline_step_fn(config, model, mesh) if config.pp > 1 else None
     for step in range(config.steps):
-        with tracer.step(step):  # ttrace
+        with session.step(step):  # ttrace
             optimizer.zero_grad()
             if step_fn is not None:
                 step_fn()
             else:
                 _accumulate(config, wrapped, local_micro_batches, dp_rank, mesh)
             optimizer.step()
-    tracer.close()  # ttrace
+    session.close()  # ttrace
 
 
 def _accumulate(config: TorchGPTRunConfig, model: nn.Module, local_micro_batches: int, dp_rank: int, mesh) -> None:

@@ -1,0 +1,142 @@
+"""Bring your own script: tests/user_script/train_traced.py is a user's DTensor script (2-D mesh, FSDP2 x TP,
+activation checkpointing, a head called twice per micro-batch) with ttrace attached. It imports
+nothing from ttrace's examples; `ttrace record` runs it under torchrun, and `ttrace estimate` /
+`ttrace localize` relaunch its recorded command."""
+
+import difflib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ttrace_core.session import SESSION_ENV, SessionSpec
+
+SCRIPTS = Path(__file__).parent / "user_script"
+PLAIN, TRACED = SCRIPTS / "train.py", SCRIPTS / "train_traced.py"
+pytestmark = pytest.mark.distributed
+
+
+def _ttrace(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "ttrace_core", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _record(out: Path, nproc: int, *flags: str) -> None:
+    command = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), str(TRACED), *flags]
+    done = _ttrace("record", "--out", str(out), "--timeout", "240", "--", *command, cwd=out.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("byos")
+    _record(root / "ref", 1)
+    _record(root / "tp2", 2, "--tp", "2", "--checkpoint")
+    _record(root / "bug", 2, "--tp", "2", "--checkpoint", "--bug")
+    # AdamW turns round-off in gradients that are zero in exact arithmetic (an attention key bias)
+    # into a full step: the perturbation estimate measures that, a fixed dtype tolerance cannot.
+    done = _ttrace("estimate", "ref", "--samples", "2", cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
+
+
+def test_the_integration_is_at_most_10_lines():
+    plain, traced = PLAIN.read_text().splitlines(), TRACED.read_text().splitlines()
+    opcodes = difflib.SequenceMatcher(a=plain, b=traced, autojunk=False).get_opcodes()
+    added_or_changed = sum(j2 - j1 for tag, _, _, j1, j2 in opcodes if tag in ("insert", "replace"))
+    assert 0 < added_or_changed <= 10
+    assert "ttrace_core" not in PLAIN.read_text() and "examples" not in TRACED.read_text()
+
+
+def _plain_run(script: Path, cwd: Path, env: dict[str, str]) -> list[str]:
+    done = subprocess.run([sys.executable, str(script)], cwd=cwd, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [line for line in done.stdout.splitlines() if line.startswith("step ")]
+
+
+def test_a_plain_run_behaves_as_without_ttrace_even_with_stray_variables(tmp_path):
+    stale = tmp_path / "stale.json"  # a spec whose launcher has ended
+    SessionSpec(out=str(tmp_path / "never"), launcher_pid=2**22 + 12345, command=["x"]).write(stale)
+    work = tmp_path / "work"
+    work.mkdir()
+    expected = _plain_run(PLAIN, work, {})
+    for stray in ({SESSION_ENV: str(tmp_path / "missing.json")}, {SESSION_ENV: str(stale)},
+                  {"TTRACE_REWRITE_FROM": str(tmp_path), "TTRACE_REWRITE_MODULE": "blocks.0"}):
+        assert _plain_run(TRACED, work, stray) == expected, stray
+    assert len(expected) == 2 and list(work.iterdir()) == [] and not (tmp_path / "never").exists()
+
+
+def test_the_manifest_records_the_command_and_its_environment(runs):
+    manifest = json.loads((runs / "tp2" / "manifest.json").read_text())
+    command = manifest["entrypoint"]["command"]
+    assert command[:4] == ["torchrun", "--standalone", "--nproc-per-node", "2"] and command[-1] == "--checkpoint"
+    assert manifest["entrypoint"]["cwd"] == str(runs) and manifest["world_size"] == 2
+    assert manifest["environment"]["command"] == command and manifest["environment"]["packages"]["torch"]
+    assert manifest["role"] == "candidate" and manifest["degrees"] == {"tp": 2}
+    assert json.loads((runs / "ref" / "manifest.json").read_text())["role"] == "reference"
+
+
+def test_clean_tp2_with_checkpointing_and_a_chunked_head_passes(runs):
+    done = _ttrace("compare", "ref", "tp2", "--json", "tp2.json", cwd=runs)
+    assert done.returncode == 0, done.stdout[-3000:]
+    keys = [c["key"] for c in json.loads((runs / "tp2.json").read_text())["comparisons"]]
+    assert {k["call"] for k in keys if k["fqn"] == "head"} == {0, 1}  # the head is compared call by call
+    assert not any("_checkpoint_wrapped_module" in k["fqn"] for k in keys)
+    assert sum(k["fqn"] == "blocks.0.attn.wq" and k["slot"] == "output.0" for k in keys) == 4  # 2 steps x 2 mbs
+
+
+def test_the_bug_flag_fails_and_localize_names_its_module(runs):
+    compared = _ttrace("compare", "ref", "bug", cwd=runs)
+    assert compared.returncode == 1 and "blocks.0.attn" in compared.stdout.split("first divergence", 1)[1][:600]
+    localized = _ttrace("localize", "ref", "bug", "--json", "loc.json", cwd=runs)
+    assert localized.returncode == 1, localized.stdout[-2000:] + localized.stderr[-2000:]
+    result = json.loads((runs / "loc.json").read_text())
+    assert result["culprits"][0] == "blocks.0.attn" and result["replay_scope"] == "whole model"
+
+
+def test_estimate_relaunched_the_recorded_command(runs):
+    estimate = json.loads((runs / "ref" / "tolerance_estimate.json").read_text())
+    assert estimate["num_samples"] == 2 and len(estimate["tensors"]) > 100
+    assert not (runs / "ref" / ".estimate").exists()
+
+
+def test_fsdp2_over_tensor_parallel_on_a_2d_mesh_passes(runs, tmp_path):
+    """4 ranks: TP2 inside, FSDP2 across (parameters are _StridedShard DTensors), with checkpointing."""
+    out = runs / "fsdp2xtp2"
+    _record(out, 4, "--tp", "2", "--dp", "2", "--checkpoint")
+    done = _ttrace("compare", "ref", out.name, cwd=runs)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert json.loads((out / "manifest.json").read_text())["degrees"] == {"dp": 2, "tp": 2}
+
+
+COMPILED_SCRIPT = '''
+import torch, ttrace_core as ttrace
+from torch import nn
+model = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+session = ttrace.attach(model, optimizer)
+with session.step(0):
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(0))).square().mean().backward()
+    optimizer.step()
+'''
+
+
+def test_a_compiled_model_records_parameters_gradients_and_outputs_and_names_its_blind_spots(tmp_path):
+    (tmp_path / "train.py").write_text(COMPILED_SCRIPT)
+    done = _ttrace("record", "--out", "run", "--", sys.executable, "train.py", cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from ttrace_core.store import RunReader
+
+    with RunReader(tmp_path / "run") as reader:
+        keys = {(k.phase, k.fqn, k.slot) for k in reader.index}
+        blind = reader.manifest.blind_spots
+    assert {("grad", "0.weight", "grad"), ("param", "2.bias", "value"), ("forward", "", "output.0")} <= keys
+    assert not any(phase in ("forward", "backward") and fqn for phase, fqn, _ in keys)  # no hook inside the graph
+    assert sorted(blind) == ["0", "1", "2"] and "torch.compile" in blind["0"]
+    inspected = _ttrace("inspect", "run", cwd=tmp_path)
+    assert "blind spot: 1: inside torch.compile" in inspected.stdout

@@ -1,0 +1,73 @@
+"""PyTorch-native adapter for `ttrace_core.attach`: what a DTensor / DDP / torch.compile model says about its run.
+
+Produces layout metadata (stage 1, record): the data-parallel rank and size that number the
+micro-batches, the mesh and degrees for the manifest, and the modules a compiled model hides.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ttrace_core.placements import coordinate_from_rank
+from ttrace_core.schema import RunManifest, strip_wrappers
+from ttrace_core.store import dtype_name
+
+# Mesh axis names read as data parallelism (micro-batch ids are spread over them).
+DATA_PARALLEL_AXES = ("dp", "fsdp", "ddp", "dp_shard", "dp_replicate", "data_parallel", "hsdp", "dp_shard_cp")
+PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+
+
+def _largest_mesh(model: nn.Module):
+    meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
+    return max(meshes, key=lambda mesh: mesh.ndim, default=None)
+
+
+def data_parallel_of(model: nn.Module, data_parallel: tuple[int, int] | None) -> tuple[int, int]:
+    """(rank, size) of this process among the data-parallel replicas: given, or from DDP's process group,
+    or from the mesh axes named like data parallelism (DATA_PARALLEL_AXES) of the parameters' mesh."""
+    if data_parallel is not None:
+        return data_parallel
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return dist.get_rank(model.process_group), dist.get_world_size(model.process_group)
+    mesh = _largest_mesh(model)
+    if mesh is None or not mesh.mesh_dim_names:
+        return 0, 1
+    axes = [i for i, name in enumerate(mesh.mesh_dim_names) if name in DATA_PARALLEL_AXES]
+    rank, size = 0, 1
+    for axis in axes:
+        rank, size = rank * mesh.size(axis) + mesh.get_local_rank(axis), size * mesh.size(axis)
+    return rank, size
+
+
+def manifest_from_model(model: nn.Module, role: str, world_size: int) -> RunManifest:
+    """The manifest fields a model can tell: mesh and degrees (the parameters' largest mesh spanning every
+    rank), precision (the parameters' most common dtype) and the logical parameter shapes (two runs are
+    comparable only when these agree; gathered from every rank, since pipeline stages differ)."""
+    mesh = _largest_mesh(model)
+    if mesh is not None and mesh.size() == world_size:
+        names = list(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
+        shape = list(mesh.shape)
+        by_position = [[int(c) for c in coordinate_from_rank(i, tuple(shape))] for i in range(world_size)]
+        flat = mesh.mesh.reshape(-1).tolist()  # rank ids in row-major mesh order
+        coordinates = [by_position[flat.index(rank)] for rank in range(world_size)]
+    else:
+        names, shape, coordinates = [], [], []
+    dtypes = [dtype_name(p.dtype) for p in model.parameters() if p.is_floating_point()]
+    precision = PRECISION_OF_DTYPE.get(max(set(dtypes), key=dtypes.count) if dtypes else "float32", "fp32")
+    shapes = {strip_wrappers(name): list(p.shape) for name, p in model.named_parameters()}
+    if dist.is_initialized() and world_size > 1:
+        gathered: list[dict] = [{} for _ in range(world_size)]
+        dist.all_gather_object(gathered, shapes)
+        shapes = {name: shape for by_rank in gathered for name, shape in by_rank.items()}
+    return RunManifest(role=role, world_size=world_size, degrees=dict(zip(names, shape)), mesh_shape=shape,
+                       mesh_axis_names=names, rank_coordinates=coordinates, precision=precision,
+                       model={"parameters": dict(sorted(shapes.items()))})
+
+
+def compiled_modules(model: nn.Module) -> list[str]:
+    """The modules a torch.compile'd model hides (every one below the compiled root); [] when not compiled."""
+    if type(model).__name__ != "OptimizedModule":
+        return []
+    return sorted({strip_wrappers(name) for name, _ in model.named_modules() if strip_wrappers(name)})
