@@ -171,21 +171,19 @@ def _write_json(destination: str, text: str) -> None:
 def _run_example(args: argparse.Namespace) -> int:
     """`ttrace record` of the example as an ordinary command (python -m ttrace_core.examples ...), so
     that estimate and localize relaunch it like any user's script."""
+    from ttrace_core.examples.launch import record_example
     from ttrace_core.launch import under_torchrun
-    from ttrace_core.record import record
 
     builders = {"torch-gpt": _torch_gpt_config, "megatron-gpt": _megatron_gpt_config}
     try:
         _, config = builders[args.workload](args)
     except ValueError as error:
         raise TtraceError(f"{args.workload}: {error}") from error
-    command = [sys.executable, "-m", "ttrace_core.examples", args.workload, "--config", json.dumps(config.to_dict()),
-               "--timeout", str(args.timeout)]
     if under_torchrun():
         raise TtraceError(f"ttrace example starts its own ranks; to run the example under torchrun, record it with: "
-                          f"ttrace record --out {args.out} -- torchrun --standalone --nproc-per-node "
-                          f"{config.world_size} -m ttrace_core.examples {args.workload} --config '{json.dumps(config.to_dict())}'")
-    out = record(args.out, command, seed=config.seed, stats_only=config.stats_only, timeout_s=args.timeout + 120)
+                          f"ttrace record --out {args.out} -- torchrun --standalone --nproc-per-node {config.world_size} "
+                          f"-m ttrace_core.examples {args.workload} --config '{json.dumps(config.to_dict())}'")
+    out = record_example(args.out, args.workload, config, timeout_s=args.timeout)
     print(f"recorded {config.world_size} rank(s) into {out}")
     return 0
 

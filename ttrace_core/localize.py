@@ -281,8 +281,21 @@ def _summarize(params: list[str]) -> str:
     return ", ".join(params) if len(params) <= 3 else f"{', '.join(params[:3])} and {len(params) - 3} more"
 
 
+def can_replay_alone(original: RunComparison, module: str) -> bool:
+    """A module run alone shows what it computes, never a gradient reduction or an optimizer step: so
+    only when `module` is a recorded module and no reduced gradient or updated parameter of its
+    subtree fails."""
+    in_module = [c for c in original.comparisons if in_subtree(_owner_module(c.key), module)]
+    return any(c.key.fqn == module and c.key.phase == "forward" for c in in_module) and \
+        not any(not c and c.key.phase in ("grad", "param") for c in in_module)
+
+
+def _owner_module(key: TensorKey) -> str:
+    return owner_of(key.fqn) if key.phase in ("grad", "param") else key.fqn
+
+
 def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir: Path, *, module: str | None,
-                            timeout_s: float, step: int = 0) -> str:
+                            timeout_s: float, step: int = 0, alone: bool = True) -> str:
     """Run the candidate again from its manifest, with every traced module (of `module`'s subtree) fed
     the reference's values. With a module at step 0, the run is asked to call only that module
     (Session.one_module_replay; the bundled examples can, a script that does not check runs whole).
@@ -292,7 +305,7 @@ def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir
 
     manifest = read_manifest(candidate_dir)
     rewrite = {"reference": str(reference_dir.resolve()), "module": module}
-    if module and step == 0:
+    if module and step == 0 and alone:
         shutil.rmtree(replay_dir, ignore_errors=True)
         alone = {**rewrite, "alone": {"candidate": str(candidate_dir.resolve()), "step": step}}
         try:
@@ -309,8 +322,7 @@ def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir
 def _holds_only(replay_dir: Path, module: str) -> bool:
     """Whether a replay recorded only `module`'s subtree (it ran alone) rather than the whole model."""
     with RunReader(replay_dir) as replay:
-        return bool(replay.index) and all(in_subtree(owner_of(key.fqn) if key.phase in ("grad", "param") else key.fqn,
-                                                    module) for key in replay.index)
+        return bool(replay.index) and all(in_subtree(_owner_module(key), module) for key in replay.index)
 
 
 def _judge_replay(original: RunComparison, reference_dir: Path, candidate_dir: Path, replay_dir: Path,
@@ -335,7 +347,9 @@ def _judge_replay(original: RunComparison, reference_dir: Path, candidate_dir: P
     if reproduction.reproduced is None:
         result.notes.append("reproduction not verified: no tensor of the candidate had only exact sources")
     if not result.culprits:
-        result.notes.append(f"the replay reproduces the candidate ({reproduction.num_checked} tensors checked), yet with "
+        reproduced = f"the replay reproduces the candidate ({reproduction.num_checked} tensors checked)" \
+            if reproduction.reproduced else "the replay could not be checked against the candidate"
+        result.notes.append(f"{reproduced}, yet with "
                             "every module fed the reference's inputs nothing fails: the error comes from state carried "
                             "between modules that is not a module input (a cached tensor, an RNG state, a residual "
                             "kept in a variable)")
@@ -370,7 +384,8 @@ def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike,
     if not reusable:
         progress("2/3 replaying the candidate with the reference's inputs")
         scope = relaunch_with_rewriting(reference_dir, candidate_dir, replay_dir, module=module, timeout_s=timeout_s,
-                                        step=original.first_divergence.key.step)
+                                        step=original.first_divergence.key.step,
+                                        alone=module is not None and can_replay_alone(original, module))
     else:
         scope = "reused"
     progress("3/3 checking the replay reproduces the candidate, then judging every module")

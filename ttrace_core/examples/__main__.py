@@ -12,28 +12,10 @@ config is the example's RunConfig as JSON (missing fields take their defaults).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 
-from ttrace_core.launch import resolve, run_ranks, under_torchrun
-
-WORKLOADS = {"torch-gpt": "ttrace_core.examples.torch_gpt.train", "megatron-gpt": "ttrace_core.examples.megatron_gpt.train"}
-CONFIG_CLASSES = {"torch-gpt": "TorchGPTRunConfig", "megatron-gpt": "MegatronGPTRunConfig"}
-
-
-def run_config(workload: str, config: dict):
-    """The example's RunConfig from JSON-able fields (validated by its __post_init__)."""
-    module = importlib.import_module(WORKLOADS[workload])
-    return getattr(module, CONFIG_CLASSES[workload]).from_dict(config)
-
-
-def launch(workload: str, config, *, timeout_s: float) -> None:
-    entrypoint = f"{WORKLOADS[workload]}:run"
-    if config.world_size == 1 and workload == "torch-gpt" and not under_torchrun():
-        resolve(entrypoint)(config.to_dict())
-    else:  # megatron needs a process group even on one rank
-        run_ranks(entrypoint, config.to_dict(), config.world_size, timeout_s=timeout_s)
+from ttrace_core.examples.launch import WORKLOADS, launch, run_config
 
 
 def main(argv: list[str] | None = None) -> int:
