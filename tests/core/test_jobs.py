@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from ttrace_core.jobs import JobSpec, _alive, submit
+from ttrace_core.jobs import JobSpec, process_alive, submit
 
 
 def _spec(code: str, tmp_path, *, timeout_s: float = 60, success_codes=(0,), extra_env: dict | None = None) -> JobSpec:
@@ -60,7 +60,7 @@ def test_cancel_stops_the_command_and_its_children(tmp_path):
     status = job.wait(timeout_s=30)
     assert status.state == "cancelled" and job.result() is None
     time.sleep(0.2)
-    assert not _alive(int(pid_file.read_text()))
+    assert not process_alive(int(pid_file.read_text()))
 
 
 def test_two_jobs_run_side_by_side_and_one_directory_is_one_job(tmp_path):
