@@ -283,11 +283,11 @@ def _summarize(params: list[str]) -> str:
 
 def can_replay_alone(original: RunComparison, module: str) -> bool:
     """A module run alone shows what it computes, never a gradient reduction or an optimizer step: so
-    only when `module` is a recorded module and no reduced gradient or updated parameter of its
-    subtree fails."""
+    only when `module` is a recorded module and some activation of its subtree fails (reduced
+    gradients that fail with no activation failing point at the reduction or the optimizer)."""
     in_module = [c for c in original.comparisons if in_subtree(_owner_module(c.key), module)]
     return any(c.key.fqn == module and c.key.phase == "forward" for c in in_module) and \
-        not any(not c and c.key.phase in ("grad", "param") for c in in_module)
+        any(not c and c.key.phase in ("forward", "backward") for c in in_module)
 
 
 def _owner_module(key: TensorKey) -> str:

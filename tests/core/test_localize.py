@@ -90,10 +90,10 @@ def test_a_one_module_replay_does_not_blame_its_own_boundary():
 @pytest.mark.parametrize("failing, module, alone", [
     ((("forward", "layers.0.fc"),), "layers.0", True),                       # what the module computes: alone
     ((("grad", "final_norm.weight"),), "final_norm", False),                 # a reduction: only the whole model runs it
-    ((("forward", "layers.0.fc"), ("param", "layers.0.fc.bias")), "layers.0", False),
-    ((("grad", "final_norm.weight"),), "layers.0", True),                    # another module's gradient does not matter
+    ((("forward", "layers.0.fc"), ("param", "layers.0.fc.bias")), "layers.0", True),  # the update inherits it
+    ((("grad", "final_norm.weight"),), "layers.0", False),                   # nothing of layers.0 fails
     ((("forward", "layers.0.fc"),), "final_norm.weight", False),             # a parameter is not a module
-], ids=["activation", "reduction", "activation-and-update", "elsewhere", "a-parameter"])
+], ids=["activation", "reduction", "activation-and-update", "nothing-fails-here", "a-parameter"])
 def test_a_module_is_replayed_alone_only_when_that_can_show_its_failure(failing, module, alone):
     passing = [comparison("forward", m, "output.0", True) for m in ("final_norm", "layers.0", "layers.0.fc")]
     failures = [comparison(phase, fqn, "grad" if phase == "grad" else "output.0", False) for phase, fqn in failing]
