@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from ttrace_core.table import KINDS
+from ttrace_core.api import KINDS
 
 _LAYER_PREFIX = re.compile(r"^(.*?(?:^|\.)(?:layers|blocks|h)\.\d+)(?:\.|$)")
 LOG_RATIO_LIMIT = 4.0

@@ -13,8 +13,7 @@ import streamlit as st
 
 from app.state import ViewState, query_from_state, state_from_query
 from ttrace_core import api
-from ttrace_core.dashboard import ROOT_ENV
-from ttrace_core.errors import TtraceError
+from ttrace_core.api import ROOT_ENV, TtraceError
 
 PAGES_DIR = Path(__file__).resolve().parents[1] / "pages"
 PAGES = {  # url path -> (script, title, icon)

@@ -8,7 +8,6 @@ from app import cells, verdicts
 from app.report import report_html
 from app.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, stop_with, view_state
 from ttrace_core import api
-from ttrace_core.errors import TtraceError
 
 WHOLE_MODEL = ""
 
@@ -35,7 +34,7 @@ if left.button("Replay with reference inputs", type="primary", icon=":material/p
                disabled=job is not None and not job.status().done):
     try:
         job = api.submit_replay(reference, candidate, state.module, rerun=job is not None and job.status().done)
-    except TtraceError as error:
+    except api.TtraceError as error:
         stop_with(str(error))
 if job is None:
     st.info("No replay of this target yet.")

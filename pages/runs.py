@@ -7,13 +7,13 @@ from app import runs as pairing
 from app.state import ViewState, query_from_state
 from app.ui import dashboard_root, load_comparison, page, run_pair, show_in_url, stop_with, view_state
 from ttrace_core import api
-from ttrace_core.errors import TtraceError
+
 
 st.title("Runs")
 state = view_state()
 try:
     runs = api.find_runs(dashboard_root())
-except TtraceError as error:
+except api.TtraceError as error:
     stop_with(str(error))
 for broken in (run for run in runs if run.error):
     st.warning(f"`{broken.path}` cannot be used: {broken.error}", icon=":material/warning:")
@@ -25,7 +25,7 @@ for given in (state.ref, state.cand):
     try:
         if given:
             api.path_under_root(dashboard_root(), given)
-    except TtraceError as error:
+    except api.TtraceError as error:
         st.error(str(error), icon=":material/block:")
         state = ViewState()
 ref, cand = pairing.default_pair(runs, state.ref, state.cand)

@@ -9,7 +9,7 @@ import streamlit as st
 from app import cells, figures
 from app.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, stop_with, view_state
 from ttrace_core import api
-from ttrace_core.errors import TtraceError
+
 
 state = view_state()
 reference, candidate = run_pair(state)
@@ -42,7 +42,7 @@ verdict = f"**{row['status']}** · error {row['error']:.3g} · tolerance {row['t
 
 try:
     view = api.tensor_view(reference, candidate, state.tensor, state.step, state.mb)
-except TtraceError as error:
+except api.TtraceError as error:
     stop_with(str(error))
 ranks = [shard.rank for shard in view.shards]
 rank = right.selectbox("Highlight rank", [None, *ranks], index=([None, *ranks].index(state.rank) if state.rank in ranks else 0),

@@ -33,14 +33,16 @@ from ttrace_core.jobs import Job, JobSpec, submit
 from ttrace_core.compare import RunComparison, compare_runs
 from ttrace_core.errors import TraceFormatError, TtraceError
 from ttrace_core.estimate import ESTIMATE_FILE
+from ttrace_core.dashboard import ROOT_ENV
 from ttrace_core.schema import FORMAT_VERSION
+from ttrace_core.table import KINDS
 from ttrace_core.store import MANIFEST_NAME, RunReader, read_manifest, step_files
 from ttrace_core.tensor_view import TensorView, build_tensor_view
 from ttrace_core.tolerances import (
     DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS, select_tolerances,
 )
 
-__all__ = ["CompareSettings", "ComparisonTable", "Job", "RunInfo", "TensorView", "comparison", "comparison_table",
+__all__ = ["KINDS", "ROOT_ENV", "CompareSettings", "TtraceError", "ComparisonTable", "Job", "RunInfo", "TensorView", "comparison", "comparison_table",
            "find_runs", "localization", "path_under_root", "replay_job", "run_info", "run_comparison", "submit_replay", "tensor_view",
            "ttrace_version"]
 
