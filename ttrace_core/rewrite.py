@@ -15,8 +15,7 @@ tensor in backward (`_Substitute`), so the autograd graph stays connected and ev
 module still runs its backward.
 
 Switched on explicitly: `ttrace localize` relaunches the candidate in a rewrite session
-(session.py; for the examples, a `rewrite` entry in their config), which hands an `InputRewriter`
-to the Tracer. It plugs in through the Tracer's public seam (traced_modules, current_forward_call,
+(session.py), whose `attach` hands an `InputRewriter` to the Tracer. It plugs in through the Tracer's public seam (traced_modules, current_forward_call,
 coming_backward_call, layout_of, record); no environment variable turns it on.
 """
 

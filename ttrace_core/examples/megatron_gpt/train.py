@@ -233,12 +233,6 @@ def run(config_dict: dict) -> None:
     _in_process_group(MegatronGPTRunConfig.from_dict(config_dict), _train)
 
 
-def replay_module(config_dict: dict) -> None:
-    """A one-module replay of a run recorded by an older ttrace (its manifest names this factory): as
-    `run`, whose session then asks for it (Session.one_module_replay)."""
-    run(config_dict)
-
-
 def layer_spec(config: MegatronGPTRunConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
