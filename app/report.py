@@ -69,7 +69,7 @@ def report_html(reference: str | Path, candidate: str | Path) -> str:
     worst = frame.sort_values("ratio", ascending=False, na_position="first")
     worst = worst[~worst["passed"]].head(WORST_SHOWN) if not frame["passed"].all() else worst.head(WORST_SHOWN)
     worst_columns = ["tensor", "step", "micro_batch", "status", "error", "tolerance_rel", "tolerance_source", "ratio",
-                     "drift_ratio", "max_abs_diff", "max_abs_index"]
+                     "value_ratio", "drift_ratio", "max_abs_diff", "max_abs_index"]
     methods = frame.groupby(["tolerance_method"], dropna=False).size().rename("tensors").reset_index()
     runs = pd.DataFrame({"reference": metadata_rows(api.run_info(reference)),
                          "candidate": metadata_rows(api.run_info(candidate))}).reset_index(names="")

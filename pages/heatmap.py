@@ -43,8 +43,8 @@ if first is None:
     st.success("Every tensor passes: the candidate matches the reference.", icon=":material/check_circle:")
 else:
     mb_text = "" if first["micro_batch"] < 0 else f" mb {first['micro_batch']}"
-    st.error(f"First divergence: `{first['tensor']}` (step {first['step']}{mb_text}), ratio {first['ratio']:.3g}: "
-             f"{first['message']}", icon=":material/cancel:")
+    st.error(f"First divergence: `{first['tensor']}` (step {first['step']}{mb_text}): {first['message']}",
+             icon=":material/cancel:")
 
 st.download_button("Export report", data=lambda: report_html(reference, candidate), file_name="ttrace-report.html",
                    mime="text/html", icon=":material/download:",

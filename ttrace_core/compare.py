@@ -44,7 +44,8 @@ class TensorComparison:
     reference_norm: float | None = None
     tolerance: Tolerance | None = None
     ratio: float | None = None
-    """The ratio that judged the tensor: the larger of `value_ratio` and `drift_ratio`; <= 1 passes."""
+    """The ratio that judged the tensor: the larger of `value_ratio` and `drift_ratio` (`decided_by`
+    names which); <= 1 passes."""
     value_ratio: float | None = None
     """||actual - expected||_F / (rel * ||expected||_F + abs * sqrt(numel))."""
     drift_ratio: float | None = None
@@ -70,6 +71,13 @@ class TensorComparison:
         return self.status == "pass"
 
     @property
+    def decided_by(self) -> str | None:
+        """"mismatch" or "replica drift": which of the two ratios is `ratio` (None without a ratio)."""
+        if self.value_ratio is None:
+            return None
+        return "replica drift" if (self.drift_ratio or 0.0) > self.value_ratio else "mismatch"
+
+    @property
     def exact(self) -> bool:
         """Bitwise equal to the reference, on every replica."""
         return self.passed and not self.stats_only and self.abs_error == 0 and self.replica_drift is None \
@@ -81,11 +89,13 @@ class TensorComparison:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["key"] = asdict(self.key)
+        data["decided_by"] = self.decided_by
         return data
 
     @staticmethod
     def from_dict(data: dict) -> TensorComparison:
         data = dict(data)
+        data.pop("decided_by", None)
         data["key"] = TensorKey(**data["key"])
         data["tolerance"] = _tolerance_from_dict(data["tolerance"]) if data.get("tolerance") else None
         for name in ("shape", "max_abs_index", "max_rel_index", "num_nan", "num_inf"):
@@ -189,17 +199,24 @@ def compare_values(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tole
 
 
 def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[str, str]:
+    """The status and its message. A tensor can fail two ways at once, against the reference
+    (mismatch) and between its own replicas (replica drift); the message gives both ratios and the
+    larger one decides, so the status, the `ratio` column and the text always agree."""
     if metrics["num_nan"][0] != metrics["num_nan"][1] or metrics["num_inf"][0] != metrics["num_inf"][1]:
         return "nonfinite", f"NaN/Inf counts differ: candidate {metrics['num_nan'][0]}/{metrics['num_inf'][0]}, " \
                             f"reference {metrics['num_nan'][1]}/{metrics['num_inf'][1]}"
-    if metrics["ratio"] > 1:
-        also = f"; replicas on ranks {drift['ranks']} also differ (drift ratio {_drift_ratio(drift, tolerance):.3g})" \
-            if _drift_ratio(drift, tolerance) > 1 else ""
-        return "mismatch", f"relative error {metrics['error']:.3g} exceeds tolerance {tolerance.rel:.3g} " \
-                           f"(ratio {metrics['ratio']:.3g}){also}"
-    if _drift_ratio(drift, tolerance) > 1:
-        return "replica_drift", f"replicas on ranks {drift['ranks']} differ by {drift['relative_diff']:.3g} relative " \
-                                f"(ratio {_drift_ratio(drift, tolerance):.3g})"
+    value_ratio, drift_ratio = metrics["ratio"], _drift_ratio(drift, tolerance)
+    mismatch = f"mismatch ratio {value_ratio:.3g} (relative error {metrics['error']:.3g}, tolerance {tolerance.rel:.3g})"
+    if drift_ratio > 1:
+        relative = drift["relative_diff"]
+        drifting = f"replica drift ratio {drift_ratio:.3g} (replicas on ranks {drift['ranks']} differ by {relative:.3g} relative)"
+        if value_ratio > 1:
+            decided = "replica drift" if drift_ratio > value_ratio else "mismatch"
+            return ("replica_drift" if decided == "replica drift" else "mismatch"), \
+                f"{mismatch}; {drifting}; decided by {decided}"
+        return "replica_drift", f"{drifting}; {mismatch}"
+    if value_ratio > 1:
+        return "mismatch", mismatch
     return "pass", ""
 
 

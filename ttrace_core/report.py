@@ -21,13 +21,30 @@ def _number(value: float | None) -> str:
 
 
 def comparison_row(c: TensorComparison) -> str:
+    """`mismatch` is the error against the reference over the tolerance, `drift` how far the candidate's
+    own replicas disagree over theirs; the verdict names the one that decided."""
     tol = _number(c.tolerance.rel) if c.tolerance else "-"
     verdict = "PASSED" if c else f"FAILED[{c.status}]"
-    return f"{verdict:<22} {_number(c.error):>9} {tol:>9} {_number(c.ratio):>9}  {c.key}" + (f"  -- {c.message}" if c.message and not c else "")
+    drift = _number(c.drift_ratio) if c.drift_ratio else "-"
+    ratio = _number(c.value_ratio if c.value_ratio is not None else c.ratio)
+    return f"{verdict:<22} {_number(c.error):>9} {tol:>9} {ratio:>9} {drift:>9}  {c.key}" + \
+        (f"  -- {c.message}" if c.message and not c else "")
+
+
+def ratios_text(c: TensorComparison) -> str:
+    """"mismatch ratio 19.2, replica drift ratio 168 (decided by replica drift)": both ratios, named."""
+    if c.value_ratio is None:
+        return f"ratio {_number(c.ratio)}"
+    if not c.drift_ratio:
+        return f"mismatch ratio {_number(c.value_ratio)}"
+    return f"mismatch ratio {_number(c.value_ratio)}, replica drift ratio {_number(c.drift_ratio)} (decided by {c.decided_by})"
+
+
+COMPARISON_HEADER = f"{'verdict':<22} {'rel.err':>9} {'tol':>9} {'mismatch':>9} {'drift':>9}  tensor"
 
 
 def render_comparison(result: RunComparison, *, num_worst: int = 10) -> str:
-    header = f"{'verdict':<22} {'rel.err':>9} {'tol':>9} {'ratio':>9}  tensor"
+    header = COMPARISON_HEADER
     lines = [f"reference: {result.reference}", f"candidate: {result.candidate}", ""]
     first = result.first_divergence
     if first is not None:
@@ -40,7 +57,7 @@ def render_comparison(result: RunComparison, *, num_worst: int = 10) -> str:
             lines.append(f"    replica drift between ranks {tuple(first.replica_drift['ranks'])}: "
                          f"{_number(first.replica_drift['relative_diff'])} relative")
         lines.append("")
-    lines += [f"worst {num_worst} by ratio (error / tolerance):", header]
+    lines += [f"worst {num_worst} by ratio (mismatch: error / tolerance; drift: replica difference / its tolerance):", header]
     lines += [comparison_row(c) for c in result.worst(num_worst)]
     lines.append("")
     lines += [f"note: {note}" for note in result.notes]
@@ -151,7 +168,7 @@ def render_markdown(result: RunComparison, localization=None) -> str:
     if first is not None:
         tolerance = f"{first.tolerance.rel:.3g} ({first.tolerance.source})" if first.tolerance else "-"
         lines += [f"- first divergence: `{first.key}`: {first.status}, error {_number(first.error)}, "
-                  f"tolerance {tolerance}, ratio {_number(first.ratio)}"]
+                  f"tolerance {tolerance}, {ratios_text(first)}"]
     if localization is not None and localization.diverged:
         if localization.reproduced is False:
             lines.append("- localization: the replay does not reproduce the candidate; nothing blamed")

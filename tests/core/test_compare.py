@@ -81,3 +81,42 @@ def test_a_first_divergence_in_integer_inputs_is_named_a_data_mismatch(dtype, sl
                            comparisons=[TensorComparison(key=key, status="mismatch", dtype=dtype)])
     finding = data_mismatch_finding(result)
     assert (finding is not None and finding.startswith("data-mismatch: step 0 / mb 1")) == named
+
+
+def _judged(value_error: float, drift_relative: float | None) -> TensorComparison:
+    """A tensor whose candidate is off the reference by `value_error` (relative) and whose two
+    replicas differ by `drift_relative`, judged like compare_tensor does."""
+    from ttrace_core.compare import _drift_ratio, _verdict
+
+    tolerance = Tolerance(rel=1e-3, abs=0.0, source="test", drift_rel=1e-5)
+    expected = torch.ones(4, dtype=torch.float64)
+    metrics = compare_values(expected * (1 + value_error), expected, tolerance)
+    drift = None if drift_relative is None else {"ranks": [0, 1], "max_abs_diff": drift_relative, "relative_diff": drift_relative}
+    status, message = _verdict(metrics, drift, tolerance)
+    value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(drift, tolerance)
+    return TensorComparison(key=KEY, status=status, message=message, tolerance=tolerance, replica_drift=drift,
+                            ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio, drift_ratio=drift_ratio, **metrics)
+
+
+@pytest.mark.parametrize(
+    "value_error, drift, status, decided_by, in_message",
+    [
+        (0.0192, 1.68e-3, "replica_drift", "replica drift", ["mismatch ratio 19.2", "replica drift ratio 168", "decided by replica drift"]),
+        (0.168, 1.92e-4, "mismatch", "mismatch", ["mismatch ratio 168", "replica drift ratio 19.2", "decided by mismatch"]),
+        (0.0192, None, "mismatch", "mismatch", ["mismatch ratio 19.2"]),
+        (0.0, 1.68e-3, "replica_drift", "replica drift", ["replica drift ratio 168", "mismatch ratio 0"]),
+    ],
+    ids=["both-drift-larger", "both-mismatch-larger", "mismatch-only", "drift-only"],
+)
+def test_one_ratio_per_row_the_status_column_and_message_agree(value_error, drift, status, decided_by, in_message):
+    from ttrace_core.report import comparison_row, ratios_text
+
+    c = _judged(value_error, drift)
+    assert (c.status, c.decided_by) == (status, decided_by)
+    assert c.ratio == pytest.approx(c.drift_ratio if decided_by == "replica drift" else c.value_ratio)
+    for text in in_message:
+        assert text in c.message
+    assert f"{c.value_ratio:.3g}" in comparison_row(c) and f"FAILED[{status}]" in comparison_row(c)
+    assert ratios_text(c).startswith(f"mismatch ratio {c.value_ratio:.3g}")
+    data = TensorComparison.from_dict(c.to_dict())
+    assert c.to_dict()["decided_by"] == decided_by and data.decided_by == decided_by
