@@ -32,6 +32,8 @@ def _add_common_example_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bug", default=None, help="inject a known bug (see `ttrace bugs`)")
     parser.add_argument("--stats-only", action="store_true", help="store statistics instead of tensor values")
     parser.add_argument("--num-layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (global, over all DP ranks)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
     parser.add_argument("--out", required=True, help="run directory to record into")
 
@@ -66,7 +68,8 @@ def _torch_gpt_config(args: argparse.Namespace):
     return ENTRYPOINT, TorchGPTRunConfig(
         tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, fsdp=args.fsdp, cp=args.cp,
         precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
-        model=GPTConfig(num_layers=args.num_layers, d_model=args.d_model))
+        num_micro_batches=args.micro_batches,
+        model=GPTConfig(num_layers=args.num_layers, d_model=args.d_model, seq_len=args.seq_len))
 
 
 def _megatron_gpt_config(args: argparse.Namespace):
@@ -75,8 +78,9 @@ def _megatron_gpt_config(args: argparse.Namespace):
     return ENTRYPOINT, MegatronGPTRunConfig(
         tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, dist_opt=args.dist_opt, ep=args.ep,
         precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
-        record_steps=args.record_steps, model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, swiglu=args.swiglu,
-                                  tie_embeddings=args.tie_embeddings, num_experts=2 if args.moe else 0))
+        record_steps=args.record_steps, num_micro_batches=args.micro_batches,
+        model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, seq_len=args.seq_len,
+                                  swiglu=args.swiglu, tie_embeddings=args.tie_embeddings, num_experts=2 if args.moe else 0))
 
 
 def _build_parser() -> argparse.ArgumentParser:
