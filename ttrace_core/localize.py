@@ -10,7 +10,8 @@ How the replay is read, per step and micro-batch in execution order:
 - an output (forward) or grad_input (backward) that fails: the module was wrong on correct inputs;
 - an input or grad_output that fails while nothing earlier in that micro-batch failed: the code
   between modules broke it, i.e. the parent's glue (or, with no traced parent, the code outside
-  every module: the loss and the schedule, reported as "<root>");
+  every traced module, such as the loss and the schedule, named by the recorded tensors on both
+  sides of it: "between output_layer (forward output.0) and output_layer (backward grad_output.0)");
 - a culprit is a module that introduces error while none of its descendants does; its ancestors
   inherit the error.
 Only the first step that diverges is judged: later steps start from parameters the bug already
@@ -40,7 +41,6 @@ from ttrace_core.schema import RunManifest, TensorKey
 from ttrace_core.store import RunReader, read_manifest
 from ttrace_core.tolerances import select_tolerances
 
-ROOT = "<root>"
 STRUCTURAL = ("missing", "extra", "shape", "dtype", "layout")
 # A gradient off from the reference by a constant factor (and nothing else) is a scaling bug.
 PURE_SCALE_RESIDUAL = 1e-3
@@ -123,13 +123,9 @@ class Localization:
         return Localization(**data)
 
 
-def parent_of(fqn: str) -> str:
-    return owner_of(fqn) or ROOT
-
-
 def is_descendant(fqn: str, ancestor: str) -> bool:
-    """Module nesting by name; ROOT (code outside every module) is nobody's ancestor."""
-    return ancestor != ROOT and fqn.startswith(ancestor + ".")
+    """Module nesting by name; glue named by its neighbours ("between ...") is nobody's ancestor."""
+    return bool(ancestor) and fqn.startswith(ancestor + ".")
 
 
 def _evidence(key: TensorKey, before: dict[TensorKey, TensorComparison], after: TensorComparison) -> Evidence:
@@ -138,14 +134,29 @@ def _evidence(key: TensorKey, before: dict[TensorKey, TensorComparison], after: 
                     status=after.status)
 
 
+def glue_between(comparisons: list[TensorComparison], position: int) -> str:
+    """The code that produced the tensor at `position` when no traced module holds that code (the
+    model's own forward, the loss, the schedule, a module that hands back a function): named by
+    the nearest recorded tensors on both sides of it, the last one of the same micro-batch recorded
+    before it from another module and the tensor itself, never as the model root."""
+    after = comparisons[position].key
+    previous = next((c.key for c in reversed(comparisons[:position])
+                     if c.key.step == after.step and c.key.micro_batch == after.micro_batch
+                     and c.key.phase in ("forward", "backward") and (c.key.fqn, c.key.phase) != (after.fqn, after.phase)),
+                    None)
+    start = f"{previous.fqn or 'the model'} ({previous.phase} {previous.slot})" if previous else "the micro-batch's data"
+    return f"between {start} and {after.fqn or 'the model'} ({after.phase} {after.slot})"
+
+
 def _module_suspects(replay: RunComparison, before: dict, traced: set[str],
                      root: str | None) -> dict[str, tuple[str, list[Evidence]]]:
     """fqn -> (phase, evidence) of every module the replay says introduced an error. With a `root`
     (a one-module replay) that module's own inputs and output gradients come from unrewritten code
-    outside it: they are not evidence."""
+    outside it: they are not evidence. Glue that no traced module owns is named by its neighbours
+    (`glue_between`)."""
     suspects: dict[str, tuple[str, list[Evidence]]] = {}
     failed_scopes: set[tuple] = set()
-    for c in replay.comparisons:
+    for position, c in enumerate(replay.comparisons):
         if c.key.phase not in ("forward", "backward") or c.status in STRUCTURAL:
             continue
         scope = (c.key.step, c.key.phase, c.key.micro_batch)
@@ -157,8 +168,9 @@ def _module_suspects(replay: RunComparison, before: dict, traced: set[str],
         elif scope in failed_scopes or c.key.fqn == root:
             continue  # an input broken by an earlier failure in the same micro-batch, or from outside the replay
         else:
-            parent = parent_of(c.key.fqn)
-            fqn, phase = (parent if parent in traced else ROOT), f"{c.key.phase} glue"
+            parent = owner_of(c.key.fqn)
+            fqn = parent if parent and parent in traced else glue_between(replay.comparisons, position)
+            phase = f"{c.key.phase} glue"
         failed_scopes.add(scope)
         entry = suspects.setdefault(fqn, (phase, []))
         if len(entry[1]) < 5:
@@ -250,7 +262,7 @@ def sync_findings(original: RunComparison, replay: RunComparison, reference: Run
         else:
             reduction, bug_class, detail = _classify_gradient(c, reference, replay_reader, manifest)
         if not reduction:
-            owner = parent_of(c.key.fqn)
+            owner = owner_of(c.key.fqn) or c.key.fqn  # a parameter of the model root is named itself
             verdict = wgrad.setdefault(owner, ModuleVerdict(fqn=owner, verdict="introduces error",
                                                             phase="backward (weight gradient)"))
             verdict.evidence.append(_evidence(c.key, before, c))

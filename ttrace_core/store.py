@@ -144,8 +144,11 @@ class RunWriter:
         dataset.attrs["meta"] = _meta_to_json(meta)
         self.num_bytes_written += data.nbytes
 
-    def end_step(self) -> None:
+    def end_step(self, blind_spots: dict[str, str] | None = None) -> None:
+        """`blind_spots`: module -> what this rank's trace of it misses (RunReader merges them into the manifest's)."""
         assert self._file is not None and self._step is not None
+        if blind_spots:
+            self._file.attrs["blind_spots"] = json.dumps(blind_spots, sort_keys=True)
         self._file.attrs["complete"] = True
         self._file.flush()
         self._file.close()
@@ -318,6 +321,14 @@ class RunReader:
             ) from error
         self._files[(rank, step)] = handle
         where = f"{path}"
+        try:
+            blind_spots = json.loads(handle.attrs.get("blind_spots", "{}"))
+        except (TypeError, ValueError) as error:
+            raise TraceFormatError(f"{path}: attribute blind_spots is not JSON ({error}); re-record rank {rank}") from error
+        if not isinstance(blind_spots, dict) or not all(isinstance(v, str) for v in blind_spots.values()):
+            raise TraceFormatError(f"{path}: attribute blind_spots must map module names to text; re-record rank {rank}")
+        for fqn, why in blind_spots.items():
+            self.manifest.blind_spots.setdefault(fqn, why)
 
         def visit(name: str, node: h5py.Dataset | h5py.Group) -> None:
             if isinstance(node, h5py.Dataset) and self._wanted(name):

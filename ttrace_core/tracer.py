@@ -54,6 +54,9 @@ from ttrace_core.store import RunWriter, dtype_name, refuse_existing_trace, stat
 # A module whose inputs need no gradient (an embedding fed token ids) still gets its grad_output
 # recorded; torch warns about exactly that case on every backward.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
+# A module that returns neither a tensor nor a tuple gets no backward hook call; the tracer lists it
+# as a blind spot (`Tracer.blind_spots`, shown by `ttrace inspect`) and records what it can instead.
+warnings.filterwarnings("ignore", message="For backward hooks to be called, module output should be a Tensor")
 
 
 def _is_wrapper(module: nn.Module) -> bool:
@@ -126,6 +129,17 @@ def _slot_family(slot: str) -> str:
     return slot.rsplit(".", 1)[0] if "." in slot else slot
 
 
+def _proper_ancestors(fqn: str) -> list[str]:
+    """"a.b.c" -> ["a", "a.b"]; the root ("") is left out: excluding it leaves its children traced."""
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _hookable_output(output: object) -> bool:
+    """A full backward hook fires only for a module that returns a tensor or a tuple (torch warns otherwise)."""
+    return isinstance(output, (torch.Tensor, tuple))
+
+
 def _tensors_of(values: object) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(values)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -159,6 +173,9 @@ class Tracer:
                 manifest.tracer |= rewriter.describe()
             write_manifest(run_dir, manifest)
         self._handles.append(model.register_forward_pre_hook(self._root_pre_hook))
+        self.blind_spots: dict[str, str] = self.untraced_modules(model)
+        """Module -> what the trace of it misses: the configuration's exclusions, and modules whose
+        backward hooks cannot fire (found during the run); written with every step file."""
         self._attach_modules(model)
         if rewriter is not None:
             rewriter.attach(self, model, self._handles)
@@ -192,6 +209,29 @@ class Tracer:
                 continue
             backward = not any(fnmatch.fnmatchcase(name, g) for g in config.forward_only)
             yield self.global_fqn(local_fqn), module, backward
+
+    def untraced_modules(self, model: nn.Module) -> dict[str, str]:
+        """Global fqn -> why the trace cannot see into it, for every module the configuration leaves
+        out (the outermost of a subtree left out for the same reason)."""
+        config, found = self.config, {}
+        for local_fqn, module in model.named_modules():
+            name = strip_wrappers(local_fqn)
+            if local_fqn and _is_wrapper(module):
+                continue
+            if not self.is_selected(name):
+                why = "not traced (tracer configuration: exclude): its own inputs and outputs are not recorded"
+            elif any(fnmatch.fnmatchcase(name, g) for g in config.exclude_activations):
+                why = ("activations not traced (tracer configuration: exclude_activations): its parameters, "
+                       "gradients and updates are recorded, its inputs and outputs are not")
+            elif any(fnmatch.fnmatchcase(name, g) for g in config.forward_only):
+                why = ("backward not hooked (tracer configuration: forward_only): its grad_output is recorded "
+                       "through tensor hooks on its outputs, its grad_input is not")
+            else:
+                continue
+            fqn = self.global_fqn(local_fqn)
+            if not any(found[p] == why for p in _proper_ancestors(fqn) if p in found):
+                found[fqn] = why
+        return found
 
     def declare(self, fqn_glob: str, slot_glob: str, placements: Sequence, mesh) -> None:
         """Declare the layout of plain (non-DTensor) tensors at matching module slots.
@@ -297,7 +337,7 @@ class Tracer:
     def _attach_modules(self, model: nn.Module) -> None:
         for fqn, module, backward in self.traced_modules(model):
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._forward_hook(fqn)))
+            self._handles.append(module.register_forward_hook(self._forward_hook(fqn, backward)))
             # Before a parallel style's own output hook: the DTensor it is about to make local.
             self._handles.append(module.register_forward_hook(self._see_output_dtensors(fqn), prepend=True))
             if backward:
@@ -335,7 +375,7 @@ class Tracer:
             return None
         return hook
 
-    def _forward_hook(self, fqn: str):
+    def _forward_hook(self, fqn: str, backward_hooked: bool):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             if not self._recording() or not self._state.pending_forward[fqn]:
                 return None
@@ -346,11 +386,32 @@ class Tracer:
             outputs = _tensors_of(output)
             for index, value in enumerate(outputs):
                 self.record(self.key("forward", fqn, f"output.{index}", micro_batch, call), value)
-            if any(value.requires_grad for value in outputs):  # else no backward will come for this call
+            needs_grad = any(value.requires_grad for value in outputs)  # else no backward will come for this call
+            if needs_grad and backward_hooked and _hookable_output(output):
                 self._state.pending_backward[fqn].append(entry)
+            elif callable(output) and not outputs:
+                self.blind_spots[fqn] = (f"its forward returns a function ({type(output).__name__}) that runs after the "
+                                         "module returns: that computation is not recorded and shows as its parent's glue")
+            elif needs_grad:
+                if backward_hooked:
+                    self.blind_spots[fqn] = (f"its forward returns {type(output).__name__}, so backward hooks cannot fire: "
+                                             "its grad_output is recorded through tensor hooks, its grad_input is not")
+                self._record_grad_outputs_by_tensor_hooks(fqn, outputs, micro_batch, call)
             self._state.converted_outputs.pop(fqn, None)
             return None
         return hook
+
+    def _record_grad_outputs_by_tensor_hooks(self, fqn: str, outputs: list[torch.Tensor], micro_batch: int, call: int) -> None:
+        """grad_output of a module without a backward hook: a hook on each output tensor (in-place changes
+        of the output after it, like a fused cross entropy's, do not disturb it)."""
+        def recorder(index: int):
+            def hook(grad: torch.Tensor) -> None:
+                if self._state is not None:
+                    self.record(self.key("backward", fqn, f"grad_output.{index}", micro_batch, call), grad)
+            return hook
+        for index, value in enumerate(outputs):
+            if value.requires_grad:
+                value.register_hook(recorder(index))
 
     def _backward_hook(self, fqn: str):
         def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
@@ -410,7 +471,7 @@ class Tracer:
             self._writer.close()
             raise
         self._state = None
-        self._writer.end_step()
+        self._writer.end_step(self.blind_spots)
 
     @property
     def num_bytes_written(self) -> int:

@@ -1,7 +1,7 @@
 import pytest
 
 from ttrace_core.compare import RunComparison, TensorComparison
-from ttrace_core.localize import ROOT, Localization, can_replay_alone, module_verdicts, sync_findings
+from ttrace_core.localize import Localization, can_replay_alone, module_verdicts, sync_findings
 from ttrace_core.schema import NO_MICRO_BATCH, RunManifest, TensorKey
 
 
@@ -40,12 +40,26 @@ def test_an_input_broken_between_modules_blames_the_parents_glue():
     assert verdicts(replay)["layer.mlp"] == ("introduces error", "forward glue")
 
 
-def test_an_input_after_an_earlier_failure_is_inherited_and_untraced_parents_are_the_root():
+def test_an_input_after_an_earlier_failure_is_inherited_and_glue_outside_every_module_is_named_by_its_neighbours():
+    # Micro-batch 1: the loss (outside every traced module) sits between head's forward output and
+    # head's first backward tensor; the verdict names both, never the model root.
     replay = run(comparison("forward", "a.proj", "output.0", False), comparison("forward", "b.norm", "input.0", False),
-                 comparison("backward", "c", "grad_output.0", False, micro_batch=1))
+                 comparison("forward", "head", "output.0", True, micro_batch=1),
+                 comparison("backward", "head", "grad_output.0", False, micro_batch=1))
     result = verdicts(replay)
     assert result["a.proj"][0] == "introduces error" and "b" not in result
-    assert result[ROOT] == ("introduces error", "backward glue")
+    glue = "between head (forward output.0) and head (backward grad_output.0)"
+    assert result[glue] == ("introduces error", "backward glue")
+    assert not any(name in ("", "<root>") for name in result)
+
+
+def test_glue_of_the_model_root_and_before_any_recorded_tensor_is_named_by_its_neighbours():
+    # The root ("") is traced but owns only glue: the tensor after it and before it name the spot.
+    replay = run(comparison("forward", "", "input.0", True), comparison("forward", "emb", "input.0", False),
+                 comparison("forward", "emb", "output.0", True))
+    assert verdicts(replay)["between the model (forward input.0) and emb (forward input.0)"][0] == "introduces error"
+    first = run(comparison("forward", "emb", "input.0", False))
+    assert verdicts(first)["between the micro-batch's data and emb (forward input.0)"][0] == "introduces error"
 
 
 def test_modules_failing_only_before_rewriting_inherit():

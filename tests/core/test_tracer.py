@@ -187,3 +187,54 @@ def test_calls_within_a_micro_batch_and_checkpoint_recomputation(tmp_path):
     grads = {(k.fqn, k.micro_batch, k.call) for k in keys if k.phase == "backward" and k.slot == "grad_output.0"}
     assert {g for g in grads if g[0] == "head"} == {("head", mb, c) for mb in (0, 1) for c in (0, 1)}
     assert not any("_checkpoint_wrapped_module" in k.fqn for k in keys)
+
+
+class _DictOut(nn.Module):
+    """Returns a dict: torch cannot fire a full backward hook for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"hidden": self.lin(x)}
+
+
+class _HandsBackAFunction(nn.Module):
+    """Like megatron's bias-dropout-add: the computation runs after the module returns."""
+
+    def forward(self, scale: float):
+        return lambda x: x * scale
+
+
+class _BlindSpotModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.bda, self.head, self.skipped = _DictOut(), _HandsBackAFunction(), nn.Linear(8, 2), nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.skipped(self.encoder(x)["hidden"])
+        return self.head(self.bda(2.0)(hidden))
+
+
+def test_modules_the_trace_cannot_see_into_are_blind_spots_and_their_output_gradients_still_recorded(tmp_path):
+    torch.manual_seed(0)
+    model = _BlindSpotModel()
+    config = TracerConfig(exclude=("skipped",), forward_only=("head",))
+    tracer = Tracer(tmp_path, model, role="reference", config=config)
+    with tracer.step(0):
+        inputs = torch.randn(3, 4)
+        model(inputs).square().sum().backward()
+    tracer.close()
+    with RunReader(tmp_path) as reader:
+        spots = reader.manifest.blind_spots
+        assert set(spots) == {"skipped", "head", "encoder", "bda"}
+        assert "exclude" in spots["skipped"] and "forward_only" in spots["head"]
+        assert "returns dict" in spots["encoder"] and "returns a function" in spots["bda"]
+        slots = {(k.phase, k.fqn, k.slot) for k in reader.index}
+        # head and encoder have no backward hook, yet their output gradients are recorded (tensor hooks)
+        assert ("backward", "head", "grad_output.0") in slots and ("backward", "encoder", "grad_output.0") in slots
+        assert ("backward", "head", "grad_input.0") not in slots and ("backward", "encoder", "grad_input.0") not in slots
+        (head_grad,) = reader.index[next(k for k in reader.index if (k.fqn, k.slot) == ("head", "grad_output.0"))]
+        output = model.head(model.encoder(inputs)["hidden"] * 2.0)
+        assert torch.allclose(reader.read(head_grad), 2 * output.detach())

@@ -192,8 +192,9 @@ _BUGS = (
         description="The schedule divides each micro-batch loss by the global number of micro-batches "
                     "(local x DP) while DDP also averages over DP, so every gradient is dp times too small.",
         triggers=("--dp 2",),
-        culprit="<root> loss scaling: pipeline_parallel/schedules.py forward_step_calc_loss num_microbatches",
-        first_divergence="backward / decoder.final_layernorm / grad_output.0",
+        culprit="the loss, between output_layer's forward output and its backward: pipeline_parallel/schedules.py "
+                "forward_step_calc_loss num_microbatches",
+        first_divergence="backward / output_layer / grad_output.0",
         runs_on="megatron-core", apply=patches.apply_loss_scale_global_microbatches),
     ZooBug(
         name="dp-grad-avg-twice", upstream="Megatron-LM DDP grad averaging (class)", bug_class="gradient-sync",
@@ -220,8 +221,8 @@ class CulpritTruth:
     """What a localizer must name for a bug, in matchable form (the `culprit` text, as globs)."""
 
     modules: tuple[str, ...] = ()
-    """fnmatch globs of modules, for bugs inside a module; naming a descendant counts ("<root>" is
-    the code outside every module: loss and schedule)."""
+    """fnmatch globs of modules, for bugs inside a module; naming a descendant counts. Code outside
+    every traced module (the loss, the schedule) is named by its neighbours: "between A (...) and B (...)"."""
     params: str = ""
     """fnmatch glob of the parameters, for bugs outside modules (gradient sync, scaling, optimizer)."""
     reduction: str = ""
@@ -251,7 +252,7 @@ CULPRITS: dict[str, CulpritTruth] = {
     "fp8-amax-wrong-group": CulpritTruth(modules=("decoder.layers.*.linear_qkv", "decoder.layers.*.linear_proj",
                                                   "decoder.layers.*.linear_fc1", "decoder.layers.*.linear_fc2")),
     "expert-grad-scale": CulpritTruth(params="decoder.layers.*.mlp.experts.*", reduction="EP"),
-    "loss-scale-dp-cp": CulpritTruth(modules=("<root>",)),
+    "loss-scale-dp-cp": CulpritTruth(modules=("between output_layer (forward output.*) and output_layer (backward grad_output.*)",)),
     "dp-grad-avg-twice": CulpritTruth(params="*", reduction="DP"),
 }
 
