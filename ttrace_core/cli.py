@@ -112,6 +112,9 @@ def _build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--relative", type=float, default=None,
                           help="perturbation size (default: the unit round-off of the run's compute dtype)")
     estimate.add_argument("--timeout", type=float, default=600.0, help="seconds before a re-run's ranks are killed")
+    estimate.add_argument("--for-precision", default=None, choices=["fp32", "bf16", "fp8"],
+                          help="re-run the reference in this precision (fp8 on a bf16 reference), for candidates that "
+                               "compute in it: their tolerances then include its quantization")
     localize = commands.add_parser("localize", help="relaunch the candidate with module inputs rewritten to the reference's, name the culprit")
     localize.add_argument("reference")
     localize.add_argument("candidate")
@@ -241,11 +244,13 @@ def _run_dashboard(args: argparse.Namespace) -> int:
 def _run_estimate(args: argparse.Namespace) -> int:
     from ttrace_core.estimate import estimate_reference, write_estimate
 
-    estimate = estimate_reference(args.reference, num_samples=args.samples, relative=args.relative, timeout_s=args.timeout)
+    estimate = estimate_reference(args.reference, num_samples=args.samples, relative=args.relative, timeout_s=args.timeout,
+                                  for_precision=args.for_precision)
     path = write_estimate(args.reference, estimate)
     relatives = sorted(d.relative for d in estimate.tensors.values() if math.isfinite(d.relative))
     median = relatives[len(relatives) // 2] if relatives else float("nan")
-    print(f"estimated {len(estimate.tensors)} tensors from {estimate.num_samples} re-runs with weights perturbed by "
+    crossed = f" in {estimate.precision}" if estimate.precision != estimate.reference_precision else ""
+    print(f"estimated {len(estimate.tensors)} tensors from {estimate.num_samples} re-runs{crossed} with weights perturbed by "
           f"U[-{estimate.relative:.3g}, {estimate.relative:.3g}] ({estimate.seconds:.0f} s); median relative deviation "
           f"{median:.3g}, largest {relatives[-1] if relatives else float('nan'):.3g}; stored in {path}")
     return 0

@@ -325,8 +325,9 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     tensor's inputs were exact (dataflow.py); the flat dtype table is left as it is."""
     check_comparable(reference, candidate)
     tolerances = tolerances or select_tolerances("auto", reference, candidate)
-    if isinstance(tolerances, DtypeTolerances):
-        exact_inputs_k = None
+    crossed = reference.manifest.precision != candidate.manifest.precision
+    if isinstance(tolerances, DtypeTolerances) or crossed:
+        exact_inputs_k = None  # across precisions exact inputs still give results that differ by the quantization
     result = RunComparison(reference=str(reference.run_dir), candidate=str(candidate.run_dir))
     steps = sorted(set(reference.complete_steps) & set(candidate.complete_steps))
     for name, reader in (("reference", reference), ("candidate", candidate)):
@@ -354,11 +355,26 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
             result.comparisons.append(TensorComparison(key=key, status="missing", message="recorded in the reference only"))
         if progress:
             progress(done, total)
+    quantization_only = [key for key in extras if crossed and _quantization_only(key)]
+    if quantization_only:
+        result.notes.append(f"{len(quantization_only)} tensors only the {candidate.manifest.precision} candidate records "
+                            f"(its quantization scales, e.g. {quantization_only[0]}) were not compared: the "
+                            f"{reference.manifest.precision} reference has none")
     for key in extras:
-        result.comparisons.append(TensorComparison(key=key, status="extra", message="recorded in the candidate only"))
+        if key not in quantization_only:
+            result.comparisons.append(TensorComparison(key=key, status="extra", message="recorded in the candidate only"))
     if (finding := data_mismatch_finding(result)) is not None:
         result.notes.insert(0, finding)
     return result
+
+
+# Modules that exist only in a quantized run: the fp8 integration passes each GEMM's inverse scales
+# through an identity `fp8_scale_inv` child so that the tracer records them (integrations/fp8.py).
+QUANTIZATION_ONLY_MODULES = ("fp8_scale_inv",)
+
+
+def _quantization_only(key: TensorKey) -> bool:
+    return key.fqn.rsplit(".", 1)[-1] in QUANTIZATION_ONLY_MODULES
 
 
 def data_mismatch_finding(result: RunComparison) -> str | None:

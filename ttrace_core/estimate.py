@@ -56,13 +56,18 @@ class PerturbationEstimate:
     num_samples: int
     relative: float
     """Perturbation size: delta ~ U[-relative, relative]."""
+    reference_precision: str = ""
+    """The reference's own precision; `precision` differs from it when the re-runs computed in another
+    one (`--for-precision fp8` on a bf16 reference), so the deviations include that precision's
+    quantization. "" means the same as `precision`."""
     seconds: float = 0.0
     tensors: dict[TensorKey, TensorDeviation] = field(default_factory=dict)
 
     def to_json(self) -> str:
         rows = [{**asdict(d), "key": asdict(d.key)} for d in self.tensors.values()]
         return json.dumps({"format": ESTIMATE_FORMAT, "precision": self.precision, "num_samples": self.num_samples,
-                           "relative": self.relative, "seconds": self.seconds, "tensors": rows})
+                           "relative": self.relative, "reference_precision": self.reference_precision or self.precision,
+                           "seconds": self.seconds, "tensors": rows})
 
     @staticmethod
     def from_json(text: str, where: str) -> PerturbationEstimate:
@@ -75,25 +80,31 @@ class PerturbationEstimate:
                 key = TensorKey(**row.pop("key"))
                 tensors[key] = TensorDeviation(key=key, **row)
             return PerturbationEstimate(precision=data["precision"], num_samples=data["num_samples"],
-                                        relative=data["relative"], seconds=data.get("seconds", 0.0), tensors=tensors)
+                                        relative=data["relative"], seconds=data.get("seconds", 0.0), tensors=tensors,
+                                        reference_precision=data.get("reference_precision", data["precision"]))
         except (ValueError, KeyError, TypeError) as error:
             raise TraceFormatError(f"{where}: not a readable tolerance estimate ({error}); "
                                    "delete it and run `ttrace estimate` again") from error
 
 
-def estimate_path(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / ESTIMATE_FILE
+def estimate_path(run_dir: str | os.PathLike, for_precision: str | None = None) -> Path:
+    """The estimate for candidates of the reference's own precision, or of `for_precision`
+    (tolerance_estimate.fp8.json: the reference re-run in fp8, for fp8 candidates)."""
+    run_dir = Path(run_dir)
+    if for_precision is None or for_precision == read_manifest(run_dir).precision:
+        return run_dir / ESTIMATE_FILE
+    return run_dir / ESTIMATE_FILE.replace(".json", f".{for_precision}.json")
 
 
-def read_estimate(run_dir: str | os.PathLike) -> PerturbationEstimate | None:
-    path = estimate_path(run_dir)
+def read_estimate(run_dir: str | os.PathLike, for_precision: str | None = None) -> PerturbationEstimate | None:
+    path = estimate_path(run_dir, for_precision)
     if not path.exists():
         return None
     return PerturbationEstimate.from_json(path.read_text(), str(path))
 
 
 def write_estimate(run_dir: str | os.PathLike, estimate: PerturbationEstimate) -> Path:
-    path = estimate_path(run_dir)
+    path = estimate_path(run_dir, estimate.precision)
     partial = path.with_suffix(".json.partial")
     partial.write_text(estimate.to_json())
     os.replace(partial, path)
@@ -117,8 +128,14 @@ def deviations(reference: RunReader, perturbed: RunReader) -> dict[TensorKey, tu
 
 
 def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, relative: float | None = None,
-                       timeout_s: float = 600.0, num_workers: int | None = None) -> PerturbationEstimate:
-    """Re-run the reference `num_samples` times with perturbed weights and measure every tensor's deviation."""
+                       timeout_s: float = 600.0, num_workers: int | None = None,
+                       for_precision: str | None = None) -> PerturbationEstimate:
+    """Re-run the reference `num_samples` times with perturbed weights and measure every tensor's deviation.
+
+    `for_precision` (e.g. "fp8" on a bf16 reference): the re-runs compute in that precision, so each
+    deviation is the quantization plus the round-off, the tolerance an fp8 candidate needs when it
+    is judged against the bf16 run (the triangle inequality again: candidate vs an fp8 reference, plus
+    that fp8 reference vs this one, each about one such deviation)."""
     from ttrace_core.record import relaunch
 
     if num_samples < 1:
@@ -131,6 +148,7 @@ def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, rela
     if manifest.tracer.get("stats_only"):
         raise TtraceError(f"{run_dir}: recorded with --stats-only, so it holds no values to measure deviations on; "
                           "record the reference again without --stats-only")
+    for_precision = None if for_precision in (None, manifest.precision) else for_precision
     relative = relative if relative is not None else machine_epsilon(manifest.precision) / 2  # unit round-off
     work = run_dir / ".estimate"
     shutil.rmtree(work, ignore_errors=True)
@@ -138,11 +156,14 @@ def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, rela
     workers = num_workers or max(1, (os.cpu_count() or 1) // manifest.world_size)
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=min(workers, num_samples)) as pool:
-        futures = [pool.submit(relaunch, run_dir, manifest, out.resolve(), timeout_s=timeout_s,
+        futures = [pool.submit(relaunch, run_dir, manifest, out.resolve(), timeout_s=timeout_s, precision=for_precision,
                                perturbation={"sample": i, "relative": relative}) for i, out in enumerate(outs)]
         for future in futures:
             future.result()
-    estimate = PerturbationEstimate(precision=manifest.precision, num_samples=num_samples, relative=relative)
+    if for_precision is not None:
+        _check_precision_honoured(run_dir, outs, for_precision)
+    estimate = PerturbationEstimate(precision=for_precision or manifest.precision, num_samples=num_samples,
+                                    relative=relative, reference_precision=manifest.precision)
     with RunReader(run_dir) as reference:
         for out in outs:
             with RunReader(out) as perturbed:
@@ -150,6 +171,15 @@ def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, rela
     estimate.seconds = time.monotonic() - started
     shutil.rmtree(work, ignore_errors=True)
     return estimate
+
+
+def _check_precision_honoured(run_dir: Path, outs: list[Path], precision: str) -> None:
+    for out in outs:
+        recorded = read_manifest(out).precision
+        if recorded != precision:
+            shutil.rmtree(run_dir / ".estimate", ignore_errors=True)
+            raise TtraceError(f"{run_dir}: asked its command to re-run in {precision} but it recorded {recorded}; the "
+                              "script must apply ttrace_core.requested_precision() to its config (the bundled examples do)")
 
 
 def _merge(estimate: PerturbationEstimate, sample: dict[TensorKey, tuple[float, float, int]]) -> None:

@@ -78,7 +78,7 @@ def record(out: str | os.PathLike, command: list[str], *, seed: int = 0, stats_o
 
 
 def relaunch(run_dir: Path, manifest: RunManifest, out: Path, *, perturbation: dict | None = None,
-             rewrite: dict | None = None, timeout_s: float) -> None:
+             rewrite: dict | None = None, precision: str | None = None, timeout_s: float) -> None:
     """Run a recorded run again into `out`, its weights perturbed (estimate) or its modules' inputs
     rewritten (localize), in a session of the given mode: the recorded command, or for a run recorded
     by an older ttrace, the example factory its manifest names."""
@@ -90,7 +90,7 @@ def relaunch(run_dir: Path, manifest: RunManifest, out: Path, *, perturbation: d
     mode = "perturb" if perturbation is not None else "rewrite" if rewrite else "record"
     spec = SessionSpec(out=str(out), mode=mode, launcher_pid=os.getpid(), command=list(command or []),
                        cwd=entrypoint.get("cwd", ""), seed=int(entrypoint.get("seed", manifest.seed)),
-                       role=manifest.role, perturbation=perturbation, rewrite=rewrite)
+                       role=manifest.role, perturbation=perturbation, rewrite=rewrite, precision=precision)
     if command:
         if spec.cwd and not Path(spec.cwd).is_dir():
             raise TtraceError(f"{run_dir}/manifest.json: the command ran in {spec.cwd}, which does not exist here; "
@@ -105,5 +105,6 @@ def relaunch(run_dir: Path, manifest: RunManifest, out: Path, *, perturbation: d
         raise TtraceError(f"{run_dir}/manifest.json: entrypoint {factory!r} cannot be imported here ({error}); "
                           "install the package that defines it, or run from the directory it was recorded in") from error
     with session_environment(spec) as env:
-        run_ranks(factory, entrypoint["config"], manifest.world_size, timeout_s=timeout_s,
+        run_ranks(factory, {**entrypoint["config"], **({"precision": precision} if precision else {})},
+                  manifest.world_size, timeout_s=timeout_s,
                   env={SESSION_ENV: env[SESSION_ENV]})

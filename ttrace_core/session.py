@@ -66,6 +66,9 @@ class SessionSpec:
     """A WeightPerturbation as a dict (mode "perturb")."""
     rewrite: dict | None = None
     """{"reference": run dir, "module": fqn or None} (mode "rewrite")."""
+    precision: str | None = None
+    """Compute in this precision instead of the recorded one (`ttrace estimate --for-precision fp8`
+    re-runs a bf16 reference as fp8); None: as recorded. Read it with `requested_precision()`."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -103,6 +106,14 @@ def active_spec() -> SessionSpec | None:
 
 
 # ---- the session ------------------------------------------------------------------------------
+
+def requested_precision() -> str | None:
+    """The precision a ttrace command asks this run to compute in, instead of its own ("fp8" when
+    `ttrace estimate --for-precision fp8` re-runs a bf16 reference); None: the run's own. A script
+    that supports it applies it to its config; ttrace checks the relaunched manifest's precision."""
+    spec = active_spec()
+    return None if spec is None else spec.precision
+
 
 def weight_perturbation() -> WeightPerturbation | None:
     """The perturbation `ttrace estimate` asks of this run, for a script that draws its own consistent

@@ -242,8 +242,13 @@ def select_tolerances(kind: str, reference: RunReader, candidate: RunReader, *, 
         raise TtraceError(f"--tolerance {kind!r}: choose from {', '.join(TOLERANCE_KINDS)}")
     if kind == "theorem":
         return TheoremTolerances(num_layers=num_layers_of(reference), precision=precision, k=k, c=c)
-    estimate = read_estimate(reference.run_dir) if kind in ("auto", "perturbation") else None
+    crossed = reference.manifest.precision != precision
+    estimate = read_estimate(reference.run_dir, precision) if kind in ("auto", "perturbation") else None
     if estimate is None:
+        if crossed and kind in ("auto", "perturbation"):
+            raise TtraceError(f"{estimate_path(reference.run_dir, precision)}: the candidate computes in {precision}, the "
+                              f"reference in {reference.manifest.precision}, and no estimate covers that quantization; run "
+                              f"`ttrace estimate {os.fspath(reference.run_dir)} --for-precision {precision}` first")
         if kind == "perturbation":
             raise TtraceError(f"{estimate_path(reference.run_dir)}: no perturbation estimate; run "
                               f"`ttrace estimate {os.fspath(reference.run_dir)}` first, or pass --tolerance theorem|dtype")

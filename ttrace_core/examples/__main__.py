@@ -26,12 +26,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
     args = parser.parse_args(argv)
     try:
-        config = run_config(args.workload, json.loads(args.config))
+        config = run_config(args.workload, {**json.loads(args.config), **_requested_overrides()})
     except (ValueError, TypeError) as error:
         print(f"ttrace: error: {args.workload} --config: {error}", file=sys.stderr)
         return 2
     launch(args.workload, config, timeout_s=args.timeout)
     return 0
+
+
+def _requested_overrides() -> dict:
+    """What the launching ttrace command asks to change: the precision, for `ttrace estimate --for-precision`."""
+    from ttrace_core.session import requested_precision
+
+    precision = requested_precision()
+    return {"precision": precision} if precision else {}
 
 
 if __name__ == "__main__":
