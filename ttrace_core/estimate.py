@@ -104,7 +104,8 @@ def read_estimate(run_dir: str | os.PathLike, for_precision: str | None = None) 
 
 
 def write_estimate(run_dir: str | os.PathLike, estimate: PerturbationEstimate) -> Path:
-    path = estimate_path(run_dir, estimate.precision)
+    crossed = estimate.reference_precision and estimate.precision != estimate.reference_precision
+    path = estimate_path(run_dir, estimate.precision if crossed else None)
     partial = path.with_suffix(".json.partial")
     partial.write_text(estimate.to_json())
     os.replace(partial, path)
