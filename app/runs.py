@@ -45,7 +45,9 @@ def metadata_rows(run: RunInfo) -> dict[str, str]:
         "role": run.role or "-", "layout": run.layout, "world size": str(run.world_size), "precision": run.precision or "-",
         "complete steps": ", ".join(map(str, run.steps)) or "none",
         "partial steps": ", ".join(map(str, run.partial_steps)) or "none", "injected bug": run.bug or "none",
-        "tolerance estimate": "yes (perturbation)" if run.has_estimate else "no",
+        "tolerance estimate": ("yes (perturbation)" if run.has_estimate else "no")
+        + "".join(f"; for {p} candidates" for p in run.estimates_for),
+        "blind spots": "; ".join(f"{fqn or '(the model)'}: {why}" for fqn, why in sorted(run.blind_spots.items())) or "none",
         "recorded by": run.entrypoint or "-", "trace format": str(run.format_version),
         "versions": ", ".join(f"{name} {version}" for name, version in run.versions.items()) or "not recorded",
         "model": ", ".join(f"{k}={v}" for k, v in sorted(run.model.items())),

@@ -36,7 +36,7 @@ from ttrace_core.estimate import ESTIMATE_FILE
 from ttrace_core.dashboard import ROOT_ENV
 from ttrace_core.schema import FORMAT_VERSION
 from ttrace_core.table import KINDS
-from ttrace_core.store import MANIFEST_NAME, RunReader, read_manifest, step_files
+from ttrace_core.store import MANIFEST_NAME, RunReader, read_blind_spots, read_manifest, step_files
 from ttrace_core.tensor_view import TensorView, build_tensor_view
 from ttrace_core.tolerances import (
     DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS, select_tolerances,
@@ -100,6 +100,10 @@ class RunInfo:
     """Python and package versions from the manifest's environment fingerprint (empty for older traces)."""
     error: str | None = None
     """Why the run cannot be used (one line), else None."""
+    blind_spots: dict = field(default_factory=dict)
+    """Module -> what the trace of it misses (store.read_blind_spots)."""
+    estimates_for: list[str] = field(default_factory=list)
+    """Other precisions the reference was estimated for (`ttrace estimate --for-precision`)."""
 
     @property
     def layout(self) -> str:
@@ -122,11 +126,16 @@ def _run_info(root: Path, run_dir: Path) -> RunInfo:
         return RunInfo(path=relative, error=str(error))
     complete, partial = step_files(run_dir, manifest.world_size)
     config = manifest.entrypoint.get("config") or {}
+    try:
+        blind_spots = read_blind_spots(run_dir, manifest, complete[0]) if complete else dict(manifest.blind_spots)
+    except TtraceError as error:
+        return RunInfo(path=relative, error=str(error))
+    crossed = sorted(p.name.split(".")[1] for p in run_dir.glob(ESTIMATE_FILE.replace(".json", ".*.json")))
     return RunInfo(path=relative, role=manifest.role, precision=manifest.precision, world_size=manifest.world_size,
                    degrees=dict(manifest.degrees), steps=complete, partial_steps=partial, model=dict(manifest.model),
                    bug=config.get("bug"), has_estimate=(run_dir / ESTIMATE_FILE).is_file(),
                    entrypoint=manifest.entrypoint.get("factory"), format_version=manifest.format_version,
-                   versions=_versions(manifest.environment),
+                   versions=_versions(manifest.environment), blind_spots=blind_spots, estimates_for=crossed,
                    error=None if complete else f"{run_dir}: no complete step (partial: {partial}); re-record the run")
 
 

@@ -276,6 +276,31 @@ def forward_inputs(run_dir: str | os.PathLike, rank: int, step: int, fqn: str) -
     return dict(calls)
 
 
+def _blind_spots_of(handle: h5py.File, path: Path, rank: int) -> dict[str, str]:
+    """The modules one rank's trace could not see into (Tracer.blind_spots), from its step file."""
+    try:
+        blind_spots = json.loads(handle.attrs.get("blind_spots", "{}"))
+    except (TypeError, ValueError) as error:
+        raise TraceFormatError(f"{path}: attribute blind_spots is not JSON ({error}); re-record rank {rank}") from error
+    if not isinstance(blind_spots, dict) or not all(isinstance(v, str) for v in blind_spots.values()):
+        raise TraceFormatError(f"{path}: attribute blind_spots must map module names to text; re-record rank {rank}")
+    return blind_spots
+
+
+def read_blind_spots(run_dir: str | os.PathLike, manifest: RunManifest, step: int) -> dict[str, str]:
+    """Every blind spot of a run: the manifest's and those each rank wrote with `step` (tensors are not read)."""
+    found = dict(manifest.blind_spots)
+    for rank in range(manifest.world_size):
+        path = Path(run_dir) / step_file_name(rank, step)
+        try:
+            with h5py.File(path, "r") as handle:
+                for fqn, why in _blind_spots_of(handle, path, rank).items():
+                    found.setdefault(fqn, why)
+        except OSError as error:
+            raise TraceFormatError(f"{path}: not a readable HDF5 file ({error}); re-record rank {rank}") from error
+    return found
+
+
 class RunReader:
     """Read-only view of a run directory: the manifest, which steps are complete, and every shard."""
 
@@ -321,13 +346,7 @@ class RunReader:
             ) from error
         self._files[(rank, step)] = handle
         where = f"{path}"
-        try:
-            blind_spots = json.loads(handle.attrs.get("blind_spots", "{}"))
-        except (TypeError, ValueError) as error:
-            raise TraceFormatError(f"{path}: attribute blind_spots is not JSON ({error}); re-record rank {rank}") from error
-        if not isinstance(blind_spots, dict) or not all(isinstance(v, str) for v in blind_spots.values()):
-            raise TraceFormatError(f"{path}: attribute blind_spots must map module names to text; re-record rank {rank}")
-        for fqn, why in blind_spots.items():
+        for fqn, why in _blind_spots_of(handle, path, rank).items():
             self.manifest.blind_spots.setdefault(fqn, why)
 
         def visit(name: str, node: h5py.Dataset | h5py.Group) -> None:

@@ -22,3 +22,22 @@ def test_the_first_visit_lands_on_a_buggy_candidate_and_the_url_wins_otherwise()
     assert default_pair(RUNS, None, None) == ("fp32/reference", "fp32/bug")
     assert default_pair(RUNS, "bf16/reference", "fp32/clean") == ("bf16/reference", "fp32/clean")
     assert default_pair(RUNS, "../../etc", "broken") == ("fp32/reference", "fp32/bug")
+
+
+def test_the_runs_page_lists_blind_spots_and_estimates_for_other_precisions(tmp_path):
+    import torch
+    from torch import nn
+
+    from app.runs import metadata_rows
+    from ttrace_core import api
+    from ttrace_core.tracer import Tracer, TracerConfig
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    tracer = Tracer(tmp_path, model, role="reference", config=TracerConfig(forward_only=("1",)))
+    with tracer.step(0):
+        model(torch.randn(2, 4)).sum().backward()
+    tracer.close()
+    (tmp_path / "tolerance_estimate.fp8.json").write_text("{}")
+    rows = metadata_rows(api.run_info(tmp_path))
+    assert rows["blind spots"].startswith("1: backward not hooked (tracer configuration: forward_only)")
+    assert rows["tolerance estimate"] == "no; for fp8 candidates"
