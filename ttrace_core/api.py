@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -171,7 +172,8 @@ def path_under_root(root: str | os.PathLike, relative: str) -> Path:
 def _fingerprint(run_dir: Path) -> list:
     """What a comparison depends on in a run directory: its manifest's bytes and its data files' stats."""
     manifest = (run_dir / MANIFEST_NAME).read_bytes()
-    names = sorted(p for p in os.listdir(run_dir) if p.endswith((".h5", ".partial")) or p == ESTIMATE_FILE)
+    estimates = re.compile(re.escape(ESTIMATE_FILE).replace(r"\.json", r"(\.\w+)?\.json") + "$")
+    names = sorted(p for p in os.listdir(run_dir) if p.endswith((".h5", ".partial")) or estimates.match(p))
     stats = [(name, (run_dir / name).stat().st_size, (run_dir / name).stat().st_mtime_ns) for name in names]
     return [hashlib.sha256(manifest).hexdigest(), stats]
 
