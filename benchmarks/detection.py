@@ -37,6 +37,31 @@ CLEAN_LAYOUTS = [("base", "--tp 2"), ("base", "--tp 2 --sp"), ("base", "--pp 2")
 TORCH_GPT_PRECISIONS = ("fp32", "bf16")  # torch-gpt has no fp8 recipe
 
 
+@dataclass(frozen=True)
+class Split:
+    """One model size, data and seed. ttrace's settings (alpha, the floor, the exact-inputs k) were
+    chosen on `in-sample`; `held-out` is a model and data they never saw."""
+
+    seed: int
+    num_layers: int
+    width: int
+    seq_len: int
+    micro_batches: int
+
+    def flags(self, workload: str) -> list[str]:
+        width = "--hidden-size" if workload == "megatron-gpt" else "--d-model"
+        return ["--seed", str(self.seed), "--num-layers", str(self.num_layers), width, str(self.width),
+                "--seq-len", str(self.seq_len), "--micro-batches", str(self.micro_batches)]
+
+    def describe(self) -> str:
+        return (f"{self.num_layers} layers, hidden {self.width}, {self.micro_batches} micro-batches of 2 x "
+                f"{self.seq_len} tokens, seed {self.seed}")
+
+
+SPLITS = {"in-sample": Split(seed=0, num_layers=4, width=64, seq_len=16, micro_batches=4),
+          "held-out": Split(seed=1, num_layers=8, width=128, seq_len=32, micro_batches=2)}
+
+
 @dataclass(kw_only=True)
 class Run:
     workload: str
@@ -44,6 +69,7 @@ class Run:
     variant: str
     layout: str
     bug: str | None = None
+    split: str = "in-sample"
 
     @property
     def name(self) -> str:
@@ -51,14 +77,19 @@ class Run:
         return f"{self.bug or 'clean'}-{slug}"
 
     def directory(self, work: Path) -> Path:
-        return work / self.workload / self.precision / self.variant / self.name
+        return work / self.split / self.workload / self.precision / self.variant / self.name
+
+    def reference(self, precision: str | None = None) -> Run:
+        return Run(workload=self.workload, precision=precision or self.precision, variant=self.variant, layout="",
+                   split=self.split)
 
     def flags(self, loss_steps: int) -> list[str]:
-        flags = [*shlex.split(self.layout), *VARIANT_FLAGS[self.variant], "--precision", self.precision]
+        flags = [*shlex.split(self.layout), *VARIANT_FLAGS[self.variant], "--precision", self.precision,
+                 *SPLITS[self.split].flags(self.workload)]
         if self.bug:
             flags += ["--bug", self.bug]
         if self.workload == "megatron-gpt":
-            return flags + ["--steps", str(loss_steps), "--record-steps", "2"]
+            return flags + ["--steps", str(max(loss_steps, 2)), "--record-steps", "2"]
         return flags + ["--steps", "2"]
 
 
@@ -83,9 +114,14 @@ class Row:
     localized_first_tensor: str = "-"
     """Bug runs: is the first failing tensor in the ground-truth module (or parameters)?"""
     note: str = ""
+    first_error: float | None = None
+    """Relative error at the first divergence, and the tolerance (rel) it was held to."""
+    first_tolerance: float | None = None
+    first_method: str = ""
+    """How that tolerance was derived: perturbation, perturbation-floor, exact-inputs."""
 
 
-def bug_runs(precisions: list[str]) -> list[Run]:
+def bug_runs(precisions: list[str], split: str = "in-sample") -> list[Run]:
     runs = []
     for bug in ZOO.values():
         for trigger in bug.triggers:
@@ -99,13 +135,16 @@ def bug_runs(precisions: list[str]) -> list[Run]:
             for precision in precisions:
                 if (pinned and precision != pinned) or (workload == "torch-gpt" and precision not in TORCH_GPT_PRECISIONS):
                     continue
-                runs.append(Run(workload=workload, precision=precision, variant=variant, layout=layout, bug=bug.name))
+                runs.append(Run(workload=workload, precision=precision, variant=variant, layout=layout, bug=bug.name,
+                                split=split))
     return runs
 
 
-def clean_runs(precisions: list[str]) -> list[Run]:
-    runs = [Run(workload="megatron-gpt", precision=p, variant=v, layout=layout) for p in precisions for v, layout in CLEAN_LAYOUTS]
-    runs += [Run(workload="torch-gpt", precision=p, variant="base", layout="--cp 2") for p in precisions if p in TORCH_GPT_PRECISIONS]
+def clean_runs(precisions: list[str], split: str = "in-sample") -> list[Run]:
+    runs = [Run(workload="megatron-gpt", precision=p, variant=v, layout=layout, split=split)
+            for p in precisions for v, layout in CLEAN_LAYOUTS]
+    runs += [Run(workload="torch-gpt", precision=p, variant="base", layout="--cp 2", split=split)
+             for p in precisions if p in TORCH_GPT_PRECISIONS]
     return runs
 
 
@@ -123,11 +162,14 @@ def record(run: Run, work: Path, loss_steps: int, log: Path) -> str:
     return "" if done.returncode == 0 else f"recording failed (exit {done.returncode}, see {log})"
 
 
-def estimate(reference: Path, samples: int, log: Path) -> None:
-    if (reference / "tolerance_estimate.json").exists():
+def estimate(reference: Path, samples: int, log: Path, *, for_precision: str | None = None) -> None:
+    """`ttrace estimate` unless done; `for_precision` "fp8" re-runs a bf16 reference in fp8 (fp8 vs bf16 rows)."""
+    name, extra = ("tolerance_estimate.json", []) if for_precision is None else \
+        (f"tolerance_estimate.{for_precision}.json", ["--for-precision", for_precision])
+    if (reference / name).exists():
         return
     with log.open("a") as handle:
-        subprocess.run(["ttrace", "estimate", str(reference), "--samples", str(samples)], stdout=handle,
+        subprocess.run(["ttrace", "estimate", str(reference), "--samples", str(samples), *extra], stdout=handle,
                        stderr=subprocess.STDOUT, check=True)
 
 
@@ -137,8 +179,7 @@ def losses(run_dir: Path) -> list[float] | None:
 
 
 def evaluate(run: Run, work: Path, spread: float | None) -> Row:
-    reference_run = Run(workload=run.workload, precision=run.precision, variant=run.variant, layout="")
-    oracle_run = Run(workload=run.workload, precision="fp64", variant=run.variant, layout="")
+    reference_run, oracle_run = run.reference(), run.reference("fp64")
     truth = ZOO[run.bug].first_divergence if run.bug else ""
     with RunReader(reference_run.directory(work)) as reference, RunReader(run.directory(work)) as candidate, \
             RunReader(oracle_run.directory(work)) as oracle:
@@ -153,13 +194,14 @@ def evaluate(run: Run, work: Path, spread: float | None) -> Row:
     if ref_losses and cand_losses and spread is not None:
         step = baselines.loss_curve_step(ref_losses, cand_losses, spread)
         loss_step = f"not within {len(ref_losses)}" if step is None else str(step)
-    ratios = [c.ratio for c in result.comparisons if c.ratio is not None]
     rewrite, first_tensor = localization_columns(run, work, reference_run, result)
-    return Row(localized_rewrite=rewrite, localized_first_tensor=first_tensor, precision=run.precision, run=run.bug or "clean", variant=run.variant, layout=run.layout,
-               detected=not result.passed, first_divergence=str(first.key) if first is not None else "",
-               first_ratio=first.ratio if first is not None else None, max_ratio=max(ratios, default=None), ground_truth=truth,
-               theorem=theorem, megatron_l0=l0 is not None, assert_close=elementwise["assert_close"] is not None,
-               dynamo=elementwise["dynamo"] is not None, loss_step=loss_step)
+    row = Row(localized_rewrite=rewrite, localized_first_tensor=first_tensor, precision=run.precision, run=run.bug or "clean",
+              variant=run.variant, layout=run.layout, detected=None, first_divergence="", first_ratio=None, max_ratio=None,
+              ground_truth=truth, theorem=theorem, megatron_l0=l0 is not None,
+              assert_close=elementwise["assert_close"] is not None, dynamo=elementwise["dynamo"] is not None,
+              loss_step=loss_step)
+    fill_verdict(row, result)
+    return row
 
 
 def localization_columns(run: Run, work: Path, reference_run: Run, result) -> tuple[str, str]:
@@ -171,6 +213,36 @@ def localization_columns(run: Run, work: Path, reference_run: Run, result) -> tu
     found = localize(reference_run.directory(work), run.directory(work), original=result, reuse_replay=True)
     named = found.culprits[0] if found.culprits else "nothing"
     return ("yes" if localized_correctly(run.bug, found) else f"no: {named}"), first_tensor
+
+
+def evaluate_ttrace_only(run: Run, work: Path, *, reference_precision: str | None = None) -> Row:
+    """ttrace's verdict columns only (held-out split: no baselines, no localization replays).
+    `reference_precision` "bf16" judges an fp8 run against the bf16 reference (`--for-precision fp8` estimate)."""
+    reference_run = run.reference(reference_precision)
+    label = run.precision if reference_precision is None else f"{run.precision} vs {reference_precision}"
+    try:
+        with RunReader(reference_run.directory(work)) as reference, RunReader(run.directory(work)) as candidate:
+            result = compare_runs(reference, candidate, select_tolerances("perturbation", reference, candidate))
+    except Exception as error:  # one broken run must not lose the table
+        return failed_row(run, f"evaluation failed: {type(error).__name__}: {error}".replace("|", "/")[:200], label)
+    row = Row(precision=label, run=run.bug or "clean", variant=run.variant, layout=run.layout, detected=not result.passed,
+              first_divergence="", first_ratio=None, max_ratio=None, ground_truth=ZOO[run.bug].first_divergence if run.bug else "",
+              theorem=None, megatron_l0=None, assert_close=None, dynamo=None, loss_step="n/a")
+    fill_verdict(row, result)
+    print(f"{run.split} {label} {row.run} {row.layout}: detected {row.detected} first {_fmt(row.first_ratio)} "
+          f"max {_fmt(row.max_ratio)}", flush=True)
+    return row
+
+
+def fill_verdict(row: Row, result) -> None:
+    """ttrace's columns of `row` from a comparison: verdict, first divergence and its numbers, largest ratio."""
+    first = result.first_divergence
+    row.detected, row.first_divergence = not result.passed, str(first.key) if first is not None else ""
+    row.first_ratio = first.ratio if first is not None else None
+    row.first_error = first.error if first is not None else None
+    row.first_tolerance = first.tolerance.rel if first is not None and first.tolerance else None
+    row.first_method = first.tolerance.method if first is not None and first.tolerance else ""
+    row.max_ratio = max((c.ratio for c in result.comparisons if c.ratio is not None), default=None)
 
 
 def compare_from_errors(result, tolerances) -> bool:
@@ -186,63 +258,88 @@ def compare_from_errors(result, tolerances) -> bool:
     return False
 
 
-def failed_row(run: Run, note: str) -> Row:
-    return Row(precision=run.precision, run=run.bug or "clean", variant=run.variant, layout=run.layout, detected=None,
+def failed_row(run: Run, note: str, label: str | None = None) -> Row:
+    return Row(precision=label or run.precision, run=run.bug or "clean", variant=run.variant, layout=run.layout, detected=None,
                first_divergence="", first_ratio=None, max_ratio=None, ground_truth=ZOO[run.bug].first_divergence if run.bug else "",
                theorem=None, megatron_l0=None, assert_close=None, dynamo=None, loss_step="n/a", note=note)
 
 
-def prepare_references(runs: list[Run], work: Path, args: argparse.Namespace, log: Path) -> None:
-    needed = {(r.workload, r.precision, r.variant) for r in runs}
-    for workload, precision, variant in sorted(needed | {(w, "fp64", v) for w, _, v in needed}):
-        reference = Run(workload=workload, precision=precision, variant=variant, layout="")
+def prepare_references(runs: list[Run], work: Path, args: argparse.Namespace, log: Path, *, oracle: bool = True) -> None:
+    """Record (and estimate) every reference the runs need; the fp64 oracle too when the baselines run."""
+    needed = {(r.workload, r.precision, r.variant, r.split) for r in runs}
+    oracles = {(w, "fp64", v, s) for w, _, v, s in needed} if oracle else set()
+    for workload, precision, variant, split in sorted(needed | oracles):
+        reference = Run(workload=workload, precision=precision, variant=variant, layout="", split=split)
         failure = record(reference, work, args.loss_steps, log)
         if failure:
             raise SystemExit(f"{reference.directory(work)}: {failure}")
         if precision != "fp64":
             estimate(reference.directory(work), args.samples, log)
+        if precision == "bf16" and (workload, "fp8", variant, split) in needed:
+            estimate(reference.directory(work), args.samples, log, for_precision="fp8")
         print(f"reference ready: {workload} {precision} {variant}", flush=True)
+
+
+def record_all(runs: list[Run], args: argparse.Namespace, log: Path, *, oracle: bool) -> None:
+    prepare_references(runs, args.work, args, log, oracle=oracle)
+    for index, run in enumerate(runs, start=1):
+        print(f"[{index}/{len(runs)}] {run.split} {run.precision} {run.variant} {run.name} "
+              f"{record(run, args.work, args.loss_steps, log) or 'recorded'}", flush=True)
 
 
 def spreads(cleans: list[Run], work: Path) -> dict[tuple, float]:
     """Per (workload, precision, variant): the largest clean-vs-reference loss difference."""
     result = {}
     for key in {(r.workload, r.precision, r.variant) for r in cleans}:
-        reference = losses(Run(workload=key[0], precision=key[1], variant=key[2], layout="").directory(work))
+        reference = losses(Run(workload=key[0], precision=key[1], variant=key[2], layout="", split="in-sample").directory(work))
         curves = [losses(r.directory(work)) for r in cleans if (r.workload, r.precision, r.variant) == key]
         if reference and all(curves):
             result[key] = baselines.clean_spread(reference, curves)
     return result
 
 
-def summary(rows: list[Row]) -> list[str]:
+def summary(rows: list[Row], *, ttrace_only: bool = False) -> list[str]:
+    """Summary lines; every figure names its denominator. `ttrace_only`: no baseline, loss or localization lines."""
     lines = []
-    bugs = [r for r in rows if r.run != "clean"]
-    cleans = [r for r in rows if r.run == "clean"]
+    bugs = [r for r in rows if r.run != "clean" and r.detected is not None]
+    cleans = [r for r in rows if r.run == "clean" and r.detected is not None]
     for precision in sorted({r.precision for r in rows}):
         b = [r for r in bugs if r.precision == precision]
         c = [r for r in cleans if r.precision == precision]
-        lines.append(f"- {precision}: ttrace detects {sum(bool(r.detected) for r in b)}/{len(b)} bug runs, "
-                     f"{sum(bool(r.detected) for r in c)}/{len(c)} false alarms on clean runs")
-    first = [r.first_ratio for r in bugs if r.detected and r.first_ratio is not None]
-    clean_max = max((r.max_ratio for r in cleans if r.max_ratio is not None), default=None)
-    if first and clean_max:
-        lines.append(f"- smallest ratio at a bug's first divergence: {min(first):.3g}; largest ratio over all clean runs: "
-                     f"{clean_max:.3g}; separation {min(first) / clean_max:.3g}x (needs >= 3x)")
+        weakest = min((r for r in b if r.detected and r.first_ratio is not None), key=lambda r: r.first_ratio, default=None)
+        clean_max = max((r.max_ratio for r in c if r.max_ratio is not None), default=None)
+        line = (f"- {precision}: ttrace detects {sum(bool(r.detected) for r in b)}/{len(b)} bug runs, "
+                f"{sum(bool(r.detected) for r in c)}/{len(c)} false alarms on clean runs")
+        if weakest is not None:
+            line += (f"; smallest ratio at a bug's first divergence {weakest.first_ratio:.3g} ({weakest.run}, "
+                     f"{weakest.layout}); {sum(r.first_ratio is not None and r.first_ratio >= 3 for r in b)}/{len(b)} "
+                     f"bug runs at >= 3")
+        if clean_max is not None:
+            line += f"; largest clean ratio {clean_max:.3g} ({sum(r.max_ratio is not None and r.max_ratio <= 0.5 for r in c)}/{len(c)} clean runs <= 0.5)"
+        lines.append(line)
+    if ttrace_only:
+        return lines + _failed_lines(rows)
     for name in ("theorem", "megatron_l0", "assert_close", "dynamo"):
-        missed = sum(getattr(r, name) is False for r in bugs)
-        alarms = sum(bool(getattr(r, name)) for r in cleans)
-        lines.append(f"- {name}: misses {missed}/{len(bugs)} bug runs, false alarms on {alarms}/{len(cleans)} clean runs")
+        judged_bugs = [r for r in bugs if getattr(r, name) is not None]
+        judged_cleans = [r for r in cleans if getattr(r, name) is not None]
+        lines.append(f"- {name}: misses {sum(getattr(r, name) is False for r in judged_bugs)}/{len(judged_bugs)} bug runs, "
+                     f"false alarms on {sum(bool(getattr(r, name)) for r in judged_cleans)}/{len(judged_cleans)} clean runs")
     detected = [r for r in bugs if r.detected]
     lines.append(f"- localization, rewrite replay (`ttrace localize`): names the ground truth first in "
                  f"{sum(r.localized_rewrite == 'yes' for r in detected)}/{len(detected)} detected bug runs; "
                  f"blaming the first failing tensor: {sum(r.localized_first_tensor == 'yes' for r in detected)}/{len(detected)}")
-    loss_missed = sum(r.loss_step.startswith("not") for r in bugs)
-    lines.append(f"- loss curve: {loss_missed}/{len(bugs)} bug runs never leave the clean spread within the steps run")
+    with_curve = [r for r in bugs if r.loss_step != "n/a"]
+    lines.append(f"- loss curve: {sum(r.loss_step.startswith('not') for r in with_curve)}/{len(with_curve)} bug runs with a "
+                 f"loss curve never leave the clean spread within the steps run ({len(bugs) - len(with_curve)} torch-gpt "
+                 "runs record no loss curve)")
+    return lines + _failed_lines(rows)
+
+
+def _failed_lines(rows: list[Row]) -> list[str]:
     failed = [r for r in rows if r.note]
-    if failed:
-        lines.append(f"- {len(failed)} runs could not be evaluated: " + "; ".join(f"{r.run} {r.layout} {r.precision}: {r.note}" for r in failed))
-    return lines
+    if not failed:
+        return []
+    return [f"- {len(failed)} runs could not be evaluated: " + "; ".join(f"{r.run} {r.layout} {r.precision}: {r.note}" for r in failed)]
 
 
 def _fmt(value: object) -> str:
@@ -255,7 +352,28 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def write_results(rows: list[Row], args: argparse.Namespace, seconds: float) -> None:
+DESCRIPTION = (
+    "megatron-gpt: 4 layers, hidden 64, 4 micro-batches of 2 x 16 tokens, seed 0; torch-gpt for cp-attn-backward. "
+    "ttrace: perturbation tolerances (alpha 4, floor 1 eps), tightened to 4 sqrt(n) eps where everything a tensor is "
+    "computed from was bitwise exact (docs/tolerances.md). Ratios are error / tolerance (<= 1 passes); `first_ratio` is at "
+    "the first divergent tensor, `max_ratio` the largest over the run. Baselines: `theorem` k=4 C=1.03 per-tensor depth; "
+    "`megatron_l0` Megatron's check at l=0 on reduced gradients; `assert_close` torch defaults per dtype; `dynamo` "
+    "torch._dynamo.utils.same with an fp64 oracle; `loss_step` the first step whose loss leaves the clean-vs-reference "
+    "spread (n/a: torch-gpt records no loss curve). `localized_rewrite`: `ttrace localize` (rewrite replay) names the "
+    "ground-truth culprit first; `localized_first_tensor`: the first failing tensor lies in it.")
+
+
+def provenance(args: argparse.Namespace, seconds: float) -> str:
+    """How the in-sample rows were produced: the command line and its duration."""
+    only = f" --only {args.only}" if args.only else ""
+    return (f"`python benchmarks/detection.py --precisions {','.join(args.precisions)} --samples {args.samples} "
+            f"--loss-steps {args.loss_steps}{' --rescore' if args.rescore else ''}{only}` ({seconds / 60:.0f} min on "
+            f"{_cpu_count()} cores"
+            f"{'; rows of variant(s) ' + ','.join(args.variants) + ' re-run and merged' if args.merge and args.variants else ''}"
+            f"{'; ttrace columns recomputed on fresh traces, the baseline columns kept' if args.rescore else ''}).")
+
+
+def write_results(rows: list[Row], made_by: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     with (RESULTS / "detection.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(asdict(rows[0])))
@@ -266,22 +384,171 @@ def write_results(rows: list[Row], args: argparse.Namespace, seconds: float) -> 
                "loss_step", "note"]
     table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     table += ["| " + " | ".join(_fmt(getattr(r, c)) for c in columns) + " |" for r in rows]
-    header = [
-        "# Detection benchmark", "",
-        f"`python benchmarks/detection.py --precisions {','.join(args.precisions)} --samples {args.samples} "
-        f"--loss-steps {args.loss_steps}{' --rescore' if args.rescore else ''}` ({seconds / 60:.0f} min on {_cpu_count()} cores"
-        f"{'; rows of variant(s) ' + ','.join(args.variants) + ' re-run and merged' if args.merge and args.variants else ''}"
-        f"{'; ttrace columns recomputed on the traces of the full run, localization replays recorded again' if args.rescore else ''}). "
-        "megatron-gpt: 4 layers, "
-        "hidden 64, 4 micro-batches of 2 x 16 tokens; torch-gpt for cp-attn-backward. ttrace: perturbation tolerances "
-        "(alpha 4, floor 1 eps), tightened to 4 sqrt(n) eps where everything a tensor is computed from was bitwise exact "
-        "(docs/tolerances.md). Ratios are error / tolerance (<= 1 passes); `first_ratio` is at the first divergent "
-        "tensor, `max_ratio` the largest over the run. Baselines: `theorem` k=4 C=1.03 per-tensor depth; "
-        "`megatron_l0` Megatron's check at l=0 on reduced gradients; `assert_close` torch defaults per dtype; "
-        "`dynamo` torch._dynamo.utils.same with an fp64 oracle; `loss_step` the first step whose loss leaves the "
-        "clean-vs-reference spread. `localized_rewrite`: `ttrace localize` (rewrite replay) names the ground-truth "
-        "culprit first; `localized_first_tensor`: the first failing tensor lies in it.", "", "## Summary", "", *summary(rows), "", "## Runs", "", *table, ""]
-    (RESULTS / "detection.md").write_text("\n".join(header))
+    header = ["# Detection benchmark", "", f"{made_by} {DESCRIPTION}", "", "## Summary", "", *summary(rows), "",
+              "## Runs", "", *table, ""]
+    (RESULTS / "detection.md").write_text("\n".join(header + held_out_sections()))
+
+
+HELD_OUT_CSV = RESULTS / "detection_heldout.csv"
+HELD_OUT_MARKER = "## Held-out split"
+# Why a bug stays below ratio 3 where it does, and what a user can do (numbers in the generated rows).
+BELOW_THREE = {
+    "expert-grad-scale": "the expert weights' gradient is off by 2x (relative error 0.5), but MoE experts are not traced, so "
+                         "the exact-inputs rule cannot reach it and the tolerance is the estimate's: an e5m2 gradient "
+                         "requantized after a bf16-sized perturbation moves by the amount in the tolerance column. "
+                         "What to do: record with more micro-batches per step (the expert's gradient then averages more "
+                         "tokens and its requantization noise shrinks), or compare in bf16 first: the same bug is at 12 there.",
+    "distopt-stale-params": "the post-step parameters of one DP rank's shard are not refreshed: the error is one Adam update "
+                            "(lr 0.01 against weights of about 1) while the estimate perturbs the starting weights by u, "
+                            "so a parameter's tolerance is about u wide and the update is only a few u. The gradients "
+                            "before the step all pass, which is what localize reports ('optimizer'). What to do: a larger "
+                            "learning rate for the check step, or more steps (the stale shard drifts further every step).",
+    "attn-dq-wrong": "in fp8 the attention backward's inputs are not bitwise exact (under TP2 the requantized grad_output "
+                     "of linear_proj; against bf16 every fp8 GEMM), so the rule cannot hold it to k sqrt(n) eps and the "
+                     "estimate's e5m2 noise decides. "
+                     "What to do: check the same layout in bf16 (ratio 14), where requantization does not amplify round-off.",
+    "swiglu-tp-shard": "the wrong half of [gate; up] is a module input produced by glue, which the exact-inputs rule does not "
+                       "cover; in fp8 the estimate for it includes e4m3 requantization of fc1's output. What to do: "
+                       "check the layout in bf16 (ratio 8.6) or fp32.",
+    "row-parallel-bias-per-rank": "held-out only: the bias added twice is 11% of linear_proj's output at hidden 128 (29% at "
+                                  "hidden 64), and that output, combined from 2 bf16 partial sums, cannot be held tighter "
+                                  "than 4 sqrt(2) eps = 4.4% (the exact-inputs bound, which the perturbation estimate equals "
+                                  "here). The bug is intrinsically small next to one bf16 rounding of a TP2 sum. What to do: "
+                                  "check in fp32 (ratio 3e5).",
+    "sp-gather-wrong-dim": "fp8 only: the first divergence is output_layer's weight gradient, a reduced gradient whose e5m2 "
+                          "requantization noise the estimate puts at 40%; the activation gradients the bug corrupts first "
+                          "show later in execution order. What to do: check in bf16 (ratio 16).",
+    "dp-grad-avg-twice": "fp8 against bf16 only: the gradient is halved (error 0.49), but an fp8 bias gradient differs from "
+                         "the bf16 one by up to 48% through e5m2 quantization alone, so only a tolerance that knows the "
+                         "fp8 run (an fp8 reference) separates them. What to do: judge fp8 against an fp8 reference (ratio 5.7).",
+}
+
+
+NOT_DETECTED = {
+    "row-parallel-bias-per-rank": "",
+    "fp8-amax-wrong-group": "The wrong amax group changes the fp8 scales by less than the fp8-vs-bf16 tolerance already "
+                            "allows for quantization, and the scale tensors themselves have no bf16 counterpart to be "
+                            "compared with. Against an fp8 reference it is caught (ratio 13.6 in-sample).",
+}
+LOUD_CLEAN = {
+    ("fp8", "swiglu"): "At `step 1 / mb 1 / forward / decoder.layers.5.mlp.linear_fc2.fp8_scale_inv / input.0`: one fp8 "
+                       "inverse scale (a single number, the amax of fc2's input) differs by 41% at step 1, against a "
+                       "tolerance of 48% from the estimate. A scale is one heavy-tailed number; four perturbed re-runs "
+                       "pooled over two micro-batches give eight draws of it. Not yet fixed: such scalars need their own "
+                       "tolerance (from more draws, or judged through the tensor they scale).",
+    ("fp8 vs bf16", "moe"): "At `step 1 / grad / decoder.layers.6.mlp.experts.local_experts.0.linear_fc2.weight / grad`: "
+                            "an untraced expert's weight gradient at step 1 differs from the bf16 run's by 78% (fp8 "
+                            "quantization compounded over a step), against a 148% tolerance. Within the verdict, above "
+                            "the 0.5 goal: at step 1 fp8 and bf16 runs have drifted apart by quantization alone.",
+}
+
+
+def write_held_out(rows: list[Row], seconds: float) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    with HELD_OUT_CSV.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    text = (RESULTS / "detection.md").read_text()
+    head = text.split(HELD_OUT_MARKER)[0].rstrip() + "\n\n"
+    (RESULTS / "detection.md").write_text(head + "\n".join(held_out_sections(seconds)))
+
+
+def _read_rows(path: Path) -> list[Row]:
+    with path.open() as handle:
+        return [_row_from_csv(r) for r in csv.DictReader(handle)]
+
+
+def held_out_sections(seconds: float | None = None) -> list[str]:
+    """detection.md's held-out part: in-sample and held-out figures side by side, fp8 vs bf16, the bugs below 3."""
+    if not HELD_OUT_CSV.exists():
+        return []
+    held, inside = _read_rows(HELD_OUT_CSV), _read_rows(RESULTS / "detection.csv")
+    crossed = [r for r in held if " vs " in r.precision]
+    held = [r for r in held if " vs " not in r.precision]
+    timing = f" ({seconds / 60:.0f} min on {_cpu_count()} cores)" if seconds else ""
+    lines = [
+        HELD_OUT_MARKER, "",
+        "ttrace's settings were chosen on the in-sample split, the runs above: alpha 4 is the smallest of 2, 3, 4, 6, 8 "
+        "that keeps every clean in-sample run at or below 0.5 (largest clean ratio 0.434 at alpha 4, 0.58 at alpha 3); "
+        "the floor (1 eps) and the exact-inputs k (4, the theorem's default) come from the analysis, not from data. No "
+        "setting was fitted to a bug, so each bug class is left out of the calibration by construction: the "
+        "leave-one-bug-class-out figures are the per-class rows below.", "",
+        f"The held-out split changes everything the settings could have been fitted to: {SPLITS['held-out'].describe()} "
+        f"instead of {SPLITS['in-sample'].describe()}. `python benchmarks/detection.py --split held-out --loss-steps 2`"
+        f"{timing}: ttrace's own columns (no baselines, no localization replays).", "",
+        "### Summary, in-sample | held-out", "",
+        "| precision | bug runs detected | false alarms | smallest first-divergence ratio | bug runs >= 3 | largest clean ratio | clean runs <= 0.5 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for precision in sorted({r.precision for r in held}):
+        cells = [_precision_figures([r for r in rows if r.precision == precision]) for rows in (inside, held)]
+        lines.append(f"| {precision} | " + " | ".join(f"{a} \\| {b}" for a, b in zip(*cells)) + " |")
+    lines += ["", "### By bug class (leave-one-bug-class-out): smallest first-divergence ratio, in-sample | held-out", "",
+              "| bug class | " + " | ".join(sorted({r.precision for r in held})) + " |", "|---|" + "---|" * len({r.precision for r in held})]
+    for bug_class in sorted({ZOO[r.run].bug_class for r in held if r.run != "clean"}):
+        cells = []
+        for precision in sorted({r.precision for r in held}):
+            pair = [_smallest_first([r for r in rows if r.precision == precision and r.run != "clean"
+                                     and ZOO[r.run].bug_class == bug_class]) for rows in (inside, held)]
+            cells.append(f"{pair[0]} \\| {pair[1]}")
+        lines.append(f"| {bug_class} | " + " | ".join(cells) + " |")
+    lines += ["", "### Every run, in-sample | held-out", "",
+              "| precision | run | variant | layout | first ratio | max ratio | held-out first divergence | held-out error / tolerance (method) |",
+              "|---|---|---|---|---|---|---|---|"]
+    by_key = {(r.precision, r.run, r.variant, r.layout): r for r in inside}
+    for r in held:
+        old = by_key.get((r.precision, r.run, r.variant, r.layout))
+        lines.append(f"| {r.precision} | {r.run} | {r.variant} | {r.layout} | {_fmt(old.first_ratio if old else None)} \\| "
+                     f"{_fmt(r.first_ratio)} | {_fmt(old.max_ratio if old else None)} \\| {_fmt(r.max_ratio)} | "
+                     f"{r.first_divergence or '-'} | {_error_over_tolerance(r)} |")
+    if crossed:
+        lines += ["", "### FP8 candidates against the bf16 reference (held-out split)", "",
+                  "The bf16 single-rank reference re-run in fp8 with perturbed weights (`ttrace estimate REF --for-precision "
+                  "fp8`): each tolerance holds the fp8 quantization plus round-off; the exact-inputs rule is off (exact "
+                  "inputs still quantize differently) and the fp8 scale tensors, which the bf16 run lacks, are noted, "
+                  "not compared.", "", *summary(crossed, ttrace_only=True), "",
+                  "| run | variant | layout | detected | first ratio | max ratio | first divergence | error / tolerance |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r.run} | {r.variant} | {r.layout} | {_fmt(r.detected)} | {_fmt(r.first_ratio)} | {_fmt(r.max_ratio)} | "
+                  f"{r.first_divergence or '-'} | {_error_over_tolerance(r)} |" for r in crossed]
+    lines += ["", "### Bug runs below ratio 3, and why", ""]
+    thin = [(split, r) for split, rows in (("in-sample", inside), ("held-out", held), ("held-out", crossed))
+            for r in rows if r.run != "clean" and r.first_ratio is not None and r.first_ratio < 3]
+    for split, r in thin:
+        lines.append(f"- {split}, {r.precision} {r.run} ({r.layout}): ratio {_fmt(r.first_ratio)} at `{r.first_divergence}`, "
+                     f"{_error_over_tolerance(r)}. {BELOW_THREE.get(r.run, '')}")
+    missed = [(split, r) for split, rows in (("held-out", held), ("held-out", crossed)) for r in rows
+              if r.run != "clean" and r.detected is False]
+    loud = [(split, r) for split, rows in (("in-sample", inside), ("held-out", held), ("held-out", crossed)) for r in rows
+            if r.run == "clean" and r.max_ratio is not None and r.max_ratio > 0.5]
+    if missed or loud:
+        lines += ["", "### Missed bugs and clean runs above 0.5", ""]
+    lines += [f"- {split}, {r.precision} {r.run} ({r.layout}): not detected. {NOT_DETECTED.get(r.run, '')}" for split, r in missed]
+    lines += [f"- {split}, {r.precision} clean {r.variant} ({r.layout}): largest ratio {_fmt(r.max_ratio)}. "
+              f"{LOUD_CLEAN.get((r.precision, r.variant), '')}" for split, r in loud]
+    return lines + [""]
+
+
+def _precision_figures(rows: list[Row]) -> list[str]:
+    bugs = [r for r in rows if r.run != "clean" and r.detected is not None]
+    cleans = [r for r in rows if r.run == "clean" and r.detected is not None]
+    clean_max = max((r.max_ratio for r in cleans if r.max_ratio is not None), default=None)
+    return [f"{sum(bool(r.detected) for r in bugs)}/{len(bugs)}", f"{sum(bool(r.detected) for r in cleans)}/{len(cleans)}",
+            _smallest_first(bugs), f"{sum(r.first_ratio is not None and r.first_ratio >= 3 for r in bugs)}/{len(bugs)}",
+            _fmt(clean_max), f"{sum(r.max_ratio is not None and r.max_ratio <= 0.5 for r in cleans)}/{len(cleans)}"]
+
+
+def _smallest_first(rows: list[Row]) -> str:
+    ratios = [r.first_ratio for r in rows if r.detected and r.first_ratio is not None]
+    missed = sum(r.detected is False for r in rows)
+    return (_fmt(min(ratios)) if ratios else "-") + (f" ({missed} missed)" if missed else "")
+
+
+def _error_over_tolerance(row: Row) -> str:
+    if row.first_error is None:
+        return "-"
+    return f"{_fmt(row.first_error)} / {_fmt(row.first_tolerance)} ({row.first_method or '-'})"
 
 
 def rescored_rows(runs: list[Run], work: Path) -> list[Row]:
@@ -293,14 +560,11 @@ def rescored_rows(runs: list[Run], work: Path) -> list[Row]:
         run = by_key.get((row.precision, row.run, row.variant, row.layout))
         if run is None or row.detected is None:
             continue
-        reference_run = Run(workload=run.workload, precision=run.precision, variant=run.variant, layout="")
+        reference_run = run.reference()
         with RunReader(reference_run.directory(work)) as reference, RunReader(run.directory(work)) as candidate:
             result = compare_runs(reference, candidate, select_tolerances("perturbation", reference, candidate))
-        first = result.first_divergence
         row.localized_rewrite, row.localized_first_tensor = localization_columns(run, work, reference_run, result)
-        row.detected, row.first_divergence = not result.passed, str(first.key) if first is not None else ""
-        row.first_ratio = first.ratio if first is not None else None
-        row.max_ratio = max((c.ratio for c in result.comparisons if c.ratio is not None), default=None)
+        fill_verdict(row, result)
         print(f"rescored {row.precision} {row.run} {row.layout}: first {_fmt(row.first_ratio)} max {_fmt(row.max_ratio)}", flush=True)
     return rows
 
@@ -317,10 +581,11 @@ def merged_rows(new_rows: list[Row]) -> list[Row]:
 def _row_from_csv(data: dict) -> Row:
     def value(name: str, text: str):
         if text == "":
-            return None if name in ("detected", "first_ratio", "max_ratio", "theorem", "megatron_l0", "assert_close", "dynamo") else ""
+            return None if name in ("detected", "first_ratio", "max_ratio", "theorem", "megatron_l0", "assert_close", "dynamo",
+                                    "first_error", "first_tolerance") else ""
         if text in ("True", "False"):
             return text == "True"
-        return float(text) if name in ("first_ratio", "max_ratio") else text
+        return float(text) if name in ("first_ratio", "max_ratio", "first_error", "first_tolerance") else text
     return Row(**{name: value(name, text) for name, text in data.items()})
 
 
@@ -344,11 +609,21 @@ def main() -> None:
                         help="recompute only ttrace's own columns (verdicts, localization) of the committed rows")
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows of results/detection.csv that this invocation does not re-run")
+    parser.add_argument("--split", default="in-sample", choices=sorted(SPLITS),
+                        help="in-sample: the model ttrace's settings were chosen on; held-out: a model, data and seed "
+                             "they never saw (ttrace's columns only, no baselines)")
+    parser.add_argument("--record-only", action="store_true", help="record references, estimates and runs, then stop")
+    parser.add_argument("--render", default=None, metavar="PROVENANCE",
+                        help="only rewrite detection.md from the CSVs, saying PROVENANCE of the in-sample rows")
     args = parser.parse_args()
+    if args.render:
+        write_results(_read_rows(RESULTS / "detection.csv"), args.render)
+        return
+    held_out = args.split != "in-sample"
     started = time.monotonic()
     args.work.mkdir(parents=True, exist_ok=True)
     log = args.work / "detection.log"
-    cleans, bugs = clean_runs(args.precisions), bug_runs(args.precisions)
+    cleans, bugs = clean_runs(args.precisions, args.split), bug_runs(args.precisions, args.split)
     if args.only:
         wanted = set(args.only.split(","))
         cleans = cleans if "clean" in wanted else []
@@ -358,9 +633,20 @@ def main() -> None:
     if args.rerecord:
         for run in cleans + bugs:
             subprocess.run(["rm", "-rf", str(run.directory(args.work))], check=True)
+    if args.rescore or held_out or args.record_only:
+        record_all(cleans + bugs, args, log, oracle=not (args.rescore or held_out))
+    if args.record_only:
+        return
+    if held_out:
+        rows = [evaluate_ttrace_only(run, args.work) for run in cleans + bugs]
+        rows += [evaluate_ttrace_only(run, args.work, reference_precision="bf16")
+                 for run in cleans + bugs if run.precision == "fp8" and "bf16" in args.precisions]
+        write_held_out(rows, time.monotonic() - started)
+        print("\n".join(summary(rows, ttrace_only=True)))
+        return
     if args.rescore:
         rows = rescored_rows(cleans + bugs, args.work)
-        write_results(rows, args, time.monotonic() - started)
+        write_results(rows, provenance(args, time.monotonic() - started))
         print("\n".join(summary(rows)))
         return
     prepare_references(cleans + bugs, args.work, args, log)
@@ -382,7 +668,7 @@ def main() -> None:
               f"max {_fmt(row.max_ratio)} {row.note}", flush=True)
     if args.merge:
         rows = merged_rows(rows)
-    write_results(rows, args, time.monotonic() - started)
+    write_results(rows, provenance(args, time.monotonic() - started))
     print("\n".join(summary(rows)))
 
 
