@@ -24,6 +24,7 @@ from pathlib import Path
 
 import baselines
 from ttrace_core.compare import compare_runs
+from ttrace_core.estimate import estimate_path
 from ttrace_core.examples.megatron_gpt.bugs import ZOO, first_tensor_points_at, localized_correctly
 from ttrace_core.localize import localize
 from ttrace_core.store import RunReader
@@ -164,9 +165,8 @@ def record(run: Run, work: Path, loss_steps: int, log: Path) -> str:
 
 def estimate(reference: Path, samples: int, log: Path, *, for_precision: str | None = None) -> None:
     """`ttrace estimate` unless done; `for_precision` "fp8" re-runs a bf16 reference in fp8 (fp8 vs bf16 rows)."""
-    name, extra = ("tolerance_estimate.json", []) if for_precision is None else \
-        (f"tolerance_estimate.{for_precision}.json", ["--for-precision", for_precision])
-    if (reference / name).exists():
+    extra = [] if for_precision is None else ["--for-precision", for_precision]
+    if estimate_path(reference, for_precision).exists():
         return
     with log.open("a") as handle:
         subprocess.run(["ttrace", "estimate", str(reference), "--samples", str(samples), *extra], stdout=handle,
@@ -184,7 +184,6 @@ def evaluate(run: Run, work: Path, spread: float | None) -> Row:
     with RunReader(reference_run.directory(work)) as reference, RunReader(run.directory(work)) as candidate, \
             RunReader(oracle_run.directory(work)) as oracle:
         result = compare_runs(reference, candidate, select_tolerances("perturbation", reference, candidate))
-        first = result.first_divergence
         num_layers = num_layers_of(reference)
         theorem = compare_from_errors(result, select_tolerances("theorem", reference, candidate))
         l0 = baselines.megatron_l0_first_failure(result, num_layers, run.precision)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from ttrace_core import table
 from ttrace_core.jobs import Job, JobSpec, submit
 from ttrace_core.compare import RunComparison, compare_runs
 from ttrace_core.errors import TraceFormatError, TtraceError
-from ttrace_core.estimate import ESTIMATE_FILE
+from ttrace_core.estimate import estimate_files
 from ttrace_core.dashboard import ROOT_ENV
 from ttrace_core.schema import FORMAT_VERSION
 from ttrace_core.table import KINDS
@@ -131,10 +130,11 @@ def _run_info(root: Path, run_dir: Path) -> RunInfo:
         blind_spots = read_blind_spots(run_dir, manifest, complete[0]) if complete else dict(manifest.blind_spots)
     except TtraceError as error:
         return RunInfo(path=relative, error=str(error))
-    crossed = sorted(p.name.split(".")[1] for p in run_dir.glob(ESTIMATE_FILE.replace(".json", ".*.json")))
+    estimates = estimate_files(run_dir)
+    crossed = sorted(p for p in estimates if p is not None)
     return RunInfo(path=relative, role=manifest.role, precision=manifest.precision, world_size=manifest.world_size,
                    degrees=dict(manifest.degrees), steps=complete, partial_steps=partial, model=dict(manifest.model),
-                   bug=config.get("bug"), has_estimate=(run_dir / ESTIMATE_FILE).is_file(),
+                   bug=config.get("bug"), has_estimate=None in estimates,
                    entrypoint=manifest.entrypoint.get("factory"), format_version=manifest.format_version,
                    versions=_versions(manifest.environment), blind_spots=blind_spots, estimates_for=crossed,
                    error=None if complete else f"{run_dir}: no complete step (partial: {partial}); re-record the run")
@@ -172,8 +172,8 @@ def path_under_root(root: str | os.PathLike, relative: str) -> Path:
 def _fingerprint(run_dir: Path) -> list:
     """What a comparison depends on in a run directory: its manifest's bytes and its data files' stats."""
     manifest = (run_dir / MANIFEST_NAME).read_bytes()
-    estimates = re.compile(re.escape(ESTIMATE_FILE).replace(r"\.json", r"(\.\w+)?\.json") + "$")
-    names = sorted(p for p in os.listdir(run_dir) if p.endswith((".h5", ".partial")) or estimates.match(p))
+    estimates = {path.name for path in estimate_files(run_dir).values()}
+    names = sorted(p for p in os.listdir(run_dir) if p.endswith((".h5", ".partial")) or p in estimates)
     stats = [(name, (run_dir / name).stat().st_size, (run_dir / name).stat().st_mtime_ns) for name in names]
     return [hashlib.sha256(manifest).hexdigest(), stats]
 

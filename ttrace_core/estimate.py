@@ -87,13 +87,26 @@ class PerturbationEstimate:
                                    "delete it and run `ttrace estimate` again") from error
 
 
+def _crossed_name(precision: str) -> str:
+    return ESTIMATE_FILE.replace(".json", f".{precision}.json")
+
+
 def estimate_path(run_dir: str | os.PathLike, for_precision: str | None = None) -> Path:
     """The estimate for candidates of the reference's own precision, or of `for_precision`
     (tolerance_estimate.fp8.json: the reference re-run in fp8, for fp8 candidates)."""
     run_dir = Path(run_dir)
     if for_precision is None or for_precision == read_manifest(run_dir).precision:
         return run_dir / ESTIMATE_FILE
-    return run_dir / ESTIMATE_FILE.replace(".json", f".{for_precision}.json")
+    return run_dir / _crossed_name(for_precision)
+
+
+def estimate_files(run_dir: str | os.PathLike) -> dict[str | None, Path]:
+    """Every estimate stored in a reference: None -> its own precision's, "fp8" -> the one for fp8 candidates."""
+    run_dir = Path(run_dir)
+    found: dict[str | None, Path] = {None: run_dir / ESTIMATE_FILE} if (run_dir / ESTIMATE_FILE).is_file() else {}
+    for path in sorted(run_dir.glob(_crossed_name("*"))):
+        found[path.name.removeprefix(ESTIMATE_FILE.removesuffix(".json") + ".").removesuffix(".json")] = path
+    return found
 
 
 def read_estimate(run_dir: str | os.PathLike, for_precision: str | None = None) -> PerturbationEstimate | None:
