@@ -21,11 +21,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+from msgspec import Meta
 
 from ttrace_core.errors import TraceFormatError, TtraceError
-from ttrace_core.schema import TensorKey
+from ttrace_core.records import data_from_json, record_from_data
+from ttrace_core.schema import Count, FiniteNonNegative, FinitePositive, TensorKey
 from ttrace_core.store import RunReader, read_manifest
 from ttrace_core.tolerances import machine_epsilon
 
@@ -36,11 +39,11 @@ ESTIMATE_FORMAT = "ttrace-perturbation-estimate/1"
 @dataclass(kw_only=True, slots=True)
 class TensorDeviation:
     key: TensorKey
-    deviation: float
+    deviation: FiniteNonNegative
     """max over samples of ||perturbed - reference||_F."""
-    reference_norm: float
-    numel: int
-    per_sample: list[float] = field(default_factory=list)
+    reference_norm: FiniteNonNegative
+    numel: Count
+    per_sample: list[Annotated[float, Meta(ge=0.0)]] = field(default_factory=list)
     """||perturbed - reference||_F / ||reference||_F of each sample (inf where the norm is 0)."""
 
     @property
@@ -71,20 +74,28 @@ class PerturbationEstimate:
 
     @staticmethod
     def from_json(text: str, where: str) -> PerturbationEstimate:
-        try:
-            data = json.loads(text)
-            if data.get("format") != ESTIMATE_FORMAT:
-                raise ValueError(f"format {data.get('format')!r}, expected {ESTIMATE_FORMAT!r}")
-            tensors = {}
-            for row in data["tensors"]:
-                key = TensorKey(**row.pop("key"))
-                tensors[key] = TensorDeviation(key=key, **row)
-            return PerturbationEstimate(precision=data["precision"], num_samples=data["num_samples"],
-                                        relative=data["relative"], seconds=data.get("seconds", 0.0), tensors=tensors,
-                                        reference_precision=data.get("reference_precision", data["precision"]))
-        except (ValueError, KeyError, TypeError) as error:
-            raise TraceFormatError(f"{where}: not a readable tolerance estimate ({error}); "
-                                   "delete it and run `ttrace estimate` again") from error
+        remedy = "delete it and run `ttrace estimate` again"
+        data = data_from_json(text, where, "tolerance estimate", remedy)
+        if not isinstance(data, dict) or data.get("format") != ESTIMATE_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise TraceFormatError(f"{where}: not a tolerance estimate (format {found!r}, expected {ESTIMATE_FORMAT!r}); {remedy}")
+        stored = record_from_data(data, _EstimateFile, where, "tolerance estimate", remedy)
+        return PerturbationEstimate(precision=stored.precision, num_samples=stored.num_samples, relative=stored.relative,
+                                    seconds=stored.seconds, tensors={row.key: row for row in stored.tensors},
+                                    reference_precision=stored.reference_precision or stored.precision)
+
+
+@dataclass(kw_only=True, slots=True)
+class _EstimateFile:
+    """tolerance_estimate.json as stored: the ranges every field must lie in (records.py)."""
+
+    format: str
+    precision: Literal["fp32", "bf16", "fp16", "fp8"]
+    num_samples: Annotated[int, Meta(ge=1, le=10_000)]
+    relative: FinitePositive
+    reference_precision: str = ""
+    seconds: FiniteNonNegative = 0.0
+    tensors: list[TensorDeviation] = field(default_factory=list)
 
 
 def _crossed_name(precision: str) -> str:

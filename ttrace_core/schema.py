@@ -3,11 +3,20 @@
 Pure dataclasses; no torch, no h5py. A `TensorKey` names one logical tensor of one iteration; a
 `Layout` says which part of that logical tensor one rank holds; a `TensorMeta` is what the store
 keeps next to each recorded shard.
+
+These records are the single source of the trace format: their field types carry the ranges a
+value may take (`Annotated[..., Meta(...)]`), and `records.py` parses every file into them with
+msgspec, so a field out of range is refused where it is read, named by file and field.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import asdict, dataclass, field
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta
 
 FORMAT_VERSION = 1
 
@@ -22,6 +31,23 @@ NO_MICRO_BATCH = -1
 # Slot families a TracerConfig can select. A slot is `<family>.<index>` ("output.0") or
 # `<family>.<kwarg>` for keyword inputs; parameter gradients and values use the slot `grad`/`value`.
 SLOT_FAMILIES = ("input", "output", "grad_output", "grad_input", "grad", "value")
+
+# Ranges of the format's numbers. A dimension or count beyond MAX_SIZE (2**48) cannot come from a
+# real recording; a float must be finite (NaN fails every comparison, inf fails `le`).
+MAX_SIZE = 2**48
+MAX_WORLD_SIZE = 2**20
+_FLOAT_MAX = sys.float_info.max
+Count = Annotated[int, Meta(ge=0, le=MAX_SIZE)]
+Size = Annotated[int, Meta(ge=1, le=MAX_SIZE)]
+Finite = Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
+FiniteNonNegative = Annotated[float, Meta(ge=0.0, le=_FLOAT_MAX)]
+FinitePositive = Annotated[float, Meta(gt=0.0, le=_FLOAT_MAX)]
+Phase = Literal["forward", "backward", "grad", "param"]
+Name = Annotated[str, Meta(max_length=4096)]
+# Every dtype the store can hold (store.py keeps bf16 and fp8 as raw bits).
+DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+               "float8_e5m2fnuz", "int64", "int32", "int16", "int8", "uint8", "bool")
+DtypeName = Literal[DTYPE_NAMES]  # type: ignore[valid-type]
 
 
 def global_fqn(fqn: str, rename: tuple[tuple[str, str], ...]) -> str:
@@ -49,14 +75,14 @@ def strip_wrappers(fqn: str) -> str:
 class TensorKey:
     """Canonical name of one logical tensor in one iteration."""
 
-    step: int
-    micro_batch: int
+    step: Count
+    micro_batch: Annotated[int, Meta(ge=NO_MICRO_BATCH, le=MAX_SIZE)]
     """Global micro-batch id (local index * dp_size + dp_rank); NO_MICRO_BATCH for grad/param."""
-    phase: str
-    fqn: str
+    phase: Phase
+    fqn: Name
     """Module fqn for activations, parameter fqn for grad/param phases."""
-    slot: str
-    call: int = 0
+    slot: Name
+    call: Count = 0
     """Which call of the module within its micro-batch (a chunked loss or a tied layer runs a module
     several times per micro-batch); 0 for the first call and for grad/param tensors."""
 
@@ -82,12 +108,12 @@ class Layout:
     the whole tensor: ranks that hold it are replicas of each other.
     """
 
-    global_shape: tuple[int, ...]
-    mesh_shape: tuple[int, ...] = ()
-    coordinate: tuple[int, ...] = ()
-    placements: tuple[str, ...] = ()
-    mesh_axis_names: tuple[str, ...] = ()
-    flat_range: tuple[int, int] | None = None
+    global_shape: tuple[Count, ...]
+    mesh_shape: tuple[Size, ...] = ()
+    coordinate: tuple[Count, ...] = ()
+    placements: tuple[Name, ...] = ()
+    mesh_axis_names: tuple[Name, ...] = ()
+    flat_range: tuple[Count, Count] | None = None
     """Set when this rank holds only elements [start, end) of the row-major flattening of the block
     its placements give it, as Megatron's distributed optimizer does with reduced gradients."""
 
@@ -97,6 +123,12 @@ class Layout:
                 f"layout has mesh_shape {self.mesh_shape}, coordinate {self.coordinate} and placements "
                 f"{self.placements}: all three need one entry per mesh axis"
             )
+        if any(c >= n for c, n in zip(self.coordinate, self.mesh_shape)):
+            raise ValueError(f"coordinate {self.coordinate} lies outside mesh {self.mesh_shape}")
+        if self.flat_range is not None and self.flat_range[0] > self.flat_range[1]:
+            raise ValueError(f"flat_range {self.flat_range} ends before it starts")
+        if math.prod(self.global_shape) > MAX_SIZE:
+            raise ValueError(f"global shape {self.global_shape} holds more than 2**48 elements")
 
     @staticmethod
     def replicated(shape: tuple[int, ...]) -> Layout:
@@ -107,13 +139,13 @@ class Layout:
 class TensorStats:
     """Summary kept instead of the values in stats-only mode (and alongside them otherwise)."""
 
-    numel: int
-    sum: float
-    sumsq: float
-    min: float
-    max: float
-    num_nan: int
-    num_inf: int
+    numel: Count
+    sum: Finite
+    sumsq: FiniteNonNegative
+    min: Finite
+    max: Finite
+    num_nan: Count
+    num_inf: Count
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,18 +153,25 @@ class TensorMeta:
     """Everything recorded about one shard, except its values."""
 
     key: TensorKey
-    rank: int
-    dtype: str
+    rank: Annotated[int, Meta(ge=0, le=MAX_WORLD_SIZE)]
+    dtype: DtypeName
     """torch dtype name without the `torch.` prefix; bf16 and fp8 are stored as raw bits."""
-    local_shape: tuple[int, ...]
+    local_shape: tuple[Count, ...]
     layout: Layout
-    seq: int
+    seq: Count
     """Recording order within the step on this rank: the execution order of the run."""
-    scale: float = 1.0
+    scale: FinitePositive = 1.0
     """The recorded values equal the logical values times `scale` (loss scaling of gradients)."""
     stats: TensorStats | None = None
     stats_only: bool = False
-    fp8_scale_inv: float | None = None
+    fp8_scale_inv: FinitePositive | None = None
+
+
+# Fields every manifest this format version writes holds: reading one without them refuses it rather
+# than filling in a default (a missing precision must not read as fp32). Later additions (entrypoint,
+# tracer, environment, blind_spots) stay optional, so older traces still open.
+REQUIRED_MANIFEST_FIELDS = ("format_version", "role", "world_size", "degrees", "mesh_shape", "mesh_axis_names",
+                            "rank_coordinates", "precision", "seed", "model")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -140,26 +179,47 @@ class RunManifest:
     """manifest.json of a run directory: who produced the trace and in which layout."""
 
     format_version: int = FORMAT_VERSION
-    role: str
-    """"reference" or "candidate"."""
-    world_size: int
-    degrees: dict[str, int] = field(default_factory=dict)
+    role: Literal["reference", "candidate"]
+    world_size: Annotated[int, Meta(ge=1, le=MAX_WORLD_SIZE)]
+    degrees: dict[Name, Annotated[int, Meta(ge=0, le=MAX_WORLD_SIZE)]] = field(default_factory=dict)
     """Parallel degrees, e.g. {"tp": 2, "sp": 1, "pp": 1, "dp": 1, "fsdp": 1}."""
-    mesh_shape: list[int] = field(default_factory=list)
-    mesh_axis_names: list[str] = field(default_factory=list)
-    rank_coordinates: list[list[int]] = field(default_factory=list)
+    mesh_shape: list[Annotated[int, Meta(ge=1, le=MAX_WORLD_SIZE)]] = field(default_factory=list)
+    mesh_axis_names: list[Name] = field(default_factory=list)
+    rank_coordinates: list[list[Annotated[int, Meta(ge=0, le=MAX_WORLD_SIZE)]]] = field(default_factory=list)
     """rank_coordinates[r] is rank r's coordinate in the mesh."""
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     seed: int = 0
-    model: dict = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
     """Model configuration; two runs are comparable only when these are equal."""
-    entrypoint: dict = field(default_factory=dict)
+    entrypoint: dict[str, Any] = field(default_factory=dict)
     """{"factory": "module:function", "config": {...}}: what relaunches this run."""
-    tracer: dict = field(default_factory=dict)
-    environment: dict = field(default_factory=dict)
+    tracer: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
     """Where it was recorded (fingerprint.py): command, Python and package versions, variables, world size."""
     blind_spots: dict[str, str] = field(default_factory=dict)
     """Modules whose boundaries the trace cannot see, and why (inside a torch.compile region, ...)."""
+
+    def __post_init__(self) -> None:
+        """The mesh must describe the world: its sizes multiply to world_size, every rank has a
+        coordinate inside it, and a degree named like a mesh axis equals that axis' size."""
+        if self.mesh_shape and math.prod(self.mesh_shape) != self.world_size:
+            raise ValueError(f"mesh_shape {self.mesh_shape} holds {math.prod(self.mesh_shape)} ranks, world_size is {self.world_size}")
+        if len(self.mesh_axis_names) != len(self.mesh_shape):
+            raise ValueError(f"mesh_axis_names {self.mesh_axis_names} do not name the {len(self.mesh_shape)} axes of mesh_shape")
+        if self.mesh_shape and not self.rank_coordinates:
+            raise ValueError(f"mesh_shape {self.mesh_shape} is given but rank_coordinates is empty: each rank needs its coordinate")
+        for name, size in zip(self.mesh_axis_names, self.mesh_shape):
+            if name not in self.degrees:
+                raise ValueError(f"mesh axis {name!r} (size {size}) has no entry in degrees {self.degrees}")
+        if self.rank_coordinates:
+            if len(self.rank_coordinates) != self.world_size:
+                raise ValueError(f"rank_coordinates has {len(self.rank_coordinates)} entries for world_size {self.world_size}")
+            for rank, coordinate in enumerate(self.rank_coordinates):
+                if len(coordinate) != len(self.mesh_shape) or any(c >= n for c, n in zip(coordinate, self.mesh_shape)):
+                    raise ValueError(f"rank_coordinates[{rank}] {coordinate} lies outside mesh_shape {self.mesh_shape}")
+        for name, size in zip(self.mesh_axis_names, self.mesh_shape):
+            if name in self.degrees and self.degrees[name] != size:
+                raise ValueError(f"degrees[{name!r}] is {self.degrees[name]} but mesh axis {name!r} has size {size}")
 
     def to_dict(self) -> dict:
         return asdict(self)
