@@ -36,13 +36,8 @@ def _figure(figure) -> str:
 
 
 def _verdict_section(provenance: dict) -> str:
-    first = provenance.get("first_divergence")
-    counts = f"{provenance['num_tensors'] - provenance['num_failed']}/{provenance['num_tensors']} tensors pass"
-    if first is None:
-        return f'<p class="pass"><b>PASSED</b>: the candidate matches the reference ({counts}).</p>'
-    mb = "" if first["micro_batch"] < 0 else f" mb {first['micro_batch']}"
-    return (f'<p class="fail"><b>FAILED</b>: first divergence at <code>{html.escape(first["tensor"])}</code> '
-            f"(step {first['step']}{mb}); {counts}.</p>")
+    level, text = verdicts.comparison_verdict(provenance)
+    return f'<p class="{ {"success": "pass", "error": "fail"}.get(level, "warn") }">{html.escape(text)}</p>'
 
 
 def _localization_section(reference: Path, candidate: Path) -> str:

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import streamlit as st
 
-from app import cells, figures
+from app import cells, figures, verdicts
 from app.report import report_html
 from app.state import ALL_MICRO_BATCHES, ROW_CHOICES, view_from_click
 from app.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, view_state
@@ -40,7 +40,8 @@ state = replace(state, step=int(step), mb=mb, tensor=None, rank=None, rows=rows_
 show_in_url(state)
 
 if first is None:
-    st.success("Every tensor passes: the candidate matches the reference.", icon=":material/check_circle:")
+    level, text = verdicts.comparison_verdict(result.provenance)  # passing rows, yet the evidence may be incomplete
+    getattr(st, level)(text, icon=":material/check_circle:" if level == "success" else ":material/warning:")
 else:
     mb_text = "" if first["micro_batch"] < 0 else f" mb {first['micro_batch']}"
     st.error(f"First divergence: `{first['tensor']}` (step {first['step']}{mb_text}): {first['message']}",

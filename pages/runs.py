@@ -4,6 +4,7 @@ import pandas as pd
 import streamlit as st
 
 from app import runs as pairing
+from app import verdicts
 from app.state import ViewState, query_from_state
 from app.ui import dashboard_root, load_comparison, page, run_pair, show_in_url, stop_with, view_state
 from ttrace_core import api
@@ -46,15 +47,9 @@ st.dataframe(table, width="stretch", height=35 * (len(table) + 1) + 3)
 reference, candidate = run_pair(state)
 result = load_comparison(reference, candidate)
 provenance = result.provenance
-first = provenance.get("first_divergence")
-counts = f"{provenance['num_tensors'] - provenance['num_failed']}/{provenance['num_tensors']} tensors pass " \
-         f"over steps {provenance['steps_compared']}"
-if first is None:
-    st.success(f"PASSED: the candidate matches the reference. {counts}.", icon=":material/check_circle:")
-else:
-    mb = "" if first["micro_batch"] < 0 else f" mb {first['micro_batch']}"
-    st.error(f"FAILED: first divergence at `{first['tensor']}` (step {first['step']}{mb}). {counts}.",
-             icon=":material/cancel:")
+level, text = verdicts.comparison_verdict(provenance)
+ICONS = {"success": ":material/check_circle:", "warning": ":material/warning:", "error": ":material/cancel:"}
+getattr(st, level)(text, icon=ICONS[level])
 for note in provenance.get("notes", []):
     st.warning(note)
 st.caption(f"tolerances: {provenance['tolerance_provider']} · table {result.path.name} "

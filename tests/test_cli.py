@@ -39,7 +39,7 @@ def test_clean_layout_matches_the_reference(traces, reference_run, name):
     phases = {c.key.phase for c in comparison.comparisons}
     assert phases == {"forward", "backward", "grad", "param"}
     assert all(comparison.comparisons) and len(comparison.comparisons) > 1500
-    assert "PASSED |" in result.stdout
+    assert "PASSED (equivalent) |" in result.stdout
 
 
 def test_parallel_runs_really_hold_shards(traces):
@@ -84,10 +84,13 @@ def test_recording_killed_mid_step_keeps_its_completed_steps(traces, reference_r
     assert (out / (step_file_name(0, 1) + ".partial")).exists()
     inspect = run_ttrace("inspect", str(out), check_codes=(0,))
     assert "complete steps: [0]" in inspect.stdout and "partial step 1" in inspect.stdout
-    result = run_ttrace("compare", str(reference_run), str(out), "--json", str(traces / "killed.json"))
+    # the finished step passes, but a verdict on step 0 alone is partial: exit 1 unless asked for
+    result = run_ttrace("compare", str(reference_run), str(out))
+    assert result.returncode == 1 and "finding: incomplete: steps [1] were not compared" in result.stdout, result.stdout
+    result = run_ttrace("compare", str(reference_run), str(out), "--partial", "--json", str(traces / "killed.json"))
     assert result.returncode == 0, result.stdout + result.stderr
     comparison = load_comparison(traces / "killed.json")
-    assert comparison.steps_compared == [0] and all(comparison.comparisons)
+    assert comparison.steps_compared == [0] and all(comparison.comparisons) and comparison.verdict == "partial"
     assert any("candidate step 1 is partial" in note for note in comparison.notes)
 
 
@@ -162,4 +165,4 @@ def test_inspect_and_progress_bar(traces, reference_run):
     listing = run_ttrace("inspect", str(reference_run), "--tensors", check_codes=(0,)).stdout
     assert "role: reference  world_size: 1" in listing and "layers.3.mlp.w2 / output.0" in listing
     result = run_ttrace("compare", str(reference_run), str(reference_run), "--progress", check_codes=(0,))
-    assert "comparing [" in result.stderr and "PASSED |" in result.stdout
+    assert "comparing [" in result.stderr and "PASSED (equivalent) |" in result.stdout

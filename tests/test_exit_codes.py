@@ -56,13 +56,13 @@ def paths(tmp_path_factory) -> dict[str, str]:
 
 # (id, argv with {placeholders}, expected exit code, text expected: in stdout for 0/1/4, in stderr's one line for 2)
 CASES = [
-    ("compare-equivalent", "compare {ref} {ref}", 0, "PASSED |"),
-    ("compare-divergence", "compare {ref} {cand}", 1, "FAILED | 3/11 tensors pass"),
+    ("compare-equivalent", "compare {ref} {ref}", 0, "PASSED (equivalent) |"),
+    ("compare-divergence", "compare {ref} {cand}", 1, "FAILED (not equivalent) | 3/11 tensors pass"),
     ("compare-missing-run-dir", "compare {ref} {missing}", 2, "missing: no such run directory"),
     ("compare-run-dir-is-a-file", "compare {file} {cand}", 2, "a-file.txt: no such run directory"),
     ("compare-not-a-trace", "compare {ref} {empty}", 2, "not-a-trace/manifest.json: missing; this directory is not a ttrace run"),
     ("compare-manifest-not-json", "compare {ref} {bad_json}", 2, "bad-json/manifest.json: not a valid manifest"),
-    ("compare-manifest-not-an-object", "compare {ref} {a_list}", 2, "a JSON object was expected, found a list"),
+    ("compare-manifest-not-an-object", "compare {ref} {a_list}", 2, "a-list/manifest.json: not a valid manifest (Expected `object`, got `array`)"),
     ("compare-manifest-incomplete", "compare {ref} {no_role}", 2, "no-role/manifest.json: not a valid manifest"),
     ("compare-rank-files-missing", "compare {ref} {no_ranks}", 2, "there is no file of rank 0"),
     ("compare-corrupt-hdf5", "compare {ref} {corrupt}", 2, "it is truncated or corrupted, re-record rank 0"),
@@ -84,7 +84,7 @@ CASES = [
     ("inspect-corrupt-hdf5", "inspect {corrupt}", 2, "not a readable HDF5 file"),
     ("bugs", "bugs", 0, "rowwise-skip-allreduce"),
     ("report-markdown-divergence", "report {ref} {cand} --markdown", 1, "**ttrace: FAILED**"),
-    ("report-markdown-equivalent", "report {ref} {ref} --markdown", 0, "**ttrace: PASSED**"),
+    ("report-markdown-equivalent", "report {ref} {ref} --markdown", 0, "**ttrace: PASSED** (equivalent)"),
     ("report-nothing-to-write", "report {ref} {cand}", 2, "nothing to write; pass -o report.html"),
     ("report-missing-run-dir", "report {ref} {missing} --markdown", 2, "missing: no such run directory"),
     ("report-html-folder-missing", "report {ref} {cand} -o {no_folder}", 2, "no-such-folder does not exist; create it"),

@@ -48,7 +48,7 @@ def test_compare_json_file_is_strict(pair, tmp_path, capsys):
     reference, candidate = pair
     path = tmp_path / "comparison.json"
     code, out, _ = run_main(["compare", str(reference), str(candidate), "--json", str(path)], capsys)
-    assert code == 1 and "FAILED |" in out
+    assert code == 1 and "FAILED (not equivalent) |" in out
     data = strict_loads(path.read_text())
     nonfinite = _nonfinite(data)
     assert nonfinite["ratio"] is None and nonfinite["num_nan"] == [1, 0]  # inf in memory, null on disk
@@ -63,7 +63,7 @@ def test_compare_json_to_stdout_keeps_the_table_on_stderr(pair, capsys):
     assert code == 1
     data = strict_loads(out)  # the whole of stdout is the JSON
     assert data["passed"] is False and _nonfinite(data)["ratio"] is None
-    assert "FAILED | 3/11 tensors pass" in err
+    assert "FAILED (not equivalent) | 3/11 tensors pass" in err
 
 
 def test_compare_json_to_stdout_from_the_shell(pair):
@@ -71,7 +71,7 @@ def test_compare_json_to_stdout_from_the_shell(pair):
     result = run_ttrace("compare", str(reference), str(candidate), "--json", "-", timeout=120)
     assert result.returncode == 1
     assert strict_loads(result.stdout)["candidate"] == str(candidate)
-    assert "FAILED |" in result.stderr
+    assert "FAILED (not equivalent) |" in result.stderr
 
 
 def test_localize_json_file_and_stdout_are_strict(pair, tmp_path, capsys):

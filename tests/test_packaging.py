@@ -111,4 +111,4 @@ def test_the_dashboard_ships_its_pages_and_needs_its_extra(venv, tmp_path):
     shown = run([venv / "bin" / "python", "-c", render, entrypoint], cwd=tmp_path,
                 extra_env={"TTRACE_ROOT": str(tmp_path / "runs")})
     assert shown.returncode == 0, shown.stdout + shown.stderr[-3000:]
-    assert "['Runs']" in shown.stdout and "FAILED: first divergence" in shown.stdout, shown.stdout
+    assert "['Runs']" in shown.stdout and "FAILED (not equivalent): first divergence" in shown.stdout, shown.stdout

@@ -25,6 +25,13 @@ def test_sample_gives_its_documented_verdict(sample: dict) -> None:
     with RunReader(reference_dir) as reference, RunReader(SAMPLES_DIR / sample["name"]) as candidate:
         result = compare_runs(reference, candidate, select_tolerances("auto", reference, candidate))
     assert (0 if result else 1) == sample["expected_exit"]
+    # every sample holds every copy its layout calls for; a clean one is complete in every respect
+    # (a bug may drop tensors: row-parallel-bias-per-rank returns no separate bias output)
+    coverage = result.coverage
+    assert coverage.copies_present == coverage.copies_expected >= coverage.compared_elementwise > 0
+    if sample["expected_exit"] == 0:
+        assert coverage.full and result.findings == [], result.findings
+        assert coverage.compared_elementwise == coverage.tensors_expected == len(result.comparisons)
     expected, first = sample["first_divergence"], result.first_divergence
     if expected is None:
         assert first is None

@@ -72,6 +72,8 @@ class CompareSettings:
     exact_inputs_k: float = DEFAULT_EXACT_INPUTS_K
     """k of the exact-inputs rule, 0 turns it off."""
     ignore_dtype: bool = False
+    partial: bool = False
+    """Give a verdict on what was recorded when the evidence is incomplete ("partial", not "incomplete")."""
 
     def __post_init__(self) -> None:
         if self.tolerance not in TOLERANCE_KINDS:
@@ -212,6 +214,8 @@ def _provenance(result: RunComparison, inputs: dict, settings: CompareSettings, 
         "settings": asdict(settings), "tolerance_provider": tolerance_kind,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(seconds, 3),
         "steps_compared": result.steps_compared, "notes": result.notes, "passed": result.passed,
+        "verdict": result.verdict, "findings": result.findings,
+        "coverage": None if result.coverage is None else result.coverage.to_dict(),
         "num_tensors": len(result.comparisons), "num_failed": len(result.failures),
         "first_divergence": None if first is None else {"tensor": table.tensor_id(first.key), "step": first.key.step,
                                                         "micro_batch": first.key.micro_batch},
@@ -237,7 +241,7 @@ def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike,
         tolerances = select_tolerances(settings.tolerance, ref_reader, cand_reader, alpha=settings.alpha,
                                        k=settings.theorem_k, c=settings.theorem_c)
         result = compare_runs(ref_reader, cand_reader, tolerances, ignore_dtype=settings.ignore_dtype,
-                              progress=progress, exact_inputs_k=settings.exact_inputs_k)
+                              progress=progress, exact_inputs_k=settings.exact_inputs_k, partial=settings.partial)
         frame = table.table_from_comparison(result, cand_reader)
     if not result.comparisons:
         raise TtraceError(f"{candidate}: no step was completed in both runs, nothing to compare")

@@ -9,6 +9,7 @@ every rank its slice of a logical tensor (consistent init, input rewriting).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -96,13 +97,20 @@ def _replica_drift(replicas: list[RecordedShard]) -> ReplicaDrift | None:
     first = replicas[0]
     worst: ReplicaDrift | None = None
     base = first.value.double()
-    base_norm = float(torch.linalg.vector_norm(base)) if base.numel() else 0.0
+    base_norm = float(torch.linalg.vector_norm(torch.where(torch.isfinite(base), base, 0.0))) if base.numel() else 0.0
     for other in replicas[1:]:
         if torch.equal(first.value, other.value):
             continue
         diff = other.value.double() - base
-        max_abs = float(diff.abs().max()) if diff.numel() else 0.0
-        relative = float(torch.linalg.vector_norm(diff)) / base_norm if base_norm > 0 else float("inf")
+        if not torch.equal(torch.isfinite(first.value), torch.isfinite(other.value)):
+            # a NaN or Inf in one replica only: NaN compares false with every bound, so say infinite
+            max_abs, relative = math.inf, math.inf
+        else:
+            diff = torch.where(torch.isfinite(diff), diff, torch.zeros((), dtype=diff.dtype))
+            max_abs = float(diff.abs().max()) if diff.numel() else 0.0
+            relative = float(torch.linalg.vector_norm(diff)) / base_norm if base_norm > 0 else float("inf")
+            if relative == 0.0:
+                continue  # equal but for NaNs at the same places (torch.equal is false on NaN)
         if worst is None or relative > worst.relative_diff:
             worst = ReplicaDrift(ranks=(first.rank, other.rank), max_abs_diff=max_abs, relative_diff=relative)
     return worst

@@ -95,6 +95,9 @@ def _build_parser() -> argparse.ArgumentParser:
                               "and the table to stderr")
     compare.add_argument("--worst", type=int, default=10, help="how many worst offenders to list")
     compare.add_argument("--ignore-dtype", action="store_true", help="compare values even when dtypes differ")
+    compare.add_argument("--partial", action="store_true",
+                         help="when the evidence is incomplete (a step, a tensor or a replica missing), give a verdict on "
+                              "what was recorded: 'partial' and how much, exit 0 if it all passes (default: exit 1)")
     compare.add_argument("--progress", action="store_true", help="draw the progress bar even when stderr is not a terminal")
     compare.add_argument("--tolerance", default="auto", choices=TOLERANCE_KINDS,
                          help="auto: perturbation when the reference holds an estimate (`ttrace estimate`), else dtype")
@@ -200,7 +203,8 @@ def _run_compare(args: argparse.Namespace) -> int:
     from ttrace_core.report import ProgressBar, render_comparison
 
     settings = CompareSettings(tolerance=args.tolerance, alpha=args.alpha, theorem_k=args.theorem_k,
-                               theorem_c=args.theorem_c, exact_inputs_k=args.exact_inputs_k, ignore_dtype=args.ignore_dtype)
+                               theorem_c=args.theorem_c, exact_inputs_k=args.exact_inputs_k, ignore_dtype=args.ignore_dtype,
+                               partial=args.partial)
     _check_output_path(args.json, "--json")
     progress = ProgressBar(enabled=args.progress or sys.stderr.isatty())
     result = run_comparison(args.reference, args.candidate, settings, progress=progress, rebuild=args.rebuild)
@@ -348,6 +352,9 @@ def _internal_error(error: Exception) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # a damaged trace's names may not be valid UTF-8: print them escaped
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = _build_parser().parse_args(argv)
     handlers = {"example": _run_example, "estimate": _run_estimate, "compare": _run_compare, "localize": _run_localize,
                 "inspect": _run_inspect, "bugs": _run_bugs, "dashboard": _run_dashboard,

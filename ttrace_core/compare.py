@@ -20,7 +20,10 @@ from ttrace_core import placements as pl
 from ttrace_core import strict_json
 from ttrace_core.canonicalize import CanonicalTensor, RecordedShard, canonicalize
 from ttrace_core.dataflow import ExactInputs
-from ttrace_core.errors import ConfigMismatchError, LayoutError
+from ttrace_core.errors import LayoutError
+from ttrace_core.evidence import (
+    Coverage, check_comparable, data_mismatch_finding, inconsistency, quantization_only, tally_coverage,
+)
 from ttrace_core.schema import TensorKey, TensorMeta
 from ttrace_core.store import RunReader
 from ttrace_core.tolerances import (
@@ -33,7 +36,7 @@ class TensorComparison:
     key: TensorKey
     status: str
     """"pass", or why it fails: "mismatch", "replica_drift", "nonfinite", "missing", "extra",
-    "shape", "dtype", "layout"."""
+    "shape", "dtype", "layout", "inconsistent" (its shards' metadata disagree; evidence.py)."""
     message: str = ""
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
@@ -112,10 +115,30 @@ class RunComparison:
     steps_compared: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """Partial or unmatched steps that were not compared."""
+    coverage: Coverage | None = None
+    """How much evidence the verdict rests on (evidence.py); None in comparisons from before it existed."""
+    partial_allowed: bool = False
+    """The user asked for a verdict on what was recorded (`--partial`): incomplete evidence then
+    passes as "partial" instead of failing as "incomplete"."""
+
+    @property
+    def verdict(self) -> str:
+        """"equivalent", "equivalent by statistics", "partial" (pass); "incomplete", "not equivalent" (fail)."""
+        if not self.comparisons or not all(self.comparisons):
+            return "not equivalent"
+        if self.coverage is None or self.coverage.full:
+            by_stats = self.coverage is not None and self.coverage.stats_only_run and self.coverage.compared_by_stats
+            return "equivalent by statistics" if by_stats else "equivalent"
+        return "partial" if self.partial_allowed else "incomplete"
 
     @property
     def passed(self) -> bool:
-        return bool(self.comparisons) and all(self.comparisons)
+        return self.verdict in ("equivalent", "equivalent by statistics", "partial")
+
+    @property
+    def findings(self) -> list[str]:
+        """What the evidence lacks, one named line each (`incomplete: ...`, `missing-replica: ...`)."""
+        return self.coverage.findings() if self.coverage is not None else []
 
     def __bool__(self) -> bool:
         return self.passed
@@ -138,8 +161,9 @@ class RunComparison:
     def to_json(self) -> str:
         """Strict JSON: a NaN or infinite number (the ratio of a tensor with NaNs) is written as null."""
         return strict_json.dumps({
-            "reference": self.reference, "candidate": self.candidate, "passed": self.passed,
-            "steps_compared": self.steps_compared, "notes": self.notes,
+            "reference": self.reference, "candidate": self.candidate, "passed": self.passed, "verdict": self.verdict,
+            "findings": self.findings, "coverage": None if self.coverage is None else self.coverage.to_dict(),
+            "partial_allowed": self.partial_allowed, "steps_compared": self.steps_compared, "notes": self.notes,
             "comparisons": [c.to_dict() for c in self.comparisons],
         }, indent=1)
 
@@ -149,6 +173,8 @@ class RunComparison:
         return RunComparison(
             reference=data["reference"], candidate=data["candidate"], steps_compared=data["steps_compared"],
             notes=data["notes"], comparisons=[TensorComparison.from_dict(c) for c in data["comparisons"]],
+            coverage=Coverage.from_dict(data["coverage"]) if data.get("coverage") else None,
+            partial_allowed=bool(data.get("partial_allowed", False)),
         )
 
 
@@ -302,33 +328,22 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
                             drift_ratio=drift_ratio, **metrics)
 
 
-def check_comparable(reference: RunReader, candidate: RunReader) -> None:
-    ref_model, cand_model = reference.manifest.model, candidate.manifest.model
-    if ref_model != cand_model:
-        names = sorted(set(ref_model) | set(cand_model))
-        differing = [n for n in names if ref_model.get(n) != cand_model.get(n)]
-        detail = ", ".join(f"{n}: {ref_model.get(n)!r} vs {cand_model.get(n)!r}" for n in differing[:3])
-        raise ConfigMismatchError(
-            f"{candidate.run_dir}: model configuration differs from the reference {reference.run_dir} ({detail}); "
-            "record both runs from the same model configuration"
-        )
-
-
 def _execution_order(reader: RunReader, key: TensorKey) -> tuple:
     return (*key.execution_order(), min(m.seq for m in reader.index[key]))
 
 
 def compare_runs(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
                  ignore_dtype: bool = False, progress: Callable[[int, int], None] | None = None,
-                 exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K) -> RunComparison:
+                 exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K, partial: bool = False) -> RunComparison:
     """`exact_inputs_k` (None or 0: off) tightens derived tolerances (perturbation, theorem) where a
-    tensor's inputs were exact (dataflow.py); the flat dtype table is left as it is."""
+    tensor's inputs were exact (dataflow.py); the flat dtype table is left as it is. `partial`: a
+    verdict on what was recorded, when the evidence is incomplete (RunComparison.partial_allowed)."""
     check_comparable(reference, candidate)
     tolerances = tolerances or select_tolerances("auto", reference, candidate)
     crossed = reference.manifest.precision != candidate.manifest.precision
     if isinstance(tolerances, DtypeTolerances) or crossed:
         exact_inputs_k = None  # across precisions exact inputs still give results that differ by the quantization
-    result = RunComparison(reference=str(reference.run_dir), candidate=str(candidate.run_dir))
+    result = RunComparison(reference=str(reference.run_dir), candidate=str(candidate.run_dir), partial_allowed=partial)
     steps = sorted(set(reference.complete_steps) & set(candidate.complete_steps))
     for name, reader in (("reference", reference), ("candidate", candidate)):
         for step, why in sorted(reader.partial_steps.items()):
@@ -347,44 +362,35 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     for done, key in enumerate(ordered, start=1):
         if key in common:
             num_terms = exact.num_partial_terms(key, candidate.manifest.world_size) if exact_inputs_k else None
-            comparison = compare_tensor(key, reference, candidate, tolerances, ignore_dtype=ignore_dtype,
-                                        exact_inputs=(exact_inputs_k, num_terms) if num_terms else None)
+            comparison = _inconsistent(key, reference, candidate)  # a row is falsy when it fails: no `or`
+            if comparison is None:
+                comparison = compare_tensor(key, reference, candidate, tolerances, ignore_dtype=ignore_dtype,
+                                            exact_inputs=(exact_inputs_k, num_terms) if num_terms else None)
             exact.mark(key, comparison.exact)
             result.comparisons.append(comparison)
         else:
             result.comparisons.append(TensorComparison(key=key, status="missing", message="recorded in the reference only"))
         if progress:
             progress(done, total)
-    quantization_only = [key for key in extras if crossed and _quantization_only(key)]
-    if quantization_only:
-        result.notes.append(f"{len(quantization_only)} tensors only the {candidate.manifest.precision} candidate records "
-                            f"(its quantization scales, e.g. {quantization_only[0]}) were not compared: the "
+    scales_only = [key for key in extras if crossed and quantization_only(key)]
+    if scales_only:
+        result.notes.append(f"{len(scales_only)} tensors only the {candidate.manifest.precision} candidate records "
+                            f"(its quantization scales, e.g. {scales_only[0]}) were not compared: the "
                             f"{reference.manifest.precision} reference has none")
     for key in extras:
-        if key not in quantization_only:
+        if key not in scales_only:
             result.comparisons.append(TensorComparison(key=key, status="extra", message="recorded in the candidate only"))
+    result.coverage = tally_coverage(result.comparisons, reference, candidate, steps)
     if (finding := data_mismatch_finding(result)) is not None:
         result.notes.insert(0, finding)
     return result
 
 
-# Modules that exist only in a quantized run: the fp8 integration passes each GEMM's inverse scales
-# through an identity `fp8_scale_inv` child so that the tracer records them (integrations/fp8.py).
-QUANTIZATION_ONLY_MODULES = ("fp8_scale_inv",)
-
-
-def _quantization_only(key: TensorKey) -> bool:
-    return key.fqn.rsplit(".", 1)[-1] in QUANTIZATION_ONLY_MODULES
-
-
-def data_mismatch_finding(result: RunComparison) -> str | None:
-    """Integer forward inputs (token ids, labels) come from the data loader, not from arithmetic: when
-    the first divergence is one, the runs were fed different micro-batches and everything after it
-    follows from that, so it is named as such instead of as a numerical error."""
-    first = result.first_divergence
-    if first is None or first.key.phase != "forward" or not first.key.slot.startswith("input") or \
-            not (first.dtype or "").startswith(("int", "uint", "bool")):
-        return None
-    return (f"data-mismatch: {first.key} holds {first.dtype} inputs that differ from the reference's, so the runs "
-            "were not fed the same micro-batches; the candidate's global micro-batch m (local micro-batch k of "
-            "data-parallel rank r is m = k * dp + r) must be the reference's m-th (README: your own script)")
+def _inconsistent(key: TensorKey, reference: RunReader, candidate: RunReader) -> TensorComparison | None:
+    """A row for a tensor whose shards' metadata disagree, checked before any value is read."""
+    for name, reader in (("candidate", candidate), ("reference", reference)):
+        why = reader.misplaced.get(key) or inconsistency(key, reader.index[key], reader.manifest)
+        if why is not None:
+            return TensorComparison(key=key, status="inconsistent", dtype=reader.index[key][0].dtype,
+                                    message=f"{name} metadata disagree: {why}")
+    return None

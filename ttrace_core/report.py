@@ -61,13 +61,24 @@ def render_comparison(result: RunComparison, *, num_worst: int = 10) -> str:
     lines += [comparison_row(c) for c in result.worst(num_worst)]
     lines.append("")
     lines += [f"note: {note}" for note in result.notes]
+    if result.coverage is not None:
+        lines.append(f"coverage: {result.coverage.summary()}")
+    lines += [f"finding: {finding}" for finding in result.findings]
     statuses = Counter(c.status for c in result.comparisons)
     passed = statuses.pop("pass", 0)
     detail = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
     total = len(result.comparisons)
-    verdict = "PASSED" if result else "FAILED"
-    lines.append(f"{verdict} | {passed}/{total} tensors pass over steps {result.steps_compared}" + (f"; {detail}" if detail else ""))
+    lines.append(f"{verdict_text(result)} | {passed}/{total} tensors pass over steps {result.steps_compared}"
+                 + (f"; {detail}" if detail else ""))
     return "\n".join(lines)
+
+
+def verdict_text(result: RunComparison) -> str:
+    """"PASSED (equivalent)", "PASSED (partial: ...)", "FAILED (incomplete)", "FAILED (not equivalent)"."""
+    verdict = result.verdict
+    if verdict == "partial" and result.coverage is not None:
+        verdict = f"partial: {result.coverage.summary()}"
+    return f"{'PASSED' if result else 'FAILED'} ({verdict})"
 
 
 def _entrypoint_text(entrypoint: dict) -> str:
@@ -161,9 +172,12 @@ def render_markdown(result: RunComparison, localization=None) -> str:
     """A short summary for a review comment: verdict, first divergence, culprit, evidence."""
     statuses = Counter(c.status for c in result.comparisons)
     passed = statuses.get("pass", 0)
-    lines = [f"**ttrace: {'PASSED' if result else 'FAILED'}** · {passed}/{len(result.comparisons)} tensors pass "
-             f"over steps {result.steps_compared}", "",
+    lines = [f"**ttrace: {'PASSED' if result else 'FAILED'}** ({result.verdict}) · {passed}/{len(result.comparisons)} "
+             f"tensors pass over steps {result.steps_compared}", "",
              f"- reference: `{result.reference}`", f"- candidate: `{result.candidate}`"]
+    if result.coverage is not None:
+        lines.append(f"- coverage: {result.coverage.summary()}")
+    lines += [f"- finding: {finding}" for finding in result.findings]
     first = result.first_divergence
     if first is not None:
         tolerance = f"{first.tolerance.rel:.3g} ({first.tolerance.source})" if first.tolerance else "-"

@@ -26,11 +26,12 @@ import pyarrow.parquet as pq
 
 from ttrace_core.compare import RunComparison, TensorComparison
 from ttrace_core.dataflow import owner_of
+from ttrace_core.evidence import Coverage
 from ttrace_core.schema import TensorKey
 from ttrace_core.store import RunReader
 from ttrace_core.tolerances import Tolerance
 
-TABLE_FORMAT_VERSION = 2  # 2: the "call" column
+TABLE_FORMAT_VERSION = 3  # 2: the "call" column; 3: the coverage block in the provenance
 METADATA_KEY = b"ttrace"
 
 # Tensor kinds in the order the heatmap shows them: (phase, slot family) -> kind.
@@ -164,10 +165,13 @@ def comparison_from_row(row: dict) -> TensorComparison:
 
 
 def comparison_from_table(frame: pd.DataFrame, provenance: dict) -> RunComparison:
+    coverage = provenance.get("coverage")
     return RunComparison(
         reference=provenance["reference"], candidate=provenance["candidate"],
         steps_compared=list(provenance["steps_compared"]), notes=list(provenance["notes"]),
         comparisons=[comparison_from_row(row) for row in frame.to_dict("records")],
+        coverage=None if coverage is None else Coverage.from_dict(coverage),
+        partial_allowed=bool(provenance.get("settings", {}).get("partial", False)),
     )
 
 

@@ -126,3 +126,24 @@ def test_a_truncated_trace_is_one_line_and_the_other_runs_stay_usable(root):
 def test_pages_without_a_pair_point_to_the_runs_page(root):
     app = _open("heatmap")
     assert not app.exception and "Pick a reference and a candidate" in app.info[0].value
+
+
+def test_a_pair_whose_evidence_is_incomplete_is_not_shown_as_passing(tmp_path, monkeypatch):
+    """Every row passes, but one TP rank never recorded a replicated output: the Runs page and the
+    heatmap say FAILED (incomplete) and name the missing replica instead of "the candidate matches"."""
+    import shutil
+
+    import h5py
+
+    samples = Path(MAIN).parents[1] / "sample_traces" / "fp32"
+    shutil.copytree(samples / "reference", tmp_path / "reference")
+    shutil.copytree(samples / "tp2_sp_clean", tmp_path / "candidate")
+    with h5py.File(tmp_path / "candidate" / "rank_00001.step_000000.h5", "r+") as handle:
+        del handle["forward/mb_0000/decoder.layers.0.mlp#output.1"]
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    for page in ("runs", "heatmap"):
+        app = _open(page, **PAIR)
+        assert not app.exception and not app.success, page
+        (banner,) = [error for error in _errors(app) if error.startswith("FAILED (incomplete)")]
+        assert "missing-replica: 1 of 2214 expected copies were not recorded" in banner, banner
+        assert "Evidence: 738/738 tensors compared element-wise, 2213/2214 copies" in banner, banner

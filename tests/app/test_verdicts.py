@@ -25,3 +25,23 @@ def test_bisect_targets_are_culprits_with_modules_below():
                          ids=["first", "last", "empty", "garbage"])
 def test_progress_fraction(text, fraction):
     assert verdicts.progress_fraction(text) == pytest.approx(fraction)
+
+
+COVERAGE = {"compared_elementwise": 10, "tensors_expected": 10, "compared_by_stats": 0, "copies_present": 19,
+            "copies_expected": 20, "steps_compared": [0], "steps_expected": [0]}
+
+
+@pytest.mark.parametrize("verdict, findings, level, start", [
+    ("equivalent", [], "success", "PASSED (equivalent): the candidate matches the reference. Evidence: 10/10"),
+    ("equivalent by statistics", [], "success", "PASSED (equivalent by statistics)"),
+    ("partial", ["missing-replica: 1 of 20"], "warning", "PASSED (partial): what was recorded matches, but missing-replica: 1 of 20."),
+    ("incomplete", ["missing-replica: 1 of 20"], "error", "FAILED (incomplete): missing-replica: 1 of 20. Evidence: 10/10"),
+], ids=["equivalent", "by-statistics", "partial", "incomplete"])
+def test_the_verdict_banner_says_how_much_evidence_stands_behind_it(verdict, findings, level, start):
+    from app.verdicts import comparison_verdict
+
+    provenance = {"verdict": verdict, "findings": findings, "coverage": COVERAGE, "first_divergence": None,
+                  "passed": verdict != "incomplete"}
+    got_level, text = comparison_verdict(provenance)
+    assert got_level == level and text.startswith(start), text
+    assert "19/20 copies, steps [0] of [0]" in text

@@ -74,7 +74,7 @@ def test_compute_precision_loosens_fp32_storage():
     ("int64", "output.0", False),        # an integer output is computed too
 ], ids=["token-ids", "float-input", "int-output"])
 def test_a_first_divergence_in_integer_inputs_is_named_a_data_mismatch(dtype, slot, named):
-    from ttrace_core.compare import data_mismatch_finding
+    from ttrace_core.evidence import data_mismatch_finding
 
     key = TensorKey(step=0, micro_batch=1, phase="forward", fqn="", slot=slot)
     result = RunComparison(reference="ref", candidate="cand",

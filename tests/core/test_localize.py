@@ -68,7 +68,7 @@ def test_modules_failing_only_before_rewriting_inherit():
 
 
 def test_replicas_differing_along_tp_name_the_tp_reduction():
-    manifest = RunManifest(role="candidate", world_size=2, degrees={"tp": 2, "sp": 1}, mesh_shape=[1, 1, 2],
+    manifest = RunManifest(role="candidate", world_size=2, degrees={"pp": 1, "dp": 1, "tp": 2, "sp": 1}, mesh_shape=[1, 1, 2],
                            mesh_axis_names=["pp", "dp", "tp"], rank_coordinates=[[0, 0, 0], [0, 0, 1]])
     drift = {"ranks": (0, 1), "max_abs_diff": 1.0, "relative_diff": 0.5}
     replay = run(comparison("forward", "norm", "output.0", True), comparison("grad", "norm.weight", "grad", False, drift=drift),

@@ -30,7 +30,7 @@ def _normalized(result) -> dict:
 def test_the_table_round_trips_every_number_through_parquet(tmp_path, compared):
     result, frame = compared
     provenance = {"reference": result.reference, "candidate": result.candidate, "steps_compared": result.steps_compared,
-                  "notes": result.notes}
+                  "notes": result.notes, "coverage": result.coverage.to_dict()}
     write_table(tmp_path / "t.parquet", frame, provenance)
     again, read_provenance = read_table(tmp_path / "t.parquet")
     assert read_provenance == provenance

@@ -1,0 +1,193 @@
+"""A pass must rest on complete, consistent evidence (ttrace_core/evidence.py, records.py).
+
+Each test damages a copy of a recorded sample trace (fp32, megatron-core TP2 + SP, clean) the way a
+trace gets damaged in ordinary use, and checks the exact finding or exit code; the undamaged copy
+passes with full coverage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import h5py
+import pytest
+
+from tests.cli_support import run_main
+from ttrace_core.compare import compare_runs
+from ttrace_core.store import INVENTORY_ATTR, RunReader, step_file_name
+from ttrace_core.tolerances import DtypeTolerances
+
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_traces" / "fp32"
+# A module output that both TP ranks hold whole (placement R on the tp axis) and one that each holds a shard of.
+REPLICATED = "forward/mb_0000/decoder.layers.0.mlp#output.1"
+SHARDED = "forward/mb_0000/decoder.layers.0.self_attention.linear_qkv#output.0"
+
+
+@pytest.fixture
+def runs(tmp_path) -> tuple[Path, Path]:
+    reference, candidate = tmp_path / "reference", tmp_path / "candidate"
+    shutil.copytree(SAMPLES / "reference", reference)
+    shutil.copytree(SAMPLES / "tp2_sp_clean", candidate)
+    return reference, candidate
+
+
+def _compare(reference: Path, candidate: Path, **kwargs):
+    with RunReader(reference) as ref, RunReader(candidate) as cand:
+        return compare_runs(ref, cand, DtypeTolerances(), **kwargs)
+
+
+def _edit_meta(run: Path, rank: int, dataset: str, **changes) -> None:
+    with h5py.File(run / step_file_name(rank, 0), "r+") as handle:
+        meta = json.loads(handle[dataset].attrs["meta"])
+        for name, value in changes.items():
+            target = next(part for part in (meta["key"], meta["layout"], meta) if name in part)
+            target[name] = value
+        handle[dataset].attrs["meta"] = json.dumps(meta)
+
+
+def _drop_dataset(run: Path, rank: int, dataset: str, *, keep_inventory: bool) -> None:
+    with h5py.File(run / step_file_name(rank, 0), "r+") as handle:
+        del handle[dataset]
+        if not keep_inventory:  # the writer itself never recorded it: its inventory agrees with the file
+            handle.attrs[INVENTORY_ATTR] = sum(1 for _ in _datasets(handle))
+
+
+def _datasets(handle: h5py.File):
+    found = []
+    handle.visititems(lambda name, node: found.append(name) if isinstance(node, h5py.Dataset) else None)
+    return found
+
+
+def test_a_clean_trace_passes_with_full_coverage(runs):
+    result = _compare(*runs)
+    coverage = result.coverage
+    assert result.verdict == "equivalent" and result.passed and result.findings == []
+    assert coverage.full and coverage.tensors_expected == coverage.compared_elementwise == len(result.comparisons) == 738
+    assert coverage.copies_present == coverage.copies_expected == 2214  # 738 on the reference, 1476 on 2 TP ranks
+    assert (coverage.ranks_present, coverage.ranks_expected, coverage.steps_compared) == (3, 3, [0])
+
+
+def test_a_shard_whose_metadata_disagrees_with_its_sibling_is_a_named_finding(runs):
+    reference, candidate = runs
+    _edit_meta(candidate, 1, SHARDED, scale=0.5)  # rank 0 keeps 1.0: one of them was recorded under another loss scale
+    result = _compare(reference, candidate)
+    (row,) = [c for c in result.comparisons if c.status == "inconsistent"]
+    assert "linear_qkv" in str(row.key) and "rank 0 recorded scale 1.0, rank 1 recorded scale 0.5" in row.message
+    assert not result and result.first_divergence is row and row.value_ratio is None
+    assert "incomplete: 1 tensors could not be compared by value" in result.findings[0]
+
+
+def test_a_coordinate_that_contradicts_the_manifest_is_a_named_finding(runs):
+    reference, candidate = runs
+    _edit_meta(candidate, 1, REPLICATED, coordinate=[0])  # rank 1 claims rank 0's place on the tp axis
+    (row,) = [c for c in _compare(reference, candidate).comparisons if c.status == "inconsistent"]
+    assert "rank 1 recorded coordinate 0 on mesh axis 'tp', the manifest places rank 1 at 1" in row.message
+
+
+def test_metadata_naming_another_tensor_than_its_place_is_a_named_finding(runs):
+    reference, candidate = runs
+    _edit_meta(candidate, 1, SHARDED, micro_batch=1)  # stored under mb 0, says mb 1
+    (row,) = [c for c in _compare(reference, candidate).comparisons if c.status == "inconsistent"]
+    assert "mb 0" in str(row.key) and "says it is step 0 / mb 1" in row.message and "rank 1's file" in row.message
+
+
+@pytest.mark.parametrize("keep_inventory, findings", [
+    (True, ["incomplete: rank_00001.step_000000.h5 holds 737 tensors, its writer recorded 738", "missing-replica: 1 of"]),
+    (False, ["missing-replica: 1 of 2214 expected copies were not recorded, e.g. step 0 / mb 0 / forward / "
+             "decoder.layers.0.mlp / output.1: 1 of 2 copies in candidate (ranks [0])"]),
+], ids=["file-damaged", "never-recorded"])
+def test_a_replica_recorded_on_one_rank_only_fails_as_incomplete(runs, capsys, keep_inventory, findings):
+    reference, candidate = runs
+    for rank in (0, 1):  # the sample predates the inventory attribute: give both files theirs
+        with h5py.File(candidate / step_file_name(rank, 0), "r+") as handle:
+            handle.attrs[INVENTORY_ATTR] = len(_datasets(handle))
+    _drop_dataset(candidate, 1, REPLICATED, keep_inventory=keep_inventory)
+    result = _compare(reference, candidate)
+    assert all(result.comparisons) and not result.coverage.full and result.verdict == "incomplete" and not result
+    assert len(result.findings) == len(findings)
+    assert all(found.startswith(expected) for found, expected in zip(result.findings, findings)), result.findings
+    code, out, _ = run_main(["compare", str(reference), str(candidate)], capsys)
+    assert code == 1 and "FAILED (incomplete)" in out and "finding: missing-replica" in out
+    code, out, _ = run_main(["compare", str(reference), str(candidate), "--partial"], capsys)
+    assert code == 0 and "PASSED (partial: 738/738 tensors compared element-wise; 2213/2214 copies" in out
+
+
+def test_a_partial_step_fails_as_incomplete_unless_a_partial_verdict_is_asked_for(runs):
+    reference, candidate = runs
+    shutil.copy(candidate / step_file_name(0, 0), candidate / (step_file_name(0, 1) + ".partial"))
+    result = _compare(reference, candidate)
+    assert result.verdict == "incomplete" and "incomplete: steps [1] were not compared" in result.findings[0]
+    assert _compare(reference, candidate, partial=True).verdict == "partial"
+
+
+def test_statistics_only_tensors_in_a_full_run_are_a_finding_and_a_stats_only_run_passes_by_statistics(runs):
+    reference, candidate = runs
+    _edit_meta(candidate, 0, SHARDED, stats_only=True)
+    _edit_meta(candidate, 1, SHARDED, stats_only=True)
+    result = _compare(reference, candidate)
+    assert all(result.comparisons) and result.coverage.compared_by_stats == 1 and result.verdict == "incomplete"
+    assert "incomplete: 1 tensors hold statistics only, in runs recorded in full" in result.findings
+    manifest = json.loads((candidate / "manifest.json").read_text())
+    manifest["tracer"]["stats_only"] = True  # the user's choice: the verdict says by statistics, and how many
+    (candidate / "manifest.json").write_text(json.dumps(manifest))
+    result = _compare(reference, candidate)
+    assert result.verdict == "equivalent by statistics" and result.coverage.full and result.findings == []
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("world_size", 0, "field $.world_size: Expected `int` >= 1"),
+    ("world_size", -1, "field $.world_size: Expected `int` >= 1"),
+    ("world_size", True, "field $.world_size: Expected `int`, got `bool`"),
+    ("world_size", 3, "mesh_shape [1, 1, 2] holds 2 ranks, world_size is 3"),
+    ("degrees", {"pp": 1, "dp": 1, "tp": 4}, "degrees['tp'] is 4 but mesh axis 'tp' has size 2"),
+    ("degrees", {}, "mesh axis 'pp' (size 1) has no entry in degrees {}"),
+    ("rank_coordinates", [[0, 0, 0], [0, 0, 2]], "rank_coordinates[1] [0, 0, 2] lies outside mesh_shape [1, 1, 2]"),
+    ("rank_coordinates", [], "mesh_shape [1, 1, 2] is given but rank_coordinates is empty"),
+    ("role", "judge", "field $.role: Invalid enum value 'judge'"),
+], ids=["world-size-0", "world-size-negative", "world-size-bool", "mesh-not-world", "degree-not-mesh", "degrees-empty",
+        "coordinate-outside", "no-coordinates", "unknown-role"])
+def test_an_impossible_manifest_is_bad_input_naming_the_field(runs, capsys, field, value, message):
+    reference, candidate = runs
+    manifest = json.loads((candidate / "manifest.json").read_text())
+    manifest[field] = value
+    (candidate / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_main(["compare", str(reference), str(candidate)], capsys)
+    (line,) = err.strip().splitlines()
+    assert code == 2 and f"{candidate}/manifest.json: not a valid manifest ({message}" in line, line
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["tensors"][0].update(deviation=math.inf), "field $.tensors[0].deviation: Expected `float` <= "),
+    (lambda d: d["tensors"][0].update(deviation=math.nan), "field $.tensors[0].deviation: Expected `float` >= 0.0"),
+    (lambda d: d["tensors"][0].update(reference_norm=-1.0), "field $.tensors[0].reference_norm: Expected `float` >= 0.0"),
+    (lambda d: d.update(relative="4e-3"), "field $.relative: Expected `float`, got `str`"),
+    (lambda d: d.update(num_samples=0), "field $.num_samples: Expected `int` >= 1"),
+], ids=["infinite", "nan", "negative", "wrong-type", "no-samples"])
+def test_a_tolerance_estimate_with_impossible_numbers_is_refused_naming_the_field(tmp_path, capsys, edit, message):
+    reference = tmp_path / "reference"
+    shutil.copytree(SAMPLES.parent / "bf16" / "reference", reference)
+    path = reference / "tolerance_estimate.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    code, _, err = run_main(["compare", str(reference), str(SAMPLES.parent / "bf16" / "tp2_sp_clean")], capsys)
+    (line,) = err.strip().splitlines()
+    assert code == 2 and f"{path}: not a valid tolerance estimate ({message}" in line, line
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"global_shape": [-16, 2, 16]}, "field $.layout.global_shape[0]: Expected `int` >= 0"),
+    ({"global_shape": [2**40, 2**20, 16]}, "holds more than 2**48 elements"),
+    ({"phase": "sideways"}, "field $.key.phase: Invalid enum value 'sideways'"),
+    ({"dtype": "float128"}, "field $.dtype: Invalid enum value 'float128'"),
+    ({"scale": 0.0}, "field $.scale: Expected `float` > 0.0"),
+], ids=["negative-size", "absurd-size", "unknown-phase", "unknown-dtype", "zero-scale"])
+def test_metadata_that_cannot_be_right_is_bad_input(runs, capsys, changes, message):
+    reference, candidate = runs
+    _edit_meta(candidate, 1, SHARDED, **changes)
+    code, _, err = run_main(["compare", str(reference), str(candidate)], capsys)
+    (line,) = err.strip().splitlines()
+    assert code == 2 and str(candidate / step_file_name(1, 0)) in line and message in line, line
