@@ -1,0 +1,108 @@
+"""The robustness benchmark's oracle: is a damaged trace pair *materially* different from the pristine one?
+
+Material: a recorded value moved by more than the tolerance its tensor was judged with in the
+pristine comparison (NaN or Inf introduced counts), a dataset or file missing or unreadable, or
+metadata whose meaning changed in a field the comparison depends on (everything but `stats` and `seq`), or a
+manifest field that says how the run was laid out. Read with plain h5py and json, independently of
+ttrace's reader, so that the oracle does not share ttrace's blind spots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ttrace_core import api
+from ttrace_core.schema import TensorKey
+from ttrace_core.store import MANIFEST_NAME, tensor_from_array
+
+# Manifest fields that say how the run was laid out or what it computed.
+JUDGED_MANIFEST = ("format_version", "role", "world_size", "degrees", "mesh_shape", "mesh_axis_names",
+                   "rank_coordinates", "precision", "model")
+
+
+class Pristine:
+    def __init__(self, reference: Path, candidate: Path) -> None:
+        comparison = api.run_comparison(reference, candidate)
+        assert comparison.verdict == "equivalent", f"the base pair must pass with full coverage: {comparison.findings}"
+        self.allowed = {c.key: c.tolerance.rel * (c.reference_norm or 0.0) + c.tolerance.abs * math.sqrt(c.numel or 0)
+                        for c in comparison.comparisons if c.tolerance is not None}
+        self.runs = {"reference": _snapshot(reference), "candidate": _snapshot(candidate)}
+        self.manifests = {role: json.loads((run / MANIFEST_NAME).read_text())
+                          for role, run in (("reference", reference), ("candidate", candidate))}
+
+    def material_change(self, reference: Path, candidate: Path) -> bool:
+        for role, run in (("reference", reference), ("candidate", candidate)):
+            if self._manifest_changed(role, run):
+                return True
+            for name, datasets in self.runs[role].items():
+                if self._file_changed(run / name, datasets):
+                    return True
+        return False
+
+    def _manifest_changed(self, role: str, run: Path) -> bool:
+        try:
+            now = json.loads((run / MANIFEST_NAME).read_text())
+        except (OSError, ValueError, RecursionError):
+            return True
+        before = self.manifests[role]
+        return not isinstance(now, dict) or any(now.get(f) != before.get(f) for f in JUDGED_MANIFEST)
+
+    def _file_changed(self, path: Path, datasets: dict[str, tuple[dict, np.ndarray]]) -> bool:
+        try:
+            with h5py.File(path, "r") as handle:
+                names: list[str] = []
+                handle.visititems(lambda name, node: names.append(name) if isinstance(node, h5py.Dataset) else None)
+                if set(names) != set(datasets):
+                    return True
+                return any(self._dataset_changed(handle[name], *datasets[name]) for name in names)
+        except Exception:  # noqa: BLE001 - anything h5py cannot read is material: ttrace must say so
+            return True
+
+    def _dataset_changed(self, dataset: h5py.Dataset, meta: dict, values: np.ndarray) -> bool:
+        now_meta = json.loads(dataset.attrs["meta"])
+        if _judged(now_meta) != _judged(meta):
+            return True
+        now = dataset[()]
+        if now.dtype != values.dtype or now.shape != values.shape:
+            return True
+        if np.array_equal(now, values, equal_nan=False) or values.size == 0:
+            return False
+        before = tensor_from_array(values, meta["dtype"], "").double()
+        after = tensor_from_array(now, meta["dtype"], "").double()
+        if bool((before.isfinite() != after.isfinite()).any()):
+            return True
+        key = TensorKey(**meta["key"])
+        return float((after - before).norm()) > self.allowed.get(key, 0.0)
+
+
+# The format's fields and the value an absent one means (docs/trace-format.md).
+_FIELDS = {"rank": None, "dtype": None, "local_shape": None, "scale": 1.0, "stats_only": False, "fp8_scale_inv": None}
+_KEY_FIELDS = {"step": None, "micro_batch": None, "phase": None, "fqn": None, "slot": None, "call": 0}
+_LAYOUT_FIELDS = {"global_shape": None, "mesh_shape": [], "coordinate": [], "placements": [], "mesh_axis_names": [],
+                  "flat_range": None}
+
+
+def _judged(meta: dict) -> dict:
+    """What a shard's metadata means to a verdict: its fields with absent ones at their defaults and
+    unknown names dropped (a flipped bit that turns `call` into `canl` leaves call at its default 0)."""
+    def meaning(record, fields: dict) -> dict:
+        record = record if isinstance(record, dict) else {}
+        return {name: record.get(name, default) for name, default in fields.items()}
+    return {**meaning(meta, _FIELDS), "key": meaning(meta.get("key"), _KEY_FIELDS),
+            "layout": meaning(meta.get("layout"), _LAYOUT_FIELDS)}
+
+
+def _snapshot(run: Path) -> dict[str, dict[str, tuple[dict, np.ndarray]]]:
+    files = {}
+    for path in sorted(run.glob("rank_*.step_*.h5")):
+        with h5py.File(path, "r") as handle:
+            datasets: dict[str, tuple[dict, np.ndarray]] = {}
+            handle.visititems(lambda name, node: datasets.__setitem__(name, (json.loads(node.attrs["meta"]), node[()]))
+                              if isinstance(node, h5py.Dataset) else None)
+        files[path.name] = datasets
+    return files

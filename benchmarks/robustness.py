@@ -1,0 +1,264 @@
+"""Robustness benchmark: damage real traces in many ordinary ways and count how ttrace answers.
+
+It records a small megatron-core pair (a 1-rank reference with a tolerance estimate, a TP2 + SP
+candidate, 1 layer, 1 step), then for each corruption of corruptions.py damages a fresh copy and runs
+`ttrace inspect`, `ttrace compare` and the dashboard's API (`api.find_runs`, `api.comparison_table`)
+on it, each in a forked process with a time limit. Every answer is counted as one of:
+
+- crash: a traceback, or exit 3;
+- hang: no answer within the time limit;
+- error: exit 2 with one line that names the file or the tensor ("unclear error" when it does not);
+- finding: exit 1 (compare: a divergence or incomplete evidence, named);
+- pass: exit 0. A pass on a *material* corruption (values changed beyond their tolerance, evidence
+  incomplete or inconsistent) is a **silent pass**.
+
+Writes results/robustness.{md,csv}.
+
+    python benchmarks/robustness.py [--work /tmp/ttrace-robustness] [--jobs 2] [--seed 0] [--scale 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import corruptions
+from pristine import Pristine
+
+RESULTS = Path(__file__).parent / "results"
+BASE_FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--seq-len", "8", "--micro-batches", "1", "--steps", "1"]
+COMMANDS = ("inspect", "compare", "api")
+TIME_LIMIT_S = 60.0
+
+
+def record_base(work: Path) -> tuple[Path, Path]:
+    reference, candidate = work / "base" / "reference", work / "base" / "candidate"
+    for run, flags in ((reference, []), (candidate, ["--tp", "2", "--sp"])):
+        if not (run / "manifest.json").is_file():
+            shutil.rmtree(run, ignore_errors=True)
+            subprocess.run(["ttrace", "example", "megatron-gpt", *BASE_FLAGS, *flags, "--out", str(run)], check=True,
+                           capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if not (reference / "tolerance_estimate.json").is_file():
+        subprocess.run(["ttrace", "estimate", str(reference), "--samples", "2"], check=True, capture_output=True)
+    return reference, candidate
+
+
+def catalogue(pair: tuple[Path, Path], seed: int, scale: int) -> list[corruptions.Corruption]:
+    rng = random.Random(seed)
+    return [
+        *corruptions.bit_flips(pair, 450 * scale, rng),
+        *corruptions.truncations(pair, rng, 60 * scale),
+        *corruptions.metadata_lies(pair, rng, per_lie=6 * scale),
+        *corruptions.attribute_damage(pair, rng, 40 * scale),
+        *corruptions.value_damage(pair, rng, per_change=12 * scale),
+        *corruptions.duplicated_tensors(pair, rng, 20 * scale),
+        *corruptions.missing_files(pair),
+        *corruptions.hostile_manifests(),
+        *corruptions.estimate_damage((pair[0] / "tolerance_estimate.json").is_file()),
+    ]
+
+
+def _answer_of_cli(argv: list[str], work: Path) -> dict:
+    from ttrace_core import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 2
+        except BaseException as error:  # noqa: BLE001 - anything escaping main is a crash
+            return {"outcome": "crash", "line": f"{type(error).__name__}: {error}"[:300]}
+    return _classified(code, out.getvalue(), err.getvalue(), work)
+
+
+def _classified(code: int, out: str, err: str, work: Path) -> dict:
+    lines = err.strip().splitlines()
+    if code == 3 or "Traceback" in err:
+        return {"outcome": "crash", "line": (lines[-1] if lines else "")[:300]}
+    if code == 2:
+        named = len(lines) == 1 and (str(work) in lines[0] or "step " in lines[0])
+        return {"outcome": "error" if named else "unclear error", "line": (lines[-1] if lines else "")[:300]}
+    if code == 1:
+        finding = next((line for line in out.splitlines() if line.startswith(("finding:", "FAILED"))), "")
+        return {"outcome": "finding", "line": finding[:300]}
+    return {"outcome": "pass", "line": ""}
+
+
+def _answer_of_api(reference: Path, candidate: Path, work: Path) -> dict:
+    from ttrace_core import api
+    from ttrace_core.errors import TtraceError
+
+    try:
+        for run in api.find_runs(work):
+            if run.error is not None and "\n" in run.error:
+                return {"outcome": "unclear error", "line": run.error[:300]}
+        provenance = api.comparison_table(reference, candidate).provenance
+    except TtraceError as error:
+        text = str(error)
+        named = "\n" not in text and (str(work) in text or "step " in text)
+        return {"outcome": "error" if named else "unclear error", "line": text[:300]}
+    except BaseException as error:  # noqa: BLE001
+        return {"outcome": "crash", "line": f"{type(error).__name__}: {error}"[:300]}
+    if provenance.get("passed"):
+        return {"outcome": "pass", "line": ""}
+    return {"outcome": "finding", "line": "; ".join(provenance.get("findings") or [provenance.get("verdict", "")])[:300]}
+
+
+def run_case(case: corruptions.Corruption, base: tuple[Path, Path], work: Path, pristine: Pristine, result_path: Path) -> None:
+    """In a forked child: damage a copy, then answer every command; the result file grows one
+    command at a time, so a hang shows which command hung."""
+    shutil.rmtree(work, ignore_errors=True)
+    reference, candidate = work / "reference", work / "candidate"
+    shutil.copytree(base[0], reference)
+    shutil.copytree(base[1], candidate)
+    case.damage(reference, candidate)
+    material = case.material if case.material is not None else pristine.material_change(reference, candidate)
+    result = {"kind": case.kind, "name": case.name, "material": material}
+    for command in COMMANDS:
+        result_path.write_text(json.dumps({**result, "running": command}))
+        if command == "api":
+            result[command] = _answer_of_api(reference, candidate, work)
+        else:
+            argv = ["inspect", str(candidate)] if command == "inspect" else ["compare", str(reference), str(candidate)]
+            result[command] = _answer_of_cli(argv, work)
+    result_path.write_text(json.dumps(result))
+
+
+def run_all(cases: list[corruptions.Corruption], base: tuple[Path, Path], work: Path, jobs: int) -> list[dict]:
+    pristine = Pristine(*base)
+    (work / "results").mkdir(parents=True, exist_ok=True)
+    running: dict[int, tuple[int, float, Path, corruptions.Corruption]] = {}
+    results: list[dict] = []
+    pending = list(enumerate(cases))
+    while pending or running:
+        while pending and len(running) < jobs:
+            index, case = pending.pop(0)
+            result_path = work / "results" / f"{index:05d}.json"
+            pid = os.fork()
+            if pid == 0:  # the child answers one case and leaves without running the parent's cleanup
+                try:
+                    run_case(case, base, work / "cases" / f"{index:05d}", pristine, result_path)
+                finally:
+                    os._exit(0)
+            running[pid] = (index, time.monotonic(), result_path, case)
+        pid, _ = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            for child, (index, started, result_path, case) in list(running.items()):
+                if time.monotonic() - started > TIME_LIMIT_S:
+                    os.kill(child, signal.SIGKILL)
+            time.sleep(0.02)
+            continue
+        index, started, result_path, case = running.pop(pid)
+        results.append(_finished(result_path, case, time.monotonic() - started))
+        shutil.rmtree(work / "cases" / f"{index:05d}", ignore_errors=True)
+        if len(results) % 100 == 0:
+            print(f"{len(results)}/{len(cases)} cases", file=sys.stderr)
+    return results
+
+
+def _finished(result_path: Path, case: corruptions.Corruption, seconds: float) -> dict:
+    try:
+        result = json.loads(result_path.read_text())
+    except (OSError, ValueError):
+        result = {"kind": case.kind, "name": case.name, "material": case.material, "running": COMMANDS[0]}
+    hung = result.pop("running", None)
+    if hung is not None:  # killed at the time limit (or died) inside this command
+        for command in COMMANDS[COMMANDS.index(hung):]:
+            result[command] = {"outcome": "hang" if command == hung else "not run", "line": ""}
+    result["seconds"] = round(seconds, 2)
+    result["silent"] = bool(result["material"]) and any(result[c]["outcome"] == "pass" for c in ("compare", "api"))
+    return result
+
+
+OUTCOMES = ("crash", "hang", "unclear error", "error", "finding", "pass")
+
+
+def summary_rows(results: list[dict]) -> list[dict]:
+    by_kind: dict[str, list[dict]] = defaultdict(list)
+    for result in results:
+        by_kind[result["kind"]].append(result)
+    rows = []
+    for kind, group in [*sorted(by_kind.items()), ("all", results)]:
+        counts = {command: Counter(r[command]["outcome"] for r in group) for command in COMMANDS}
+        rows.append({"class": kind, "cases": len(group), "material": sum(bool(r["material"]) for r in group),
+                     **{f"{o}": sum(counts[c][o] for c in COMMANDS) for o in OUTCOMES},
+                     "silent passes": sum(r["silent"] for r in group)})
+    return rows
+
+
+def render(results: list[dict], seconds: float, base: tuple[Path, Path]) -> str:
+    rows = summary_rows(results)
+    header = ["class", "cases", "material", *OUTCOMES, "silent passes"]
+    total = rows[-1]
+    lines = ["# Robustness benchmark", "",
+             f"`python benchmarks/robustness.py`: {len(results)} damaged copies of a real megatron-core trace pair "
+             f"(a 1-rank reference with a tolerance estimate and a TP2 + SP candidate, 1 layer, 1 step, "
+             f"`ttrace example megatron-gpt {' '.join(corruptions_flags())}`), each answered by `ttrace inspect`, "
+             f"`ttrace compare` and the dashboard's API (`api.find_runs`, `api.comparison_table`) in a forked process "
+             f"with a {TIME_LIMIT_S:.0f} s limit; {seconds / 60:.1f} minutes on this machine.", "",
+             f"**{total['crash']} crashes, {total['hang']} hangs, {total['silent passes']} silent passes, "
+             f"{total['unclear error']} unclear errors** over {3 * len(results)} answers.", "",
+             "A *material* corruption changes recorded values beyond their tolerance or makes the evidence incomplete "
+             "or inconsistent: a pass on it is silent. Counts are answers (3 per case: inspect, compare, api); "
+             "`inspect` lists a trace and has no verdict, so its passes are never silent.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(row[name]) for name in header) + " |" for row in rows]
+    bad = [r for r in results if r["silent"] or any(r[c]["outcome"] in ("crash", "hang", "unclear error") for c in COMMANDS)]
+    lines += ["", "## Every crash, hang, unclear error and silent pass", ""]
+    if not bad:
+        lines.append("None.")
+    for r in bad:
+        worst = [f"{c}: {r[c]['outcome']} {r[c]['line']}" for c in COMMANDS if r[c]["outcome"] in ("crash", "hang", "unclear error")]
+        lines.append(f"- {r['kind']}: {r['name']}: " + ("silent pass; " if r["silent"] else "") + "; ".join(worst))
+    return "\n".join(lines) + "\n"
+
+
+def corruptions_flags() -> list[str]:
+    return BASE_FLAGS
+
+
+def write_csv(results: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["class", "case", "material", *COMMANDS, "silent", "seconds", "compare line"])
+        for r in results:
+            writer.writerow([r["kind"], r["name"], r["material"], *(r[c]["outcome"] for c in COMMANDS), r["silent"],
+                             r["seconds"], r["compare"]["line"]])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/ttrace-robustness"))
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale", type=int, default=1, help="multiplies the random cases of every class")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    base = record_base(args.work)
+    cases = catalogue(base, args.seed, args.scale)
+    started = time.monotonic()
+    results = run_all(cases, base, args.work, args.jobs)
+    seconds = time.monotonic() - started
+    args.results.mkdir(parents=True, exist_ok=True)
+    text = render(results, seconds, base)
+    (args.results / "robustness.md").write_text(text)
+    write_csv(results, args.results / "robustness.csv")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""CI-sized slice of benchmarks/robustness.py: the first cases of every corruption class, applied to a
+copy of the bf16 sample pair (a 1-rank reference with its tolerance estimate, a TP2 + SP candidate),
+each answered by inspect, compare and the dashboard's API in a forked process with a time limit.
+None may crash, hang, give an error that names nothing, or pass silently."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import h5py
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import robustness  # noqa: E402
+from ttrace_core.store import INVENTORY_ATTR  # noqa: E402
+
+CASES_PER_CLASS = 3
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("robustness")
+    pair = root / "base" / "reference", root / "base" / "candidate"
+    shutil.copytree(ROOT / "sample_traces" / "bf16" / "reference", pair[0])
+    shutil.copytree(ROOT / "sample_traces" / "bf16" / "tp2_sp_clean", pair[1])
+    for step_file in [*pair[0].glob("*.h5"), *pair[1].glob("*.h5")]:  # the samples predate the inventory attribute
+        with h5py.File(step_file, "r+") as handle:
+            found = []
+            handle.visititems(lambda name, node: found.append(name) if isinstance(node, h5py.Dataset) else None)
+            handle.attrs[INVENTORY_ATTR] = len(found)
+    return pair
+
+
+def _slice(cases, per_class: int):
+    by_class = defaultdict(list)
+    for case in cases:
+        by_class[case.kind].append(case)
+    rng = random.Random(0)
+    return [case for group in by_class.values() for case in rng.sample(group, min(per_class, len(group)))]
+
+
+def test_no_damaged_trace_crashes_hangs_or_passes_silently(base, tmp_path):
+    cases = _slice(robustness.catalogue(base, seed=0, scale=1), CASES_PER_CLASS)
+    kinds = {case.kind for case in cases}
+    assert {"bit flip", "truncation", "lying metadata", "attributes", "values", "duplicated tensor",
+            "missing rank or step", "hostile manifest", "tolerance estimate"} <= kinds
+    results = robustness.run_all(cases, base, tmp_path, jobs=2)
+    assert len(results) == len(cases)
+    bad = [(r["kind"], r["name"], {c: r[c] for c in robustness.COMMANDS}) for r in results
+           if r["silent"] or any(r[c]["outcome"] in ("crash", "hang", "unclear error", "not run") for c in robustness.COMMANDS)]
+    assert not bad, bad
+    # the slice exercises every answer ttrace gives: errors naming a file, findings, and passes on harmless damage
+    outcomes = {r["compare"]["outcome"] for r in results}
+    assert {"error", "finding"} <= outcomes, outcomes
