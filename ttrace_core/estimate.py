@@ -29,7 +29,7 @@ from msgspec import Meta
 from ttrace_core.errors import TraceFormatError, TtraceError
 from ttrace_core.records import data_from_json, record_from_data
 from ttrace_core.schema import Count, FiniteNonNegative, FinitePositive, TensorKey
-from ttrace_core.store import RunReader, read_manifest
+from ttrace_core.store import RunReader, contained, read_manifest
 from ttrace_core.tolerances import machine_epsilon
 
 ESTIMATE_FILE = "tolerance_estimate.json"
@@ -124,7 +124,7 @@ def read_estimate(run_dir: str | os.PathLike, for_precision: str | None = None) 
     path = estimate_path(run_dir, for_precision)
     if not path.exists():
         return None
-    return PerturbationEstimate.from_json(path.read_text(), str(path))
+    return PerturbationEstimate.from_json(contained(path.parent, path.name).read_text(), str(path))
 
 
 def write_estimate(run_dir: str | os.PathLike, estimate: PerturbationEstimate) -> Path:

@@ -1,0 +1,58 @@
+"""Nothing outside a trace directory is ever read (store.contained, refuse_links, external storage).
+
+Each case plants, in a copy of a recorded sample candidate, a way out of the directory that leads to
+an exact copy of the data it replaces, so following it would pass (benchmarks/corruptions.py, the
+robustness benchmark's own plants). The copy lives on tmpfs (/dev/shm, relatime) with its access time
+set before its modification time: any read would move it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cli_support import run_main
+from tests.conftest import ROOT
+from ttrace_core.store import step_file_name
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import corruptions  # noqa: E402
+
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_traces" / "fp32"
+DATASET = "forward/mb_0000/decoder.layers.0.self_attention.linear_qkv#output.0"
+
+
+@pytest.mark.parametrize("plant", list(corruptions.PLANTS.values()), ids=list(corruptions.PLANTS))
+def test_a_way_out_of_the_trace_is_refused_and_never_followed(tmp_path, capsys, plant):
+    reference, candidate = tmp_path / "reference", tmp_path / "candidate"
+    shutil.copytree(SAMPLES / "reference", reference)
+    shutil.copytree(SAMPLES / "tp2_sp_clean", candidate)
+    outside = corruptions.outside_of(candidate)
+    outside.mkdir(parents=True, exist_ok=True)
+    try:
+        target, message = plant(outside, candidate / step_file_name(0, 0), DATASET)
+        if target is not None:
+            corruptions.untouched(target)
+        for argv in (["compare", str(reference), str(candidate)], ["inspect", str(candidate)]):
+            code, _, err = run_main(argv, capsys)
+            (line,) = err.strip().splitlines()
+            assert code == 2 and message in line and str(candidate) in line, (argv[0], line)
+        if target is not None:
+            assert not corruptions.was_read(target), f"{target} was read"
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+
+
+def test_a_symlink_inside_the_run_directory_is_still_read(tmp_path):
+    """Containment refuses ways *out*; a link between files of the same run is the run's own data."""
+    from ttrace_core.store import read_manifest
+
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLES / "tp2_sp_clean", run)
+    (run / "manifest.json").rename(run / "manifest.kept.json")
+    (run / "manifest.json").symlink_to(run / "manifest.kept.json")
+    assert read_manifest(run).world_size == json.loads((run / "manifest.kept.json").read_text())["world_size"] == 2
