@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,4 +330,110 @@ def estimate_damage(reference_has_estimate: bool) -> list[Corruption]:
             edit(data)
             path.write_text(json.dumps(data))
         cases.append(Corruption("tolerance estimate", name, damage, True))
+    return cases
+
+
+# -- ways out of the trace directory -------------------------------------------------------------
+# Each plants, in the candidate, a way out of its directory that leads to an exact copy of the data
+# it replaces (following it would pass), and returns (the file outside, the refusal's words).
+
+OUTSIDE_ROOT = Path("/dev/shm/ttrace-robustness")
+"""tmpfs, mounted relatime: a file whose access time is set before its modification time gets a new
+one at its next read, so a read outside the trace is seen (`untouched`, `was_read`)."""
+
+
+def outside_of(candidate: Path) -> Path:
+    return OUTSIDE_ROOT / f"{os.getpid()}-{candidate.parent.name}"
+
+
+def untouched(path: Path) -> None:
+    os.utime(path, (1, path.stat().st_mtime))
+
+
+def was_read(path: Path) -> bool:
+    return path.stat().st_atime != 1
+
+
+def _values_file(outside: Path, step_file: Path, dataset: str) -> Path:
+    target = outside / "values.h5"
+    with h5py.File(step_file, "r") as source, h5py.File(target, "w") as copy:
+        copy["x"] = source[dataset][()]
+    return target
+
+
+def _replace_dataset(step_file: Path, dataset: str, make: Callable[[h5py.File], None]) -> None:
+    with h5py.File(step_file, "r+") as handle:
+        meta = handle[dataset].attrs["meta"]
+        del handle[dataset]
+        make(handle)
+        if isinstance(handle.get(dataset, getlink=True), h5py.HardLink):
+            handle[dataset].attrs["meta"] = meta
+
+
+def external_link(outside: Path, step_file: Path, dataset: str) -> tuple[Path | None, str]:
+    target = _values_file(outside, step_file, dataset)
+    _replace_dataset(step_file, dataset, lambda h: h.__setitem__(dataset, h5py.ExternalLink(str(target), "x")))
+    return target, "is an external link"
+
+
+def soft_link(outside: Path, step_file: Path, dataset: str) -> tuple[Path | None, str]:
+    _replace_dataset(step_file, dataset, lambda h: h.__setitem__(dataset, h5py.SoftLink("/forward")))
+    return None, "is a soft link"
+
+
+def virtual_dataset(outside: Path, step_file: Path, dataset: str) -> tuple[Path | None, str]:
+    target = _values_file(outside, step_file, dataset)
+    with h5py.File(target, "r") as source:
+        shape, dtype = source["x"].shape, source["x"].dtype
+
+    def make(handle: h5py.File) -> None:
+        layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
+        layout[...] = h5py.VirtualSource(str(target), "x", shape=shape)
+        handle.create_virtual_dataset(dataset, layout)
+    _replace_dataset(step_file, dataset, make)
+    return target, "keeps its values in another file"
+
+
+def external_storage(outside: Path, step_file: Path, dataset: str) -> tuple[Path | None, str]:
+    with h5py.File(step_file, "r") as source:
+        values = source[dataset][()]
+    target = outside / "values.bin"
+    target.write_bytes(np.ascontiguousarray(values).tobytes())
+    _replace_dataset(step_file, dataset, lambda h: h.create_dataset(dataset, shape=values.shape, dtype=values.dtype,
+                                                                    external=[(str(target), 0, values.nbytes)]))
+    return target, "keeps its values in another file"
+
+
+def symlinked_step_file(outside: Path, step_file: Path, dataset: str) -> tuple[Path | None, str]:
+    target = outside / step_file.name
+    shutil.move(step_file, target)
+    step_file.symlink_to(target)
+    return target, "outside the run directory"
+
+
+def symlinked_manifest(outside: Path, step_file: Path, dataset: str) -> tuple[Path | None, str]:
+    manifest = step_file.parent / MANIFEST_NAME
+    target = outside / MANIFEST_NAME
+    shutil.move(manifest, target)
+    manifest.symlink_to(target)
+    return target, "outside the run directory"
+
+
+PLANTS = {"external link": external_link, "soft link": soft_link, "virtual dataset": virtual_dataset,
+          "external raw storage": external_storage, "step file symlinked outside": symlinked_step_file,
+          "manifest symlinked outside": symlinked_manifest}
+
+
+def ways_out(pair: tuple[Path, Path]) -> list[Corruption]:
+    """One case per plant and per candidate step file's first forward output. Not material (the data
+    outside is an exact copy): what counts is the refusal, and that the file outside stays unread."""
+    cases = []
+    for path in _step_files(pair[1]):
+        dataset = next(name for name in datasets_of(path) if name.startswith("forward/") and "#output" in name)
+        for name, plant in PLANTS.items():
+            def damage(reference: Path, candidate: Path, plant=plant, dataset=dataset, file=path.name) -> None:
+                outside = outside_of(candidate)
+                outside.mkdir(parents=True, exist_ok=True)
+                plant(outside, candidate / file, dataset)
+            cases.append(Corruption("way out of the trace", f"{name}: {path.name}:{dataset}", damage, False))
     return cases

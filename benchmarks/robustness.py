@@ -12,6 +12,9 @@ on it, each in a forked process with a time limit. Every answer is counted as on
 - pass: exit 0. A pass on a *material* corruption (values changed beyond their tolerance, evidence
   incomplete or inconsistent) is a **silent pass**.
 
+Ways out of the trace (links, virtual datasets, external storage, symlinks) also count **reads
+outside**: whether the file they lead to was read at all (its access time, on tmpfs).
+
 Writes results/robustness.{md,csv}.
 
     python benchmarks/robustness.py [--work /tmp/ttrace-robustness] [--jobs 2] [--seed 0] [--scale 1]
@@ -67,6 +70,7 @@ def catalogue(pair: tuple[Path, Path], seed: int, scale: int) -> list[corruption
         *corruptions.missing_files(pair),
         *corruptions.hostile_manifests(),
         *corruptions.estimate_damage((pair[0] / "tolerance_estimate.json").is_file()),
+        *corruptions.ways_out(pair),
     ]
 
 
@@ -126,7 +130,11 @@ def run_case(case: corruptions.Corruption, base: tuple[Path, Path], work: Path, 
     shutil.copytree(base[1], candidate)
     case.damage(reference, candidate)
     material = case.material if case.material is not None else pristine.material_change(reference, candidate)
-    result = {"kind": case.kind, "name": case.name, "material": material}
+    outside = corruptions.outside_of(candidate)
+    sentinels = sorted(outside.iterdir()) if outside.is_dir() else []
+    for sentinel in sentinels:  # files a way out of the trace leads to: any read moves their access time
+        corruptions.untouched(sentinel)
+    result = {"kind": case.kind, "name": case.name, "material": material, "read_outside": False}
     for command in COMMANDS:
         result_path.write_text(json.dumps({**result, "running": command}))
         if command == "api":
@@ -134,6 +142,8 @@ def run_case(case: corruptions.Corruption, base: tuple[Path, Path], work: Path, 
         else:
             argv = ["inspect", str(candidate)] if command == "inspect" else ["compare", str(reference), str(candidate)]
             result[command] = _answer_of_cli(argv, work)
+    result["read_outside"] = any(corruptions.was_read(sentinel) for sentinel in sentinels)
+    shutil.rmtree(outside, ignore_errors=True)
     result_path.write_text(json.dumps(result))
 
 
@@ -173,7 +183,8 @@ def _finished(result_path: Path, case: corruptions.Corruption, seconds: float) -
     try:
         result = json.loads(result_path.read_text())
     except (OSError, ValueError):
-        result = {"kind": case.kind, "name": case.name, "material": case.material, "running": COMMANDS[0]}
+        result = {"kind": case.kind, "name": case.name, "material": case.material, "read_outside": False,
+                  "running": COMMANDS[0]}
     hung = result.pop("running", None)
     if hung is not None:  # killed at the time limit (or died) inside this command
         for command in COMMANDS[COMMANDS.index(hung):]:
@@ -195,13 +206,14 @@ def summary_rows(results: list[dict]) -> list[dict]:
         counts = {command: Counter(r[command]["outcome"] for r in group) for command in COMMANDS}
         rows.append({"class": kind, "cases": len(group), "material": sum(bool(r["material"]) for r in group),
                      **{f"{o}": sum(counts[c][o] for c in COMMANDS) for o in OUTCOMES},
-                     "silent passes": sum(r["silent"] for r in group)})
+                     "silent passes": sum(r["silent"] for r in group),
+                     "reads outside": sum(r["read_outside"] for r in group)})
     return rows
 
 
 def render(results: list[dict], seconds: float, base: tuple[Path, Path]) -> str:
     rows = summary_rows(results)
-    header = ["class", "cases", "material", *OUTCOMES, "silent passes"]
+    header = ["class", "cases", "material", *OUTCOMES, "silent passes", "reads outside"]
     total = rows[-1]
     lines = ["# Robustness benchmark", "",
              f"`python benchmarks/robustness.py`: {len(results)} damaged copies of a real megatron-core trace pair "
@@ -210,19 +222,25 @@ def render(results: list[dict], seconds: float, base: tuple[Path, Path]) -> str:
              f"`ttrace compare` and the dashboard's API (`api.find_runs`, `api.comparison_table`) in a forked process "
              f"with a {TIME_LIMIT_S:.0f} s limit; {seconds / 60:.1f} minutes on this machine.", "",
              f"**{total['crash']} crashes, {total['hang']} hangs, {total['silent passes']} silent passes, "
-             f"{total['unclear error']} unclear errors** over {3 * len(results)} answers.", "",
+             f"{total['unclear error']} unclear errors, {total['reads outside']} reads outside the trace** over "
+             f"{3 * len(results)} answers.", "",
              "A *material* corruption changes recorded values beyond their tolerance or makes the evidence incomplete "
              "or inconsistent: a pass on it is silent. Counts are answers (3 per case: inspect, compare, api); "
-             "`inspect` lists a trace and has no verdict, so its passes are never silent.", "",
+             "`inspect` lists a trace and has no verdict, so its passes are never silent. A *way out of the trace* "
+             "(an HDF5 external or soft link, a virtual dataset, external raw storage, a step file or manifest "
+             "symlinked outside) leads to an exact copy of the data on tmpfs whose access time is set before its "
+             "modification time: a read by any of the three answers moves it, and counts as a read outside.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(row[name]) for name in header) + " |" for row in rows]
-    bad = [r for r in results if r["silent"] or any(r[c]["outcome"] in ("crash", "hang", "unclear error") for c in COMMANDS)]
-    lines += ["", "## Every crash, hang, unclear error and silent pass", ""]
+    bad = [r for r in results if r["silent"] or r["read_outside"]
+           or any(r[c]["outcome"] in ("crash", "hang", "unclear error") for c in COMMANDS)]
+    lines += ["", "## Every crash, hang, unclear error, silent pass and read outside", ""]
     if not bad:
         lines.append("None.")
     for r in bad:
         worst = [f"{c}: {r[c]['outcome']} {r[c]['line']}" for c in COMMANDS if r[c]["outcome"] in ("crash", "hang", "unclear error")]
-        lines.append(f"- {r['kind']}: {r['name']}: " + ("silent pass; " if r["silent"] else "") + "; ".join(worst))
+        lines.append(f"- {r['kind']}: {r['name']}: " + ("silent pass; " if r["silent"] else "")
+                     + ("read outside; " if r["read_outside"] else "") + "; ".join(worst))
     return "\n".join(lines) + "\n"
 
 
@@ -233,10 +251,10 @@ def corruptions_flags() -> list[str]:
 def write_csv(results: list[dict], path: Path) -> None:
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["class", "case", "material", *COMMANDS, "silent", "seconds", "compare line"])
+        writer.writerow(["class", "case", "material", *COMMANDS, "silent", "read outside", "seconds", "compare line"])
         for r in results:
             writer.writerow([r["kind"], r["name"], r["material"], *(r[c]["outcome"] for c in COMMANDS), r["silent"],
-                             r["seconds"], r["compare"]["line"]])
+                             r["read_outside"], r["seconds"], r["compare"]["line"]])
 
 
 def main() -> None:
