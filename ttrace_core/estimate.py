@@ -26,10 +26,11 @@ from typing import Annotated, Literal
 import torch
 from msgspec import Meta
 
+from ttrace_core.containment import contained
 from ttrace_core.errors import TraceFormatError, TtraceError
 from ttrace_core.records import data_from_json, record_from_data
 from ttrace_core.schema import Count, FiniteNonNegative, FinitePositive, TensorKey
-from ttrace_core.store import RunReader, contained, read_manifest
+from ttrace_core.store import RunReader, read_manifest
 from ttrace_core.tolerances import machine_epsilon
 
 ESTIMATE_FILE = "tolerance_estimate.json"

@@ -23,6 +23,7 @@ import h5py
 import numpy as np
 import torch
 
+from ttrace_core.containment import contained, dataset_metas, refuse_external_storage, refuse_links
 from ttrace_core.errors import TraceFormatError
 from ttrace_core.records import data_from_json, meta_from_json, record_from_data
 from ttrace_core.schema import (
@@ -259,7 +260,7 @@ def read_shards(run_dir: str | os.PathLike, key: TensorKey, world_size: int) -> 
                 if path not in handle:
                     continue
                 dataset = handle[path]
-                _refuse_external_storage(dataset.id, where)
+                refuse_external_storage(dataset.id, where)
                 meta = meta_from_json(dataset.attrs["meta"], where)
                 array = None if meta.stats_only else dataset[()]
         except (OSError, KeyError) as error:
@@ -288,95 +289,13 @@ def forward_inputs(run_dir: str | os.PathLike, rank: int, step: int, fqn: str) -
                 group = forward[group_name]
                 for name in group:
                     if name.startswith(prefix):
-                        _refuse_external_storage(group[name].id, f"{path}:forward/{group_name}/{name}")
+                        refuse_external_storage(group[name].id, f"{path}:forward/{group_name}/{name}")
                         meta = meta_from_json(group[name].attrs["meta"], f"{path}:forward/{group_name}/{name}")
                         calls[meta.key.micro_batch][meta.key.slot] = tensor_from_array(group[name][()], meta.dtype, str(path))
     except OSError as error:
         raise TraceFormatError(f"{path}: not a readable HDF5 file ({error}); it is truncated or corrupted, "
                                f"re-record rank {rank}") from error
     return dict(calls)
-
-
-def contained(run_dir: str | os.PathLike, name: str) -> Path:
-    """run_dir / name, refused when it is a symlink that leads out of the run directory: a shared
-    trace is read from its own directory only (a link to another run's file would be judged as this one's)."""
-    path = Path(run_dir) / name
-    if path.is_symlink():
-        target = path.resolve()
-        if not target.is_relative_to(Path(run_dir).resolve()):
-            raise TraceFormatError(f"{path}: a symlink to {target}, outside the run directory; ttrace reads nothing "
-                                   "outside a trace, copy the file into it instead")
-    return path
-
-
-def refuse_links(handle: h5py.File, where: str) -> None:
-    """ttrace writes hard links only; a soft or external link (which HDF5 would follow into another
-    file, `/etc/...` included) is refused before anything is read through it."""
-    found: list[tuple[bytes, int]] = []
-
-    def visit(name: bytes, info) -> bool | None:  # raising inside an HDF5 callback corrupts h5py's lock: stop, then raise
-        if info.type != h5py.h5l.TYPE_HARD:
-            found.append((name, info.type))
-            return True
-        return None
-
-    handle.id.links.visit(visit, info=True)
-    if found:
-        name, kind = found[0]
-        kind_text = "an external" if kind == h5py.h5l.TYPE_EXTERNAL else "a soft"
-        raise TraceFormatError(f"{where}: {name.decode('utf-8', 'backslashreplace')} is {kind_text} link; ttrace "
-                               "never writes links and reads nothing outside the trace, re-record this rank")
-
-
-def _keeps_values_elsewhere(dataset_id) -> bool:
-    plist = dataset_id.get_create_plist()
-    return plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0
-
-
-def _refuse_external_storage(dataset_id, where: str) -> None:
-    if _keeps_values_elsewhere(dataset_id):
-        raise TraceFormatError(f"{where}: keeps its values in another file (a virtual dataset or external storage); "
-                               "ttrace reads nothing outside the trace directory, re-record this rank")
-
-
-def dataset_metas(handle: h5py.File, where: str = "") -> dict[str, bytes | None]:
-    """Every dataset of a step file and its raw `meta` attribute (None when it has none), through
-    HDF5's low-level visit: 2.5x faster than `visititems`, which builds an object per node. Refuses
-    links and datasets whose values live in another file."""
-    refuse_links(handle, where)
-    found: dict[str, bytes | None] = {}
-    stopped: list[tuple[bytes, Exception | None]] = []  # raising inside HDF5's callback corrupts h5py's lock
-
-    def visit(name: bytes, info) -> bool | None:
-        if info.type != h5py.h5o.TYPE_DATASET:
-            return None
-        try:
-            if _keeps_values_elsewhere(h5py.h5d.open(handle.id, name)):
-                stopped.append((name, None))
-                return True
-            found[name.decode("utf-8", "backslashreplace")] = _meta_attribute(handle, name)
-        except Exception as error:  # noqa: BLE001 - re-raised below, outside the callback
-            stopped.append((name, error))
-            return True
-        return None
-
-    h5py.h5o.visit(handle.id, visit, info=True)
-    if stopped:
-        name, error = stopped[0]
-        if error is not None:
-            raise error
-        _refuse_external_storage(h5py.h5d.open(handle.id, name), f"{where}:{name.decode('utf-8', 'backslashreplace')}")
-    return found
-
-
-def _meta_attribute(handle: h5py.File, name: bytes) -> bytes | None:
-    try:
-        attribute = h5py.h5a.open(handle.id, b"meta", obj_name=name)
-    except KeyError:
-        return None
-    value = np.empty(attribute.shape, dtype=attribute.dtype)
-    attribute.read(value)
-    return value[()]
 
 
 def _blind_spots_of(handle: h5py.File, path: Path, rank: int) -> dict[str, str]:

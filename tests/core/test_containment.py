@@ -1,4 +1,4 @@
-"""Nothing outside a trace directory is ever read (store.contained, refuse_links, external storage).
+"""Nothing outside a trace directory is ever read (ttrace_core/containment.py).
 
 Each case plants, in a copy of a recorded sample candidate, a way out of the directory that leads to
 an exact copy of the data it replaces, so following it would pass (benchmarks/corruptions.py, the

@@ -1,0 +1,101 @@
+"""What a trace reader may touch: the files of its own run directory, and the data inside them.
+
+Part of stage 1's store (store.py reads through it). A shared trace must never make ttrace read
+elsewhere: a symlink out of the run directory, an HDF5 soft or external link, a virtual dataset or
+external raw storage would each lead a reader to another file (`/etc/...` or another run's data,
+which would then be judged as this run's). ttrace writes none of them, so each is refused before
+anything is read through it, with one line naming the file. `dataset_metas` lists a step file's
+datasets and their metadata through HDF5's low-level API with those checks built in.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ttrace_core.errors import TraceFormatError
+
+
+def contained(run_dir: str | os.PathLike, name: str) -> Path:
+    """run_dir / name, refused when it is a symlink that leads out of the run directory: a shared
+    trace is read from its own directory only (a link to another run's file would be judged as this one's)."""
+    path = Path(run_dir) / name
+    if path.is_symlink():
+        target = path.resolve()
+        if not target.is_relative_to(Path(run_dir).resolve()):
+            raise TraceFormatError(f"{path}: a symlink to {target}, outside the run directory; ttrace reads nothing "
+                                   "outside a trace, copy the file into it instead")
+    return path
+
+
+def refuse_links(handle: h5py.File, where: str) -> None:
+    """ttrace writes hard links only; a soft or external link (which HDF5 would follow into another
+    file, `/etc/...` included) is refused before anything is read through it."""
+    found: list[tuple[bytes, int]] = []
+
+    def visit(name: bytes, info) -> bool | None:  # raising inside an HDF5 callback corrupts h5py's lock: stop, then raise
+        if info.type != h5py.h5l.TYPE_HARD:
+            found.append((name, info.type))
+            return True
+        return None
+
+    handle.id.links.visit(visit, info=True)
+    if found:
+        name, kind = found[0]
+        kind_text = "an external" if kind == h5py.h5l.TYPE_EXTERNAL else "a soft"
+        raise TraceFormatError(f"{where}: {name.decode('utf-8', 'backslashreplace')} is {kind_text} link; ttrace "
+                               "never writes links and reads nothing outside the trace, re-record this rank")
+
+
+def _keeps_values_elsewhere(dataset_id) -> bool:
+    plist = dataset_id.get_create_plist()
+    return plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0
+
+
+def refuse_external_storage(dataset_id, where: str) -> None:
+    if _keeps_values_elsewhere(dataset_id):
+        raise TraceFormatError(f"{where}: keeps its values in another file (a virtual dataset or external storage); "
+                               "ttrace reads nothing outside the trace directory, re-record this rank")
+
+
+def dataset_metas(handle: h5py.File, where: str = "") -> dict[str, bytes | None]:
+    """Every dataset of a step file and its raw `meta` attribute (None when it has none), through
+    HDF5's low-level visit: 2.5x faster than `visititems`, which builds an object per node. Refuses
+    links and datasets whose values live in another file."""
+    refuse_links(handle, where)
+    found: dict[str, bytes | None] = {}
+    stopped: list[tuple[bytes, Exception | None]] = []  # raising inside HDF5's callback corrupts h5py's lock
+
+    def visit(name: bytes, info) -> bool | None:
+        if info.type != h5py.h5o.TYPE_DATASET:
+            return None
+        try:
+            if _keeps_values_elsewhere(h5py.h5d.open(handle.id, name)):
+                stopped.append((name, None))
+                return True
+            found[name.decode("utf-8", "backslashreplace")] = _meta_attribute(handle, name)
+        except Exception as error:  # noqa: BLE001 - re-raised below, outside the callback
+            stopped.append((name, error))
+            return True
+        return None
+
+    h5py.h5o.visit(handle.id, visit, info=True)
+    if stopped:
+        name, error = stopped[0]
+        if error is not None:
+            raise error
+        refuse_external_storage(h5py.h5d.open(handle.id, name), f"{where}:{name.decode('utf-8', 'backslashreplace')}")
+    return found
+
+
+def _meta_attribute(handle: h5py.File, name: bytes) -> bytes | None:
+    try:
+        attribute = h5py.h5a.open(handle.id, b"meta", obj_name=name)
+    except KeyError:
+        return None
+    value = np.empty(attribute.shape, dtype=attribute.dtype)
+    attribute.read(value)
+    return value[()]
