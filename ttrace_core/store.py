@@ -12,9 +12,11 @@ upcast. Reading never executes code: JSON and HDF5 numeric arrays only, no pickl
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
+import resource
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -32,6 +34,8 @@ from ttrace_core.schema import (
 )
 
 MANIFEST_NAME = "manifest.json"
+WRITE_HEADROOM = 4 * 2**20
+"""Bytes kept free beyond a dataset's own for HDF5's metadata and the step file's close."""
 INVENTORY_ATTR = "num_tensors"
 """Step-file attribute: how many datasets the writer put in it (a reader that finds fewer names the gap)."""
 PARTIAL_SUFFIX = ".partial"
@@ -143,6 +147,7 @@ class RunWriter:
         self._file: h5py.File | None = None
         self._step: int | None = None
         self._num_tensors = 0
+        self._step_bytes = 0
         self.num_bytes_written = 0
 
     def begin_step(self, step: int) -> None:
@@ -155,14 +160,29 @@ class RunWriter:
         self._file.attrs["format_version"] = FORMAT_VERSION
         self._step = step
         self._num_tensors = 0
+        self._step_bytes = 0
 
     def write(self, meta: TensorMeta, value: torch.Tensor | None) -> None:
         assert self._file is not None, "write outside a step"
         data = np.zeros((0,), dtype=np.uint8) if value is None else array_from_tensor(value)
+        self._check_room(data.nbytes)
         dataset = self._file.create_dataset(_dataset_path(meta.key), data=data)
         dataset.attrs["meta"] = _meta_to_json(meta)
         self.num_bytes_written += data.nbytes
         self._num_tensors += 1
+
+    def _check_room(self, num_bytes: int) -> None:
+        """Refuse a write that would fill the disk or pass the file-size limit, while HDF5 can still
+        close the step file: past ENOSPC, HDF5's cache fails inside deallocators and the process can
+        crash without a word (measured: a segfault)."""
+        needed = num_bytes + WRITE_HEADROOM
+        stats = os.statvfs(self.run_dir)
+        if stats.f_bavail * stats.f_frsize < needed:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.run_dir))
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and self._step_bytes + needed > limit:
+            raise OSError(errno.EFBIG, f"File too large: the file-size limit is {limit} bytes", str(self.run_dir))
+        self._step_bytes += num_bytes
 
     def end_step(self, blind_spots: dict[str, str] | None = None) -> None:
         """`blind_spots`: module -> what this rank's trace of it misses (RunReader merges them into the manifest's)."""

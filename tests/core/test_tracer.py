@@ -112,6 +112,37 @@ def test_exception_in_a_step_leaves_it_partial(tmp_path):
         assert reader.complete_steps == [0] and 1 in reader.partial_steps
 
 
+@pytest.mark.parametrize("limit", ["disk", "file-size"])
+def test_a_full_disk_stops_with_one_clear_error_and_keeps_the_finished_steps(tmp_path, monkeypatch, limit):
+    """Past ENOSPC, HDF5 fails inside deallocators and can crash the process (measured: a segfault), so
+    the writer refuses the write that would not fit while the step file can still be closed."""
+    import os
+    import resource
+    from types import SimpleNamespace
+
+    from ttrace_core import store
+    from ttrace_core.errors import TraceWriteError
+
+    model = _model()
+    tracer = Tracer(tmp_path, model, role="candidate")
+    with tracer.step(0):
+        model(torch.randn(2, 4))
+    if limit == "disk":
+        monkeypatch.setattr(store.os, "statvfs", lambda path: SimpleNamespace(f_bavail=1, f_frsize=4096))
+    else:
+        monkeypatch.setattr(store.resource, "getrlimit", lambda which: (store.WRITE_HEADROOM, resource.RLIM_INFINITY))
+    with pytest.raises(TraceWriteError) as raised, tracer.step(1):
+        model(torch.randn(2, 4))
+    monkeypatch.undo()
+    tracer.close()
+    (line,) = str(raised.value).splitlines()
+    reason = "No space left on device" if limit == "disk" else "File too large: the file-size limit is"
+    assert f"cannot write step 1 of rank 0 ({reason}" in line and "steps finished before it are complete and kept" in line
+    with RunReader(tmp_path) as reader:
+        assert reader.complete_steps == [0] and 1 in reader.partial_steps and reader.index
+    assert os.path.exists(tmp_path / "rank_00000.step_000001.h5.partial")
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="unknown kinds"):
         TracerConfig(slots=("outputs",))
