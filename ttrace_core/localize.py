@@ -387,9 +387,11 @@ def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike,
             original = compare_runs(reference, candidate)
     if not original.comparisons:
         raise TtraceError(f"{candidate_dir}: no step was completed in both runs, nothing to localize")
-    if original.passed:
+    if original.first_divergence is None:  # every compared tensor passes, whether or not the evidence is complete
+        notes = ["the candidate matches the reference: nothing to localize"] if original.passed else \
+            ["no compared tensor diverged: nothing to localize; but the evidence is incomplete", *original.findings]
         return Localization(reference=str(reference_dir), candidate=str(candidate_dir), replay=None, diverged=False,
-                            command=command, notes=["the candidate matches the reference: nothing to localize"])
+                            command=command, notes=notes)
     replay_dir = Path(replay_dir) if replay_dir else candidate_dir / ".localize" / ("replay" + (f"-{module}" if module else ""))
     reusable = reuse_replay and (replay_dir / "manifest.json").exists() and list(replay_dir.glob("rank_*.h5")) \
         and not list(replay_dir.glob("*.partial"))

@@ -191,3 +191,14 @@ def test_metadata_that_cannot_be_right_is_bad_input(runs, capsys, changes, messa
     code, _, err = run_main(["compare", str(reference), str(candidate)], capsys)
     (line,) = err.strip().splitlines()
     assert code == 2 and str(candidate / step_file_name(1, 0)) in line and message in line, line
+
+
+def test_localize_on_incomplete_evidence_names_what_is_missing_instead_of_replaying(runs):
+    from ttrace_core.localize import localize
+
+    reference, candidate = runs
+    _drop_dataset(candidate, 1, REPLICATED, keep_inventory=False)
+    result = localize(reference, candidate)
+    assert not result.diverged and result.replay is None
+    assert result.notes[0] == "no compared tensor diverged: nothing to localize; but the evidence is incomplete"
+    assert result.notes[1].startswith("missing-replica: 1 of 2214 expected copies")
