@@ -7,11 +7,7 @@ import os
 import signal
 import sys
 
-import torch
-
-from ttrace_core.examples.torch_gpt.model import GPT, loss_fn
-from ttrace_core.examples.torch_gpt.train import TorchGPTRunConfig, init_weights, manifest_for, micro_batch
-from ttrace_core.tracer import Tracer, TracerConfig
+from ttrace_core.examples.torch_gpt.single_rank import record_single_rank
 
 
 def die_on_second_call():
@@ -26,24 +22,10 @@ def die_on_second_call():
     return hook
 
 
-def main(out: str) -> None:
-    config = TorchGPTRunConfig(steps=2)
-    model = GPT(config.model)
-    init_weights(model, config.seed, torch.float32)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
-    tracer = Tracer(out, model, role="candidate", optimizer=optimizer,
-                    config=TracerConfig(exclude=("",), loss_scale=1 / config.num_micro_batches),
-                    manifest=manifest_for(config, "candidate"))
-    for step in range(config.steps):
-        if step == 1:
-            model.layers["2"].register_forward_hook(die_on_second_call())
-        with tracer.step(step):
-            optimizer.zero_grad()
-            for index in range(config.num_micro_batches):
-                inputs, targets = micro_batch(config, index)
-                (loss_fn(model(inputs), targets) / config.num_micro_batches).backward()
-            optimizer.step()
+def kill_during_step_1(step, model):
+    if step == 1:
+        model.layers["2"].register_forward_hook(die_on_second_call())
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    record_single_rank(sys.argv[1], 2, before_step=kill_during_step_1)
