@@ -61,7 +61,7 @@ def run_session(spec: SessionSpec, *, timeout_s: float) -> None:
 def record(out: str | os.PathLike, command: list[str], *, seed: int = 0, stats_only: bool = False,
            role: str | None = None, timeout_s: float = 3600.0) -> Path:
     """`ttrace record --out OUT -- COMMAND`: run the command with tracing on; returns the run directory."""
-    from ttrace_core.store import refuse_existing_trace
+    from ttrace_core.trace_writer import refuse_existing_trace
 
     if not command:
         raise TtraceError("ttrace record: no command; write it after --, e.g. "

@@ -51,7 +51,7 @@ def data_from_json(text: str | bytes, where: str, what: str, remedy: str) -> obj
 
 
 def meta_from_json(text: str | bytes, where: str) -> TensorMeta:
-    """One dataset's metadata attribute (written by store.RunWriter: finite numbers, so strict JSON)."""
+    """One dataset's metadata attribute (written by trace_writer.RunWriter: finite numbers, so strict JSON)."""
     try:
         return _META_DECODER.decode(text)
     except (msgspec.DecodeError, RecursionError, UnicodeError, TypeError) as error:  # a flipped bit: not UTF-8

@@ -1,4 +1,4 @@
-"""Trace store: stage 1 (record) writes it, stage 2 (canonicalize) reads it.
+"""Trace store: stage 1 (record) writes it (trace_writer.py), stage 2 (canonicalize) reads it here.
 
 A run directory holds `manifest.json` and one HDF5 file per rank and step,
 `rank_00001.step_000000.h5`. A step file is written as `<name>.partial` and renamed only after it
@@ -12,11 +12,8 @@ upcast. Reading never executes code: JSON and HDF5 numeric arrays only, no pickl
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
-import math
 import os
-import resource
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -29,27 +26,24 @@ from ttrace_core.containment import contained, dataset_metas, refuse_external_st
 from ttrace_core.errors import TraceFormatError
 from ttrace_core.records import data_from_json, meta_from_json, record_from_data
 from ttrace_core.schema import (
-    FORMAT_VERSION, NO_MICRO_BATCH, PHASES, REQUIRED_MANIFEST_FIELDS, Layout, RunManifest, TensorKey, TensorMeta,
-    TensorStats,
+    FORMAT_VERSION, NO_MICRO_BATCH, PHASES, REQUIRED_MANIFEST_FIELDS, RunManifest, TensorKey, TensorMeta,
 )
 
 MANIFEST_NAME = "manifest.json"
-WRITE_HEADROOM = 4 * 2**20
-"""Bytes kept free beyond a dataset's own for HDF5's metadata and the step file's close."""
 INVENTORY_ATTR = "num_tensors"
 """Step-file attribute: how many datasets the writer put in it (a reader that finds fewer names the gap)."""
 PARTIAL_SUFFIX = ".partial"
-_STEP_FILE = re.compile(r"^rank_(\d{5})\.step_(\d{6})\.h5(\.partial)?$")
+STEP_FILE = re.compile(r"^rank_(\d{5})\.step_(\d{6})\.h5(\.partial)?$")
 
 # Dtypes stored as raw bits of an integer dtype of the same width.
-_RAW_BITS = {
+RAW_BITS = {
     "bfloat16": torch.int16,
     "float8_e4m3fn": torch.uint8,
     "float8_e5m2": torch.uint8,
     "float8_e4m3fnuz": torch.uint8,
     "float8_e5m2fnuz": torch.uint8,
 }
-_NATIVE = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+NATIVE_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
 
 
 def step_file_name(rank: int, step: int) -> str:
@@ -60,55 +54,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def array_from_tensor(value: torch.Tensor) -> np.ndarray:
-    name = dtype_name(value.dtype)
-    value = value.detach().cpu().contiguous()
-    if name in _RAW_BITS:
-        return value.view(_RAW_BITS[name]).numpy()
-    if name not in _NATIVE:
-        raise TypeError(f"cannot store a tensor of dtype {value.dtype}")
-    return value.numpy()
-
-
 def tensor_from_array(array: np.ndarray, name: str, where: str) -> torch.Tensor:
-    if name in _RAW_BITS:
+    if name in RAW_BITS:
         return torch.from_numpy(np.asarray(array, order="C")).view(getattr(torch, name))
-    if name in _NATIVE:
+    if name in NATIVE_DTYPES:
         return torch.from_numpy(np.asarray(array, order="C"))
     raise TraceFormatError(f"{where}: unknown dtype {name!r} in the trace; it was written by another ttrace version")
 
 
-def stats_from_tensor(value: torch.Tensor) -> TensorStats:
-    numel = value.numel()
-    if numel == 0 or not value.is_floating_point():
-        return TensorStats(numel=numel, sum=0.0, sumsq=0.0, min=0.0, max=0.0, num_nan=0, num_inf=0)
-    as_float = value.detach() if value.dtype in (torch.float32, torch.float64) else value.detach().float()
-    # Statistics accumulate in the tensor's own precision (fp32 at least): they summarize, the
-    # comparison of values is done in float64 elsewhere.
-    total = float(as_float.sum())
-    if not math.isfinite(total):  # rare: only then pay for masking out NaN/Inf
-        num_nan, num_inf = int(torch.isnan(as_float).sum()), int(torch.isinf(as_float).sum())
-        as_float = as_float[torch.isfinite(as_float)].double()
-        total = float(as_float.sum())
-    else:
-        num_nan = num_inf = 0
-    minimum, maximum = torch.aminmax(as_float) if as_float.numel() else (torch.zeros(()), torch.zeros(()))
-    sumsq = float(torch.linalg.vector_norm(as_float)) ** 2
-    if not math.isfinite(sumsq):  # the norm of large fp32 values overflows fp32; the format holds finite norms
-        sumsq = float(torch.linalg.vector_norm(as_float.double())) ** 2
-    return TensorStats(
-        numel=numel, sum=total, sumsq=sumsq,
-        min=float(minimum), max=float(maximum), num_nan=num_nan, num_inf=num_inf,
-    )
-
-
-def _dataset_path(key: TensorKey) -> str:
+def dataset_path(key: TensorKey) -> str:
     group = "all" if key.micro_batch < 0 else f"mb_{key.micro_batch:04d}"
     call = f"@{key.call}" if key.call else ""
     return f"{key.phase}/{group}/{key.fqn or '<root>'}#{key.slot}{call}"
 
 
-def key_from_dataset_path(path: str, step: int) -> TensorKey | None:
+def key_fromdataset_path(path: str, step: int) -> TensorKey | None:
     """The key a dataset's place in its file names (the inverse of `_dataset_path`); None for a name
     ttrace does not write."""
     parts = path.split("/")
@@ -126,105 +86,6 @@ def key_from_dataset_path(path: str, step: int) -> TensorKey | None:
         return None
     return TensorKey(step=step, micro_batch=micro_batch, phase=parts[0], fqn="" if fqn == "<root>" else fqn, slot=slot,
                      call=int(call or 0))
-
-
-def _meta_to_json(meta: TensorMeta) -> str:
-    # Shallow conversion: dataclasses.asdict deep-copies every field and costs more than the write.
-    data = {name: getattr(meta, name) for name in TensorMeta.__dataclass_fields__}
-    data["key"] = {name: getattr(meta.key, name) for name in TensorKey.__dataclass_fields__}
-    data["layout"] = {name: getattr(meta.layout, name) for name in Layout.__dataclass_fields__}
-    data["stats"] = None if meta.stats is None else {name: getattr(meta.stats, name) for name in TensorStats.__dataclass_fields__}
-    return json.dumps(data)
-
-
-class RunWriter:
-    """Writes one rank's step files. Only the tracer uses it."""
-
-    def __init__(self, run_dir: str | os.PathLike, rank: int) -> None:
-        self.run_dir = Path(run_dir)
-        self.rank = rank
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file: h5py.File | None = None
-        self._step: int | None = None
-        self._num_tensors = 0
-        self._step_bytes = 0
-        self.num_bytes_written = 0
-
-    def begin_step(self, step: int) -> None:
-        assert self._file is None, "a step is already open"
-        final = self.run_dir / step_file_name(self.rank, step)
-        final.unlink(missing_ok=True)
-        self._file = h5py.File(str(final) + PARTIAL_SUFFIX, "w")
-        self._file.attrs["rank"] = self.rank
-        self._file.attrs["step"] = step
-        self._file.attrs["format_version"] = FORMAT_VERSION
-        self._step = step
-        self._num_tensors = 0
-        self._step_bytes = 0
-
-    def write(self, meta: TensorMeta, value: torch.Tensor | None) -> None:
-        assert self._file is not None, "write outside a step"
-        data = np.zeros((0,), dtype=np.uint8) if value is None else array_from_tensor(value)
-        self._check_room(data.nbytes)
-        dataset = self._file.create_dataset(_dataset_path(meta.key), data=data)
-        dataset.attrs["meta"] = _meta_to_json(meta)
-        self.num_bytes_written += data.nbytes
-        self._num_tensors += 1
-
-    def _check_room(self, num_bytes: int) -> None:
-        """Refuse a write that would fill the disk or pass the file-size limit, while HDF5 can still
-        close the step file: past ENOSPC, HDF5's cache fails inside deallocators and the process can
-        crash without a word (measured: a segfault)."""
-        needed = num_bytes + WRITE_HEADROOM
-        stats = os.statvfs(self.run_dir)
-        if stats.f_bavail * stats.f_frsize < needed:
-            raise OSError(errno.ENOSPC, "No space left on device", str(self.run_dir))
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if limit != resource.RLIM_INFINITY and self._step_bytes + needed > limit:
-            raise OSError(errno.EFBIG, f"File too large: the file-size limit is {limit} bytes", str(self.run_dir))
-        self._step_bytes += num_bytes
-
-    def end_step(self, blind_spots: dict[str, str] | None = None) -> None:
-        """`blind_spots`: module -> what this rank's trace of it misses (RunReader merges them into the manifest's)."""
-        assert self._file is not None and self._step is not None
-        if blind_spots:
-            self._file.attrs["blind_spots"] = json.dumps(blind_spots, sort_keys=True)
-        self._file.attrs[INVENTORY_ATTR] = self._num_tensors
-        self._file.attrs["complete"] = True
-        self._file.flush()
-        self._file.close()
-        final = self.run_dir / step_file_name(self.rank, self._step)
-        os.replace(str(final) + PARTIAL_SUFFIX, final)
-        self._file, self._step = None, None
-
-    def close(self) -> None:
-        """Close without completing an open step: it stays marked partial."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def write_manifest(run_dir: str | os.PathLike, manifest: RunManifest) -> None:
-    path = Path(run_dir) / MANIFEST_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(".json.partial")
-    staging.write_text(json.dumps(manifest.to_dict(), indent=2, sort_keys=True))
-    os.replace(staging, path)
-
-
-def refuse_existing_trace(run_dir: str | os.PathLike, *, manifest_only: bool = False) -> None:
-    """Recording into a directory that already holds a trace would mix two runs' files.
-
-    `manifest_only` is for rank 0 of a running recording: the other ranks may already have
-    opened their first step files, so only a manifest proves an earlier run.
-    """
-    path = Path(run_dir)
-    if path.exists() and not path.is_dir():
-        raise TraceFormatError(f"{path}: is a file, not a directory; record into a new directory")
-    earlier = path.is_dir() and ((path / MANIFEST_NAME).exists() or
-                                 (not manifest_only and any(_STEP_FILE.match(p) for p in os.listdir(path))))
-    if earlier:
-        raise TraceFormatError(f"{path}: already holds a trace; record into a new directory, or delete this one first")
 
 
 def read_manifest(run_dir: str | os.PathLike) -> RunManifest:
@@ -249,7 +110,7 @@ def _step_file_states(run_dir: Path) -> dict[int, dict[int, bool]]:
     """step -> rank -> complete, from file names alone."""
     found: dict[int, dict[int, bool]] = defaultdict(dict)
     for entry in sorted(os.listdir(run_dir)):
-        if match := _STEP_FILE.match(entry):
+        if match := STEP_FILE.match(entry):
             rank, step = int(match.group(1)), int(match.group(2))
             if match.group(3) is None or rank not in found[step]:
                 found[step][rank] = match.group(3) is None
@@ -269,7 +130,7 @@ def read_shards(run_dir: str | os.PathLike, key: TensorKey, world_size: int) -> 
     Values are None for stats-only shards. A rank that did not record the key is skipped.
     """
     run_dir = Path(run_dir)
-    path = _dataset_path(key)
+    path = dataset_path(key)
     shards = []
     for rank in range(world_size):
         file_path = contained(run_dir, step_file_name(rank, key.step))
@@ -413,7 +274,7 @@ class RunReader:
         if text is None:
             raise TraceFormatError(f"{where}: dataset {name} has no ttrace metadata; the file was not written by ttrace")
         meta = meta_from_json(text, f"{where}:{name}")
-        placed = key_from_dataset_path(name, step)
+        placed = key_fromdataset_path(name, step)
         if placed is None:
             raise TraceFormatError(f"{where}: dataset {name} is not where ttrace writes tensors; the file was not written by ttrace")
         if placed != meta.key or meta.rank != rank:
@@ -429,7 +290,7 @@ class RunReader:
 
     def read(self, meta: TensorMeta) -> torch.Tensor:
         """The recorded local values of one shard, in its recorded dtype."""
-        path = _dataset_path(meta.key)
+        path = dataset_path(meta.key)
         where = f"{self.run_dir / step_file_name(meta.rank, meta.key.step)}:{path}"
         if meta.stats_only:
             raise TraceFormatError(f"{where}: recorded in stats-only mode; it holds no values")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
-import re
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -43,7 +42,6 @@ from ttrace_core.integrations.dtensor import (
     layout_from_dtensor, layout_of_converted_output, local_value, mesh_description, placement_str,
 )
 from ttrace_core.placements import global_shape_from_local
-from ttrace_core.errors import TraceWriteError
 from ttrace_core.fingerprint import environment_fingerprint
 from ttrace_core.schema import (
     NO_MICRO_BATCH, WRAPPER_COMPONENTS, Layout, RunManifest, TensorKey, TensorMeta, global_fqn,
@@ -51,7 +49,8 @@ from ttrace_core.schema import (
 )
 from ttrace_core.step_state import StepState
 from ttrace_core.tracer_config import TracerConfig
-from ttrace_core.store import RunWriter, dtype_name, refuse_existing_trace, stats_from_tensor, write_manifest
+from ttrace_core.store import dtype_name
+from ttrace_core.trace_writer import RunWriter, refuse_existing_trace, stats_from_tensor, write_error, write_manifest
 
 
 # A module whose inputs need no gradient (an embedding fed token ids) still gets its grad_output
@@ -431,14 +430,14 @@ class Tracer:
         except BaseException as error:
             self._abandon_step()
             if isinstance(error, OSError):  # the disk is full, a file-size limit, an I/O error: say so plainly
-                raise self._write_error(step, error) from error
+                raise write_error(self._writer.run_dir, self.rank, step, error) from error
             raise
         self._state = None
         try:
             self._writer.end_step(self.blind_spots)
         except OSError as error:
             self._abandon_step()
-            raise self._write_error(step, error) from error
+            raise write_error(self._writer.run_dir, self.rank, step, error) from error
 
     def _abandon_step(self) -> None:
         """Leave the open step file partial; a failing close (a full disk) must not hide why."""
@@ -447,15 +446,6 @@ class Tracer:
             self._writer.close()
         except OSError:
             pass
-
-    def _write_error(self, step: int, error: OSError) -> TraceWriteError:
-        # HDF5 reports "... errno = 28, error message = 'No space left on device', ..." over several lines
-        reason = error.strerror or next(iter(re.findall(r"error message = '([^']*)'", str(error))), None) \
-            or str(error).splitlines()[0][:200]
-        return TraceWriteError(
-            f"{self._writer.run_dir}: cannot write step {step} of rank {self.rank} ({reason}); the steps "
-            "finished before it are complete and kept, this one is left partial. Free space (or raise the file-size "
-            "limit) and record again")
 
     @property
     def num_bytes_written(self) -> int:

@@ -120,7 +120,7 @@ def test_a_full_disk_stops_with_one_clear_error_and_keeps_the_finished_steps(tmp
     import resource
     from types import SimpleNamespace
 
-    from ttrace_core import store
+    from ttrace_core import trace_writer
     from ttrace_core.errors import TraceWriteError
 
     model = _model()
@@ -128,9 +128,9 @@ def test_a_full_disk_stops_with_one_clear_error_and_keeps_the_finished_steps(tmp
     with tracer.step(0):
         model(torch.randn(2, 4))
     if limit == "disk":
-        monkeypatch.setattr(store.os, "statvfs", lambda path: SimpleNamespace(f_bavail=1, f_frsize=4096))
+        monkeypatch.setattr(trace_writer.os, "statvfs", lambda path: SimpleNamespace(f_bavail=1, f_frsize=4096))
     else:
-        monkeypatch.setattr(store.resource, "getrlimit", lambda which: (store.WRITE_HEADROOM, resource.RLIM_INFINITY))
+        monkeypatch.setattr(trace_writer.resource, "getrlimit", lambda which: (trace_writer.WRITE_HEADROOM, resource.RLIM_INFINITY))
     with pytest.raises(TraceWriteError) as raised, tracer.step(1):
         model(torch.randn(2, 4))
     monkeypatch.undo()

@@ -49,7 +49,7 @@ def record_example(out: str | os.PathLike, workload: str, config, *, timeout_s: 
     process in the session (one interpreter fewer than running the command); one rank runs the command."""
     from ttrace_core.record import run_session, session_environment
     from ttrace_core.session import SESSION_ENV, SessionSpec
-    from ttrace_core.store import refuse_existing_trace
+    from ttrace_core.trace_writer import refuse_existing_trace
 
     out = Path(out).resolve()
     refuse_existing_trace(out)
