@@ -6,13 +6,16 @@ done" as each step file is completed. Every trial is checked against one uninter
 - SIGKILL at a uniformly random time over the run, --trials times. Every step the run reported done
   must be complete, readable and bitwise equal to the uninterrupted run's; a step cut short must be
   named partial; the trace must open (no error) in every trial.
+- A rank that dies: the example GPT with TP 2, one rank (chosen at random) SIGKILLed at a random time
+  (rank_faults.py): no finished step lost, every completed file bitwise the uninterrupted run's, the
+  launcher stops without a hang, and the trace names the dead rank.
 - A full disk: the run records into a tmpfs of a few sizes (mounted here; it needs root) or, where
   mounting is refused, under a file-size limit (RLIMIT_FSIZE). The run must stop with one clear
   error line (ttrace_core.errors.TraceWriteError) and keep every step it finished.
 
 Writes results/recording_faults.md.
 
-    python benchmarks/recording_faults.py [--trials 40] [--work /tmp/ttrace-recording-faults]
+    python benchmarks/recording_faults.py [--trials 40] [--rank-trials 16] [--work /tmp/ttrace-recording-faults]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import rank_faults
 from ttrace_core.compare import compare_runs
 from ttrace_core.errors import TtraceError
 from ttrace_core.store import RunReader
@@ -98,6 +102,32 @@ def kill_trials(work: Path, pristine: Path, seconds: float, count: int, rng: ran
     return trials
 
 
+def dead_rank_trials(work: Path, count: int, rng: random.Random) -> tuple[list[rank_faults.RankTrial], float]:
+    """(trials, seconds the ranks of an uninterrupted TP 2 run take from their start to the launcher's exit)."""
+    pristine = work / "tp2-pristine"
+    shutil.rmtree(pristine, ignore_errors=True)
+    launcher = rank_faults.launch(pristine, STEPS)
+    rank_faults.rank_pids(launcher.pid)
+    started = time.monotonic()
+    _, stderr = launcher.communicate(timeout=600)
+    seconds = time.monotonic() - started
+    assert launcher.returncode == 0, stderr
+
+    def after_random_delay(out: Path, pids: list[int]) -> str:
+        delay = rng.uniform(0.0, seconds)
+        time.sleep(delay)
+        return f"rank {victim} after {delay:.2f} s"
+
+    trials = []
+    for index in range(count):
+        out = work / f"dead-rank-{index}"
+        shutil.rmtree(out, ignore_errors=True)
+        victim = rng.randrange(rank_faults.WORLD_SIZE)
+        trials.append(rank_faults.kill_one_rank(out, pristine, STEPS, victim, after_random_delay))
+        shutil.rmtree(out, ignore_errors=True)
+    return trials, seconds
+
+
 def _mount_tmpfs(path: Path, size_mb: int) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
@@ -142,8 +172,28 @@ def render(kills: list[Trial], disks: list[Trial], seconds: float) -> str:
               "| limit | steps reported done | complete | partial | lost | last line of the error |", "|---|---|---|---|---|---|"]
     lines += [f"| {t.kind} | {t.reported_done} | {t.complete} | {t.partial} | {t.lost or '-'} | {t.error_line[:220]} |"
               for t in disks]
-    lines += ["", "Not measured yet: a rank that dies in a multi-rank run (the others' files and the trace's naming of "
-              "the missing rank), and faults in replay jobs."]
+    return "\n".join(lines) + "\n"
+
+
+def render_dead_ranks(trials: list[rank_faults.RankTrial], seconds: float) -> str:
+    done = sum(len(t.done_before) for t in trials)
+    lines = ["## A rank that dies", "",
+             f"`ttrace example torch-gpt --tp 2 --steps {STEPS}` (its ranks run {seconds:.1f} s uninterrupted); one rank, "
+             "chosen at random, SIGKILLed at a random time after the ranks start. The launcher sends the other rank "
+             "SIGTERM, so its tracer writes what stopped it into its partial step file; the killed rank leaves no word.", "",
+             f"**{sum(len(t.lost) for t in trials)} completed steps lost** over {len(trials)} trials ({done} steps finished "
+             f"by every rank before the kill); **{sum(len(t.inconsistent_files) for t in trials)} completed step files "
+             f"differ** from the uninterrupted run's; **{sum(t.hang for t in trials)} hangs** (launcher still running "
+             f"{rank_faults.STOP_LIMIT_S:.0f} s after the kill; slowest stop {max(t.stop_seconds for t in trials):.1f} s); "
+             f"the trace names the dead rank in **{sum(t.named for t in trials)} of {len(trials)}** trials and blames "
+             f"a survivor in {sum(bool(t.survivors_blamed) for t in trials)}.", "",
+             "| trial | killed | done before the kill | complete | partial steps, as the trace explains them | "
+             "lost | files differing | stop (s) | launcher's last line |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for index, t in enumerate(trials):
+        partial = "<br>".join(f"{step}: {why}" for step, why in t.partial.items()) or t.unreadable or "-"
+        lines.append(f"| {index} | {t.detail} | {t.done_before} | {t.complete} | {partial[:400]} | {t.lost or '-'} | "
+                     f"{t.inconsistent_files or '-'} | {t.stop_seconds:.1f} | {t.error_line[:160]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -151,6 +201,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=40)
     parser.add_argument("--work", type=Path, default=Path("/tmp/ttrace-recording-faults"))
+    parser.add_argument("--rank-trials", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -162,7 +213,8 @@ def main() -> None:
     assert code == 0, stderr
     kills = kill_trials(args.work, pristine, seconds, args.trials, random.Random(args.seed))
     disks = full_disk_trials(args.work, pristine)
-    text = render(kills, disks, seconds)
+    dead, rank_seconds = dead_rank_trials(args.work, args.rank_trials, random.Random(args.seed + 1))
+    text = render(kills, disks, seconds) + "\n" + render_dead_ranks(dead, rank_seconds)
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "recording_faults.md").write_text(text)
     print(text)

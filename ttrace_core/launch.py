@@ -17,6 +17,9 @@ import traceback
 
 from ttrace_core.errors import LaunchError
 
+STOP_GRACE_S = 10.0
+"""How long ranks still running after another failed get to close their step files before SIGKILL."""
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -39,11 +42,25 @@ def _child(rank: int, world_size: int, port: int, target: str, config: dict, env
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # On a timeout the launcher sends SIGUSR1 first: every rank prints where it is stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # After another rank failed the launcher sends SIGTERM: unwinding (not dying) lets this rank's
+    # tracer write why its step stopped into the partial step file.
+    signal.signal(signal.SIGTERM, _stop_after_another_rank_failed)
     try:
         resolve(target)(config)
+    except StoppedByLauncher as stop:
+        print(f"rank {rank}: {stop}", flush=True)
+        raise SystemExit(1)
     except BaseException:
         traceback.print_exc()
         raise SystemExit(1)
+
+
+class StoppedByLauncher(Exception):
+    pass
+
+
+def _stop_after_another_rank_failed(signum: int, frame: object) -> None:
+    raise StoppedByLauncher("stopped by the launcher (SIGTERM) after another rank failed")
 
 
 def run_ranks(target: str, config: dict, world_size: int, *, timeout_s: float = 600.0,
@@ -76,22 +93,43 @@ def _dump_stacks(processes: list) -> None:
 
 def _wait_all(processes: list, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    first_failure: tuple[int, int] | None = None
+    failed = False
     while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
-        first_failure = next(((r, p.exitcode) for r, p in enumerate(processes) if p.exitcode not in (None, 0)), None)
-        if first_failure:
+        if failed := any(p.exitcode not in (None, 0) for p in processes):
             break
         time.sleep(0.05)
-    timed_out = first_failure is None and any(p.is_alive() for p in processes)
+    timed_out = not failed and any(p.is_alive() for p in processes)
+    first_failures = {rank: p.exitcode for rank, p in enumerate(processes) if p.exitcode not in (None, 0)}
     if timed_out:
         _dump_stacks(processes)
+    else:
+        _stop_survivors(processes)
     for process in processes:
         if process.is_alive():
             process.kill()
         process.join()
     if timed_out:
         raise LaunchError(f"ranks timed out after {timeout_s:.0f} s and were killed; raise --timeout or look for a hang")
-    first_failure = first_failure or next(((r, p.exitcode) for r, p in enumerate(processes) if p.exitcode != 0), None)
-    if first_failure:
-        rank, code = first_failure
-        raise LaunchError(f"rank {rank} exited with code {code} (its traceback is printed above)")
+    if first_failures:
+        raise LaunchError(f"{_describe_failures(first_failures)}; the other ranks were stopped (tracebacks above)")
+    if failures := {rank: p.exitcode for rank, p in enumerate(processes) if p.exitcode != 0}:
+        raise LaunchError(f"{_describe_failures(failures)} (tracebacks above)")
+
+
+def _stop_survivors(processes: list) -> None:
+    """SIGTERM to the ranks still running, then up to STOP_GRACE_S for them to close their step files."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _describe_failures(exit_codes: dict[int, int]) -> str:
+    """`rank 1 was killed by SIGKILL, rank 0 exited with code 1`."""
+    def one(rank: int, code: int) -> str:
+        if code < 0:
+            return f"rank {rank} was killed by {signal.Signals(-code).name}"
+        return f"rank {rank} exited with code {code}"
+    return ", ".join(one(rank, code) for rank, code in sorted(exit_codes.items()))

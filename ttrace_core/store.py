@@ -33,6 +33,9 @@ MANIFEST_NAME = "manifest.json"
 INVENTORY_ATTR = "num_tensors"
 """Step-file attribute: how many datasets the writer put in it (a reader that finds fewer names the gap)."""
 PARTIAL_SUFFIX = ".partial"
+STOPPED_ATTR = "stopped"
+"""Partial step-file attribute: the exception that stopped the step on that rank (a killed rank leaves none)."""
+MAX_STOPPED_CHARS = 300
 STEP_FILE = re.compile(r"^rank_(\d{5})\.step_(\d{6})\.h5(\.partial)?$")
 
 # Dtypes stored as raw bits of an integer dtype of the same width.
@@ -115,6 +118,38 @@ def _step_file_states(run_dir: Path) -> dict[int, dict[int, bool]]:
             if match.group(3) is None or rank not in found[step]:
                 found[step][rank] = match.group(3) is None
     return found
+
+
+def _why_partial(run_dir: Path, step: int, by_rank: dict[int, bool], world_size: int) -> str:
+    """Which ranks left step `step` unfinished (a `.partial` file, and what stopped each) and which have
+    no file for it at all."""
+    interrupted = [r for r in range(world_size) if by_rank.get(r) is False]
+    missing = [r for r in range(world_size) if r not in by_rank]
+    reasons = []
+    if interrupted:
+        words = "; ".join(f"rank {r} {_stopped_word(run_dir, r, step)}" for r in interrupted)
+        reasons.append(f"ranks {interrupted} did not finish step {step} ({words})")
+    if missing:
+        finished = [r for r in range(world_size) if by_rank.get(r)]
+        reasons.append(f"ranks {missing} have no file for step {step} (the rank died before the step began, or its "
+                       f"file was not copied){f'; ranks {finished} finished it' if finished else ''}")
+    return "; ".join(reasons)
+
+
+def _stopped_word(run_dir: Path, rank: int, step: int) -> str:
+    """What a rank's partial step file says stopped it; a file without a word was killed or lost its machine."""
+    silent = "left no word: killed, or its machine died"
+    try:
+        path = contained(run_dir, step_file_name(rank, step) + PARTIAL_SUFFIX)
+        with h5py.File(path, "r") as handle:
+            word = handle.attrs.get(STOPPED_ATTR)
+    except (OSError, TraceFormatError):  # a file cut off mid-write is expected here: the step was interrupted
+        return silent
+    if isinstance(word, bytes):
+        word = word.decode(errors="replace")
+    if not isinstance(word, str) or not word.strip():
+        return silent
+    return "stopped on " + " ".join(word.split())[:MAX_STOPPED_CHARS]
 
 
 def step_files(run_dir: str | os.PathLike, world_size: int) -> tuple[list[int], list[int]]:
@@ -231,12 +266,12 @@ class RunReader:
             if rank not in ranks_seen:
                 raise TraceFormatError(
                     f"{self.run_dir}: manifest says world_size {self.manifest.world_size} but there is no file of "
-                    f"rank {rank} ({step_file_name(rank, 0).replace('000000', '*')}); copy the whole run directory"
+                    f"rank {rank} ({step_file_name(rank, 0).replace('000000', '*')}): the rank died before its first step or its "
+                    "files were not copied; copy the whole run directory, or re-record if the rank died"
                 )
         for step, by_rank in sorted(found.items()):
-            interrupted = [r for r in range(self.manifest.world_size) if not by_rank.get(r, False)]
-            if interrupted:
-                self.partial_steps[step] = f"ranks {interrupted} did not finish step {step} (recording interrupted)"
+            if any(not by_rank.get(r, False) for r in range(self.manifest.world_size)):
+                self.partial_steps[step] = _why_partial(self.run_dir, step, by_rank, self.manifest.world_size)
                 continue
             for rank in range(self.manifest.world_size):
                 self._index_file(rank, step)

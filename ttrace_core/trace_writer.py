@@ -24,8 +24,8 @@ import torch
 from ttrace_core.errors import TraceFormatError, TraceWriteError
 from ttrace_core.schema import FORMAT_VERSION, Layout, RunManifest, TensorKey, TensorMeta, TensorStats
 from ttrace_core.store import (
-    INVENTORY_ATTR, MANIFEST_NAME, NATIVE_DTYPES, PARTIAL_SUFFIX, RAW_BITS, STEP_FILE, dataset_path, dtype_name,
-    step_file_name,
+    INVENTORY_ATTR, MANIFEST_NAME, MAX_STOPPED_CHARS, NATIVE_DTYPES, PARTIAL_SUFFIX, RAW_BITS, STEP_FILE, STOPPED_ATTR,
+    dataset_path, dtype_name, step_file_name,
 )
 
 WRITE_HEADROOM = 4 * 2**20
@@ -135,11 +135,18 @@ class RunWriter:
         os.replace(str(final) + PARTIAL_SUFFIX, final)
         self._file, self._step = None, None
 
-    def close(self) -> None:
-        """Close without completing an open step: it stays marked partial."""
+    def close(self, why: str = "") -> None:
+        """Close without completing an open step: it stays marked partial, with `why` (the exception
+        that stopped the step) in its STOPPED_ATTR when the file still takes it."""
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            try:
+                if why:
+                    self._file.attrs[STOPPED_ATTR] = why[:MAX_STOPPED_CHARS]
+            except Exception:  # best effort: a full disk may refuse the word, never the close
+                pass
+            finally:
+                self._file.close()
+                self._file = None
 
 
 def write_manifest(run_dir: str | os.PathLike, manifest: RunManifest) -> None:

@@ -428,7 +428,7 @@ class Tracer:
         try:
             yield
         except BaseException as error:
-            self._abandon_step()
+            self._abandon_step(f"{type(error).__name__}: {error}")
             if isinstance(error, OSError):  # the disk is full, a file-size limit, an I/O error: say so plainly
                 raise write_error(self._writer.run_dir, self.rank, step, error) from error
             raise
@@ -436,14 +436,14 @@ class Tracer:
         try:
             self._writer.end_step(self.blind_spots)
         except OSError as error:
-            self._abandon_step()
+            self._abandon_step(f"{type(error).__name__}: {error}")
             raise write_error(self._writer.run_dir, self.rank, step, error) from error
 
-    def _abandon_step(self) -> None:
-        """Leave the open step file partial; a failing close (a full disk) must not hide why."""
+    def _abandon_step(self, why: str = "") -> None:
+        """Leave the open step file partial, saying `why` in it; a failing close (a full disk) must not hide why."""
         self._state = None
         try:
-            self._writer.close()
+            self._writer.close(why)
         except OSError:
             pass
 

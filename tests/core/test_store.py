@@ -60,6 +60,21 @@ def test_interrupted_step_is_reported_and_completed_steps_stay_readable(tmp_path
         assert {key.step for key in reader.keys()} == {0}
 
 
+def test_a_rank_that_died_is_named_missing_and_the_survivors_steps_stay_readable(tmp_path):
+    _record(tmp_path, {0: torch.ones(2)}, world_size=2, steps=(0, 1))
+    (tmp_path / step_file_name(1, 1)).unlink()  # rank 1 died after step 0; rank 0 went on to finish step 1
+    writer = RunWriter(tmp_path, 0)
+    writer.begin_step(2)
+    writer.close()  # rank 0 was stopped in step 2
+    with RunReader(tmp_path) as reader:
+        assert reader.complete_steps == [0]
+        assert reader.partial_steps[1] == ("ranks [1] have no file for step 1 (the rank died before the step began, "
+                                           "or its file was not copied); ranks [0] finished it")
+        assert reader.partial_steps[2].startswith("ranks [0] did not finish step 2 (rank 0 left no word: killed, or its "
+                                                 "machine died); ranks [1] have no file")
+        assert {key.step for key in reader.keys()} == {0}
+
+
 def test_truncated_file_names_the_file(tmp_path):
     _record(tmp_path, {0: torch.randn(64, 64)})
     path = tmp_path / step_file_name(0, 0)

@@ -109,7 +109,8 @@ def test_exception_in_a_step_leaves_it_partial(tmp_path):
         raise RuntimeError("boom")
     tracer.close()
     with RunReader(tmp_path) as reader:
-        assert reader.complete_steps == [0] and 1 in reader.partial_steps
+        assert reader.complete_steps == [0]
+        assert reader.partial_steps[1] == "ranks [0] did not finish step 1 (rank 0 stopped on RuntimeError: boom)"
 
 
 @pytest.mark.parametrize("limit", ["disk", "file-size"])
@@ -140,6 +141,7 @@ def test_a_full_disk_stops_with_one_clear_error_and_keeps_the_finished_steps(tmp
     assert f"cannot write step 1 of rank 0 ({reason}" in line and "steps finished before it are complete and kept" in line
     with RunReader(tmp_path) as reader:
         assert reader.complete_steps == [0] and 1 in reader.partial_steps and reader.index
+        assert f"rank 0 stopped on OSError: [Errno {28 if limit == 'disk' else 27}]" in reader.partial_steps[1]
     assert os.path.exists(tmp_path / "rank_00000.step_000001.h5.partial")
 
 

@@ -10,9 +10,18 @@ pytestmark = pytest.mark.distributed
 
 def test_a_failing_rank_stops_the_others_at_once():
     start = time.monotonic()
-    with pytest.raises(LaunchError, match="rank 0 exited with code 1"):
+    with pytest.raises(LaunchError, match="^rank 0 exited with code 1; the other ranks were stopped"):
         run_ranks("tests.distributed.workers:fail_on_rank_0", {}, 2, timeout_s=120)
     assert time.monotonic() - start < 60
+
+
+def test_a_rank_still_running_after_another_failed_is_stopped_by_sigterm_and_says_so(capfd):
+    """SIGTERM, not SIGKILL, first: the survivor unwinds, so its tracer can say why its step stopped."""
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="^rank 0 exited with code 1; the other ranks were stopped"):
+        run_ranks("tests.distributed.workers:fail_on_rank_0_while_rank_1_sleeps", {}, 2, timeout_s=120)
+    assert time.monotonic() - start < 60
+    assert "rank 1: stopped by the launcher (SIGTERM) after another rank failed" in capfd.readouterr().out
 
 
 def test_a_hang_is_killed_at_the_timeout_with_stacks(capfd):

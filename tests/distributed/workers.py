@@ -152,6 +152,14 @@ def fail_on_rank_0(config: dict) -> None:
     dist.barrier()
 
 
+def fail_on_rank_0_while_rank_1_sleeps(config: dict) -> None:
+    """Rank 0 fails; rank 1 is busy in Python (no collective) and would go on for minutes."""
+    if int(os.environ["RANK"]) == 0:
+        time.sleep(1)
+        raise RuntimeError("rank 0 fails on purpose")
+    time.sleep(600)
+
+
 def hang_on_rank_1(config: dict) -> None:
     """Rank 1 sleeps far past any timeout; rank 0 returns."""
     if int(os.environ["RANK"]) == 1:

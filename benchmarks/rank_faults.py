@@ -1,0 +1,178 @@
+"""A rank that dies in a multi-rank recording: the example GPT with TP 2 (`ttrace example torch-gpt
+--tp 2`), one rank SIGKILLed while the other goes on. Used by recording_faults.py (random kill
+times) and tests/distributed/test_dead_rank.py (one kill at a fixed point).
+
+A trial checks, against one uninterrupted run of the same command:
+- the launcher stops (no hang) with one line naming the dead rank;
+- every step all ranks had finished before the kill is complete and bitwise equal (no step lost);
+- every step file any rank completed, the survivor's included, is bitwise equal (files consistent);
+- the trace names the dead rank: it is the rank that "left no word" in its partial step file or has
+  no file for the step, while the survivor's partial file says what stopped it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ttrace_core.errors import TtraceError
+from ttrace_core.store import STEP_FILE, RunReader
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD_SIZE = 2
+STOP_LIMIT_S = 90.0
+"""A launcher still running this long after the kill is a hang."""
+
+
+def launch(out: Path, steps: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "ttrace_core", "example", "torch-gpt", "--tp", str(WORLD_SIZE),
+               "--steps", str(steps), "--out", str(out), "--timeout", "300"]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _start_time(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+def rank_pids(launcher_pid: int, timeout_s: float = 120.0) -> list[int]:
+    """The launcher's spawned ranks, rank 0 first (they are started in rank order)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pending, ranks = [launcher_pid], []
+        while pending:
+            for child in _children(pending.pop()):
+                pending.append(child)
+                try:
+                    if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                        ranks.append(child)
+                except OSError:
+                    pass
+        if len(ranks) == WORLD_SIZE:
+            return sorted(ranks, key=_start_time)
+        time.sleep(0.05)
+    raise TimeoutError(f"the launcher {launcher_pid} did not start {WORLD_SIZE} ranks in {timeout_s:.0f} s")
+
+
+def completed_files(out: Path) -> dict[str, Path]:
+    return {p.name: p for p in out.glob("rank_*.h5") if STEP_FILE.match(p.name)}
+
+
+def steps_done_by_all(out: Path) -> list[int]:
+    by_step: dict[int, set[int]] = {}
+    for name in completed_files(out):
+        match = STEP_FILE.match(name)
+        by_step.setdefault(int(match.group(2)), set()).add(int(match.group(1)))
+    return sorted(step for step, ranks in by_step.items() if len(ranks) == WORLD_SIZE)
+
+
+def same_contents(path: Path, pristine: Path) -> bool:
+    """Every dataset of `path` has the name, dtype and bytes of the uninterrupted run's."""
+    def datasets(file: Path) -> dict[str, np.ndarray]:
+        found: dict[str, np.ndarray] = {}
+        with h5py.File(file, "r") as handle:
+            handle.visititems(lambda name, node: found.__setitem__(name, node[()]) if isinstance(node, h5py.Dataset) else None)
+        return found
+
+    mine, theirs = datasets(path), datasets(pristine)
+    return mine.keys() == theirs.keys() and all(
+        mine[name].dtype == theirs[name].dtype and mine[name].tobytes() == theirs[name].tobytes() for name in mine)
+
+
+@dataclass
+class RankTrial:
+    victim: int
+    detail: str
+    done_before: list[int] = field(default_factory=list)
+    """Steps every rank had finished when the victim was killed."""
+    complete: list[int] = field(default_factory=list)
+    partial: dict[int, str] = field(default_factory=dict)
+    lost: list[int] = field(default_factory=list)
+    inconsistent_files: list[str] = field(default_factory=list)
+    stop_seconds: float = 0.0
+    """From the kill to the launcher's exit."""
+    hang: bool = False
+    error_line: str = ""
+    unreadable: str = ""
+
+    @property
+    def flagged(self) -> set[int]:
+        """Ranks the trace names as dead: silent in a partial step file, or without a file for the step."""
+        flagged = set()
+        for why in self.partial.values():
+            flagged |= {rank for rank in range(WORLD_SIZE) if f"rank {rank} left no word" in why}
+            if "have no file" in why:
+                listed = why.split("have no file")[0].rsplit("ranks [", 1)[1].split("]")[0]
+                flagged |= {int(rank) for rank in listed.split(",")}
+        return flagged
+
+    @property
+    def named(self) -> bool:
+        """The trace names the dead rank (or the dead rank had nothing left to record)."""
+        if self.unreadable:
+            return f"no file of rank {self.victim}" in self.unreadable
+        return self.victim in self.flagged or not self.partial
+
+    @property
+    def survivors_blamed(self) -> list[int]:
+        return sorted(self.flagged - {self.victim})
+
+
+def kill_one_rank(out: Path, pristine: Path, steps: int, victim: int,
+                  wait_for_kill: Callable[[Path, list[int]], str]) -> RankTrial:
+    """Record into `out`, SIGKILL rank `victim` once `wait_for_kill(out, pids)` returns (it returns how
+    long it waited, as text), and check the trace against `pristine`."""
+    launcher = launch(out, steps)
+    try:
+        pids = rank_pids(launcher.pid)
+        trial = RankTrial(victim=victim, detail=wait_for_kill(out, pids))
+        trial.done_before = steps_done_by_all(out)
+        os.kill(pids[victim], signal.SIGKILL)
+        killed_at = time.monotonic()
+        try:
+            _, stderr = launcher.communicate(timeout=STOP_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            trial.hang = True
+            os.killpg(launcher.pid, signal.SIGKILL)
+            _, stderr = launcher.communicate()
+        trial.stop_seconds = time.monotonic() - killed_at
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    lines = stderr.strip().splitlines()
+    trial.error_line = lines[-1] if lines else ""
+    return checked(trial, out, pristine)
+
+
+def checked(trial: RankTrial, out: Path, pristine: Path) -> RankTrial:
+    try:
+        with RunReader(out) as reader:
+            trial.complete, trial.partial = list(reader.complete_steps), dict(reader.partial_steps)
+    except TtraceError as error:
+        trial.unreadable = str(error)
+    pristine_files = completed_files(pristine)
+    trial.inconsistent_files = sorted(name for name, path in completed_files(out).items()
+                                      if not same_contents(path, pristine_files[name]))
+    differing = {int(STEP_FILE.match(name).group(2)) for name in trial.inconsistent_files}
+    trial.lost = [step for step in trial.done_before if step not in trial.complete or step in differing]
+    return trial
