@@ -62,7 +62,10 @@ if status.state != "complete":
     st.code("\n".join(job.log_tail(15)), language=None)
     st.stop()
 
-result = api.localization(job)
+try:
+    result = api.localization(job)
+except api.TtraceError as error:
+    stop_with(str(error))
 level, line = verdicts.summary(result)
 getattr(st, level)(line)
 scope = {"module alone": "only this module ran", "whole model": "the whole model ran"}.get(result.replay_scope,

@@ -29,7 +29,7 @@ from pathlib import Path
 import pandas as pd
 
 from ttrace_core import table
-from ttrace_core.jobs import Job, JobSpec, submit
+from ttrace_core.jobs import Job, JobFileError, JobSpec, submit
 from ttrace_core.compare import RunComparison, compare_runs
 from ttrace_core.errors import TraceFormatError, TtraceError
 from ttrace_core.estimate import estimate_files
@@ -297,9 +297,10 @@ def _job_environment() -> dict[str, str]:
 
 
 def submit_replay(reference: str | os.PathLike, candidate: str | os.PathLike, module: str | None = None, *,
-                  timeout_s: float = 900.0, rerun: bool = False) -> Job:
+                  timeout_s: float = 900.0, rerun: bool = False, job_timeout_s: float | None = None) -> Job:
     """Start (or find) the localization replay of a candidate: the whole model, or one module's subtree.
-    Asking again for the same inputs answers from the finished job at once."""
+    Asking again for the same inputs answers from the finished job at once. `timeout_s` bounds the
+    replay's ranks; `job_timeout_s` (default: 120 s more) the whole job, comparing and judging included."""
     reference, candidate = Path(reference).resolve(), Path(candidate).resolve()
     for run_dir in (reference, candidate):
         read_manifest(run_dir)
@@ -307,7 +308,8 @@ def submit_replay(reference: str | os.PathLike, candidate: str | os.PathLike, mo
     command = [sys.executable, "-m", "ttrace_core", "localize", str(reference), str(candidate), "--here",
                "--json", str(directory / "result.json"), "--replay-dir", str(directory / "replay"),
                "--timeout", str(timeout_s)] + (["--module", module] if module else [])
-    spec = JobSpec(command=command, env=_job_environment(), cwd=str(_PROJECT_ROOT), timeout_s=timeout_s + 120,
+    spec = JobSpec(command=command, env=_job_environment(), cwd=str(_PROJECT_ROOT),
+                   timeout_s=timeout_s + 120 if job_timeout_s is None else job_timeout_s,
                    success_codes=LOCALIZE_EXIT_CODES)
     return submit(directory, spec, rerun=rerun)
 
@@ -322,5 +324,8 @@ def localization(job: Job):
     """The `localize.Localization` of a complete replay job, else None."""
     from ttrace_core.localize import Localization
 
-    result = job.result()
-    return None if result is None else Localization.from_json(json.dumps(result))
+    try:
+        result = job.result()
+    except JobFileError as error:
+        raise TtraceError(str(error)) from None
+    return None if result is None else Localization.from_json(json.dumps(result), str(job.result_path))

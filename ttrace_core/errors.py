@@ -27,6 +27,11 @@ class ConfigMismatchError(TtraceError):
 class LaunchError(TtraceError):
     """A spawned rank failed or timed out."""
 
+    def __init__(self, message: str, *, killed_by_signal: bool = False) -> None:
+        super().__init__(message)
+        self.killed_by_signal = killed_by_signal
+        """A rank was killed from outside (SIGKILL, the OOM killer): no fault of the run's own code."""
+
 
 class TtraceInternalError(Exception):
     """Something failed that the user's input does not explain: the CLI exits 3. Not a TtraceError."""

@@ -3,7 +3,7 @@
 A job directory holds `spec.json` (the command, its explicit environment, the timeout), `lock`
 (the supervisor's pid while it runs), `status.json` (state, exit code, message, times), `log.txt`
 (the command's stdout and stderr) and, when the command succeeds, `result.json`. The supervisor
-(`python ttrace_core/jobs.py DIR`, standard library only) starts the command in a new process group, enforces the timeout,
+(`python ttrace_core/jobs.py DIR`, no torch import) starts the command in a new process group, enforces the timeout,
 turns SIGTERM into a cancel, and writes the final status; the caller's own environment is never
 changed. A job whose `status.json` says complete is a cache hit: asking again answers at once.
 
@@ -22,6 +22,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
+
+import msgspec
 
 FINAL_STATES = ("complete", "failed", "timed_out", "cancelled")
 PROGRESS_PREFIX = "[progress] "
@@ -38,12 +41,19 @@ class JobSpec:
     success_codes: tuple[int, ...] = (0,)
     """Exit codes that mean the command did its work (localize: 0 none, 1 culprit, 4 unexplained)."""
     result_file: str = "result.json"
+    """A plain file name inside the job directory."""
+
+    def __post_init__(self) -> None:
+        if Path(self.result_file).name != self.result_file or self.result_file in ("", ".", ".."):
+            raise ValueError(f"result_file {self.result_file!r} must be a plain file name inside the job directory")
 
 
 @dataclass(kw_only=True, slots=True)
 class JobStatus:
-    state: str
-    pid: int | None = None
+    state: Literal["running", "complete", "failed", "timed_out", "cancelled"]
+    supervisor: ProcessRef | None = None
+    command: ProcessRef | None = None
+    """The command's process, the leader of its own process group (killed with it)."""
     exit_code: int | None = None
     message: str = ""
     started: float | None = None
@@ -55,16 +65,76 @@ class JobStatus:
         return self.state in FINAL_STATES
 
     @property
+    def pid(self) -> int | None:
+        return None if self.supervisor is None else self.supervisor.pid
+
+    @property
     def seconds(self) -> float | None:
         if self.started is None:
             return None
         return (self.finished or time.time()) - self.started
 
 
+class JobFileError(ValueError):
+    pass
+
+
+def _record_from_file(path: Path, record: type[JobSpec] | type[JobStatus], what: str):
+    """A JobSpec or JobStatus from its JSON file, every field's type checked: the directory may come
+    from a shared trace, and nothing in it is trusted."""
+    try:
+        return msgspec.convert(json.loads(path.read_text()), type=record, strict=True)
+    except (OSError, ValueError, RecursionError, msgspec.ValidationError) as error:
+        raise JobFileError(f"{path}: not a valid job {what} ({str(error)[:160]})") from error
+
+
 def _write_json(path: Path, data: dict) -> None:
     staging = path.with_name(f".{path.name}.{os.getpid()}.partial")
     staging.write_text(json.dumps(data, indent=1))
     os.replace(staging, path)
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (with the boot id, a pid's identity)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@dataclass(kw_only=True, slots=True)
+class ProcessRef:
+    """One process, told apart from a later one that reuses its pid and from any process of another
+    machine or boot: a job directory copied from elsewhere never makes us signal a process of ours."""
+
+    pid: int
+    start: int | None
+    boot: str
+
+    @staticmethod
+    def of(pid: int) -> ProcessRef:
+        return ProcessRef(pid=pid, start=_start_ticks(pid), boot=_boot_id())
+
+    def alive(self) -> bool:
+        return (self.pid > 1 and self.boot == _boot_id() and process_alive(self.pid)
+                and self.start is not None and _start_ticks(self.pid) == self.start)
+
+    def encode(self) -> str:
+        return f"{self.pid} {self.start} {self.boot}"
+
+    @staticmethod
+    def decode(text: str) -> ProcessRef | None:
+        parts = text.split()
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+            return None
+        return ProcessRef(pid=int(parts[0]), start=int(parts[1]), boot=parts[2])
 
 
 def process_alive(pid: int | None) -> bool:
@@ -96,22 +166,21 @@ class Job:
 
     @property
     def result_path(self) -> Path:
-        return self.directory / json.loads((self.directory / "spec.json").read_text())["result_file"]
+        return self.directory / self.spec().result_file
+
+    def spec(self) -> JobSpec:
+        return _record_from_file(self.directory / "spec.json", JobSpec, "spec")
 
     def status(self) -> JobStatus:
         path = self.directory / "status.json"
         if not path.exists():  # the supervisor has not written its first status yet
-            holder = (self.directory / "lock").read_text().strip() if (self.directory / "lock").exists() else ""
-            if holder and not process_alive(int(holder)):
-                return JobStatus(state="failed", message="the job's supervisor died before starting; submit it again")
-            return JobStatus(state="running", message="starting")
-        status = JobStatus(**json.loads(path.read_text()))
-        if not status.done and not process_alive(status.pid):
-            # The supervisor is gone without a final word (killed with SIGKILL, machine restart).
-            status = JobStatus(**{**asdict(status), "state": "failed", "finished": time.time(),
-                                  "message": "the job's supervisor died before finishing; submit it again"})
-            _write_json(path, asdict(status))
-            (self.directory / "lock").unlink(missing_ok=True)
+            return _status_before_start(self.directory)
+        try:
+            status = _record_from_file(path, JobStatus, "status")
+        except JobFileError as error:
+            return JobStatus(state="failed", message=f"{error}; run it again")
+        if not status.done and not (status.supervisor and status.supervisor.alive()):
+            status = _supervisor_died(self.directory, status)
         status.progress = self._progress()
         return status
 
@@ -122,25 +191,24 @@ class Job:
         return lines[-1][len(PROGRESS_PREFIX):] if lines else ""
 
     def log_tail(self, num_lines: int = 20) -> list[str]:
-        if not self.log_path.exists():
+        if not self.log_path.is_file():
             return []
         with open(self.log_path, "rb") as handle:
             handle.seek(max(0, self.log_path.stat().st_size - 64 * 1024))
             return handle.read().decode(errors="replace").splitlines()[-num_lines:]
 
     def result(self) -> dict | None:
-        """The command's result, only once the job is complete."""
+        """The command's result, only once the job is complete; JobFileError if it is not a JSON object."""
         if self.status().state != "complete":
             return None
-        return json.loads(self.result_path.read_text())
+        return _result_of(self.result_path)
 
     def cancel(self) -> None:
         """Ask the supervisor to stop the command; the final status says "cancelled"."""
         status = self.status()
-        holder = (self.directory / "lock").read_text().strip() if (self.directory / "lock").exists() else ""
-        pid = status.pid or (int(holder) if holder.isdigit() else None)
-        if not status.done and pid:
-            os.kill(pid, signal.SIGTERM)
+        supervisor = status.supervisor or _lock_holder(self.directory)
+        if not status.done and supervisor is not None and supervisor.alive():
+            os.kill(supervisor.pid, signal.SIGTERM)
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 0.2) -> JobStatus:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -149,6 +217,72 @@ class Job:
                 raise TimeoutError(f"{self.directory}: still {status.state} after {timeout_s} s")
             time.sleep(poll_s)
         return status
+
+
+def _result_of(path: Path) -> dict:
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as error:
+        raise JobFileError(f"{path}: not a readable job result ({str(error)[:120]}); run the job again") from error
+    if not isinstance(result, dict):
+        raise JobFileError(f"{path}: a job result must be a JSON object; run the job again")
+    return result
+
+
+STALE_LOCK_S = 30.0
+"""A lock file still empty this long after its creation belongs to a submitter that died mid-submit."""
+
+
+def _lock_holder(directory: Path) -> ProcessRef | None:
+    try:
+        return ProcessRef.decode((directory / "lock").read_text())
+    except OSError:
+        return None
+
+
+def _lock_is_stale(directory: Path) -> bool:
+    """The lock's holder is gone: dead, of another boot or machine, or never named (and not just being written)."""
+    try:
+        text, age = (directory / "lock").read_text(), time.time() - (directory / "lock").stat().st_mtime
+    except FileNotFoundError:
+        return False
+    holder = ProcessRef.decode(text)
+    if holder is None:
+        return bool(text.strip()) or age > STALE_LOCK_S
+    return not holder.alive()
+
+
+def _status_before_start(directory: Path) -> JobStatus:
+    if _lock_is_stale(directory) or not (directory / "lock").exists():
+        return JobStatus(state="failed", message="the job's supervisor died before starting; run it again")
+    return JobStatus(state="running", message="starting")
+
+
+def _supervisor_died(directory: Path, status: JobStatus) -> JobStatus:
+    """The supervisor is gone without a final word (SIGKILL, a crash, a restart, or a directory copied
+    from elsewhere): stop its orphaned command, release the lock, and say so. Never complete."""
+    if status.command is not None and status.command.alive():
+        try:
+            os.killpg(status.command.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    died = JobStatus(state="failed", supervisor=status.supervisor, command=status.command, exit_code=status.exit_code,
+                     started=status.started, finished=time.time(),
+                     message="the job's supervisor died before finishing; run it again")
+    spec_result = _spec_result_file(directory)
+    if spec_result is not None:
+        spec_result.unlink(missing_ok=True)
+    _write_json(directory / "status.json", asdict(died))
+    if _lock_is_stale(directory):
+        (directory / "lock").unlink(missing_ok=True)
+    return died
+
+
+def _spec_result_file(directory: Path) -> Path | None:
+    try:
+        return directory / _record_from_file(directory / "spec.json", JobSpec, "spec").result_file
+    except JobFileError:
+        return None
 
 
 def submit(directory: str | os.PathLike, spec: JobSpec, *, rerun: bool = False) -> Job:
@@ -167,20 +301,19 @@ def submit(directory: str | os.PathLike, spec: JobSpec, *, rerun: bool = False) 
     try:  # the lock makes submission atomic: of two concurrent submitters, one starts the job
         descriptor = os.open(directory / "lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
-        holder = (directory / "lock").read_text().strip()
-        if process_alive(int(holder) if holder.isdigit() else None) or not holder:
+        if not _lock_is_stale(directory):
             return job
         (directory / "lock").unlink(missing_ok=True)
         return submit(directory, spec, rerun=rerun)
     for stale in ("status.json", spec.result_file, "log.txt"):
         (directory / stale).unlink(missing_ok=True)
     _write_json(directory / "spec.json", asdict(spec))
-    # Run by path, not `-m ttrace_core.jobs`: the supervisor needs the standard library only, and the
-    # package's __init__ would import torch (seconds) before every job.
+    # Run by path, not `-m ttrace_core.jobs`: the package's __init__ would import torch (seconds)
+    # before every job.
     supervisor = subprocess.Popen([sys.executable, __file__, str(directory)], cwd=spec.cwd,
                                   env=spec.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, start_new_session=True)
-    os.write(descriptor, str(supervisor.pid).encode())
+    os.write(descriptor, ProcessRef.of(supervisor.pid).encode().encode())
     os.close(descriptor)
     return job
 
@@ -194,25 +327,30 @@ def _raise_cancelled(signum: int, frame: object) -> None:
 
 
 def _final_status(spec: JobSpec, directory: Path, exit_code: int) -> tuple[str, str]:
-    if exit_code in spec.success_codes and (directory / spec.result_file).exists():
-        return "complete", f"exit code {exit_code}"
-    if exit_code in spec.success_codes:
-        (directory / spec.result_file).unlink(missing_ok=True)
+    result = directory / spec.result_file
+    if exit_code not in spec.success_codes:
+        return "failed", f"exit code {exit_code}; see the log"
+    if not result.exists():
         return "failed", f"exit code {exit_code} but no {spec.result_file} was written"
-    (directory / spec.result_file).unlink(missing_ok=True)
-    return "failed", f"exit code {exit_code}; see the log"
+    try:
+        _result_of(result)
+    except JobFileError as error:
+        return "failed", f"exit code {exit_code} but {error}"
+    return "complete", f"exit code {exit_code}"
 
 
 def supervise(directory: Path) -> int:
     """Run the job's command to its end and write the final status (the supervisor's main)."""
-    spec = JobSpec(**json.loads((directory / "spec.json").read_text()))
-    status = JobStatus(state="running", pid=os.getpid(), started=time.time(), message="running")
+    spec = _record_from_file(directory / "spec.json", JobSpec, "spec")
+    status = JobStatus(state="running", supervisor=ProcessRef.of(os.getpid()), started=time.time(), message="running")
     signal.signal(signal.SIGTERM, _raise_cancelled)
     _write_json(directory / "status.json", asdict(status))
     with open(directory / "log.txt", "ab") as log:
         child = subprocess.Popen(spec.command, cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT, start_new_session=True)
         try:
+            status.command = ProcessRef.of(child.pid)
+            _write_json(directory / "status.json", asdict(status))
             exit_code = child.wait(timeout=spec.timeout_s)
             status.state, status.message = _final_status(spec, directory, exit_code)
             status.exit_code = exit_code
@@ -221,15 +359,22 @@ def supervise(directory: Path) -> int:
         except _Cancelled:
             status.state, status.message = "cancelled", "cancelled"
         finally:
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+            _kill_group(child)
     if status.state != "complete":
         (directory / spec.result_file).unlink(missing_ok=True)
     status.finished = time.time()
     _write_json(directory / "status.json", asdict(status))
     (directory / "lock").unlink(missing_ok=True)
     return 0
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    """The command and everything it started (its process group), even after the command itself exited."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.wait()
 
 
 if __name__ == "__main__":

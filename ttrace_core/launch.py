@@ -111,7 +111,8 @@ def _wait_all(processes: list, timeout_s: float) -> None:
     if timed_out:
         raise LaunchError(f"ranks timed out after {timeout_s:.0f} s and were killed; raise --timeout or look for a hang")
     if first_failures:
-        raise LaunchError(f"{_describe_failures(first_failures)}; the other ranks were stopped (tracebacks above)")
+        raise LaunchError(f"{_describe_failures(first_failures)}; the other ranks were stopped (tracebacks above)",
+                          killed_by_signal=any(code < 0 for code in first_failures.values()))
     if failures := {rank: p.exitcode for rank, p in enumerate(processes) if p.exitcode != 0}:
         raise LaunchError(f"{_describe_failures(failures)} (tracebacks above)")
 

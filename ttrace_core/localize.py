@@ -116,11 +116,12 @@ class Localization:
         return strict_json.dumps(asdict(self), indent=1, default=str)
 
     @staticmethod
-    def from_json(text: str) -> Localization:
-        data = json.loads(text)
-        data["modules"] = [ModuleVerdict(**{**m, "evidence": [Evidence(**e) for e in m["evidence"]]}) for m in data["modules"]]
-        data["sync"] = [SyncFinding(**{**s, "evidence": [Evidence(**e) for e in s["evidence"]]}) for s in data["sync"]]
-        return Localization(**data)
+    def from_json(text: str, where: str = "localization result") -> Localization:
+        """Every field's type checked; TraceFormatError naming `where` if the text is not a localization."""
+        from ttrace_core.records import data_from_json, record_from_data
+
+        data = data_from_json(text, where, "localization result", "run the replay again")
+        return record_from_data(data, Localization, where, "localization result", "run the replay again")
 
 
 def is_descendant(fqn: str, ancestor: str) -> bool:
@@ -325,6 +326,8 @@ def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir
             if _holds_only(replay_dir, module):
                 return "module alone"
         except LaunchError as error:
+            if error.killed_by_signal:  # killed from outside: a fault, not a module that cannot run alone
+                raise
             print(f"{module} cannot be replayed alone ({error}); replaying it inside the whole model", flush=True)
     shutil.rmtree(replay_dir, ignore_errors=True)
     relaunch(candidate_dir, manifest, replay_dir.resolve(), rewrite=rewrite, timeout_s=timeout_s)

@@ -1,11 +1,13 @@
+import json
 import os
 import signal
 import sys
 import time
+from dataclasses import asdict
 
 import pytest
 
-from ttrace_core.jobs import JobSpec, process_alive, submit
+from ttrace_core.jobs import Job, JobFileError, JobSpec, ProcessRef, process_alive, submit
 
 
 def _spec(code: str, tmp_path, *, timeout_s: float = 60, success_codes=(0,), extra_env: dict | None = None) -> JobSpec:
@@ -96,3 +98,114 @@ def test_a_job_whose_supervisor_is_killed_reports_failure(tmp_path):
     os.kill(job.status().pid, signal.SIGKILL)
     status = job.wait(timeout_s=30)
     assert status.state == "failed" and "supervisor died" in status.message
+
+
+def _wait_for(path, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _sleeper_with_child(tmp_path, pid_file) -> str:
+    """A command that starts a grandchild, names it in pid_file, and sleeps."""
+    return (f"import subprocess, sys, time, pathlib; "
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid)); time.sleep(120)")
+
+
+def test_a_killed_command_fails_without_a_result_and_releases_the_lock(tmp_path):
+    job_dir = tmp_path / "job"
+    code = (f"import os, pathlib, time; pathlib.Path({str(job_dir / 'result.json')!r}).write_text('{{\"half\": '); "
+            f"pathlib.Path({str(tmp_path / 'ready')!r}).write_text(str(os.getpid())); time.sleep(120)")
+    job = submit(job_dir, _spec(code, tmp_path))
+    _wait_for(tmp_path / "ready")
+    os.kill(int((tmp_path / "ready").read_text()), signal.SIGKILL)
+    status = job.wait(timeout_s=30)
+    assert status.state == "failed" and status.exit_code == -9 and job.result() is None
+    assert not (job_dir / "result.json").exists() and not (job_dir / "lock").exists()
+
+
+def test_a_killed_supervisor_takes_its_orphaned_command_down_and_the_next_submit_runs_afresh(tmp_path):
+    job_dir, pid_file = tmp_path / "job", tmp_path / "grandchild.pid"
+    job = submit(job_dir, _spec(_sleeper_with_child(tmp_path, pid_file), tmp_path))
+    _wait_for(pid_file)
+    command_pid = job.status().command.pid
+    os.kill(job.status().pid, signal.SIGKILL)
+    status = job.wait(timeout_s=30)
+    assert status.state == "failed" and "supervisor died" in status.message and job.result() is None
+    time.sleep(0.2)
+    assert not process_alive(command_pid) and not process_alive(int(pid_file.read_text()))
+    assert not (job_dir / "lock").exists()
+    done = submit(job_dir, _spec(f"import pathlib; pathlib.Path({str(job_dir / 'result.json')!r}).write_text('{{}}')", tmp_path))
+    assert done.wait(timeout_s=30).state == "complete" and done.result() == {}
+
+
+@pytest.mark.parametrize("written", ["{\"half\": ", "[1, 2]", "null"], ids=["cut-off", "a-list", "null"])
+def test_a_success_code_with_an_unreadable_result_is_a_failure(tmp_path, written):
+    job_dir = tmp_path / "job"
+    code = f"import pathlib; pathlib.Path({str(job_dir / 'result.json')!r}).write_text({written!r})"
+    status = submit(job_dir, _spec(code, tmp_path)).wait(timeout_s=30)
+    assert status.state == "failed" and "result.json" in status.message and "run the job again" in status.message
+    assert not (job_dir / "result.json").exists()
+
+
+def _copied_job(tmp_path, status: dict, *, spec_result_file: str = "result.json", result: str | None = None):
+    """A job directory as it could arrive inside a shared trace: written elsewhere, trusted in nothing."""
+    job_dir = tmp_path / "shared" / "job"
+    job_dir.mkdir(parents=True)
+    spec = {**asdict(_spec("pass", tmp_path)), "result_file": spec_result_file}
+    (job_dir / "spec.json").write_text(json.dumps(spec))
+    (job_dir / "status.json").write_text(json.dumps(status))
+    if result is not None:
+        (job_dir / "result.json").write_text(result)
+    return Job(job_dir)
+
+
+def test_a_copied_running_job_naming_a_process_of_ours_never_signals_it(tmp_path):
+    """pid = this test process, of another machine's boot: not our supervisor, so neither alive nor cancelled."""
+    me = {"pid": os.getpid(), "start": 1, "boot": "another-machine"}
+    job = _copied_job(tmp_path, {"state": "running", "supervisor": me, "command": {**me, "pid": os.getpgrp()}})
+    job.cancel()  # would SIGTERM this test if it trusted the file
+    status = job.status()
+    assert status.state == "failed" and "supervisor died" in status.message
+    assert ProcessRef.of(os.getpid()).alive() and not ProcessRef(**me).alive()
+
+
+@pytest.mark.parametrize("status, needle", [
+    ({"state": "complete", "exit_code": "zero"}, "exit_code"),
+    ({"state": "exploded"}, "state"),
+    ({"state": "running", "supervisor": {"pid": "1; rm -rf /"}}, "supervisor"),
+], ids=["wrong-type", "unknown-state", "hostile-pid"])
+def test_a_malformed_status_is_a_failed_job_that_names_its_file(tmp_path, status, needle):
+    job = _copied_job(tmp_path, status)
+    found = job.status()
+    assert found.state == "failed" and f"{job.directory / 'status.json'}: not a valid job status" in found.message
+    assert needle in found.message and "\n" not in found.message and job.result() is None
+
+
+def test_a_result_file_outside_the_job_directory_is_refused(tmp_path):
+    job = _copied_job(tmp_path, {"state": "complete", "exit_code": 0}, spec_result_file="../../../etc/passwd")
+    with pytest.raises(JobFileError, match=r"spec.json: not a valid job spec .*must be a plain file name"):
+        job.result()
+
+
+def test_a_complete_copied_job_whose_result_is_not_an_object_is_a_one_line_error(tmp_path):
+    job = _copied_job(tmp_path, {"state": "complete", "exit_code": 0}, result="[\"not\", \"a\", \"localization\"]")
+    with pytest.raises(JobFileError, match="result.json: a job result must be a JSON object; run the job again"):
+        job.result()
+
+
+def test_a_lock_left_by_a_submitter_that_died_does_not_block_the_job_forever(tmp_path):
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    (job_dir / "spec.json").write_text(json.dumps(asdict(_spec("pass", tmp_path))))
+    (job_dir / "lock").write_text("")  # killed between creating the lock and naming itself in it
+    os.utime(job_dir / "lock", (time.time() - 3600, time.time() - 3600))
+    assert Job(job_dir).status().state == "failed"
+    reused = ProcessRef.of(os.getpid())
+    reused.start += 1  # a live pid, but another process than the one that took the lock
+    code = f"import pathlib; pathlib.Path({str(job_dir / 'result.json')!r}).write_text('{{}}')"
+    assert submit(job_dir, _spec(code, tmp_path)).wait(timeout_s=30).state == "complete"
+    (job_dir / "lock").write_text(reused.encode())
+    assert submit(job_dir, _spec(code, tmp_path), rerun=True).wait(timeout_s=30).state == "complete"

@@ -10,9 +10,15 @@ pytestmark = pytest.mark.distributed
 
 def test_a_failing_rank_stops_the_others_at_once():
     start = time.monotonic()
-    with pytest.raises(LaunchError, match="^rank 0 exited with code 1; the other ranks were stopped"):
+    with pytest.raises(LaunchError, match="^rank 0 exited with code 1; the other ranks were stopped") as raised:
         run_ranks("tests.distributed.workers:fail_on_rank_0", {}, 2, timeout_s=120)
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 60 and not raised.value.killed_by_signal
+
+
+def test_a_rank_killed_from_outside_is_named_by_its_signal():
+    with pytest.raises(LaunchError, match="^rank 1 was killed by SIGKILL; the other ranks were stopped") as raised:
+        run_ranks("tests.distributed.workers:sigkill_rank_1", {}, 2, timeout_s=120)
+    assert raised.value.killed_by_signal
 
 
 def test_a_rank_still_running_after_another_failed_is_stopped_by_sigterm_and_says_so(capfd):

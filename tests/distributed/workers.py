@@ -160,6 +160,15 @@ def fail_on_rank_0_while_rank_1_sleeps(config: dict) -> None:
     time.sleep(600)
 
 
+def sigkill_rank_1(config: dict) -> None:
+    """Rank 1 is killed from outside (as by the OOM killer); rank 0 would go on for minutes."""
+    import signal
+
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+
+
 def hang_on_rank_1(config: dict) -> None:
     """Rank 1 sleeps far past any timeout; rank 0 returns."""
     if int(os.environ["RANK"]) == 1:
