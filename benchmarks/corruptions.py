@@ -437,3 +437,69 @@ def ways_out(pair: tuple[Path, Path]) -> list[Corruption]:
                 plant(outside, candidate / file, dataset)
             cases.append(Corruption("way out of the trace", f"{name}: {path.name}:{dataset}", damage, False))
     return cases
+
+
+# -- the replay job a shared candidate carries (.ttrace/jobs/localize-*) -------------------------
+# The dashboard reads it as a cache: status.json, spec.json, result.json and the lock. None of it
+# changes the recorded evidence (not material); what counts is that nothing crashes, that no
+# process is signalled or read from outside on its word, and that errors are one named line.
+
+def job_dir_of(candidate: Path) -> Path:
+    return next((candidate / ".ttrace" / "jobs").glob("localize-*"))
+
+
+def _job_file_edit(name: str, edit: Callable[[dict], object]) -> Callable[[Path, Path], None]:
+    def damage(reference: Path, candidate: Path) -> None:
+        path = job_dir_of(candidate) / name
+        data = json.loads(path.read_text())
+        replaced = edit(data)
+        path.write_text(replaced if isinstance(replaced, str) else json.dumps(data))
+    return damage
+
+
+def _result_outside(reference: Path, candidate: Path) -> None:
+    """spec.json's result_file names an exact copy of the result outside the trace (absolute, then relative)."""
+    outside = outside_of(candidate)
+    outside.mkdir(parents=True, exist_ok=True)
+    job = job_dir_of(candidate)
+    shutil.copy(job / "result.json", outside / "result.json")
+    _job_file_edit("spec.json", lambda d: d.__setitem__("result_file", str(outside / "result.json")))(reference, candidate)
+
+
+def _running_as(pid_of: Callable[[], int]) -> Callable[[dict], None]:
+    """status.json says the job is running under a process of this machine (this very process, or init)."""
+    def edit(data: dict) -> None:
+        ref = {"pid": pid_of(), "start": 0, "boot": "copied-from-elsewhere"}
+        data.update(state="running", supervisor=ref, command=ref)
+    return edit
+
+
+def job_file_damage() -> list[Corruption]:
+    cases = []
+    fields = {"status.json": ("state", "supervisor", "command", "exit_code", "started", "message"),
+              "spec.json": ("command", "env", "timeout_s", "success_codes", "result_file"),
+              "result.json": ("culprits", "modules", "diverged", "reproduction")}
+    for name, keys in fields.items():
+        for key in keys:
+            for value in HOSTILE_VALUES:
+                cases.append(Corruption("replay job files", f"{name} {key} = {str(value)[:20]}",
+                                        _job_file_edit(name, lambda d, k=key, v=value: d.__setitem__(k, v)), False))
+        for text_name, text in {"deep nesting": "[" * 100_000 + "]" * 100_000, "not JSON": "{", "empty": "",
+                                "a list": "[1, 2]", "binary": "\x00\xff garbage", "NaN": "NaN"}.items():
+            cases.append(Corruption("replay job files", f"{name} {text_name}", _job_file_edit(name, lambda d, t=text: t), False))
+    cases += [
+        Corruption("replay job files", "status.json running as this process", _job_file_edit("status.json", _running_as(os.getpid)), False),
+        Corruption("replay job files", "status.json running as init", _job_file_edit("status.json", _running_as(lambda: 1)), False),
+        Corruption("replay job files", "spec.json result_file outside the trace", _result_outside, False),
+        Corruption("replay job files", "spec.json result_file ../../manifest.json",
+                   _job_file_edit("spec.json", lambda d: d.__setitem__("result_file", "../../../manifest.json")), False),
+        Corruption("replay job files", "lock garbage",
+                   lambda r, c: (job_dir_of(c) / "lock").write_text("not a pid"), False),
+        Corruption("replay job files", "lock names this process",
+                   lambda r, c: (job_dir_of(c) / "lock").write_text(f"{os.getpid()} 0 copied-from-elsewhere"), False),
+        Corruption("replay job files", "status.json deleted", lambda r, c: (job_dir_of(c) / "status.json").unlink(), False),
+        Corruption("replay job files", "result.json deleted", lambda r, c: (job_dir_of(c) / "result.json").unlink(), False),
+        Corruption("replay job files", "log.txt a directory",
+                   lambda r, c: ((job_dir_of(c) / "log.txt").unlink(), (job_dir_of(c) / "log.txt").mkdir()), False),
+    ]
+    return cases

@@ -44,6 +44,7 @@ RESULTS = Path(__file__).parent / "results"
 BASE_FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--seq-len", "8", "--micro-batches", "1", "--steps", "1"]
 COMMANDS = ("inspect", "compare", "api")
 TIME_LIMIT_S = 60.0
+REPLAYED_MODULE = "decoder.layers.0"
 
 
 def record_base(work: Path) -> tuple[Path, Path]:
@@ -55,7 +56,19 @@ def record_base(work: Path) -> tuple[Path, Path]:
                            capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if not (reference / "tolerance_estimate.json").is_file():
         subprocess.run(["ttrace", "estimate", str(reference), "--samples", "2"], check=True, capture_output=True)
+    if not (candidate / ".ttrace" / "jobs").is_dir():
+        replay_base(reference, candidate)
     return reference, candidate
+
+
+def replay_base(reference: Path, candidate: Path) -> None:
+    """A finished replay job in the candidate (its files are damaged by the "replay job files" cases);
+    the comparison cache it leaves is removed, so every case compares afresh."""
+    from ttrace_core import api
+
+    job = api.submit_replay(reference, candidate, REPLAYED_MODULE)
+    assert job.wait(timeout_s=600).state == "complete", job.log_tail()
+    shutil.rmtree(candidate / ".ttrace" / "comparisons", ignore_errors=True)
 
 
 def catalogue(pair: tuple[Path, Path], seed: int, scale: int) -> list[corruptions.Corruption]:
@@ -71,6 +84,7 @@ def catalogue(pair: tuple[Path, Path], seed: int, scale: int) -> list[corruption
         *corruptions.hostile_manifests(),
         *corruptions.estimate_damage((pair[0] / "tolerance_estimate.json").is_file()),
         *corruptions.ways_out(pair),
+        *corruptions.job_file_damage(),
     ]
 
 
@@ -110,6 +124,7 @@ def _answer_of_api(reference: Path, candidate: Path, work: Path) -> dict:
             if run.error is not None and "\n" in run.error:
                 return {"outcome": "unclear error", "line": run.error[:300]}
         provenance = api.comparison_table(reference, candidate).provenance
+        _touch_replay_job(api, reference, candidate)
     except TtraceError as error:
         text = str(error)
         named = "\n" not in text and (str(work) in text or "step " in text)
@@ -119,6 +134,18 @@ def _answer_of_api(reference: Path, candidate: Path, work: Path) -> dict:
     if provenance.get("passed"):
         return {"outcome": "pass", "line": ""}
     return {"outcome": "finding", "line": "; ".join(provenance.get("findings") or [provenance.get("verdict", "")])[:300]}
+
+
+def _touch_replay_job(api, reference: Path, candidate: Path) -> None:
+    """What the Localize page does with a replay job it finds: its status, log, verdict, and a cancel."""
+    job = api.replay_job(reference, candidate, REPLAYED_MODULE)
+    if job is None:
+        return
+    status = job.status()
+    job.log_tail()
+    if status.state == "complete":
+        api.localization(job)
+    job.cancel()
 
 
 def run_case(case: corruptions.Corruption, base: tuple[Path, Path], work: Path, pristine: Pristine, result_path: Path) -> None:
@@ -164,8 +191,8 @@ def run_all(cases: list[corruptions.Corruption], base: tuple[Path, Path], work: 
                 finally:
                     os._exit(0)
             running[pid] = (index, time.monotonic(), result_path, case)
-        pid, _ = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
+        pid = next((child for child in running if os.waitpid(child, os.WNOHANG)[0] == child), 0)
+        if pid == 0:  # (only our own children: waitpid(-1) would also reap other children of this process)
             for child, (index, started, result_path, case) in list(running.items()):
                 if time.monotonic() - started > TIME_LIMIT_S:
                     os.kill(child, signal.SIGKILL)

@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import corruptions  # noqa: E402
 import robustness  # noqa: E402
 from ttrace_core.store import INVENTORY_ATTR  # noqa: E402
 
@@ -34,7 +35,13 @@ def base(tmp_path_factory) -> tuple[Path, Path]:
             found = []
             handle.visititems(lambda name, node: found.append(name) if isinstance(node, h5py.Dataset) else None)
             handle.attrs[INVENTORY_ATTR] = len(found)
+    robustness.replay_base(*pair)  # the finished replay job the "replay job files" cases damage
     return pair
+
+
+def _bad_answers(results: list[dict]) -> list:
+    return [(r["kind"], r["name"], {c: r[c] for c in robustness.COMMANDS}) for r in results
+            if r["silent"] or any(r[c]["outcome"] in ("crash", "hang", "unclear error", "not run") for c in robustness.COMMANDS)]
 
 
 def _slice(cases, per_class: int):
@@ -49,12 +56,28 @@ def test_no_damaged_trace_crashes_hangs_or_passes_silently(base, tmp_path):
     cases = _slice(robustness.catalogue(base, seed=0, scale=1), CASES_PER_CLASS)
     kinds = {case.kind for case in cases}
     assert {"bit flip", "truncation", "lying metadata", "attributes", "values", "duplicated tensor",
-            "missing rank or step", "hostile manifest", "tolerance estimate", "way out of the trace"} <= kinds
+            "missing rank or step", "hostile manifest", "tolerance estimate", "way out of the trace",
+            "replay job files"} <= kinds
     results = robustness.run_all(cases, base, tmp_path, jobs=2)
     assert len(results) == len(cases)
-    bad = [(r["kind"], r["name"], {c: r[c] for c in robustness.COMMANDS}) for r in results
-           if r["silent"] or any(r[c]["outcome"] in ("crash", "hang", "unclear error", "not run") for c in robustness.COMMANDS)]
+    bad = _bad_answers(results)
     assert not bad and not any(r["read_outside"] for r in results), bad
     # the slice exercises every answer ttrace gives: errors naming a file, findings, and passes on harmless damage
     outcomes = {r["compare"]["outcome"] for r in results}
     assert {"error", "finding"} <= outcomes, outcomes
+
+
+JOB_CASES = ("status.json running as this process", "status.json running as init", "spec.json result_file outside the trace",
+             "spec.json result_file ../../manifest.json", "lock names this process", "log.txt a directory",
+             "status.json deep nesting", "spec.json a list", "result.json NaN", "result.json culprits = {}",
+             "status.json supervisor = 10000000000000000000")
+
+
+def test_a_shared_replay_job_is_read_as_untrusted(base, tmp_path):
+    """A candidate shared with its replay job: the dashboard's reading of it (status, log, verdict, a
+    cancel) never crashes, never signals a process it names, never reads a result outside the trace."""
+    cases = [case for case in corruptions.job_file_damage() if case.name in JOB_CASES]
+    assert len(cases) == len(JOB_CASES)
+    results = robustness.run_all(cases, base, tmp_path, jobs=2)
+    assert not _bad_answers(results) and not any(r["read_outside"] for r in results), _bad_answers(results)
+    assert {r["api"]["outcome"] for r in results} == {"pass", "error"}, [r["api"] for r in results]
