@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dashboard import CHROMIUM, IDLE, free_port, start_dashboard, stop_dashboard
+from fault_summary import FaultRow, write_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
@@ -214,6 +215,12 @@ def main() -> None:
     (args.results / "dashboard_load.md").write_text(text)
     (args.results / "dashboard_load.json").write_text(json.dumps(
         {"sessions": args.sessions, "seconds": args.seconds, "load": summary(load), "alone": summary(alone)}, indent=1))
+    overall = summary(load)[-1]
+    write_rows(args.results, "dashboard_load", [FaultRow(
+        f"dashboard, {args.sessions} browser sessions at once", len(load), failures=overall["failed"],
+        crashes=sum(v.error.startswith("exception shown") for v in load),
+        hangs=sum(not v.answered and not v.error.startswith("exception shown") for v in load),
+        measured=f"p95 render {overall['p95_s']:.2f} s (alone {summary(alone)[-1]['p95_s']:.2f} s)")])
     print(text)
 
 

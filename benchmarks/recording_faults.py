@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import rank_faults
+from fault_summary import FaultRow, write_rows
 from ttrace_core.compare import compare_runs
 from ttrace_core.errors import TtraceError
 from ttrace_core.store import RunReader
@@ -114,7 +115,7 @@ def dead_rank_trials(work: Path, count: int, rng: random.Random) -> tuple[list[r
     assert launcher.returncode == 0, stderr
 
     def after_random_delay(out: Path, pids: list[int]) -> str:
-        delay = rng.uniform(0.0, seconds)
+        delay = rng.uniform(0.0, 0.9 * seconds)  # the ranks exit a little before their launcher
         time.sleep(delay)
         return f"rank {victim} after {delay:.2f} s"
 
@@ -217,7 +218,28 @@ def main() -> None:
     text = render(kills, disks, seconds) + "\n" + render_dead_ranks(dead, rank_seconds)
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "recording_faults.md").write_text(text)
+    write_rows(args.results, "recording_faults", summary_rows(kills, disks, dead))
     print(text)
+
+
+def summary_rows(kills: list[Trial], disks: list[Trial], dead: list[rank_faults.RankTrial]) -> list[FaultRow]:
+    def lost(trials) -> int:
+        return sum(len(t.lost) for t in trials)
+
+    unclear_disk = [t for t in disks if "TraceWriteError" not in t.error_line]
+    dead_failures = [t for t in dead if t.lost or t.inconsistent_files or t.hang or not t.named or t.survivors_blamed]
+    return [
+        FaultRow("SIGKILL while recording", len(kills), crashes=sum(bool(t.unreadable) for t in kills), lost=lost(kills),
+                 failures=sum(bool(t.lost or t.unreadable) for t in kills),
+                 measured=f"{sum(len(t.reported_done) for t in kills)} steps done before the kills"),
+        FaultRow("full disk while recording", len(disks), crashes=len(unclear_disk), lost=lost(disks),
+                 failures=sum(bool(t.lost or t.unreadable) for t in disks) + len(unclear_disk),
+                 measured="one TraceWriteError line each" if not unclear_disk else "see the file"),
+        FaultRow("a rank dies while recording (TP 2)", len(dead), crashes=sum(bool(t.unreadable and not t.named) for t in dead),
+                 hangs=sum(t.hang for t in dead), lost=lost(dead), failures=len(dead_failures),
+                 measured=f"dead rank named in {sum(t.named for t in dead)}/{len(dead)}; slowest stop "
+                          f"{max(t.stop_seconds for t in dead):.1f} s"),
+    ]
 
 
 if __name__ == "__main__":

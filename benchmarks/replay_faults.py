@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fault_summary import FaultRow, write_rows
 from ttrace_core import api
 from ttrace_core.jobs import Job
 
@@ -225,6 +226,10 @@ def main() -> None:
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "replay_faults.md").write_text(text)
     (args.results / "replay_faults.json").write_text(json.dumps([asdict(t) for t in trials], indent=1))
+    write_rows(args.results, "replay_faults", [
+        FaultRow(f"replay job: {fault}", len(of), hangs=sum(t.hang for t in of), failures=sum(bool(failures(t)) for t in of),
+                 measured=f"final states: {', '.join(sorted({t.state for t in of}))}; slowest stop {max(t.stop_s for t in of):.1f} s")
+        for fault in FAULTS if (of := [t for t in trials if t.fault == fault])])
     print(text)
 
 

@@ -38,6 +38,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import corruptions
+import fault_summary
 from pristine import Pristine
 
 RESULTS = Path(__file__).parent / "results"
@@ -284,6 +285,12 @@ def write_csv(results: list[dict], path: Path) -> None:
                              r["read_outside"], r["seconds"], r["compare"]["line"]])
 
 
+def with_fault_summary(text: str, results: Path) -> str:
+    """robustness.md with its last section, the fault benchmarks' table, (re)drawn from their summaries."""
+    head = text.split(fault_summary.render(Path("/nonexistent")).splitlines()[0])[0].rstrip()
+    return head + "\n\n" + fault_summary.render(results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/ttrace-robustness"))
@@ -291,7 +298,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scale", type=int, default=1, help="multiplies the random cases of every class")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--summary-only", action="store_true",
+                        help="redraw the fault benchmarks' table in robustness.md without re-running the cases")
     args = parser.parse_args()
+    if args.summary_only:
+        path = args.results / "robustness.md"
+        path.write_text(with_fault_summary(path.read_text(), args.results))
+        print(path.read_text())
+        return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     base = record_base(args.work)
     cases = catalogue(base, args.seed, args.scale)
@@ -299,7 +313,7 @@ def main() -> None:
     results = run_all(cases, base, args.work, args.jobs)
     seconds = time.monotonic() - started
     args.results.mkdir(parents=True, exist_ok=True)
-    text = render(results, seconds, base)
+    text = with_fault_summary(render(results, seconds, base), args.results)
     (args.results / "robustness.md").write_text(text)
     write_csv(results, args.results / "robustness.csv")
     print(text)
