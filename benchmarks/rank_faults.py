@@ -126,8 +126,15 @@ class RankTrial:
         return flagged
 
     @property
+    def not_started(self) -> bool:
+        """Killed before the recording began (no run directory yet): nothing to lose, the launcher names the rank."""
+        return "no such run directory" in self.unreadable
+
+    @property
     def named(self) -> bool:
-        """The trace names the dead rank (or the dead rank had nothing left to record)."""
+        """The trace names the dead rank; before the recording began, the launcher's error line does."""
+        if self.not_started:
+            return f"rank {self.victim} was killed by SIGKILL" in self.error_line
         if self.unreadable:
             return f"no file of rank {self.victim}" in self.unreadable
         return self.victim in self.flagged or not self.partial
@@ -146,7 +153,10 @@ def kill_one_rank(out: Path, pristine: Path, steps: int, victim: int,
         pids = rank_pids(launcher.pid)
         trial = RankTrial(victim=victim, detail=wait_for_kill(out, pids))
         trial.done_before = steps_done_by_all(out)
-        os.kill(pids[victim], signal.SIGKILL)
+        try:
+            os.kill(pids[victim], signal.SIGKILL)
+        except ProcessLookupError:
+            trial.detail += " (it had already exited)"
         killed_at = time.monotonic()
         try:
             _, stderr = launcher.communicate(timeout=STOP_LIMIT_S)

@@ -187,7 +187,8 @@ def render_dead_ranks(trials: list[rank_faults.RankTrial], seconds: float) -> st
              f"differ** from the uninterrupted run's; **{sum(t.hang for t in trials)} hangs** (launcher still running "
              f"{rank_faults.STOP_LIMIT_S:.0f} s after the kill; slowest stop {max(t.stop_seconds for t in trials):.1f} s); "
              f"the trace names the dead rank in **{sum(t.named for t in trials)} of {len(trials)}** trials and blames "
-             f"a survivor in {sum(bool(t.survivors_blamed) for t in trials)}.", "",
+             f"a survivor in {sum(bool(t.survivors_blamed) for t in trials)}; {sum(t.not_started for t in trials)} kills "
+             "came before the recording began (no run directory yet: the launcher's line names the rank).", "",
              "| trial | killed | done before the kill | complete | partial steps, as the trace explains them | "
              "lost | files differing | stop (s) | launcher's last line |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -235,7 +236,8 @@ def summary_rows(kills: list[Trial], disks: list[Trial], dead: list[rank_faults.
         FaultRow("full disk while recording", len(disks), crashes=len(unclear_disk), lost=lost(disks),
                  failures=sum(bool(t.lost or t.unreadable) for t in disks) + len(unclear_disk),
                  measured="one TraceWriteError line each" if not unclear_disk else "see the file"),
-        FaultRow("a rank dies while recording (TP 2)", len(dead), crashes=sum(bool(t.unreadable and not t.named) for t in dead),
+        FaultRow("a rank dies while recording (TP 2)", len(dead),
+                 crashes=sum(bool(t.unreadable and not t.not_started) for t in dead),
                  hangs=sum(t.hang for t in dead), lost=lost(dead), failures=len(dead_failures),
                  measured=f"dead rank named in {sum(t.named for t in dead)}/{len(dead)}; slowest stop "
                           f"{max(t.stop_seconds for t in dead):.1f} s"),
