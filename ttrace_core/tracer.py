@@ -101,6 +101,13 @@ def _hookable_output(output: object) -> bool:
     return isinstance(output, (torch.Tensor, tuple))
 
 
+def _one_sentence(error: BaseException) -> str:
+    """`RuntimeError: [gloo ...] Read error ...: Connection reset by peer.` without gloo's advice after it."""
+    text = " ".join(str(error).split())
+    sentence, stop, _ = text.partition(". ")
+    return f"{type(error).__name__}: {sentence}{stop.strip()}"
+
+
 def _tensors_of(values: object) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(values)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -120,6 +127,9 @@ class Tracer:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._writer = RunWriter(run_dir, self.rank)
         self._declarations: list[_Declaration] = []
+        self._declared_layouts: dict[tuple[str, str, tuple[int, ...]], Layout | None] = {}
+        """(fqn, slot, local shape) -> its declared layout: resolved once, not on every call (a Megatron
+        model has hundreds of declarations, each a glob to match)."""
         self._flat_ranges: dict[tuple[str, str], tuple[int, int]] = {}
         self._state: StepState | None = None
         self._handles: list = []
@@ -208,6 +218,7 @@ class Tracer:
         if len(specs) != len(mesh_shape):
             raise ValueError(f"declare({fqn_glob!r}, {slot_glob!r}): {len(specs)} placements for a {len(mesh_shape)}-D mesh")
         self._declarations.append(_Declaration(fqn_glob, slot_glob, specs, mesh_shape, coordinate, names))
+        self._declared_layouts.clear()
 
     def declare_flat_range(self, fqn: str, slot: str, start: int, end: int) -> None:
         """This rank's values of tensor (fqn, slot) are only elements [start, end) of its flattened
@@ -218,6 +229,12 @@ class Tracer:
         self._flat_ranges[(fqn, slot)] = (start, end)
 
     def _declared_layout(self, fqn: str, slot: str, local: torch.Tensor) -> Layout | None:
+        cache_key = (fqn, slot, tuple(local.shape))
+        if cache_key not in self._declared_layouts:
+            self._declared_layouts[cache_key] = self._match_declaration(fqn, slot, local)
+        return self._declared_layouts[cache_key]
+
+    def _match_declaration(self, fqn: str, slot: str, local: torch.Tensor) -> Layout | None:
         for d in reversed(self._declarations):
             if fnmatch.fnmatchcase(fqn, d.fqn_glob) and fnmatch.fnmatchcase(slot, d.slot_glob):
                 shape = global_shape_from_local(tuple(local.shape), d.mesh_shape, d.placements)
@@ -428,7 +445,7 @@ class Tracer:
         try:
             yield
         except BaseException as error:
-            self._abandon_step(f"{type(error).__name__}: {error}")
+            self._abandon_step(_one_sentence(error))
             if isinstance(error, OSError):  # the disk is full, a file-size limit, an I/O error: say so plainly
                 raise write_error(self._writer.run_dir, self.rank, step, error) from error
             raise
@@ -436,7 +453,7 @@ class Tracer:
         try:
             self._writer.end_step(self.blind_spots)
         except OSError as error:
-            self._abandon_step(f"{type(error).__name__}: {error}")
+            self._abandon_step(_one_sentence(error))
             raise write_error(self._writer.run_dir, self.rank, step, error) from error
 
     def _abandon_step(self, why: str = "") -> None:
