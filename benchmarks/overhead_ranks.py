@@ -1,0 +1,184 @@
+"""The rank side of recording_overhead.py: one megatron-core GPT (TP over the spawned gloo ranks)
+trained step after step, each step in one mode, the modes interleaved round by round so that drift
+on a shared machine hits them all alike:
+
+- untraced: no hook at all;
+- raw hooks: a forward hook and a full backward hook on every module the tracer would trace, each
+  copying what it sees (`clone`), dropped at the step's end: the floor any recording pays;
+- full: the Tracer, values and statistics;
+- stats-only: the Tracer, statistics only.
+
+Every step's time is the slowest rank's. Rank 0 writes the per-mode step times and trace sizes as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MODES = ("untraced", "raw hooks", "full", "stats-only")
+
+
+def _raw_hooks(model: torch.nn.Module, tracer_config) -> tuple[list, list]:
+    """Hooks that copy every traced module's inputs, outputs and gradients (what recording must at least do)."""
+    from ttrace_core.tracer import Tracer
+
+    kept, handles = [], []
+    probe = Tracer.__new__(Tracer)
+    probe.config = tracer_config
+
+    def forward(module, args, output):
+        kept.extend(t.detach().clone() for t in (*args, *(output if isinstance(output, tuple) else (output,)))
+                    if isinstance(t, torch.Tensor))
+
+    def backward(module, grad_input, grad_output):
+        kept.extend(t.detach().clone() for t in (*grad_input, *grad_output) if isinstance(t, torch.Tensor))
+
+    for _, module, hooked in Tracer.traced_modules(probe, model):
+        handles.append(module.register_forward_hook(forward))
+        if hooked:
+            handles.append(module.register_full_backward_hook(backward))
+    return kept, handles
+
+
+def _step_fn(config, ddp, optimizer):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from ttrace_core.examples.megatron_gpt.train import forward_step, micro_batch
+
+    forward_backward = get_forward_backward_func()
+
+    def step(recorder=None) -> None:
+        batches = [micro_batch(config, index) for index in range(config.num_micro_batches)]
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
+                         num_microbatches=config.num_micro_batches, seq_length=config.model.seq_len,
+                         micro_batch_size=config.micro_batch_size, forward_only=False)
+        if recorder is not None:
+            recorder.record_gradients()
+        optimizer.step()
+        if recorder is not None:
+            recorder.record_parameters()
+    return step
+
+
+def _timed(step) -> float:
+    dist.barrier()
+    started = time.perf_counter()
+    step()
+    elapsed = torch.tensor([time.perf_counter() - started])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _tracer(config, ddp, optimizer, rename, out: Path, stats_only: bool):
+    from ttrace_core.examples.megatron_gpt.train import manifest_for
+    from ttrace_core.integrations.megatron import (
+        declare_distributed_optimizer_ranges, declare_megatron_layouts, megatron_tracer_config, unwrap,
+    )
+    from ttrace_core.tracer import Tracer
+
+    tracer = Tracer(out, unwrap(ddp), role="candidate", manifest=manifest_for(config, "candidate"),
+                    config=megatron_tracer_config(loss_scale=1 / config.num_micro_batches, rename=rename,
+                                                  stats_only=stats_only))
+    declare_megatron_layouts(tracer, ddp, sequence_parallel=config.sp, rename=rename)
+    declare_distributed_optimizer_ranges(tracer, ddp, optimizer, rename=rename)
+    return tracer
+
+
+def _one_step(mode: str, config, ddp, optimizer, rename, out: Path, step_index: int) -> tuple[float, int, int]:
+    """(seconds, trace bytes, raw bytes of the recorded tensors) of one step in `mode`."""
+    from ttrace_core.integrations.megatron import megatron_tracer_config, unwrap
+
+    step = _step_fn(config, ddp, optimizer)
+    if mode == "untraced":
+        return _timed(step), 0, 0
+    if mode == "raw hooks":
+        kept, handles = _raw_hooks(unwrap(ddp), megatron_tracer_config())
+        seconds = _timed(step)
+        raw = sum(t.numel() * t.element_size() for t in kept)
+        for handle in handles:
+            handle.remove()
+        kept.clear()
+        return seconds, 0, raw
+    run_dir = out / f"{mode}-{step_index}"
+    tracer = _tracer(config, ddp, optimizer, rename, run_dir, stats_only=mode == "stats-only")
+
+    def traced() -> None:
+        with tracer.step(0):
+            step(tracer)
+    seconds = _timed(traced)
+    tracer.close()
+    dist.barrier()
+    size = sum(p.stat().st_size for p in run_dir.glob(f"rank_{dist.get_rank():05d}.*.h5"))  # this rank's own files
+    raw = tracer.num_bytes_written
+    totals = torch.tensor([size, raw], dtype=torch.float64)
+    dist.all_reduce(totals)
+    if dist.get_rank() == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return seconds, int(totals[0]), int(totals[1])
+
+
+def measure(config_dict: dict) -> None:
+    from ttrace_core.examples.megatron_gpt.train import MegatronGPTRunConfig, _build
+    from ttrace_core.integrations import megatron_cpu
+
+    config = MegatronGPTRunConfig.from_dict(config_dict["run"])
+    out, rounds = Path(config_dict["out"]), config_dict["rounds"]
+    megatron_cpu.enable()
+    dist.init_process_group("gloo")
+    try:
+        ddp, optimizer, rename = _build(config)
+        _step_fn(config, ddp, optimizer)()  # warm-up: first-call costs are nobody's
+        results = {mode: [] for mode in MODES}
+        for index in range(rounds):
+            for mode in MODES:
+                results[mode].append(_one_step(mode, config, ddp, optimizer, rename, out, index))
+        profiles = {mode: _profiled(mode, config, ddp, optimizer, rename, out) for mode in ("full", "stats-only")}
+        if dist.get_rank() == 0:
+            (out / "overhead.json").write_text(json.dumps({"steps": results, "profiles": profiles}))
+        dist.barrier()
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+PROFILED = {
+    # what a step's extra time goes to -> the functions whose cumulative time measures it
+    "all tracer hooks (Tracer.record)": ("tracer.py", "record"),
+    "statistics (stats_from_tensor)": ("trace_writer.py", "stats_from_tensor"),
+    "HDF5 dataset writes (_write_dataset)": ("trace_writer.py", "_write_dataset"),
+    "tensor to array (array_from_tensor)": ("trace_writer.py", "array_from_tensor"),
+    "metadata JSON (_meta_to_json)": ("trace_writer.py", "_meta_to_json"),
+    "room check (_check_room)": ("trace_writer.py", "_check_room"),
+    "layout resolution (Tracer.layout_of)": ("tracer.py", "layout_of"),
+    "metadata records (TensorMeta/TensorKey/Layout init)": ("<string>", "__init__"),
+    "step file close and rename (RunWriter.end_step)": ("trace_writer.py", "end_step"),
+}
+
+
+def _profiled(mode: str, config, ddp, optimizer, rename, out: Path) -> dict:
+    """One step of `mode` under cProfile on every rank; rank 0's cumulative seconds per PROFILED entry."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    seconds, _, _ = _one_step(mode, config, ddp, optimizer, rename, out, 1000)
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    found = {"step (profiled)": seconds}
+    for name, (file, function) in PROFILED.items():
+        found[name] = sum(entry[3] for (path, _, func), entry in stats.items()
+                          if path.endswith(file) and func == function)
+    found["calls of Tracer.record"] = sum(entry[1] for (path, _, func), entry in stats.items()
+                                          if path.endswith("tracer.py") and func == "record")
+    return found
