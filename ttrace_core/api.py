@@ -240,15 +240,21 @@ def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike,
     with RunReader(reference) as ref_reader, RunReader(candidate) as cand_reader:
         tolerances = select_tolerances(settings.tolerance, ref_reader, cand_reader, alpha=settings.alpha,
                                        k=settings.theorem_k, c=settings.theorem_c)
-        result = compare_runs(ref_reader, cand_reader, tolerances, ignore_dtype=settings.ignore_dtype,
-                              progress=progress, exact_inputs_k=settings.exact_inputs_k, partial=settings.partial)
+        options = dict(ignore_dtype=settings.ignore_dtype, exact_inputs_k=settings.exact_inputs_k, partial=settings.partial)
+        if _workers() > 1:  # inside `ttrace compare --workers N` or torchrun: each worker compares a part
+            from ttrace_core.partition import compare_partitioned
+
+            result = compare_partitioned(ref_reader, cand_reader, tolerances, **options)
+        else:
+            result = compare_runs(ref_reader, cand_reader, tolerances, progress=progress, **options)
         frame = table.table_from_comparison(result, cand_reader)
     if not result.comparisons:
         raise TtraceError(f"{candidate}: no step was completed in both runs, nothing to compare")
     provenance = _provenance(result, inputs, settings, _PROVIDER_NAMES.get(type(tolerances).__name__, "custom"),
                              time.perf_counter() - started)
     try:
-        table.write_table(path, frame, provenance)
+        if _worker_rank() == 0:  # one writer of the cache among partitioned workers
+            table.write_table(path, frame, provenance)
     except OSError:
         pass  # a read-only place: the table is still returned, just not kept
     return ComparisonTable(frame=frame, provenance=provenance, path=path, cached=False)
@@ -260,6 +266,18 @@ def comparison(reference: str | os.PathLike, candidate: str | os.PathLike, setti
     result = comparison_table(reference, candidate, settings, **kwargs)
     result.frame.attrs["ttrace"] = result.provenance
     return result.frame
+
+
+def _workers() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _worker_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def run_comparison(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings | None = None,

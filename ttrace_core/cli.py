@@ -104,6 +104,9 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="perturbation: tolerance = alpha x deviation")
     compare.add_argument("--theorem-k", type=float, default=DEFAULT_THEOREM_K, help="theorem: k in k * C^depth * eps")
     compare.add_argument("--theorem-c", type=float, default=DEFAULT_THEOREM_C, help="theorem: C in k * C^depth * eps")
+    compare.add_argument("--workers", type=int, default=1,
+                         help="compare in N local worker processes, each a part of the tensors (under torchrun every "
+                              "rank is a worker, on any number of nodes)")
     compare.add_argument("--rebuild", action="store_true",
                          help="recompute even when the cached comparison table (under CAND/.ttrace) is up to date")
     compare.add_argument("--exact-inputs-k", type=float, default=DEFAULT_EXACT_INPUTS_K,
@@ -207,11 +210,40 @@ def _run_compare(args: argparse.Namespace) -> int:
                                partial=args.partial)
     _check_output_path(args.json, "--json")
     progress = ProgressBar(enabled=args.progress or sys.stderr.isatty())
-    result = run_comparison(args.reference, args.candidate, settings, progress=progress, rebuild=args.rebuild)
+    if args.workers > 1:
+        from ttrace_core.partition import run_workers
+
+        result = run_workers(args.reference, args.candidate, settings, workers=args.workers, rebuild=args.rebuild)
+    elif _under_torchrun():
+        result = _compare_under_torchrun(args, settings)
+        if result is None:  # not rank 0: rank 0 prints and writes
+            return 0
+    else:
+        result = run_comparison(args.reference, args.candidate, settings, progress=progress, rebuild=args.rebuild)
     print(render_comparison(result, num_worst=args.worst), file=_human_stream(args))
     if args.json:
         _write_json(args.json, result.to_json())
     return 0 if result else 1
+
+
+def _under_torchrun() -> bool:
+    from ttrace_core.launch import under_torchrun
+
+    return under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _compare_under_torchrun(args: argparse.Namespace, settings):
+    """Every rank of `torchrun ... -m ttrace_core compare` compares its part (partition.py); rank 0 gets the result."""
+    import torch.distributed as dist
+
+    from ttrace_core.api import run_comparison
+
+    dist.init_process_group("gloo")
+    try:
+        result = run_comparison(args.reference, args.candidate, settings, rebuild=args.rebuild)
+        return result if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
 
 
 def _run_report(args: argparse.Namespace) -> int:

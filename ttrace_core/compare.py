@@ -332,12 +332,28 @@ def _execution_order(reader: RunReader, key: TensorKey) -> tuple:
     return (*key.execution_order(), min(m.seq for m in reader.index[key]))
 
 
-def compare_runs(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
-                 ignore_dtype: bool = False, progress: Callable[[int, int], None] | None = None,
-                 exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K, partial: bool = False) -> RunComparison:
-    """`exact_inputs_k` (None or 0: off) tightens derived tolerances (perturbation, theorem) where a
-    tensor's inputs were exact (dataflow.py); the flat dtype table is left as it is. `partial`: a
-    verdict on what was recorded, when the evidence is incomplete (RunComparison.partial_allowed)."""
+@dataclass(kw_only=True, slots=True)
+class ComparePlan:
+    """What a comparison of two runs will compare, decided from their indexes alone (no value read)."""
+
+    ordered: list[TensorKey]
+    """The reference's keys of the compared steps, in execution order."""
+    common: set[TensorKey]
+    extras: list[TensorKey]
+    """Keys only the candidate recorded."""
+    tolerances: ToleranceProvider
+    exact_inputs_k: float | None
+    ignore_dtype: bool
+
+    @property
+    def to_compare(self) -> list[TensorKey]:
+        return [key for key in self.ordered if key in self.common]
+
+
+def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
+                    ignore_dtype: bool = False, exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K,
+                    partial: bool = False) -> tuple[RunComparison, ComparePlan]:
+    """The comparison's frame (runs, steps, notes) and its plan; `compare_runs` fills the rows in."""
     check_comparable(reference, candidate)
     tolerances = tolerances or select_tolerances("auto", reference, candidate)
     crossed = reference.manifest.precision != candidate.manifest.precision
@@ -355,32 +371,58 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     ref_keys = [k for k in reference.index if k.step in steps]
     cand_keys = [k for k in candidate.index if k.step in steps]
     common = set(ref_keys) & set(cand_keys)
-    ordered = sorted(ref_keys, key=lambda k: _execution_order(reference, k))
-    extras = sorted(set(cand_keys) - common, key=lambda k: _execution_order(candidate, k))
-    total = len(ordered) + len(extras)
-    exact = ExactInputs(common)
-    for done, key in enumerate(ordered, start=1):
-        if key in common:
-            num_terms = exact.num_partial_terms(key, candidate.manifest.world_size) if exact_inputs_k else None
-            comparison = _inconsistent(key, reference, candidate)  # a row is falsy when it fails: no `or`
-            if comparison is None:
-                comparison = compare_tensor(key, reference, candidate, tolerances, ignore_dtype=ignore_dtype,
-                                            exact_inputs=(exact_inputs_k, num_terms) if num_terms else None)
+    plan = ComparePlan(ordered=sorted(ref_keys, key=lambda k: _execution_order(reference, k)), common=common,
+                       extras=sorted(set(cand_keys) - common, key=lambda k: _execution_order(candidate, k)),
+                       tolerances=tolerances, exact_inputs_k=exact_inputs_k or None, ignore_dtype=ignore_dtype)
+    return result, plan
+
+
+def compare_key(key: TensorKey, reference: RunReader, candidate: RunReader, plan: ComparePlan,
+                num_terms: int | None = None) -> TensorComparison:
+    """One row: inconsistent metadata first, then values; held to the exact-inputs rule when `num_terms`."""
+    comparison = _inconsistent(key, reference, candidate)
+    if comparison is not None:
+        return comparison
+    exact_inputs = (plan.exact_inputs_k, num_terms) if num_terms and plan.exact_inputs_k else None
+    return compare_tensor(key, reference, candidate, plan.tolerances, ignore_dtype=plan.ignore_dtype,
+                          exact_inputs=exact_inputs)
+
+
+def compare_runs(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
+                 ignore_dtype: bool = False, progress: Callable[[int, int], None] | None = None,
+                 exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K, partial: bool = False,
+                 precomputed: dict[TensorKey, TensorComparison] | None = None) -> RunComparison:
+    """`exact_inputs_k` (None or 0: off) tightens derived tolerances (perturbation, theorem) where a
+    tensor's inputs were exact (dataflow.py); the flat dtype table is left as it is. `partial`: a
+    verdict on what was recorded, when the evidence is incomplete (RunComparison.partial_allowed).
+    `precomputed`: rows already compared without the exact-inputs rule (partition.py's workers); only
+    the tensors the rule applies to are compared again, so the result is the same as without them."""
+    result, plan = plan_comparison(reference, candidate, tolerances, ignore_dtype=ignore_dtype,
+                                   exact_inputs_k=exact_inputs_k, partial=partial)
+    total = len(plan.ordered) + len(plan.extras)
+    exact = ExactInputs(plan.common)
+    for done, key in enumerate(plan.ordered, start=1):
+        if key in plan.common:
+            num_terms = exact.num_partial_terms(key, candidate.manifest.world_size) if plan.exact_inputs_k else None
+            known = None if precomputed is None or num_terms else precomputed.get(key)
+            # (a failing row is falsy: no `or` here)
+            comparison = known if known is not None else compare_key(key, reference, candidate, plan, num_terms)
             exact.mark(key, comparison.exact)
             result.comparisons.append(comparison)
         else:
             result.comparisons.append(TensorComparison(key=key, status="missing", message="recorded in the reference only"))
         if progress:
             progress(done, total)
-    scales_only = [key for key in extras if crossed and quantization_only(key)]
+    crossed = reference.manifest.precision != candidate.manifest.precision
+    scales_only = [key for key in plan.extras if crossed and quantization_only(key)]
     if scales_only:
         result.notes.append(f"{len(scales_only)} tensors only the {candidate.manifest.precision} candidate records "
                             f"(its quantization scales, e.g. {scales_only[0]}) were not compared: the "
                             f"{reference.manifest.precision} reference has none")
-    for key in extras:
+    for key in plan.extras:
         if key not in scales_only:
             result.comparisons.append(TensorComparison(key=key, status="extra", message="recorded in the candidate only"))
-    result.coverage = tally_coverage(result.comparisons, reference, candidate, steps)
+    result.coverage = tally_coverage(result.comparisons, reference, candidate, result.steps_compared)
     if (finding := data_mismatch_finding(result)) is not None:
         result.notes.insert(0, finding)
     return result
