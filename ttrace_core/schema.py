@@ -18,7 +18,10 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
+"""2: stats-only tensors keep their records in one STATS_ONLY_METAS dataset per step file (full traces
+are written as in version 1)."""
 
 # Phases in execution order. `grad` holds parameter gradients after every data-/tensor-parallel
 # reduction and before optimizer.step(); `param` holds parameters after optimizer.step().

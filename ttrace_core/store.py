@@ -26,13 +26,17 @@ from ttrace_core.containment import contained, dataset_metas, refuse_external_st
 from ttrace_core.errors import TraceFormatError
 from ttrace_core.records import data_from_json, meta_from_json, record_from_data
 from ttrace_core.schema import (
-    FORMAT_VERSION, NO_MICRO_BATCH, PHASES, REQUIRED_MANIFEST_FIELDS, RunManifest, TensorKey, TensorMeta,
+    FORMAT_VERSION, NO_MICRO_BATCH, PHASES, READABLE_FORMAT_VERSIONS, REQUIRED_MANIFEST_FIELDS, RunManifest, TensorKey,
+    TensorMeta,
 )
 
 MANIFEST_NAME = "manifest.json"
 INVENTORY_ATTR = "num_tensors"
 """Step-file attribute: how many datasets the writer put in it (a reader that finds fewer names the gap)."""
 PARTIAL_SUFFIX = ".partial"
+STATS_ONLY_METAS = "stats_only_metas"
+"""Step-file dataset: the metadata of every stats-only tensor of the step, one JSON record per line
+(a stats-only tensor has no values, and one dataset per tensor cost more than recording it)."""
 STOPPED_ATTR = "stopped"
 """Partial step-file attribute: the exception that stopped the step on that rank (a killed rank leaves none)."""
 MAX_STOPPED_CHARS = 300
@@ -99,9 +103,9 @@ def read_manifest(run_dir: str | os.PathLike) -> RunManifest:
         raise TraceFormatError(f"{path}: missing; this directory is not a ttrace run (or its recording never started)")
     data = data_from_json(contained(run_dir, MANIFEST_NAME).read_bytes(), str(path), "manifest", "re-record the run")
     version = data.get("format_version", FORMAT_VERSION) if isinstance(data, dict) else FORMAT_VERSION
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
         raise TraceFormatError(
-            f"{path}: trace format version {version!r}, this ttrace reads version {FORMAT_VERSION}; "
+            f"{path}: trace format version {version!r}, this ttrace reads versions {READABLE_FORMAT_VERSIONS}; "
             "use the ttrace version that recorded it"
         )
     if isinstance(data, dict) and (missing := [f for f in REQUIRED_MANIFEST_FIELDS if f not in data]):
@@ -159,6 +163,16 @@ def step_files(run_dir: str | os.PathLike, world_size: int) -> tuple[list[int], 
     return complete, [step for step in sorted(found) if step not in complete]
 
 
+def stats_only_metas(handle: h5py.File, where: str) -> list[TensorMeta]:
+    """The step file's stats-only records (STATS_ONLY_METAS), each checked like a dataset's metadata."""
+    try:
+        text = bytes(handle[STATS_ONLY_METAS][()])
+    except (OSError, KeyError, TypeError, ValueError) as error:
+        raise TraceFormatError(f"{where}:{STATS_ONLY_METAS}: cannot be read ({error}); re-record this rank") from error
+    return [meta_from_json(line, f"{where}:{STATS_ONLY_METAS} line {number}")
+            for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+
+
 def read_shards(run_dir: str | os.PathLike, key: TensorKey, world_size: int) -> list[tuple[TensorMeta, torch.Tensor | None]]:
     """Every rank's shard of one tensor, opening only that dataset in each rank's step file.
 
@@ -174,6 +188,10 @@ def read_shards(run_dir: str | os.PathLike, key: TensorKey, world_size: int) -> 
             with h5py.File(file_path, "r") as handle:
                 refuse_links(handle, str(file_path))
                 if path not in handle:
+                    if STATS_ONLY_METAS in handle:
+                        refuse_external_storage(handle[STATS_ONLY_METAS].id, f"{file_path}:{STATS_ONLY_METAS}")
+                        shards += [(m, None) for m in stats_only_metas(handle, str(file_path))
+                                   if m.key == key and m.rank == rank]
                     continue
                 dataset = handle[path]
                 refuse_external_storage(dataset.id, where)
@@ -295,15 +313,28 @@ class RunReader:
             metas = dataset_metas(handle, where)
         except (OSError, RuntimeError, KeyError, ValueError) as error:
             raise TraceFormatError(f"{path}: corrupted HDF5 structure ({error}); re-record rank {rank}") from error
+        stats_only = stats_only_metas(handle, where) if metas.pop(STATS_ONLY_METAS, False) is not False else []
         for name, text in metas.items():
             if self._wanted(name):
                 self._index_dataset(name, text, rank, step, where)
+        for meta in stats_only:
+            if self._wanted(dataset_path(meta.key)):
+                self._index_stats_only(meta, rank, step)
+        held = len(metas) + len(stats_only)
         written = handle.attrs.get(INVENTORY_ATTR)
         if written is None:
             return
         written = int(written) if isinstance(written, (int, np.integer)) else repr(written)
-        if written != len(metas):
-            self.inventory_gaps.append(f"{path.name} holds {len(metas)} tensors, its writer recorded {written}")
+        if written != held:
+            self.inventory_gaps.append(f"{path.name} holds {held} tensors, its writer recorded {written}")
+
+    def _index_stats_only(self, meta: TensorMeta, rank: int, step: int) -> None:
+        placed = dataclasses.replace(meta.key, step=step)
+        if meta.key.step != step or meta.rank != rank or not meta.stats_only:
+            self.misplaced[placed] = (f"{placed}: the stats-only record in rank {rank}'s file of step {step} says it is "
+                                      f"{meta.key} of rank {meta.rank}{'' if meta.stats_only else ', with values'}")
+            meta = dataclasses.replace(meta, key=placed, rank=rank, stats_only=True)
+        self.index[placed].append(meta)
 
     def _index_dataset(self, name: str, text: bytes | None, rank: int, step: int, where: str) -> None:
         if text is None:

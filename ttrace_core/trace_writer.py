@@ -25,7 +25,7 @@ import torch
 from ttrace_core.errors import TraceFormatError, TraceWriteError
 from ttrace_core.schema import FORMAT_VERSION, Layout, RunManifest, TensorKey, TensorMeta, TensorStats
 from ttrace_core.store import (
-    INVENTORY_ATTR, MANIFEST_NAME, MAX_STOPPED_CHARS, NATIVE_DTYPES, PARTIAL_SUFFIX, RAW_BITS, STEP_FILE, STOPPED_ATTR,
+    INVENTORY_ATTR, MANIFEST_NAME, MAX_STOPPED_CHARS, NATIVE_DTYPES, PARTIAL_SUFFIX, RAW_BITS, STATS_ONLY_METAS, STEP_FILE, STOPPED_ATTR,
     dataset_path, dtype_name, step_file_name,
 )
 
@@ -134,9 +134,15 @@ class RunWriter:
         self._num_tensors = 0
         self._step_bytes = 0
         self._unchecked_allowance = 0  # every step starts with a fresh look at the free space
+        self._stats_only: list[bytes] = []
 
     def write(self, meta: TensorMeta, value: torch.Tensor | None) -> None:
+        """A tensor's values and metadata; a stats-only one (no `value`) joins the step's STATS_ONLY_METAS."""
         assert self._file is not None, "write outside a step"
+        if value is None and meta.stats_only:
+            self._stats_only.append(_meta_to_json(meta))
+            self._num_tensors += 1
+            return
         data = _EMPTY if value is None else array_from_tensor(value)
         self._check_room(data.nbytes)
         _write_dataset(self._file, dataset_path(meta.key), data, _meta_to_json(meta))
@@ -164,6 +170,10 @@ class RunWriter:
     def end_step(self, blind_spots: dict[str, str] | None = None) -> None:
         """`blind_spots`: module -> what this rank's trace of it misses (RunReader merges them into the manifest's)."""
         assert self._file is not None and self._step is not None
+        if self._stats_only:
+            text = b"\n".join(self._stats_only)
+            self._check_room(len(text))
+            self._file.create_dataset(STATS_ONLY_METAS, data=np.frombuffer(text, dtype=np.uint8))
         if blind_spots:
             self._file.attrs["blind_spots"] = json.dumps(blind_spots, sort_keys=True)
         self._file.attrs[INVENTORY_ATTR] = self._num_tensors

@@ -1,4 +1,5 @@
 import pytest
+import numpy as np
 import torch
 from torch import nn
 
@@ -97,6 +98,36 @@ def test_stats_only_stores_no_values_and_still_compares_norms(tmp_path):
         result = compare_runs(ref, cand)
     assert result and all(c.stats_only for c in result.comparisons)
     assert sum(p.stat().st_size for p in (tmp_path / "stats").iterdir()) < sum(p.stat().st_size for p in (tmp_path / "ref").iterdir())
+
+
+def test_stats_only_tensors_share_one_dataset_of_records_per_step_file(tmp_path):
+    """One dataset per stats-only tensor cost more than recording it; their records share one."""
+    import h5py
+
+    from ttrace_core.errors import TraceFormatError
+    from ttrace_core.store import STATS_ONLY_METAS, read_shards
+
+    _record(tmp_path / "ref")
+    _record(tmp_path / "stats", TracerConfig(stats_only=True))
+    step_file = tmp_path / "stats" / "rank_00000.step_000000.h5"
+    with h5py.File(step_file) as handle:
+        datasets = []
+        handle.visititems(lambda name, node: datasets.append(name) if isinstance(node, h5py.Dataset) else None)
+        assert datasets == [STATS_ONLY_METAS]
+    with RunReader(tmp_path / "ref") as ref, RunReader(tmp_path / "stats") as cand:
+        assert cand.keys() and set(cand.keys()) == set(ref.keys()) and not cand.inventory_gaps
+        key = next(k for k in cand.keys() if k.phase == "forward")
+        expected = ref.read(ref.index[key][0])
+        (meta,) = cand.index[key]
+        assert meta.stats.numel == expected.numel() and meta.stats.sum == pytest.approx(float(expected.sum()), rel=1e-6)
+    (shard,) = read_shards(tmp_path / "stats", key, 1)  # what the dashboard's tensor page reads
+    assert shard == (meta, None)
+    with h5py.File(step_file, "r+") as handle:
+        text = bytes(handle[STATS_ONLY_METAS][()]).replace(b'"stats_only":true', b'"stats_only":"yes"', 1)
+        del handle[STATS_ONLY_METAS]
+        handle[STATS_ONLY_METAS] = np.frombuffer(text, dtype=np.uint8)
+    with pytest.raises(TraceFormatError, match=rf"{STATS_ONLY_METAS} line 1: tensor metadata is malformed .*stats_only"):
+        RunReader(tmp_path / "stats")
 
 
 def test_exception_in_a_step_leaves_it_partial(tmp_path):
