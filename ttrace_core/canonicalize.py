@@ -96,11 +96,13 @@ def _check_consistent(key: TensorKey | None, shards: list[RecordedShard]) -> Lay
 def _replica_drift(replicas: list[RecordedShard]) -> ReplicaDrift | None:
     first = replicas[0]
     worst: ReplicaDrift | None = None
-    base = first.value.double()
-    base_norm = float(torch.linalg.vector_norm(torch.where(torch.isfinite(base), base, 0.0))) if base.numel() else 0.0
+    base = base_norm = None  # computed at the first replica that differs: most replicas are equal
     for other in replicas[1:]:
         if torch.equal(first.value, other.value):
             continue
+        if base is None:
+            base = first.value.double()
+            base_norm = float(torch.linalg.vector_norm(torch.where(torch.isfinite(base), base, 0.0))) if base.numel() else 0.0
         diff = other.value.double() - base
         if not torch.equal(torch.isfinite(first.value), torch.isfinite(other.value)):
             # a NaN or Inf in one replica only: NaN compares false with every bound, so say infinite
