@@ -124,8 +124,8 @@ def run_sessions(base: str, count: int, seconds: float, max_visits: int, work: P
     return visits
 
 
-def warm_up(root: Path, base: str) -> float:
-    """Every pair's comparison once (cached for all sessions) and the Localize page's replay."""
+def warm_up(root: Path, base: str, pairs: list[dict] | None = None) -> float:
+    """Every pair's comparison once (cached for all sessions; `pairs`: only these) and the Localize page's replay."""
     from playwright.sync_api import sync_playwright
 
     from ttrace_core import api
@@ -135,7 +135,7 @@ def warm_up(root: Path, base: str) -> float:
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page()
-        for sample in PAIRS:
+        for sample in PAIRS if pairs is None else pairs:
             _, error = visit(page, base, "heatmap", sample)
             assert not error, f"warm-up of {sample['name']}: {error}"
         browser.close()

@@ -33,9 +33,10 @@ STOP_LIMIT_S = 90.0
 """A launcher still running this long after the kill is a hang."""
 
 
-def launch(out: Path, steps: int) -> subprocess.Popen:
+def launch(out: Path, steps: int, *flags: str) -> subprocess.Popen:
+    """`flags`: more options of `ttrace example torch-gpt` (a smaller model for tests)."""
     command = [sys.executable, "-m", "ttrace_core", "example", "torch-gpt", "--tp", str(WORLD_SIZE),
-               "--steps", str(steps), "--out", str(out), "--timeout", "300"]
+               "--steps", str(steps), "--out", str(out), "--timeout", "300", *flags]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
 
@@ -145,10 +146,10 @@ class RankTrial:
 
 
 def kill_one_rank(out: Path, pristine: Path, steps: int, victim: int,
-                  wait_for_kill: Callable[[Path, list[int]], str]) -> RankTrial:
-    """Record into `out`, SIGKILL rank `victim` once `wait_for_kill(out, pids)` returns (it returns how
-    long it waited, as text), and check the trace against `pristine`."""
-    launcher = launch(out, steps)
+                  wait_for_kill: Callable[[Path, list[int]], str], flags: tuple[str, ...] = ()) -> RankTrial:
+    """Record into `out` (as `pristine` was, with `flags`), SIGKILL rank `victim` once
+    `wait_for_kill(out, pids)` returns (it returns how long it waited, as text), and check the trace."""
+    launcher = launch(out, steps, *flags)
     try:
         pids = rank_pids(launcher.pid)
         trial = RankTrial(victim=victim, detail=wait_for_kill(out, pids))

@@ -18,6 +18,7 @@ import rank_faults  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 STEPS = 3
+SMALL = ("--num-layers", "2", "--d-model", "64", "--seq-len", "16")
 
 
 def _when_both_ranks_are_in_step_1(out: Path, pids: list[int]) -> str:
@@ -30,12 +31,12 @@ def _when_both_ranks_are_in_step_1(out: Path, pids: list[int]) -> str:
 
 def test_a_rank_killed_mid_step_is_named_and_the_others_files_stay_consistent(tmp_path):
     pristine = tmp_path / "pristine"
-    launcher = rank_faults.launch(pristine, STEPS)
+    launcher = rank_faults.launch(pristine, STEPS, *SMALL)
     _, stderr = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, stderr
 
     trial = rank_faults.kill_one_rank(tmp_path / "killed", pristine, STEPS, victim=1,
-                                      wait_for_kill=_when_both_ranks_are_in_step_1)
+                                      wait_for_kill=_when_both_ranks_are_in_step_1, flags=SMALL)
 
     assert not trial.hang and trial.stop_seconds < 30
     assert "rank 1 was killed by SIGKILL; the other ranks were stopped" in trial.error_line
