@@ -25,7 +25,6 @@ import random
 import shutil
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 

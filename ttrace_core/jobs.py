@@ -1,7 +1,8 @@
 """Long work as jobs: a command run in a subprocess, in its own directory, that a caller polls.
 
 A job directory holds `spec.json` (the command, its explicit environment, the timeout), `lock`
-(the supervisor's pid while it runs), `status.json` (state, exit code, message, times), `log.txt`
+(the supervisor's pid, start time and boot id while it runs), `status.json` (state, exit code,
+message, times, the supervisor's and the command's process), `log.txt`
 (the command's stdout and stderr) and, when the command succeeds, `result.json`. The supervisor
 (`python ttrace_core/jobs.py DIR`, no torch import) starts the command in a new process group, enforces the timeout,
 turns SIGTERM into a cancel, and writes the final status; the caller's own environment is never
@@ -10,6 +11,9 @@ changed. A job whose `status.json` says complete is a cache hit: asking again an
 States: "running", then "complete" (the command exited with one of its success codes and wrote
 its result), "failed" (any other exit, or the supervisor died), "timed_out", "cancelled".
 A job that is not complete never has a `result.json` the caller would read.
+
+A job directory may come from elsewhere (a candidate shared with its replay): every file is
+type-checked before use, and a process it names is trusted only if pid, start time and boot id match.
 """
 
 from __future__ import annotations

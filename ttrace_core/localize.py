@@ -22,7 +22,6 @@ a scaling bug), and an updated parameter that fails while its gradient passes is
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 import os

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ttrace_core.errors import TraceFormatError, TraceWriteError
-from ttrace_core.schema import FORMAT_VERSION, Layout, RunManifest, TensorKey, TensorMeta, TensorStats
+from ttrace_core.schema import FORMAT_VERSION, RunManifest, TensorMeta, TensorStats
 from ttrace_core.store import (
     INVENTORY_ATTR, MANIFEST_NAME, MAX_STOPPED_CHARS, NATIVE_DTYPES, PARTIAL_SUFFIX, RAW_BITS, STATS_ONLY_METAS, STEP_FILE, STOPPED_ATTR,
     dataset_path, dtype_name, step_file_name,

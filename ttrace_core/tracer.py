@@ -29,7 +29,7 @@ import os
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Protocol
 
 import torch
@@ -39,14 +39,14 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from ttrace_core.integrations.dtensor import (
-    layout_from_dtensor, layout_of_converted_output, local_value, mesh_description, placement_str,
+    layout_from_dtensor, layout_of_converted_output, local_value,
 )
-from ttrace_core.placements import global_shape_from_local
 from ttrace_core.fingerprint import environment_fingerprint
 from ttrace_core.schema import (
     NO_MICRO_BATCH, WRAPPER_COMPONENTS, Layout, RunManifest, TensorKey, TensorMeta, global_fqn,
     strip_wrappers,
 )
+from ttrace_core.declarations import Declarations
 from ttrace_core.step_state import StepState
 from ttrace_core.tracer_config import TracerConfig
 from ttrace_core.store import dtype_name
@@ -74,16 +74,6 @@ class InputRewriting(Protocol):
     def records_grad_outputs(self, fqn: str) -> bool: ...
     def describe(self) -> dict: ...
     def close(self) -> None: ...
-
-
-@dataclass(slots=True)
-class _Declaration:
-    fqn_glob: str
-    slot_glob: str
-    placements: tuple[str, ...]
-    mesh_shape: tuple[int, ...]
-    coordinate: tuple[int, ...]
-    mesh_axis_names: tuple[str, ...]
 
 
 def _slot_family(slot: str) -> str:
@@ -126,11 +116,7 @@ class Tracer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._writer = RunWriter(run_dir, self.rank)
-        self._declarations: list[_Declaration] = []
-        self._declared_layouts: dict[tuple[str, str, tuple[int, ...]], Layout | None] = {}
-        """(fqn, slot, local shape) -> its declared layout: resolved once, not on every call (a Megatron
-        model has hundreds of declarations, each a glob to match)."""
-        self._flat_ranges: dict[tuple[str, str], tuple[int, int]] = {}
+        self._declarations = Declarations()
         self._state: StepState | None = None
         self._handles: list = []
         self._rewriter = rewriter
@@ -213,41 +199,20 @@ class Tracer:
         placements or their strings ("S(0)", "R", "P(sum)"). Globs match the recorded (global) fqn.
         Later declarations win over earlier ones.
         """
-        mesh_shape, coordinate, names = mesh_description(mesh)
-        specs = tuple(placement_str(p) for p in placements)
-        if len(specs) != len(mesh_shape):
-            raise ValueError(f"declare({fqn_glob!r}, {slot_glob!r}): {len(specs)} placements for a {len(mesh_shape)}-D mesh")
-        self._declarations.append(_Declaration(fqn_glob, slot_glob, specs, mesh_shape, coordinate, names))
-        self._declared_layouts.clear()
+        self._declarations.declare(fqn_glob, slot_glob, placements, mesh)
 
     def declare_flat_range(self, fqn: str, slot: str, start: int, end: int) -> None:
         """This rank's values of tensor (fqn, slot) are only elements [start, end) of its flattened
         local block, e.g. the gradient shard a distributed optimizer reduced onto this rank; the
         rest of the local tensor is not the logical value and is not recorded."""
-        if not 0 <= start <= end:
-            raise ValueError(f"declare_flat_range({fqn!r}, {slot!r}): need 0 <= start <= end, got {start}, {end}")
-        self._flat_ranges[(fqn, slot)] = (start, end)
-
-    def _declared_layout(self, fqn: str, slot: str, local: torch.Tensor) -> Layout | None:
-        cache_key = (fqn, slot, tuple(local.shape))
-        if cache_key not in self._declared_layouts:
-            self._declared_layouts[cache_key] = self._match_declaration(fqn, slot, local)
-        return self._declared_layouts[cache_key]
-
-    def _match_declaration(self, fqn: str, slot: str, local: torch.Tensor) -> Layout | None:
-        for d in reversed(self._declarations):
-            if fnmatch.fnmatchcase(fqn, d.fqn_glob) and fnmatch.fnmatchcase(slot, d.slot_glob):
-                shape = global_shape_from_local(tuple(local.shape), d.mesh_shape, d.placements)
-                return Layout(global_shape=shape, mesh_shape=d.mesh_shape, coordinate=d.coordinate,
-                              placements=d.placements, mesh_axis_names=d.mesh_axis_names)
-        return None
+        self._declarations.declare_flat_range(fqn, slot, start, end)
 
     def layout_of(self, key: TensorKey, value: torch.Tensor) -> Layout:
         """The layout in effect for `value`, recorded (or about to be recorded) under `key`."""
         local = local_value(value)
         if isinstance(value, DTensor):
             return layout_from_dtensor(value)
-        if (declared := self._declared_layout(key.fqn, key.slot, local)) is not None:
+        if (declared := self._declarations.layout(key.fqn, key.slot, tuple(local.shape))) is not None:
             return declared
         if (converted := self._converted_layout(key, local)) is not None:
             return converted
@@ -282,7 +247,7 @@ class Tracer:
         state = self._state
         local = local_value(value)
         layout = self.layout_of(key, value)
-        if (flat_range := self._flat_ranges.get((key.fqn, key.slot))) is not None:
+        if (flat_range := self._declarations.flat_ranges.get((key.fqn, key.slot))) is not None:
             local = local.reshape(-1)[flat_range[0]:flat_range[1]]
             layout = dataclasses.replace(layout, flat_range=flat_range)
         if key.phase == "forward" and layout.mesh_shape:
