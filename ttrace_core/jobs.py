@@ -273,12 +273,15 @@ def _supervisor_died(directory: Path, status: JobStatus) -> JobStatus:
     died = JobStatus(state="failed", supervisor=status.supervisor, command=status.command, exit_code=status.exit_code,
                      started=status.started, finished=time.time(),
                      message="the job's supervisor died before finishing; run it again")
-    spec_result = _spec_result_file(directory)
-    if spec_result is not None:
-        spec_result.unlink(missing_ok=True)
-    _write_json(directory / "status.json", asdict(died))
-    if _lock_is_stale(directory):
-        (directory / "lock").unlink(missing_ok=True)
+    try:  # a read-only directory (a trace shared on read-only storage) still gets the answer, just not kept
+        spec_result = _spec_result_file(directory)
+        if spec_result is not None:
+            spec_result.unlink(missing_ok=True)
+        _write_json(directory / "status.json", asdict(died))
+        if _lock_is_stale(directory):
+            (directory / "lock").unlink(missing_ok=True)
+    except OSError:
+        pass
     return died
 
 

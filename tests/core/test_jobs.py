@@ -209,3 +209,15 @@ def test_a_lock_left_by_a_submitter_that_died_does_not_block_the_job_forever(tmp
     assert submit(job_dir, _spec(code, tmp_path)).wait(timeout_s=30).state == "complete"
     (job_dir / "lock").write_text(reused.encode())
     assert submit(job_dir, _spec(code, tmp_path), rerun=True).wait(timeout_s=30).state == "complete"
+
+
+def test_a_dead_job_in_a_read_only_directory_is_reported_not_raised(tmp_path, monkeypatch):
+    from ttrace_core import jobs
+
+    job = _copied_job(tmp_path, {"state": "running", "supervisor": {"pid": 1, "start": 0, "boot": "elsewhere"}})
+
+    def read_only(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(jobs, "_write_json", read_only)  # as on read-only storage (root ignores file modes)
+    status = job.status()
+    assert status.state == "failed" and "supervisor died" in status.message
