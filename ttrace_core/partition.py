@@ -53,7 +53,7 @@ def compare_partitioned(reference: RunReader, candidate: RunReader, tolerances: 
 
 def compare_worker(config: dict) -> None:
     """A spawned worker of `ttrace compare --workers N` (launch.run_ranks): compare, and on rank 0
-    write the comparison table (the cache) and the result as JSON where the parent reads it."""
+    write the comparison table (the cache, and a copy where the parent reads it)."""
     from ttrace_core.api import CompareSettings, comparison_table
     from ttrace_core import table
 
