@@ -25,6 +25,7 @@ import h5py
 import numpy as np
 
 from ttrace_core.errors import TtraceError
+from ttrace_core.jobs import start_ticks
 from ttrace_core.store import STEP_FILE, RunReader
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,10 +52,6 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _start_time(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-
-
 def rank_pids(launcher_pid: int, timeout_s: float = 120.0) -> list[int]:
     """The launcher's spawned ranks, rank 0 first (they are started in rank order)."""
     deadline = time.monotonic() + timeout_s
@@ -69,7 +66,7 @@ def rank_pids(launcher_pid: int, timeout_s: float = 120.0) -> list[int]:
                 except OSError:
                     pass
         if len(ranks) == WORLD_SIZE:
-            return sorted(ranks, key=_start_time)
+            return sorted(ranks, key=lambda pid: start_ticks(pid) or 0)
         time.sleep(0.05)
     raise TimeoutError(f"the launcher {launcher_pid} did not start {WORLD_SIZE} ranks in {timeout_s:.0f} s")
 

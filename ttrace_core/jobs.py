@@ -105,7 +105,7 @@ def _boot_id() -> str:
         return ""
 
 
-def _start_ticks(pid: int) -> int | None:
+def start_ticks(pid: int) -> int | None:
     """When process `pid` started, in clock ticks since boot (with the boot id, a pid's identity)."""
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
@@ -124,11 +124,11 @@ class ProcessRef:
 
     @staticmethod
     def of(pid: int) -> ProcessRef:
-        return ProcessRef(pid=pid, start=_start_ticks(pid), boot=_boot_id())
+        return ProcessRef(pid=pid, start=start_ticks(pid), boot=_boot_id())
 
     def alive(self) -> bool:
         return (self.pid > 1 and self.boot == _boot_id() and process_alive(self.pid)
-                and self.start is not None and _start_ticks(self.pid) == self.start)
+                and self.start is not None and start_ticks(self.pid) == self.start)
 
     def encode(self) -> str:
         return f"{self.pid} {self.start} {self.boot}"
