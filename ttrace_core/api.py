@@ -59,6 +59,10 @@ def ttrace_version() -> str:
         return "0+unknown"
 
 
+MIN_MAX_MEMORY = 2**20
+"""The smallest budget `CompareSettings.max_memory` takes."""
+
+
 @dataclass(kw_only=True, slots=True)
 class CompareSettings:
     """How tensors are judged; the CLI's compare flags map one to one onto these fields."""
@@ -74,10 +78,16 @@ class CompareSettings:
     ignore_dtype: bool = False
     partial: bool = False
     """Give a verdict on what was recorded when the evidence is incomplete ("partial", not "incomplete")."""
+    max_memory: int | None = None
+    """Bytes one tensor's comparison may take; a larger tensor is compared slab by slab (bounded.py).
+    None: unbounded."""
 
     def __post_init__(self) -> None:
         if self.tolerance not in TOLERANCE_KINDS:
             raise TtraceError(f"tolerance {self.tolerance!r}: choose from {', '.join(TOLERANCE_KINDS)}")
+        if self.max_memory is not None and self.max_memory < MIN_MAX_MEMORY:
+            raise TtraceError(f"max_memory {self.max_memory} bytes is too small to compare anything; "
+                              f"give at least {MIN_MAX_MEMORY // 2**20} MiB")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -240,7 +250,8 @@ def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike,
     with RunReader(reference) as ref_reader, RunReader(candidate) as cand_reader:
         tolerances = select_tolerances(settings.tolerance, ref_reader, cand_reader, alpha=settings.alpha,
                                        k=settings.theorem_k, c=settings.theorem_c)
-        options = dict(ignore_dtype=settings.ignore_dtype, exact_inputs_k=settings.exact_inputs_k, partial=settings.partial)
+        options = dict(ignore_dtype=settings.ignore_dtype, exact_inputs_k=settings.exact_inputs_k, partial=settings.partial,
+                       max_bytes=settings.max_memory)
         if _workers() > 1:  # inside `ttrace compare --workers N` or torchrun: each worker compares a part
             from ttrace_core.partition import compare_partitioned
 

@@ -45,6 +45,8 @@ class CanonicalTensor:
     full: torch.Tensor
     replica_drift: ReplicaDrift | None
     num_shards: int
+    replica_differences: tuple[ReplicaDifference, ...] = ()
+    """Every replica's difference from the first of its block, when `canonicalize(every_replica=True)`."""
 
 
 def _region_slices(region: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
@@ -93,29 +95,64 @@ def _check_consistent(key: TensorKey | None, shards: list[RecordedShard]) -> Lay
     return first
 
 
-def _replica_drift(replicas: list[RecordedShard]) -> ReplicaDrift | None:
-    first = replicas[0]
+@dataclass(frozen=True, slots=True)
+class ReplicaDifference:
+    """How one replica differs from the first of its block, in sums that add up over slabs of the
+    tensor (bounded.py compares a large tensor slab by slab)."""
+
+    ranks: tuple[int, int]
+    max_abs_diff: float
+    diff_norm: float
+    """||replica - first||_F over the finite differences (inf when NaN/Inf sit at different places)."""
+    base_norm: float
+    """||first||_F over its finite values."""
+
+
+def worst_drift(differences: list[ReplicaDifference]) -> ReplicaDrift | None:
+    """The replica that differs most, relative to the first of its block; None when all are equal."""
     worst: ReplicaDrift | None = None
+    for difference in differences:
+        if difference.diff_norm == 0.0:
+            continue  # equal (but for NaNs at the same places: torch.equal is false on NaN)
+        relative = difference.diff_norm / difference.base_norm if difference.base_norm > 0 else math.inf
+        if worst is None or relative > worst.relative_diff:
+            worst = ReplicaDrift(ranks=difference.ranks, max_abs_diff=difference.max_abs_diff, relative_diff=relative)
+    return worst
+
+
+def _finite_norm(values: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(torch.where(torch.isfinite(values), values, 0.0))) if values.numel() else 0.0
+
+
+def _replica_differences(replicas: list[RecordedShard], *, every: bool = False) -> list[ReplicaDifference]:
+    """The differences of each replica from the first; replicas bitwise equal to it are left out
+    unless `every` (a slab's equal replicas still add their base norm to the whole tensor's)."""
+    first, found = replicas[0], []
     base = base_norm = None  # computed at the first replica that differs: most replicas are equal
     for other in replicas[1:]:
-        if torch.equal(first.value, other.value):
+        equal = torch.equal(first.value, other.value)
+        if equal and not every:
             continue
         if base is None:
             base = first.value.double()
-            base_norm = float(torch.linalg.vector_norm(torch.where(torch.isfinite(base), base, 0.0))) if base.numel() else 0.0
+            base_norm = _finite_norm(base)
+        if equal:
+            found.append(ReplicaDifference(ranks=(first.rank, other.rank), max_abs_diff=0.0, diff_norm=0.0, base_norm=base_norm))
+            continue
         diff = other.value.double() - base
         if not torch.equal(torch.isfinite(first.value), torch.isfinite(other.value)):
             # a NaN or Inf in one replica only: NaN compares false with every bound, so say infinite
-            max_abs, relative = math.inf, math.inf
+            max_abs, diff_norm = math.inf, math.inf
         else:
             diff = torch.where(torch.isfinite(diff), diff, torch.zeros((), dtype=diff.dtype))
             max_abs = float(diff.abs().max()) if diff.numel() else 0.0
-            relative = float(torch.linalg.vector_norm(diff)) / base_norm if base_norm > 0 else float("inf")
-            if relative == 0.0:
-                continue  # equal but for NaNs at the same places (torch.equal is false on NaN)
-        if worst is None or relative > worst.relative_diff:
-            worst = ReplicaDrift(ranks=(first.rank, other.rank), max_abs_diff=max_abs, relative_diff=relative)
-    return worst
+            diff_norm = float(torch.linalg.vector_norm(diff))
+        found.append(ReplicaDifference(ranks=(first.rank, other.rank), max_abs_diff=max_abs, diff_norm=diff_norm, base_norm=base_norm))
+    return found
+
+
+def _replica_drift(replicas: list[RecordedShard]) -> ReplicaDrift | None:
+    return worst_drift(_replica_differences(replicas))
 
 
 def _check_coverage(key: TensorKey | None, layout: Layout, shards: list[RecordedShard]) -> None:
@@ -132,12 +169,14 @@ def _check_coverage(key: TensorKey | None, layout: Layout, shards: list[Recorded
         )
 
 
-def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None) -> CanonicalTensor:
+def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None, *,
+                 every_replica: bool = False) -> CanonicalTensor:
     """Assemble the full logical tensor from its recorded shards.
 
     Shard placements put each block at its global offset (several blocks per shard under SS,
     see placements.py); partial placements are summed in
     float64 (and divided for avg); replicas are compared, and the first one is used.
+    `every_replica`: keep every replica's difference, equal ones included (a slab of a larger tensor).
     """
     if not shards:
         raise LayoutError(f"{key}: no shard was recorded")
@@ -145,9 +184,9 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None) -> C
     if pl.blocked_view(layout) is not None:
         viewed = [RecordedShard(s.rank, pl.blocked_view(s.layout), s.value.reshape(pl.local_shape(pl.blocked_view(s.layout))))
                   for s in shards]
-        result = canonicalize(viewed, key)
+        result = canonicalize(viewed, key, every_replica=every_replica)
         return CanonicalTensor(full=result.full.reshape(layout.global_shape), replica_drift=result.replica_drift,
-                               num_shards=result.num_shards)
+                               num_shards=result.num_shards, replica_differences=result.replica_differences)
     if any(s.layout.flat_range is not None for s in shards):
         return _canonicalize_flat_ranges(shards, key)
     _check_coverage(key, layout, shards)
@@ -161,21 +200,19 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None) -> C
     for axis in partial_axes:
         if specs[axis].reduce_op == "avg":
             num_avg *= layout.mesh_shape[axis]
-    drifts = []
+    differences: list[ReplicaDifference] = []
     if partial_axes:
         full = torch.zeros(layout.global_shape, dtype=torch.float64)
     else:
         full = torch.empty(layout.global_shape, dtype=dtype)
     for by_partial in blocks.values():
         for replicas in by_partial.values():
-            drift = _replica_drift(replicas)
-            if drift is not None:
-                drifts.append(drift)
+            differences += _replica_differences(replicas, every=every_replica)
             _put_held_values(full, replicas[0].layout, replicas[0].value, accumulate=bool(partial_axes))
     if partial_axes:
         full = (full / num_avg).to(dtype)
-    worst = max(drifts, key=lambda d: d.relative_diff) if drifts else None
-    return CanonicalTensor(full=full, replica_drift=worst, num_shards=len(shards))
+    return CanonicalTensor(full=full, replica_drift=worst_drift(differences), num_shards=len(shards),
+                           replica_differences=tuple(differences) if every_replica else ())
 
 
 def _canonicalize_flat_ranges(shards: list[RecordedShard], key: TensorKey | None) -> CanonicalTensor:

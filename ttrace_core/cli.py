@@ -22,6 +22,22 @@ from ttrace_core.tolerances import (
 )
 
 
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """"512M", "4G", "1.5GiB" or a plain number of bytes (argparse's type for --max-memory)."""
+    number = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = number[-1:] if number[-1:] in _SIZE_UNITS else ""
+    try:
+        value = float(number[:len(number) - len(unit)]) * _SIZE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write it like 512M or 4G") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size; write it like 512M or 4G")
+    return int(value)
+
+
 def _add_common_example_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism on top of --tp")
@@ -104,6 +120,8 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="perturbation: tolerance = alpha x deviation")
     compare.add_argument("--theorem-k", type=float, default=DEFAULT_THEOREM_K, help="theorem: k in k * C^depth * eps")
     compare.add_argument("--theorem-c", type=float, default=DEFAULT_THEOREM_C, help="theorem: C in k * C^depth * eps")
+    compare.add_argument("--max-memory", type=byte_size, default=None, metavar="SIZE",
+                         help="bytes one tensor's comparison may take (512M, 4G); larger tensors are compared slab by slab")
     compare.add_argument("--workers", type=int, default=1,
                          help="compare in N local worker processes, each a part of the tensors (under torchrun every "
                               "rank is a worker, on any number of nodes)")
@@ -207,7 +225,7 @@ def _run_compare(args: argparse.Namespace) -> int:
 
     settings = CompareSettings(tolerance=args.tolerance, alpha=args.alpha, theorem_k=args.theorem_k,
                                theorem_c=args.theorem_c, exact_inputs_k=args.exact_inputs_k, ignore_dtype=args.ignore_dtype,
-                               partial=args.partial)
+                               partial=args.partial, max_memory=args.max_memory)
     _check_output_path(args.json, "--json")
     progress = ProgressBar(enabled=args.progress or sys.stderr.isatty())
     if args.workers > 1:

@@ -18,6 +18,8 @@ import torch
 
 from ttrace_core import placements as pl
 from ttrace_core import strict_json
+from ttrace_core.bounded import compare_in_slabs, free_dims, working_bytes
+from ttrace_core.value_sums import metrics_from_sums, value_sums
 from ttrace_core.canonicalize import CanonicalTensor, RecordedShard, canonicalize
 from ttrace_core.dataflow import ExactInputs
 from ttrace_core.errors import LayoutError
@@ -182,57 +184,9 @@ def _tolerance_from_dict(data: dict) -> Tolerance:
     return Tolerance(**{**data, "params": tuple((name, value) for name, value in data.get("params", ()))})
 
 
-def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    index = []
-    for size in reversed(shape):
-        index.append(flat_index % size if size else 0)
-        flat_index = flat_index // size if size else 0
-    return tuple(reversed(index))
-
-
 def compare_values(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance) -> dict:
     """Metrics of actual vs expected (both float64, same shape) under one tolerance."""
-    shape = tuple(expected.shape)
-    numel = expected.numel()
-    if _all_finite(actual) and _all_finite(expected):  # the common case: no masks to build
-        nan = inf = (0, 0)
-        diff, expected_finite = actual - expected, expected
-    else:
-        nan = (int(torch.isnan(actual).sum()), int(torch.isnan(expected).sum()))
-        inf = (int(torch.isinf(actual).sum()), int(torch.isinf(expected).sum()))
-        both_finite = torch.isfinite(actual) & torch.isfinite(expected)
-        diff = torch.where(both_finite, actual - expected, torch.zeros((), dtype=torch.float64))
-        expected_finite = torch.where(both_finite, expected, torch.zeros((), dtype=torch.float64))
-    abs_error = float(torch.linalg.vector_norm(diff)) if numel else 0.0
-    reference_norm = float(torch.linalg.vector_norm(expected_finite)) if numel else 0.0
-    allowed = tolerance.rel * reference_norm + tolerance.abs * math.sqrt(numel)
-    metrics = {
-        "shape": shape, "numel": numel, "num_nan": nan, "num_inf": inf, "abs_error": abs_error,
-        "reference_norm": reference_norm,
-        "error": abs_error / reference_norm if reference_norm > 0 else (0.0 if abs_error == 0 else math.inf),
-        "ratio": abs_error / allowed if allowed > 0 else (0.0 if abs_error == 0 else math.inf),
-        "min_rel_tolerance": max(0.0, abs_error - tolerance.abs * math.sqrt(numel)) / reference_norm
-        if reference_norm > 0 else (0.0 if abs_error <= tolerance.abs * math.sqrt(numel) else math.inf),
-    }
-    if numel:
-        abs_diff = diff.abs().flatten()
-        magnitude = expected_finite.abs().flatten()
-        position = int(abs_diff.argmax())
-        # where the reference is 0 the relative difference counts as 0: 0 / inf
-        rel_diff = abs_diff / torch.where(magnitude == 0, math.inf, magnitude).clamp_min_(torch.finfo(torch.float64).tiny)
-        rel_position = int(rel_diff.argmax())
-        metrics |= {
-            "max_abs_diff": float(abs_diff[position]), "max_abs_index": _unravel(position, shape),
-            "max_rel_diff": float(rel_diff[rel_position]), "max_rel_index": _unravel(rel_position, shape),
-            "num_mismatched": int((abs_diff > tolerance.abs + tolerance.rel * magnitude).sum()),
-        }
-    return metrics
-
-
-def _all_finite(values: torch.Tensor) -> bool:
-    """One reduction instead of an elementwise mask: a float64 norm of finite values that came from at
-    most 64-bit floats is finite unless they exceed 1e154, where the masked path takes over."""
-    return not values.numel() or math.isfinite(float(torch.linalg.vector_norm(values)))
+    return metrics_from_sums(value_sums(actual, expected, tolerance), tolerance)
 
 
 def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[str, str]:
@@ -303,9 +257,11 @@ def _compare_stats(key: TensorKey, ref: list[TensorMeta], cand: list[TensorMeta]
 
 
 def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider,
-                   *, ignore_dtype: bool = False, exact_inputs: tuple[float, int] | None = None) -> TensorComparison:
+                   *, ignore_dtype: bool = False, exact_inputs: tuple[float, int] | None = None,
+                   max_bytes: int | None = None) -> TensorComparison:
     """`exact_inputs` (k, n): everything this tensor is computed from was exact and it combines at
-    most n partial results, so it is also held to k * sqrt(n) * eps (dataflow.py) when tighter."""
+    most n partial results, so it is also held to k * sqrt(n) * eps (dataflow.py) when tighter.
+    `max_bytes`: compare a tensor whose values would take more, slab by slab (bounded.py)."""
     ref_metas, cand_metas = reference.index[key], candidate.index[key]
     ref_dtype, cand_dtype = ref_metas[0].dtype, cand_metas[0].dtype
     tolerance = tolerances.tolerance_for(key, cand_dtype)
@@ -321,17 +277,19 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
     if ref_metas[0].stats_only or cand_metas[0].stats_only:
         return _compare_stats(key, ref_metas, cand_metas, tolerance)
     try:
-        cand_full = _canonical(candidate, cand_metas, key)
+        if max_bytes is not None and working_bytes(cand_metas) > max_bytes and (dims := free_dims(ref_metas, cand_metas)):
+            metrics, replica_drift = compare_in_slabs(key, reference, candidate, tolerance, max_bytes, dims)
+        else:
+            cand_full = _canonical(candidate, cand_metas, key)
+            actual = cand_full.full.double() / cand_metas[0].scale
+            expected = _canonical(reference, ref_metas, key).full.double() / ref_metas[0].scale
+            if actual.shape != expected.shape:
+                return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=tuple(actual.shape),
+                                        message=f"shape {tuple(actual.shape)} in the candidate, {tuple(expected.shape)} in the reference")
+            metrics, replica_drift = compare_values(actual, expected, tolerance), cand_full.replica_drift
     except LayoutError as error:
         return TensorComparison(key=key, status="layout", dtype=cand_dtype, message=str(error))
-    ref_full = _canonical(reference, ref_metas, key)
-    actual = cand_full.full.double() / cand_metas[0].scale
-    expected = ref_full.full.double() / ref_metas[0].scale
-    if actual.shape != expected.shape:
-        return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=tuple(actual.shape),
-                                message=f"shape {tuple(actual.shape)} in the candidate, {tuple(expected.shape)} in the reference")
-    metrics = compare_values(actual, expected, tolerance)
-    drift = asdict(cand_full.replica_drift) if cand_full.replica_drift else None
+    drift = asdict(replica_drift) if replica_drift else None
     status, message = _verdict(metrics, drift, tolerance)
     value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(drift, tolerance)
     return TensorComparison(key=key, status=status, message=message, dtype=cand_dtype, tolerance=tolerance,
@@ -355,6 +313,10 @@ class ComparePlan:
     tolerances: ToleranceProvider
     exact_inputs_k: float | None
     ignore_dtype: bool
+    max_bytes: int | None = None
+    """Budget of one tensor's comparison in bytes (bounded.py); None: unbounded."""
+    compared_whole: dict[TensorKey, int] = field(default_factory=dict)
+    """Tensors over the budget that could not be cut into slabs -> the bytes their comparison took."""
 
     @property
     def to_compare(self) -> list[TensorKey]:
@@ -363,7 +325,7 @@ class ComparePlan:
 
 def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
                     ignore_dtype: bool = False, exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K,
-                    partial: bool = False) -> tuple[RunComparison, ComparePlan]:
+                    partial: bool = False, max_bytes: int | None = None) -> tuple[RunComparison, ComparePlan]:
     """The comparison's frame (runs, steps, notes) and its plan; `compare_runs` fills the rows in."""
     check_comparable(reference, candidate)
     tolerances = tolerances or select_tolerances("auto", reference, candidate)
@@ -384,7 +346,8 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
     common = set(ref_keys) & set(cand_keys)
     plan = ComparePlan(ordered=sorted(ref_keys, key=lambda k: _execution_order(reference, k)), common=common,
                        extras=sorted(set(cand_keys) - common, key=lambda k: _execution_order(candidate, k)),
-                       tolerances=tolerances, exact_inputs_k=exact_inputs_k or None, ignore_dtype=ignore_dtype)
+                       tolerances=tolerances, exact_inputs_k=exact_inputs_k or None, ignore_dtype=ignore_dtype,
+                       max_bytes=max_bytes)
     return result, plan
 
 
@@ -395,21 +358,26 @@ def compare_key(key: TensorKey, reference: RunReader, candidate: RunReader, plan
     if comparison is not None:
         return comparison
     exact_inputs = (plan.exact_inputs_k, num_terms) if num_terms and plan.exact_inputs_k else None
+    metas = candidate.index[key]
+    if plan.max_bytes is not None and working_bytes(metas) > plan.max_bytes and not metas[0].stats_only \
+            and not free_dims(reference.index[key], metas):
+        plan.compared_whole[key] = working_bytes(metas)
     return compare_tensor(key, reference, candidate, plan.tolerances, ignore_dtype=plan.ignore_dtype,
-                          exact_inputs=exact_inputs)
+                          exact_inputs=exact_inputs, max_bytes=plan.max_bytes)
 
 
 def compare_runs(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
                  ignore_dtype: bool = False, progress: Callable[[int, int], None] | None = None,
                  exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K, partial: bool = False,
-                 precomputed: dict[TensorKey, TensorComparison] | None = None) -> RunComparison:
+                 precomputed: dict[TensorKey, TensorComparison] | None = None, max_bytes: int | None = None) -> RunComparison:
     """`exact_inputs_k` (None or 0: off) tightens derived tolerances (perturbation, theorem) where a
     tensor's inputs were exact (dataflow.py); the flat dtype table is left as it is. `partial`: a
     verdict on what was recorded, when the evidence is incomplete (RunComparison.partial_allowed).
     `precomputed`: rows already compared without the exact-inputs rule (partition.py's workers); only
-    the tensors the rule applies to are compared again, so the result is the same as without them."""
+    the tensors the rule applies to are compared again, so the result is the same as without them.
+    `max_bytes`: compare each tensor within that many bytes (bounded.py), slab by slab where needed."""
     result, plan = plan_comparison(reference, candidate, tolerances, ignore_dtype=ignore_dtype,
-                                   exact_inputs_k=exact_inputs_k, partial=partial)
+                                   exact_inputs_k=exact_inputs_k, partial=partial, max_bytes=max_bytes)
     total = len(plan.ordered) + len(plan.extras)
     exact = ExactInputs(plan.common)
     for done, key in enumerate(plan.ordered, start=1):
@@ -433,6 +401,11 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     for key in plan.extras:
         if key not in scales_only:
             result.comparisons.append(TensorComparison(key=key, status="extra", message="recorded in the candidate only"))
+    if plan.compared_whole:
+        key, needed = max(plan.compared_whole.items(), key=lambda item: item[1])
+        result.notes.append(f"{len(plan.compared_whole)} tensors over the memory budget could not be cut into slabs "
+                            f"(every dim sharded, or flat ranges) and were compared whole, the largest {key} "
+                            f"with about {needed / 2**20:.0f} MiB")
     result.coverage = tally_coverage(result.comparisons, reference, candidate, result.steps_compared)
     if (finding := data_mismatch_finding(result)) is not None:
         result.notes.insert(0, finding)

@@ -40,7 +40,8 @@ def compare_partitioned(reference: RunReader, candidate: RunReader, tolerances: 
     """compare_runs over the workers of the initialized process group; every worker gets the whole result."""
     rank, world = dist.get_rank(), dist.get_world_size()
     _, plan = plan_comparison(reference, candidate, tolerances, ignore_dtype=options.get("ignore_dtype", False),
-                              exact_inputs_k=options.get("exact_inputs_k"), partial=options.get("partial", False))
+                              exact_inputs_k=options.get("exact_inputs_k"), partial=options.get("partial", False),
+                              max_bytes=options.get("max_bytes"))
     mine = plan.to_compare[rank::world]
     rows = [compare_key(key, reference, candidate, plan).to_dict() for key in mine]
     precomputed = {}

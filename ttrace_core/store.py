@@ -354,20 +354,21 @@ class RunReader:
         fqn = dataset_path.rsplit("/", 1)[-1].split("#", 1)[0]
         return fqn == self.subtree or fqn.startswith(self.subtree + ".")
 
-    def read(self, meta: TensorMeta) -> torch.Tensor:
-        """The recorded local values of one shard, in its recorded dtype."""
+    def read(self, meta: TensorMeta, region: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The recorded local values of one shard, in its recorded dtype; `region` (a slice per leading
+        dim): only that part, read as a hyperslab (HDF5 reads only its bytes)."""
         path = dataset_path(meta.key)
         where = f"{self.run_dir / step_file_name(meta.rank, meta.key.step)}:{path}"
         if meta.stats_only:
             raise TraceFormatError(f"{where}: recorded in stats-only mode; it holds no values")
         try:
-            array = self._files[(meta.rank, meta.key.step)][path][()]
+            dataset = self._files[(meta.rank, meta.key.step)][path]
+            if dataset.shape != meta.local_shape:
+                raise TraceFormatError(f"{where}: stored shape {dataset.shape} differs from its metadata {meta.local_shape}")
+            array = dataset[()] if region is None else dataset[region]
         except (OSError, KeyError) as error:
             raise TraceFormatError(f"{where}: cannot read the dataset ({error}); the file is corrupted, re-record it") from error
-        value = tensor_from_array(array, meta.dtype, where)
-        if tuple(value.shape) != meta.local_shape:
-            raise TraceFormatError(f"{where}: stored shape {tuple(value.shape)} differs from its metadata {meta.local_shape}")
-        return value
+        return tensor_from_array(array, meta.dtype, where)
 
     def keys(self) -> list[TensorKey]:
         return list(self.index)

@@ -1,0 +1,66 @@
+"""Compare in bounded memory (bounded.py): slab by slab gives the row the whole tensor gives, and a
+`ttrace compare --max-memory` on a trace several times larger than the budget stays under it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ttrace_core.bounded import BYTES_PER_ELEMENT, free_dims, slab_lengths
+from ttrace_core.compare import compare_runs
+from ttrace_core.schema import Layout, TensorKey, TensorMeta
+from ttrace_core.store import RunReader
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import compare_memory  # noqa: E402
+
+MIB = 2**20
+
+
+def _meta(layout: Layout) -> TensorMeta:
+    key = TensorKey(step=0, micro_batch=0, phase="forward", fqn="x", slot="output.0")
+    return TensorMeta(key=key, rank=0, dtype="float32", local_shape=layout.global_shape, layout=layout, seq=0)
+
+
+def test_slabs_cut_only_dims_no_placement_shards():
+    rows = Layout(global_shape=(8, 4, 6), mesh_shape=(2,), coordinate=(0,), placements=("S(0)",))
+    cols = Layout(global_shape=(8, 4, 6), mesh_shape=(2,), coordinate=(0,), placements=("S(-1)",))
+    assert free_dims([_meta(Layout.replicated((8, 4, 6)))], [_meta(rows)]) == [1, 2]
+    assert free_dims([_meta(rows)], [_meta(cols)]) == [1]
+    flat = Layout(global_shape=(8, 4, 6), flat_range=(0, 100))
+    assert free_dims([_meta(rows)], [_meta(flat)]) == []  # a flat range cannot be cut: compared whole
+    # one index of dim 1 is 48 elements: a budget of 100 elements' bytes takes 2 of them, then stops
+    assert slab_lengths((8, 4, 6), [1, 2], 100 * BYTES_PER_ELEMENT) == {1: 2}
+    # a budget under one index of the outer free dim goes on to cut the next one
+    assert slab_lengths((8, 4, 6), [1, 2], 20 * BYTES_PER_ELEMENT) == {1: 1, 2: 2}
+    assert slab_lengths((8, 4, 6), [1, 2], 10**9) == {}
+
+
+def test_slab_by_slab_gives_the_rows_of_the_whole_tensors(tmp_path):
+    reference, candidate = compare_memory.write_pair(tmp_path, num_tensors=4, rows=32)
+    with RunReader(reference) as ref, RunReader(candidate) as cand:
+        whole = compare_runs(ref, cand)
+        reads = []
+        original = cand.read
+        cand.read = lambda meta, region=None: reads.append(region) or original(meta, region)
+        slabbed = compare_runs(ref, cand, max_bytes=64 * 1024)
+    assert sum(region is not None for region in reads) > 4 * 2, "the budget did not cut the tensors into slabs"
+    assert [c.status for c in whole.comparisons] == ["pass", "replica_drift", "mismatch", "pass"]
+    assert compare_memory.same_rows({"comparisons": [c.to_dict() for c in slabbed.comparisons]},
+                                    {"comparisons": [c.to_dict() for c in whole.comparisons]})
+    mismatch = slabbed.comparisons[2]
+    assert mismatch.max_abs_index == (16, 2, 1) and mismatch.num_mismatched == 1  # rank 1's first row, placed globally
+    assert tuple(slabbed.comparisons[1].replica_drift["ranks"]) == (0, 1)
+
+
+def test_max_memory_bounds_peak_rss_of_a_trace_larger_than_it(tmp_path):
+    """Peak RSS of `ttrace compare --max-memory 8M` on a 60 MiB trace whose tensors each take ~30 MiB to
+    compare whole, against the fixed margin: the same command on tiny tensors (+4 MiB of measuring noise)."""
+    measured = compare_memory.measure(tmp_path, num_tensors=6, rows=256, budgets=["8M"])
+    unbounded, bounded = measured["rows"]
+    assert measured["trace_bytes"] > 6 * 8 * MIB
+    assert unbounded["over_margin"] > 3 * 8 * MIB, "the pair is too small to show the budget"
+    assert bounded["over_margin"] <= 8 * MIB + 4 * MIB, f"peak {bounded['over_margin'] / MIB:.1f} MiB above the margin"
+    assert compare_memory.same_rows(bounded["table"], unbounded["table"])
