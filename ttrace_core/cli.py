@@ -8,6 +8,7 @@ internal error, 4 (localize) a divergence that the replay does not explain or do
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -47,6 +48,9 @@ def _add_common_example_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bug", default=None, help="inject a known bug (see `ttrace bugs`)")
     parser.add_argument("--stats-only", action="store_true", help="store statistics instead of tensor values")
+    parser.add_argument("--adaptive", default=None, metavar="REF_DIR",
+                        help="statistics for every step, values only for the first step and the first whose statistics diverge "
+                             "from REF_DIR's (two runs of the command)")
     parser.add_argument("--num-layers", type=int, default=4, help="transformer blocks")
     parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (global, over all DP ranks)")
@@ -158,6 +162,9 @@ def _build_parser() -> argparse.ArgumentParser:
     record.add_argument("--out", required=True, help="run directory to record into")
     record.add_argument("--seed", type=int, default=0, help="seed of the weights drawn from (seed, parameter name)")
     record.add_argument("--stats-only", action="store_true", help="store statistics instead of tensor values")
+    record.add_argument("--adaptive", default=None, metavar="REF_DIR",
+                        help="statistics for every step, values only for the first step and the first whose statistics diverge "
+                             "from REF_DIR's (two runs of the command)")
     record.add_argument("--role", choices=["reference", "candidate"], default=None,
                         help="default: reference on one rank, candidate on more")
     record.add_argument("--timeout", type=float, default=3600.0, help="seconds before the command is killed")
@@ -214,8 +221,25 @@ def _run_example(args: argparse.Namespace) -> int:
         raise TtraceError(f"ttrace example starts its own ranks; to run the example under torchrun, record it with: "
                           f"ttrace record --out {args.out} -- torchrun --standalone --nproc-per-node {config.world_size} "
                           f"-m ttrace_core.examples {args.workload} --config '{json.dumps(config.to_dict())}'")
+    if args.adaptive:
+        config = dataclasses.replace(config, stats_only=True)
+        return _record_adaptively(args, lambda out: record_example(out, args.workload, config, timeout_s=args.timeout))
     out = record_example(args.out, args.workload, config, timeout_s=args.timeout)
     print(f"recorded {config.world_size} rank(s) into {out}")
+    return 0
+
+
+def _record_adaptively(args: argparse.Namespace, record_stats) -> int:
+    from ttrace_core.adaptive import capture_adaptively
+    from ttrace_core.store import read_manifest
+
+    read_manifest(args.adaptive)  # one clear line for a reference that is not a run, before anything runs
+    capture = capture_adaptively(args.adaptive, args.out, record_stats, timeout_s=args.timeout)
+    found = f"statistics first diverge at {capture.stats_divergence}" if capture.stats_divergence else \
+        "no statistic diverges"
+    costs = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in capture.seconds.items())
+    print(f"recorded {capture.run_dir} adaptively: statistics for steps {capture.steps}, values for steps "
+          f"{capture.value_steps} ({found}); {costs}")
     return 0
 
 
@@ -362,6 +386,9 @@ def _run_record(args: argparse.Namespace) -> int:
     from ttrace_core.record import record
 
     command = args.user_command[1:] if args.user_command[:1] == ["--"] else args.user_command
+    if args.adaptive:
+        return _record_adaptively(args, lambda out: record(out, command, seed=args.seed, stats_only=True, role=args.role,
+                                                           timeout_s=args.timeout))
     out = record(args.out, command, seed=args.seed, stats_only=args.stats_only, role=args.role, timeout_s=args.timeout)
     print(f"recorded {out}")
     return 0

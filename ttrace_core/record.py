@@ -78,10 +78,12 @@ def record(out: str | os.PathLike, command: list[str], *, seed: int = 0, stats_o
 
 
 def relaunch(run_dir: Path, manifest: RunManifest, out: Path, *, perturbation: dict | None = None,
-             rewrite: dict | None = None, precision: str | None = None, timeout_s: float) -> None:
-    """Run a recorded run again into `out`, its weights perturbed (estimate) or its modules' inputs
-    rewritten (localize), in a session of the given mode: the recorded command, or for a run recorded
-    by an older ttrace, the example factory its manifest names."""
+             rewrite: dict | None = None, precision: str | None = None, value_steps: list[int] | None = None,
+             timeout_s: float) -> None:
+    """Run a recorded run again into `out`, its weights perturbed (estimate), its modules' inputs
+    rewritten (localize) or its values recorded for `value_steps` only (adaptive capture), in a session
+    of the given mode: the recorded command, or for a run recorded by an older ttrace, the example
+    factory its manifest names."""
     entrypoint = manifest.entrypoint
     command, factory = entrypoint.get("command"), entrypoint.get("factory")
     if not command and not (factory and entrypoint.get("config") is not None):
@@ -90,7 +92,8 @@ def relaunch(run_dir: Path, manifest: RunManifest, out: Path, *, perturbation: d
     mode = "perturb" if perturbation is not None else "rewrite" if rewrite else "record"
     spec = SessionSpec(out=str(out), mode=mode, launcher_pid=os.getpid(), command=list(command or []),
                        cwd=entrypoint.get("cwd", ""), seed=int(entrypoint.get("seed", manifest.seed)),
-                       role=manifest.role, perturbation=perturbation, rewrite=rewrite, precision=precision)
+                       role=manifest.role, perturbation=perturbation, rewrite=rewrite, precision=precision,
+                       value_steps=value_steps)
     if command:
         if spec.cwd and not Path(spec.cwd).is_dir():
             raise TtraceError(f"{run_dir}/manifest.json: the command ran in {spec.cwd}, which does not exist here; "

@@ -69,6 +69,9 @@ class SessionSpec:
     precision: str | None = None
     """Compute in this precision instead of the recorded one (`ttrace estimate --for-precision fp8`
     re-runs a bf16 reference as fp8); None: as recorded. Read it with `requested_precision()`."""
+    value_steps: list[int] | None = None
+    """Record values for exactly these steps and nothing else, whatever the script's own tracer
+    configuration says (adaptive capture's second pass, adaptive.py); None: as configured."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -216,6 +219,8 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, 
         config = TracerConfig(include=include, exclude=exclude, loss_scale=loss_scale, data_parallel_rank=dp_rank,
                               data_parallel_size=dp_size, exclude_activations=("?*",) if compiled else ())
     config = dataclasses.replace(config, stats_only=config.stats_only or spec.stats_only)
+    if spec.value_steps is not None:
+        config = dataclasses.replace(config, stats_only=False, steps=tuple(spec.value_steps))
     if weights != "own":
         initialize_weights(inner, seed=spec.seed, reinit=weights == "reinit",
                            perturbation=WeightPerturbation.from_dict(spec.perturbation),
