@@ -241,8 +241,18 @@ def _canonical_norm(metas: list[TensorMeta], key: TensorKey) -> float:
     return math.sqrt(sum(sumsq_by_region.values()))
 
 
-def _compare_stats(key: TensorKey, ref: list[TensorMeta], cand: list[TensorMeta], tolerance: Tolerance) -> TensorComparison:
-    expected, actual = _canonical_norm(ref, key), _canonical_norm(cand, key)
+def _norm_of(reader: RunReader, metas: list[TensorMeta], key: TensorKey) -> float:
+    """The logical tensor's Frobenius norm (finite values, loss scale undone): from its shards'
+    statistics, or from its values when the shards hold them (a partial sum in a stats-only trace)."""
+    if metas[0].stats_only:
+        return _canonical_norm(metas, key)
+    values = _canonical(reader, metas, key).full.double() / metas[0].scale
+    return float(torch.linalg.vector_norm(torch.where(torch.isfinite(values), values, 0.0))) if values.numel() else 0.0
+
+
+def _compare_stats(key: TensorKey, reference: RunReader, candidate: RunReader, tolerance: Tolerance) -> TensorComparison:
+    ref, cand = reference.index[key], candidate.index[key]
+    expected, actual = _norm_of(reference, ref, key), _norm_of(candidate, cand, key)
     numel = math.prod(ref[0].layout.global_shape)
     abs_error = abs(actual - expected)
     allowed = tolerance.rel * expected + tolerance.abs * math.sqrt(numel)
@@ -274,9 +284,9 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
         return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=cand_metas[0].layout.global_shape,
                                 message=f"global shape {cand_metas[0].layout.global_shape} in the candidate, "
                                         f"{ref_metas[0].layout.global_shape} in the reference")
-    if ref_metas[0].stats_only or cand_metas[0].stats_only:
-        return _compare_stats(key, ref_metas, cand_metas, tolerance)
     try:
+        if ref_metas[0].stats_only or cand_metas[0].stats_only:
+            return _compare_stats(key, reference, candidate, tolerance)
         if max_bytes is not None and working_bytes(cand_metas) > max_bytes and (dims := free_dims(ref_metas, cand_metas)):
             metrics, replica_drift = compare_in_slabs(key, reference, candidate, tolerance, max_bytes, dims)
         else:

@@ -252,13 +252,15 @@ class Tracer:
             layout = dataclasses.replace(layout, flat_range=flat_range)
         if key.phase == "forward" and layout.mesh_shape:
             state.forward_layouts[(key.fqn, key.micro_batch, key.call, key.slot)] = layout
+        # A partial sum's statistics cannot be combined into the whole tensor's: it keeps its values.
+        stats_only = self.config.stats_only and not any(p.startswith("P(") for p in layout.placements)
         meta = TensorMeta(
             key=key, rank=self.rank, dtype=dtype_name(local.dtype), local_shape=tuple(local.shape), layout=layout,
             seq=state.seq, scale=self.config.loss_scale if key.phase == "backward" else 1.0,
-            stats=stats_from_tensor(local), stats_only=self.config.stats_only,
+            stats=stats_from_tensor(local), stats_only=stats_only,
         )
         state.seq += 1
-        self._writer.write(meta, None if self.config.stats_only else local)
+        self._writer.write(meta, None if stats_only else local)
 
     def _global_micro_batch(self, local_index: int) -> int:
         return local_index * self.config.data_parallel_size + self.config.data_parallel_rank

@@ -120,3 +120,44 @@ def test_one_ratio_per_row_the_status_column_and_message_agree(value_error, drif
     assert ratios_text(c).startswith(f"mismatch ratio {c.value_ratio:.3g}")
     data = TensorComparison.from_dict(c.to_dict())
     assert c.to_dict()["decided_by"] == decided_by and data.decided_by == decided_by
+
+
+def _write_partial_pair(root, *, candidate_error: float):
+    """A stats-only reference of one tensor, and a 2-rank candidate that holds it as partial sums (P(sum))."""
+    from ttrace_core.schema import Layout, RunManifest, TensorMeta
+    from ttrace_core.trace_writer import RunWriter, stats_from_tensor, write_manifest
+
+    key = TensorKey(step=0, micro_batch=0, phase="backward", fqn="mlp.fc2", slot="grad_output.1")
+    full = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    halves = (full * 0.25, full * 0.75 * (1 + candidate_error))
+    for role, world_size in (("reference", 1), ("candidate", 2)):
+        write_manifest(root / role, RunManifest(role=role, world_size=world_size, degrees={"tp": world_size},
+                                                mesh_shape=[world_size], mesh_axis_names=["tp"],
+                                                rank_coordinates=[[r] for r in range(world_size)]))
+        for rank in range(world_size):
+            writer = RunWriter(root / role, rank)
+            writer.begin_step(0)
+            if role == "reference":
+                meta = TensorMeta(key=key, rank=0, dtype="float32", local_shape=(6, 4), layout=Layout.replicated((6, 4)),
+                                  seq=0, stats=stats_from_tensor(full), stats_only=True)
+                writer.write(meta, None)
+            else:
+                layout = Layout(global_shape=(6, 4), mesh_shape=(2,), coordinate=(rank,), placements=("P(sum)",),
+                                mesh_axis_names=("tp",))
+                writer.write(TensorMeta(key=key, rank=rank, dtype="float32", local_shape=(6, 4), layout=layout, seq=0,
+                                        stats=stats_from_tensor(halves[rank])), halves[rank])
+            writer.end_step()
+    return root / "reference", root / "candidate"
+
+
+@pytest.mark.parametrize("candidate_error, status", [(0.0, "pass"), (0.5, "mismatch")])
+def test_a_partial_sum_with_values_is_compared_with_statistics_by_its_norm(tmp_path, candidate_error, status):
+    """A stats-only trace keeps partial sums' values (their statistics cannot be combined): the norm of
+    the summed values is compared with the statistics of the other run."""
+    from ttrace_core.compare import compare_runs
+    from ttrace_core.store import RunReader
+
+    reference, candidate = _write_partial_pair(tmp_path, candidate_error=candidate_error)
+    with RunReader(reference) as ref, RunReader(candidate) as cand:
+        row = compare_runs(ref, cand).comparisons[0]
+    assert (row.status, row.stats_only) == (status, True)

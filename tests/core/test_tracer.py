@@ -100,6 +100,22 @@ def test_stats_only_stores_no_values_and_still_compares_norms(tmp_path):
     assert sum(p.stat().st_size for p in (tmp_path / "stats").iterdir()) < sum(p.stat().st_size for p in (tmp_path / "ref").iterdir())
 
 
+def test_stats_only_keeps_the_values_of_partial_sums(tmp_path):
+    """Statistics of a partial sum cannot be combined into the whole tensor's, so it keeps its values."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = Tracer(tmp_path, model, role="candidate", optimizer=optimizer, config=TracerConfig(stats_only=True))
+    tracer.declare("2", "output.0", ["P(sum)"], ((1,), (0,), ("tp",)))
+    with tracer.step(0):
+        _train_step(model, optimizer)
+    tracer.close()
+    with RunReader(tmp_path) as reader:
+        kept = {(k.fqn, k.slot) for k, ms in reader.index.items() for m in ms if not m.stats_only}
+        assert kept == {("2", "output.0"), ("2", "grad_output.0")}  # its gradient is laid out like it
+        key = next(k for k in reader.index if (k.fqn, k.slot) == ("2", "output.0"))
+        assert reader.read(reader.index[key][0]).shape == (3, 2)
+
+
 def test_stats_only_tensors_share_one_dataset_of_records_per_step_file(tmp_path):
     """One dataset per stats-only tensor cost more than recording it; their records share one."""
     import h5py
