@@ -6,6 +6,7 @@ on a shared machine hits them all alike:
 - raw hooks: a forward hook and a full backward hook on every module the tracer would trace, each
   copying what it sees (`clone`), dropped at the step's end: the floor any recording pays;
 - full: the Tracer, values and statistics;
+- full, writer thread: the same, stored by a writer thread (TracerConfig.writer_queue_bytes = 256 MiB);
 - stats-only: the Tracer, statistics only.
 
 Every step's time is the slowest rank's. Rank 0 writes the per-mode step times and trace sizes as JSON.
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-MODES = ("untraced", "raw hooks", "full", "stats-only")
+MODES = ("untraced", "raw hooks", "full", "full, writer thread", "stats-only")
+WRITER_QUEUE_BYTES = 256 * 2**20
 
 
 def _raw_hooks(model: torch.nn.Module, tracer_config) -> tuple[list, list]:
@@ -77,7 +79,7 @@ def _timed(step) -> float:
     return float(elapsed)
 
 
-def _tracer(config, ddp, optimizer, rename, out: Path, stats_only: bool):
+def _tracer(config, ddp, optimizer, rename, out: Path, mode: str):
     from ttrace_core.examples.megatron_gpt.train import manifest_for
     from ttrace_core.integrations.megatron import (
         declare_distributed_optimizer_ranges, declare_megatron_layouts, megatron_tracer_config, unwrap,
@@ -86,7 +88,8 @@ def _tracer(config, ddp, optimizer, rename, out: Path, stats_only: bool):
 
     tracer = Tracer(out, unwrap(ddp), role="candidate", manifest=manifest_for(config, "candidate"),
                     config=megatron_tracer_config(loss_scale=1 / config.num_micro_batches, rename=rename,
-                                                  stats_only=stats_only))
+                                                  stats_only=mode == "stats-only",
+                                                  writer_queue_bytes=WRITER_QUEUE_BYTES if "writer thread" in mode else 0))
     declare_megatron_layouts(tracer, ddp, sequence_parallel=config.sp, rename=rename)
     declare_distributed_optimizer_ranges(tracer, ddp, optimizer, rename=rename)
     return tracer
@@ -107,8 +110,8 @@ def _one_step(mode: str, config, ddp, optimizer, rename, out: Path, step_index: 
             handle.remove()
         kept.clear()
         return seconds, 0, raw
-    run_dir = out / f"{mode}-{step_index}"
-    tracer = _tracer(config, ddp, optimizer, rename, run_dir, stats_only=mode == "stats-only")
+    run_dir = out / f"{mode.replace(', ', '-').replace(' ', '-')}-{step_index}"
+    tracer = _tracer(config, ddp, optimizer, rename, run_dir, mode)
 
     def traced() -> None:
         with tracer.step(0):

@@ -27,7 +27,7 @@ import torch
 from ttrace_core.launch import run_ranks
 
 RESULTS = Path(__file__).parent / "results"
-TARGETS = {"full": 1.5, "stats-only": 1.15}
+TARGETS = {"full": 1.5, "full, writer thread": 1.5, "stats-only": 1.15}
 
 
 def summarize(results: dict[str, list]) -> list[dict]:
@@ -83,8 +83,9 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--name", default="recording_overhead", help="results file name (e.g. for a --tp 1 run)")
     args = parser.parse_args()
-    run = {"tp": args.tp, "sp": True, "num_micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
+    run = {"tp": args.tp, "sp": args.tp > 1, "num_micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
            "model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": 4,
                      "vocab_size": 1024, "seq_len": args.seq_len}}
     out = Path(tempfile.mkdtemp(prefix="ttrace-overhead-", dir="/var/tmp"))
@@ -96,14 +97,15 @@ def main() -> None:
         results, profiles = measured["steps"], measured["profiles"]
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    setup = (f"megatron-core GPT, TP {args.tp} + SP on {args.tp} gloo ranks (1 thread each), {args.layers} layers, hidden "
+    layout = f"TP {args.tp} + SP on {args.tp} gloo ranks" if args.tp > 1 else "1 gloo rank, no parallelism"
+    setup = (f"megatron-core GPT, {layout} (1 thread each), {args.layers} layers, hidden "
              f"{args.hidden}, seq {args.seq_len}, {args.micro_batches} micro-batches of {args.micro_batch_size}, fp32; "
              f"torch {torch.__version__}; median of {args.rounds} interleaved rounds, {os.cpu_count()} cores")
     rows = summarize(results)
     text = render(rows, setup) + "\n" + render_profiles(profiles, rows)
     args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "recording_overhead.md").write_text(text)
-    (args.results / "recording_overhead.json").write_text(json.dumps({"setup": setup, "rows": rows, "steps": results, "profiles": profiles}, indent=1))
+    (args.results / f"{args.name}.md").write_text(text)
+    (args.results / f"{args.name}.json").write_text(json.dumps({"setup": setup, "rows": rows, "steps": results, "profiles": profiles}, indent=1))
     print(text)
 
 

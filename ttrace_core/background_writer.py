@@ -43,7 +43,7 @@ class BackgroundWriter:
         self._busy = False
         """The thread is storing a task it has taken off the queue."""
         self._thread = threading.Thread(target=self._drain, name=f"ttrace-writer-{writer.rank}", daemon=True)
-        self._closed = False
+        self._stopping = False
         self._thread.start()
 
     @property
@@ -67,20 +67,19 @@ class BackgroundWriter:
         self._wait_until_empty()
 
     def close(self, why: str = "") -> None:
-        """Store what is queued, then close (an open step stays partial, with `why`); idempotent. An
-        error the thread met that no call has reported yet is dropped: the close is what matters now."""
-        if self._closed:
-            return
+        """Store what is queued, then close the open step (it stays partial, with `why`). An error the
+        thread met that no call has reported yet is dropped: the close is what matters now."""
         with self._condition:
             self._error = None
-        try:
-            self._put(lambda: self._writer.close(why), 0)
-            self._wait_until_empty()
-        finally:
-            with self._condition:
-                self._closed = True
-                self._condition.notify_all()
-            self._thread.join()
+        self._put(lambda: self._writer.close(why), 0)
+        self._wait_until_empty()
+
+    def stop(self) -> None:
+        """End the thread once it has stored what is queued; idempotent."""
+        with self._condition:
+            self._stopping = True
+            self._condition.notify_all()
+        self._thread.join()
 
     def _put(self, task: Callable[[], None], num_bytes: int) -> None:
         with self._condition:
@@ -115,7 +114,7 @@ class BackgroundWriter:
     def _drain(self) -> None:
         while True:
             with self._condition:
-                while not self._queue and not self._closed:
+                while not self._queue and not self._stopping:
                     self._condition.wait()
                 if not self._queue:
                     return

@@ -317,11 +317,14 @@ def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir
 
     manifest = read_manifest(candidate_dir)
     rewrite = {"reference": str(reference_dir.resolve()), "module": module}
+    # An adaptive capture's command records statistics only: the replay records values of the judged step.
+    value_steps = [step] if manifest.tracer.get("value_steps") else None
     if module and step == 0 and alone:
         shutil.rmtree(replay_dir, ignore_errors=True)
         alone = {**rewrite, "alone": {"candidate": str(candidate_dir.resolve()), "step": step}}
         try:
-            relaunch(candidate_dir, manifest, replay_dir.resolve(), rewrite=alone, timeout_s=timeout_s)
+            relaunch(candidate_dir, manifest, replay_dir.resolve(), rewrite=alone, value_steps=value_steps,
+                     timeout_s=timeout_s)
             if _holds_only(replay_dir, module):
                 return "module alone"
         except LaunchError as error:
@@ -329,7 +332,8 @@ def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir
                 raise
             print(f"{module} cannot be replayed alone ({error}); replaying it inside the whole model", flush=True)
     shutil.rmtree(replay_dir, ignore_errors=True)
-    relaunch(candidate_dir, manifest, replay_dir.resolve(), rewrite=rewrite, timeout_s=timeout_s)
+    relaunch(candidate_dir, manifest, replay_dir.resolve(), rewrite=rewrite, value_steps=value_steps,
+             timeout_s=timeout_s)
     return "whole model"
 
 

@@ -197,6 +197,9 @@ class RunWriter:
                 self._file.close()
                 self._file = None
 
+    def stop(self) -> None:
+        """Nothing to stop: this writer writes on the caller's thread (background_writer.py's does not)."""
+
 
 def write_manifest(run_dir: str | os.PathLike, manifest: RunManifest) -> None:
     path = Path(run_dir) / MANIFEST_NAME

@@ -46,6 +46,7 @@ from ttrace_core.schema import (
     NO_MICRO_BATCH, WRAPPER_COMPONENTS, Layout, RunManifest, TensorKey, TensorMeta, global_fqn,
     strip_wrappers,
 )
+from ttrace_core.background_writer import BackgroundWriter
 from ttrace_core.declarations import Declarations
 from ttrace_core.step_state import StepState
 from ttrace_core.tracer_config import TracerConfig
@@ -115,7 +116,8 @@ class Tracer:
         self.model = model
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self._writer = RunWriter(run_dir, self.rank)
+        writer = RunWriter(run_dir, self.rank)
+        self._writer = BackgroundWriter(writer, self.config.writer_queue_bytes) if self.config.writer_queue_bytes else writer
         self._declarations = Declarations()
         self._state: StepState | None = None
         self._handles: list = []
@@ -439,6 +441,9 @@ class Tracer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._writer.close()
+        try:
+            self._writer.close()
+        finally:
+            self._writer.stop()
         if self._rewriter is not None:
             self._rewriter.close()

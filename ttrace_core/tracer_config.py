@@ -26,6 +26,10 @@ class TracerConfig:
     """Steps to record; None records every step."""
     stats_only: bool = False
     """Store summary statistics instead of values (far smaller; compare can then check norms only)."""
+    writer_queue_bytes: int = 0
+    """0: write each tensor on the training thread. Otherwise copy it and let a writer thread store it,
+    with at most this many bytes of copies waiting: a full queue blocks the training thread instead of
+    growing memory (background_writer.py). Pays off only where a core is idle during training."""
     loss_scale: float = 1.0
     """Factor applied to each micro-batch loss before backward (1/num_micro_batches under gradient
     accumulation); activation gradients are stored with it so that runs that scale differently compare."""
@@ -45,5 +49,7 @@ class TracerConfig:
             raise ValueError(f"TracerConfig.slots has unknown kinds {sorted(unknown)}; choose from {SLOT_FAMILIES}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is outside data_parallel_size {self.data_parallel_size}")
+        if self.writer_queue_bytes < 0:
+            raise ValueError(f"TracerConfig.writer_queue_bytes is {self.writer_queue_bytes}; give 0 (no writer thread) or a byte count")
         if self.loss_scale == 0:
             raise ValueError("loss_scale 0 would zero every gradient; pass the factor the loss is multiplied by")

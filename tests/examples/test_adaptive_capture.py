@@ -3,6 +3,7 @@ first divergence as a full capture of a zoo bug."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -54,3 +55,9 @@ def test_adaptive_capture_finds_the_first_divergence_full_capture_finds(tmp_path
     assert not by_adaptive.stats_only and by_adaptive.ratio == pytest.approx(by_full.ratio, rel=1e-9)
     size = lambda run: sum(p.stat().st_size for p in run.glob("*.h5"))  # noqa: E731
     assert size(adaptive) < 0.7 * size(full)
+
+    # localize relaunches the stats-only command: its replay still records the judged step's values
+    done = run_ttrace("localize", str(reference), str(adaptive), "--json", str(tmp_path / "localize.json"), check_codes=(1,))
+    assert "culprit: decoder.layers.0.self_attention.linear_proj" in done.stdout
+    with RunReader(json.loads((tmp_path / "localize.json").read_text())["replay"]) as reader:
+        assert reader.complete_steps == [0] and not any(m.stats_only for ms in reader.index.values() for m in ms)
