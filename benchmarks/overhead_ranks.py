@@ -168,15 +168,53 @@ PROFILED = {
 }
 
 
+def _duplicates_tally():
+    """Wrap Tracer.record to count the bytes of tensors recorded again within a step: `same object`, the
+    very tensor already recorded, alive and unchanged (version counter); `same storage`, the same bytes
+    viewed again by another tensor object, its first recorder still alive. Returns (tally, undo)."""
+    import weakref
+
+    from ttrace_core.integrations.dtensor import local_value
+    from ttrace_core.tracer import Tracer
+
+    original, tally, seen = Tracer.record, {"recorded": 0, "same object": 0, "same storage": 0}, {}
+
+    def record(self, key, value):
+        local = local_value(value)
+        size = local.numel() * local.element_size()
+        signature = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+                     tuple(local.stride()), local.dtype, local._version, key.step)
+        earlier = seen.get(signature)
+        owner = earlier() if earlier is not None else None
+        tally["recorded"] += size
+        if owner is not None:
+            tally["same storage"] += size
+            tally["same object"] += size if owner is value else 0
+        else:
+            seen[signature] = weakref.ref(value)
+        return original(self, key, value)
+
+    Tracer.record = record
+
+    def undo() -> None:
+        Tracer.record = original
+    return tally, undo
+
+
 def _profiled(mode: str, config, ddp, optimizer, rename, out: Path) -> dict:
-    """One step of `mode` under cProfile on every rank; rank 0's cumulative seconds per PROFILED entry."""
+    """One step of `mode` under cProfile on every rank; rank 0's cumulative seconds per PROFILED entry,
+    and (full mode) the share of recorded bytes that were the same tensor recorded again."""
     import cProfile
     import pstats
 
+    tally, undo = _duplicates_tally()
     profile = cProfile.Profile()
     profile.enable()
-    seconds, _, _ = _one_step(mode, config, ddp, optimizer, rename, out, 1000)
-    profile.disable()
+    try:
+        seconds, _, _ = _one_step(mode, config, ddp, optimizer, rename, out, 1000)
+    finally:
+        profile.disable()
+        undo()
     stats = pstats.Stats(profile).stats
     found = {"step (profiled)": seconds}
     for name, (file, function) in PROFILED.items():
@@ -184,4 +222,6 @@ def _profiled(mode: str, config, ddp, optimizer, rename, out: Path) -> dict:
                           if path.endswith(file) and func == function)
     found["calls of Tracer.record"] = sum(entry[1] for (path, _, func), entry in stats.items()
                                           if path.endswith("tracer.py") and func == "record")
+    found["bytes recorded again: same object, unchanged"] = tally["same object"] / max(1, tally["recorded"])
+    found["bytes recorded again: same storage"] = tally["same storage"] / max(1, tally["recorded"])
     return found
