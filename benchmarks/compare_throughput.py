@@ -76,6 +76,57 @@ def timed_compare(runs: tuple[Path, Path], out: Path, workers: int) -> dict:
     return {"workers": workers, "seconds": seconds, "peak_rss_mib": max_rss_kib / 1024, "exit": code}
 
 
+PROFILED = {
+    # where compare's time goes -> the functions whose cumulative time measures it
+    "indexing both runs (RunReader.__init__)": ("store.py", "__init__"),
+    "reading values (RunReader.read)": ("store.py", "read"),
+    "assembling shards (canonicalize)": ("canonicalize.py", "canonicalize"),
+    "replica differences (_replica_differences)": ("canonicalize.py", "_replica_differences"),
+    "float64 passes of the comparison (value_sums)": ("value_sums.py", "value_sums"),
+    "coverage tally (tally_coverage)": ("evidence.py", "tally_coverage"),
+}
+
+
+def profile_compare(runs: tuple[Path, Path]) -> dict:
+    """One comparison in this process under cProfile: cumulative seconds per PROFILED entry."""
+    import cProfile
+    import pstats
+
+    from ttrace_core.compare import compare_runs
+    from ttrace_core.store import RunReader
+
+    profile = cProfile.Profile()
+    started = time.perf_counter()
+    profile.enable()
+    with RunReader(runs[0]) as reference, RunReader(runs[1]) as candidate:
+        compare_runs(reference, candidate)
+    profile.disable()
+    found = {"compare_runs with indexing (profiled)": time.perf_counter() - started}
+    stats = pstats.Stats(profile).stats
+    for name, (file, function) in PROFILED.items():
+        found[name] = sum(entry[3] for (path, _, func), entry in stats.items() if path.endswith(file) and func == function)
+    return found
+
+
+def render_profile(profile: dict, plain_s: float) -> str:
+    total = profile["compare_runs with indexing (profiled)"]
+    lines = ["## Profile: where compare's time goes, and the next step", "",
+             "One `compare_runs` in-process under cProfile (which inflates Python-heavy parts). Cumulative seconds; "
+             "reading and assembling overlap (canonicalize is fed by the reads).", "", "| | seconds | share |", "|---|---|---|"]
+    for name, seconds in profile.items():
+        lines.append(f"| {name} | {seconds:.2f} | {seconds / total:.0%} |")
+    passes = profile["float64 passes of the comparison (value_sums)"]
+    reads = profile["reading values (RunReader.read)"]
+    lines += ["", f"Reading the values takes {reads:.2f} s, close to plain h5py's {plain_s:.2f} s; the rest is arithmetic. "
+              f"The float64 passes take {passes:.2f} s: each tensor is converted to float64 on both sides, then "
+              "differenced, its norms, largest absolute and relative differences and mismatch count taken in separate "
+              "passes over memory. Next step: one fused pass per tensor in its stored precision (float64 accumulators "
+              "only), instead of float64 copies and six passes; it would also cut the memory per element "
+              "(bounded.BYTES_PER_ELEMENT). Two workers gain nothing on 2 cores: each indexes both runs and both "
+              "compete for memory bandwidth."]
+    return "\n".join(lines) + "\n"
+
+
 def render(rows: list[dict], plain_s: float, num_bytes: int, setup: str, same: bool) -> str:
     mb = num_bytes / 1e6
     lines = [f"# Compare throughput ({setup})", "",
@@ -111,11 +162,13 @@ def main() -> None:
     one, two = (json.loads((args.work / f"workers-{n}.json").read_text())["comparisons"] for n in (1, 2))
     setup = (f"megatron-core GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq_len}, 4 micro-batches; "
              f"1-rank reference vs TP 2 + SP candidate; {os.cpu_count()} cores")
-    text = render(rows, plain_s, num_bytes, setup, one == two)
+    profile = profile_compare(runs)
+    text = render(rows, plain_s, num_bytes, setup, one == two) + "\n" + render_profile(profile, plain_s)
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "compare_throughput.md").write_text(text)
     (args.results / "compare_throughput.json").write_text(json.dumps(
-        {"setup": setup, "bytes": num_bytes, "plain_read_s": plain_s, "compare": rows, "same_table": one == two}, indent=1))
+        {"setup": setup, "bytes": num_bytes, "plain_read_s": plain_s, "compare": rows, "same_table": one == two,
+         "profile": profile}, indent=1))
     print(text)
 
 
