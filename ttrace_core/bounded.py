@@ -27,8 +27,8 @@ from ttrace_core.value_sums import ValueSums, metrics_from_sums, value_sums
 
 BYTES_PER_ELEMENT = 160
 """Peak bytes per element of comparing one fp32 tensor whole: canonical values of both runs, their
-float64 copies and the float64 differences (measured 103-122 bytes, benchmarks/compare_memory.py), rounded up for read buffers
-and allocator slack."""
+float64 copies and the float64 differences (measured 91-122, benchmarks/compare_memory.py), rounded
+up for read buffers and allocator slack."""
 
 
 def working_bytes(metas: list[TensorMeta]) -> int:
