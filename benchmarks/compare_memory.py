@@ -17,17 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
 
+from compare_throughput import measured_compare
+
 RESULTS = Path(__file__).parent / "results"
-ROOT = Path(__file__).resolve().parent.parent
-RUSAGE = "import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); " \
-         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, code, file=sys.stderr)"
 WIDTH, DEPTH = 8, 512
 """Each tensor is (rows, WIDTH, DEPTH): rows split over the candidate's ranks, the other dims free to slab."""
 
@@ -71,20 +67,6 @@ def write_pair(root: Path, *, num_tensors: int, rows: int) -> tuple[Path, Path]:
     return root / "reference", root / "candidate"
 
 
-def peak_rss_of_compare(reference: Path, candidate: Path, json_out: Path, *extra: str) -> tuple[int, float]:
-    """Peak RSS in bytes and wall seconds of `ttrace compare` in a fresh process (its exit code may be 1:
-    the pair fails)."""
-    command = [sys.executable, "-c", RUSAGE, sys.executable, "-m", "ttrace_core", "compare", str(reference),
-               str(candidate), "--rebuild", "--json", str(json_out), *extra]
-    started = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    seconds = time.perf_counter() - started
-    peak_kib, code = done.stderr.strip().splitlines()[-1].split()
-    if int(code) not in (0, 1):
-        raise RuntimeError(f"ttrace compare {' '.join(extra)} failed:\n{done.stderr[-2000:]}")
-    return int(peak_kib) * 1024, seconds
-
-
 def measure(work: Path, *, num_tensors: int, rows: int, budgets: list[str]) -> dict:
     from ttrace_core.cli import byte_size
 
@@ -92,12 +74,12 @@ def measure(work: Path, *, num_tensors: int, rows: int, budgets: list[str]) -> d
     tiny = write_pair(work / "tiny", num_tensors=num_tensors, rows=2)
     big = write_pair(work / "big", num_tensors=num_tensors, rows=rows)
     trace_bytes = sum(p.stat().st_size for run in big for p in run.glob("*.h5"))
-    margin, _ = peak_rss_of_compare(*tiny, work / "tiny.json")
+    margin, _, _ = measured_compare(*tiny, work / "tiny.json")
     rows_out = []
     for budget in [None, *budgets]:
         extra = () if budget is None else ("--max-memory", budget)
         out = work / f"compare-{budget or 'unbounded'}.json"
-        peak, seconds = peak_rss_of_compare(*big, out, *extra)
+        peak, seconds, _ = measured_compare(*big, out, *extra)
         rows_out.append({"max_memory": budget, "max_memory_bytes": budget and byte_size(budget), "peak_rss": peak,
                          "seconds": seconds,
                          "over_margin": peak - margin, "table": json.loads(out.read_text())})

@@ -65,15 +65,25 @@ def plain_read_seconds(runs: tuple[Path, Path]) -> float:
     return time.perf_counter() - started
 
 
-def timed_compare(runs: tuple[Path, Path], out: Path, workers: int) -> dict:
-    command = [sys.executable, "-c", RUSAGE, sys.executable, "-m", "ttrace_core", "compare", str(runs[0]), str(runs[1]),
-               "--rebuild", "--json", str(out), "--workers", str(workers)]
+def measured_compare(reference: Path, candidate: Path, json_out: Path, *extra: str,
+                     env: dict[str, str] | None = None) -> tuple[int, float, int]:
+    """`ttrace compare --rebuild --json` in a fresh process: (peak RSS in bytes of its largest process,
+    wall seconds, exit code); exit 1 (the pair fails) counts as done."""
+    command = [sys.executable, "-c", RUSAGE, sys.executable, "-m", "ttrace_core", "compare", str(reference),
+               str(candidate), "--rebuild", "--json", str(json_out), *extra]
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600, env=env)
     seconds = time.perf_counter() - started
-    max_rss_kib, code = (int(x) for x in done.stderr.strip().splitlines()[-1].split())
-    assert code in (0, 1), done.stderr[-2000:]
-    return {"workers": workers, "seconds": seconds, "peak_rss_mib": max_rss_kib / 1024, "exit": code}
+    peak_kib, code = (int(x) for x in done.stderr.strip().splitlines()[-1].split())
+    if code not in (0, 1):
+        raise RuntimeError(f"ttrace compare {' '.join(extra)} failed:\n{done.stderr[-2000:]}")
+    return peak_kib * 1024, seconds, code
+
+
+def timed_compare(runs: tuple[Path, Path], out: Path, workers: int) -> dict:
+    peak, seconds, code = measured_compare(*runs, out, "--workers", str(workers),
+                                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return {"workers": workers, "seconds": seconds, "peak_rss_mib": peak / 2**20, "exit": code}
 
 
 PROFILED = {
