@@ -60,6 +60,14 @@ def free_dims(reference: list[TensorMeta], candidate: list[TensorMeta]) -> list[
     return [dim for dim, extent in enumerate(shape) if extent > 1 and dim not in cut]
 
 
+def slab_dims(reference: list[TensorMeta], candidate: list[TensorMeta], budget: int | None) -> list[int] | None:
+    """How a tensor is compared under `budget`: None, whole (no budget, or within it); else the free dims
+    to cut it along, [] when it is over the budget but cannot be cut (it is compared whole all the same)."""
+    if budget is None or candidate[0].stats_only or working_bytes(candidate) <= budget:
+        return None
+    return free_dims(reference, candidate)
+
+
 def slab_lengths(shape: tuple[int, ...], dims: list[int], budget: int) -> dict[int, int]:
     """How many indices of each free dim one slab spans: the outermost free dims are cut first, down to
     one index each while a slab is still over the budget."""

@@ -18,7 +18,7 @@ import torch
 
 from ttrace_core import placements as pl
 from ttrace_core import strict_json
-from ttrace_core.bounded import compare_in_slabs, free_dims, working_bytes
+from ttrace_core.bounded import compare_in_slabs, slab_dims, working_bytes
 from ttrace_core.value_sums import metrics_from_sums, value_sums
 from ttrace_core.canonicalize import CanonicalTensor, RecordedShard, canonicalize
 from ttrace_core.dataflow import ExactInputs
@@ -287,7 +287,7 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
     try:
         if ref_metas[0].stats_only or cand_metas[0].stats_only:
             return _compare_stats(key, reference, candidate, tolerance)
-        if max_bytes is not None and working_bytes(cand_metas) > max_bytes and (dims := free_dims(ref_metas, cand_metas)):
+        if dims := slab_dims(ref_metas, cand_metas, max_bytes):
             metrics, replica_drift = compare_in_slabs(key, reference, candidate, tolerance, max_bytes, dims)
         else:
             cand_full = _canonical(candidate, cand_metas, key)
@@ -369,8 +369,7 @@ def compare_key(key: TensorKey, reference: RunReader, candidate: RunReader, plan
         return comparison
     exact_inputs = (plan.exact_inputs_k, num_terms) if num_terms and plan.exact_inputs_k else None
     metas = candidate.index[key]
-    if plan.max_bytes is not None and working_bytes(metas) > plan.max_bytes and not metas[0].stats_only \
-            and not free_dims(reference.index[key], metas):
+    if slab_dims(reference.index[key], metas, plan.max_bytes) == []:
         plan.compared_whole[key] = working_bytes(metas)
     return compare_tensor(key, reference, candidate, plan.tolerances, ignore_dtype=plan.ignore_dtype,
                           exact_inputs=exact_inputs, max_bytes=plan.max_bytes)
