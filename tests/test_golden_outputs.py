@@ -1,0 +1,43 @@
+"""The CLI gives what it gave before the stage-packages move, on every sample pair.
+
+tests/golden/*.json.gz were written by tests/golden/capture.py from the code before the move: the
+exit codes and text of `ttrace compare` and `ttrace inspect`, the `--json` output and the comparison
+table. A refactor must give them back: text and structure exactly, numbers to float rounding (another
+CPU may sum in another order).
+"""
+
+import gzip
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
+import capture  # noqa: E402
+
+PAIRS = capture.sample_pairs()
+
+
+def _assert_same(actual, expected, where: str) -> None:
+    if isinstance(expected, float) and isinstance(actual, (int, float)):
+        assert math.isclose(actual, expected, rel_tol=1e-9, abs_tol=1e-300), f"{where}: {actual} != {expected}"
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), f"{where}: keys differ"
+        for name in expected:
+            _assert_same(actual[name], expected[name], f"{where}.{name}")
+    elif isinstance(expected, list):
+        assert isinstance(actual, list) and len(actual) == len(expected), f"{where}: lengths differ"
+        for index, (a, e) in enumerate(zip(actual, expected)):
+            _assert_same(a, e, f"{where}[{index}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+@pytest.mark.parametrize(("reference", "candidate"), PAIRS, ids=[c for _, c in PAIRS])
+def test_cli_outputs_equal_the_recorded_ones(reference: str, candidate: str) -> None:
+    golden = Path(capture.GOLDEN_DIR) / f"{candidate.replace('/', '__')}.json.gz"
+    expected = json.loads(gzip.decompress(golden.read_bytes()))
+    actual = json.loads(json.dumps(capture.run_outputs(reference, candidate), sort_keys=True))
+    _assert_same(actual, expected, candidate)
