@@ -14,9 +14,8 @@ import re
 import numpy as np
 import pandas as pd
 
-from ttrace_core.api import KINDS
+from ttrace_core.api import KINDS, layer_module
 
-_LAYER_PREFIX = re.compile(r"^(.*?(?:^|\.)(?:layers|blocks|h)\.\d+)(?:\.|$)")
 LOG_RATIO_LIMIT = 4.0
 """The colour scale spans log10(ratio) in [-4, 4]; 0 is the pass line."""
 KIND_LABELS = {"input": "fwd input", "output": "fwd output", "grad_output": "grad output", "grad_input": "grad input",
@@ -123,13 +122,8 @@ def timeline_points(frame: pd.DataFrame, step: int) -> pd.DataFrame:
 def rows_by_layer(frame: pd.DataFrame) -> pd.DataFrame:
     """The same table with every module inside a layer counted as that layer ("decoder.layers.3"), so
     the heatmap has one row per layer (plus the modules outside layers: embedding, final norm, head)."""
-    prefixes = {module: _layer_prefix(module) for module in frame["module"].unique()}
+    prefixes = {module: layer_module(module) for module in frame["module"].unique()}
     return frame.assign(module=frame["module"].map(prefixes))
-
-
-def _layer_prefix(module: str) -> str:
-    match = _LAYER_PREFIX.match(module)
-    return match.group(1) if match else module
 
 
 def first_divergence(frame: pd.DataFrame) -> pd.Series | None:

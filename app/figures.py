@@ -16,7 +16,7 @@ import plotly.colors as plotly_colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from app.cells import KIND_LABELS, LOG_RATIO_LIMIT
+from ttrace_dashboard.cells import KIND_LABELS, LOG_RATIO_LIMIT
 from ttrace_core.api import KINDS
 
 RATIO_SCALE = [[0.0, "#2166ac"], [0.35, "#92c5de"], [0.5, "#f7f7f7"], [0.5001, "#fddbc7"], [0.75, "#ef8a62"],

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `app` and `ttrac
 
 import streamlit as st  # noqa: E402
 
-from app.ui import navigation_pages  # noqa: E402
+from ttrace_dashboard.ui import navigation_pages  # noqa: E402
 
 st.set_page_config(page_title="ttrace", page_icon=":material/troubleshoot:", layout="wide")
 st.navigation(navigation_pages(), position="sidebar").run()

@@ -16,8 +16,8 @@ from pathlib import Path
 import pandas as pd
 import plotly.offline
 
-from app import cells, figures, verdicts
-from app.runs import metadata_rows
+from ttrace_dashboard import cells, figures, verdicts
+from ttrace_dashboard.runs import metadata_rows
 from ttrace_core import api
 
 WORST_SHOWN = 20
@@ -36,12 +36,12 @@ def _figure(figure) -> str:
 
 
 def _verdict_section(provenance: dict) -> str:
-    level, text = verdicts.comparison_verdict(provenance)
+    level, text = api.verdict_of(provenance).banner()
     return f'<p class="{ {"success": "pass", "error": "fail"}.get(level, "warn") }">{html.escape(text)}</p>'
 
 
-def _localization_section(reference: Path, candidate: Path) -> str:
-    job = api.replay_job(reference, candidate)
+def _localization_section(reference: Path, candidate: Path, settings: api.CompareSettings) -> str:
+    job = api.replay_job(reference, candidate, settings=settings)
     result = api.localization(job) if job is not None else None
     if result is None:
         return "<p>No whole-model replay has finished for this pair (<code>ttrace localize</code> runs one).</p>"
@@ -52,9 +52,10 @@ def _localization_section(reference: Path, candidate: Path) -> str:
             f"<p>reproduce: <code>{html.escape(result.command)}</code></p>" + _table(shown))
 
 
-def report_html(reference: str | Path, candidate: str | Path) -> str:
+def report_html(reference: str | Path, candidate: str | Path, settings: api.CompareSettings | None = None) -> str:
     reference, candidate = Path(reference).resolve(), Path(candidate).resolve()
-    result = api.comparison_table(reference, candidate)
+    settings = settings or api.CompareSettings()
+    result = api.comparison_table(reference, candidate, settings)
     frame, provenance = result.frame, result.provenance
     first = cells.first_divergence(frame)
     step = int(first["step"]) if first is not None else int(frame["step"].min())
@@ -74,7 +75,7 @@ def report_html(reference: str | Path, candidate: str | Path) -> str:
         f"<h2>Error heatmap (step {step}, worst over micro-batches)</h2>",
         "<p>Colour: log10(error / tolerance); 0 is the pass line; the yellow outline is the first divergence.</p>",
         _figure(heatmap), "<h2>Timeline</h2>", _figure(timeline),
-        "<h2>Localization</h2>", _localization_section(reference, candidate),
+        "<h2>Localization</h2>", _localization_section(reference, candidate, settings),
         f"<h2>Worst tensors</h2>", _table(worst[worst_columns]),
         "<h2>Tolerances</h2>", f"<p>provider: {html.escape(provenance['tolerance_provider'])}; settings "
         f"<code>{html.escape(json.dumps(provenance['settings']))}</code></p>", _table(methods),
@@ -87,7 +88,9 @@ def report_html(reference: str | Path, candidate: str | Path) -> str:
             + "\n".join(body) + "</body></html>")
 
 
-def write_report(reference: str | Path, candidate: str | Path, out: str | Path) -> Path:
+def write_report(reference: str | Path, candidate: str | Path, out: str | Path,
+                 settings: api.CompareSettings | None = None) -> Path:
+    """`ttrace report -o` (registered as the `html` writer of the `ttrace.report_writers` entry point)."""
     out = Path(out)
-    out.write_text(report_html(reference, candidate), encoding="utf-8")
+    out.write_text(report_html(reference, candidate, settings), encoding="utf-8")
     return out

@@ -21,7 +21,7 @@ class ViewState:
     ref: str | None = None
     cand: str | None = None
     tensor: str | None = None
-    """"phase/fqn/slot" (ttrace_core.table.tensor_id)."""
+    """"phase/fqn/slot" (ttrace_core.compare.table.tensor_id)."""
     step: int | None = None
     mb: int | str | None = None
     """A global micro-batch id, -1 for gradients and parameters, or "all"."""

@@ -6,16 +6,21 @@ line, the same text the CLI prints; the page then stops, and the other pages sta
 
 from __future__ import annotations
 
+import importlib.util
+
 import os
 from pathlib import Path
 
 import streamlit as st
 
-from app.state import ViewState, query_from_state, state_from_query
+from ttrace_dashboard.state import ViewState, query_from_state, state_from_query
 from ttrace_core import api
 from ttrace_core.api import ROOT_ENV, TtraceError
 
-PAGES_DIR = Path(__file__).resolve().parents[1] / "pages"
+PAGES_DIR = Path(next(iter(importlib.util.find_spec("ttrace_dashboard.pages").submodule_search_locations)))
+"""The page scripts: pages/ in the repository, ttrace_dashboard/pages installed (pyproject.toml maps them)."""
+SETTINGS = api.CompareSettings()
+"""How the dashboard judges tensors; the same object reaches the comparison, the replays and the report."""
 PAGES = {  # url path -> (script, title, icon)
     "runs": ("runs.py", "Runs", ":material/folder_open:"),
     "heatmap": ("heatmap.py", "Heatmap", ":material/grid_on:"),
@@ -77,7 +82,7 @@ def run_pair(state: ViewState) -> tuple[Path, Path]:
     raise AssertionError("unreachable")
 
 
-def load_comparison(reference: Path, candidate: Path) -> api.ComparisonTable:
+def load_comparison(reference: Path, candidate: Path):
     """The comparison table from the api (cached on disk); the first computation shows its progress."""
     bar = st.empty()
 
@@ -86,7 +91,7 @@ def load_comparison(reference: Path, candidate: Path) -> api.ComparisonTable:
             bar.progress(done / max(total, 1), text=f"comparing {done}/{total} tensors (done once, then cached)")
 
     try:
-        result = api.comparison_table(reference, candidate, progress=progress)
+        result = api.comparison_table(reference, candidate, SETTINGS, progress=progress)
     except TtraceError as error:
         stop_with(str(error))
     bar.empty()

@@ -57,29 +57,3 @@ def progress_fraction(progress: str) -> float:
     if done.isdigit() and total.isdigit() and int(total) > 0:
         return min(int(done) / int(total), 1.0)
     return 0.05
-
-
-def comparison_verdict(provenance: dict) -> tuple[str, str]:
-    """(level, text) of a comparison table's verdict for a banner: "success", "warning" (a partial
-    verdict) or "error"; the text names the first divergence, or what the evidence lacks, and how much
-    evidence stands behind it (the coverage block)."""
-    verdict = provenance.get("verdict") or ("equivalent" if provenance.get("passed") else "not equivalent")
-    first = provenance.get("first_divergence")
-    coverage = provenance.get("coverage")
-    evidence = _coverage_text(coverage) if coverage else ""
-    if verdict in ("equivalent", "equivalent by statistics"):
-        return "success", f"PASSED ({verdict}): the candidate matches the reference. {evidence}"
-    findings = "; ".join(provenance.get("findings") or [])
-    if verdict == "partial":
-        return "warning", f"PASSED (partial): what was recorded matches, but {findings}. {evidence}"
-    if first is None:
-        return "error", f"FAILED ({verdict}): {findings}. {evidence}"
-    mb = "" if first["micro_batch"] < 0 else f" mb {first['micro_batch']}"
-    return "error", f"FAILED ({verdict}): first divergence at `{first['tensor']}` (step {first['step']}{mb}). {evidence}"
-
-
-def _coverage_text(coverage: dict) -> str:
-    by_stats = f", {coverage['compared_by_stats']} by statistics only" if coverage.get("compared_by_stats") else ""
-    return (f"Evidence: {coverage['compared_elementwise']}/{coverage['tensors_expected']} tensors compared element-wise"
-            f"{by_stats}, {coverage['copies_present']}/{coverage['copies_expected']} copies, "
-            f"steps {coverage['steps_compared']} of {coverage['steps_expected']}.")

@@ -121,7 +121,7 @@ def render(rows: list[dict], steps: int) -> str:
 
 
 def main() -> None:
-    from ttrace_core.examples.megatron_gpt.bugs import ZOO
+    from ttrace_examples.megatron_gpt.bugs import ZOO
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)

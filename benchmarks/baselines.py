@@ -18,10 +18,11 @@ import math
 
 import torch
 
-from ttrace_core.compare import RunComparison, logical_value
-from ttrace_core.schema import TensorKey
-from ttrace_core.store import RunReader
-from ttrace_core.tolerances import machine_epsilon
+from ttrace_core.canonicalize.logical_value import logical_value
+from ttrace_core.compare.engine import RunComparison
+from ttrace_core.format.schema import TensorKey
+from ttrace_core.format.reader import RunReader
+from ttrace_core.compare.tolerances import machine_epsilon
 
 MEGATRON_K, MEGATRON_C = 4.0, 1.03
 DYNAMO_TOL = 1e-4

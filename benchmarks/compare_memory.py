@@ -29,7 +29,7 @@ WIDTH, DEPTH = 8, 512
 
 
 def _layout(shape: tuple[int, ...], rank: int, split: bool):
-    from ttrace_core.schema import Layout
+    from ttrace_core.format.schema import Layout
 
     if not split:
         return Layout.replicated(shape)
@@ -39,8 +39,8 @@ def _layout(shape: tuple[int, ...], rank: int, split: bool):
 def write_pair(root: Path, *, num_tensors: int, rows: int) -> tuple[Path, Path]:
     """A reference and a candidate of `num_tensors` fp32 tensors of (rows, WIDTH, DEPTH): even ones split
     over rows, odd ones replicated; tensor 1's rank-1 replica drifts by 1e-3, tensor 2 mismatches in one element."""
-    from ttrace_core.schema import RunManifest, TensorKey, TensorMeta
-    from ttrace_core.trace_writer import RunWriter, write_manifest
+    from ttrace_core.format.schema import RunManifest, TensorKey, TensorMeta
+    from ttrace_core.format.writer import RunWriter, write_manifest
 
     shape = (rows, WIDTH, DEPTH)
     for role, world_size in (("reference", 1), ("candidate", 2)):
@@ -68,7 +68,7 @@ def write_pair(root: Path, *, num_tensors: int, rows: int) -> tuple[Path, Path]:
 
 
 def measure(work: Path, *, num_tensors: int, rows: int, budgets: list[str]) -> dict:
-    from ttrace_core.cli import byte_size
+    from ttrace_core.cli.main import byte_size
 
     shutil.rmtree(work, ignore_errors=True)
     tiny = write_pair(work / "tiny", num_tensors=num_tensors, rows=2)

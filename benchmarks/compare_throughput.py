@@ -102,8 +102,8 @@ def profile_compare(runs: tuple[Path, Path]) -> dict:
     import cProfile
     import pstats
 
-    from ttrace_core.compare import compare_runs
-    from ttrace_core.store import RunReader
+    from ttrace_core.compare.engine import compare_runs
+    from ttrace_core.format.reader import RunReader
 
     profile = cProfile.Profile()
     started = time.perf_counter()

@@ -22,7 +22,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ttrace_core.store import INVENTORY_ATTR, MANIFEST_NAME
+from ttrace_core.format.reader import INVENTORY_ATTR, MANIFEST_NAME
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,10 @@ from playwright.sync_api import Page, sync_playwright
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `app` of this checkout (not an installed package)
 
-from app import cells, figures  # noqa: E402
+from ttrace_dashboard import cells, figures  # noqa: E402
 from ttrace_core import api  # noqa: E402
 from ttrace_core.errors import TtraceError  # noqa: E402
-from ttrace_core.store import RunReader  # noqa: E402
+from ttrace_core.format.reader import RunReader  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 NUM_LAYERS = 48

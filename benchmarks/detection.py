@@ -23,12 +23,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import baselines
-from ttrace_core.compare import compare_runs
-from ttrace_core.estimate import estimate_path
-from ttrace_core.examples.megatron_gpt.bugs import ZOO, first_tensor_points_at, localized_correctly
-from ttrace_core.localize import localize
-from ttrace_core.store import RunReader
-from ttrace_core.tolerances import num_layers_of, select_tolerances
+from ttrace_core.compare.engine import compare_runs
+from ttrace_core.compare.estimate_file import estimate_path
+from ttrace_examples.megatron_gpt.bugs import ZOO, first_tensor_points_at, localized_correctly
+from ttrace_core.workflows.localize import localize
+from ttrace_core.format.reader import RunReader
+from ttrace_core.compare.tolerances import num_layers_of, select_tolerances
 
 RESULTS = Path(__file__).parent / "results"
 VARIANT_FLAGS = {"base": [], "swiglu": ["--swiglu"], "tied": ["--tie-embeddings"], "moe": ["--moe"]}

@@ -28,7 +28,7 @@ WRITER_QUEUE_BYTES = 256 * 2**20
 
 def _raw_hooks(model: torch.nn.Module, tracer_config) -> tuple[list, list]:
     """Hooks that copy every traced module's inputs, outputs and gradients (what recording must at least do)."""
-    from ttrace_core.tracer import Tracer
+    from ttrace_core.record.tracer import Tracer
 
     kept, handles = [], []
     probe = Tracer.__new__(Tracer)
@@ -51,7 +51,7 @@ def _raw_hooks(model: torch.nn.Module, tracer_config) -> tuple[list, list]:
 def _step_fn(config, ddp, optimizer):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from ttrace_core.examples.megatron_gpt.train import forward_step, micro_batch
+    from ttrace_examples.megatron_gpt.train import forward_step, micro_batch
 
     forward_backward = get_forward_backward_func()
 
@@ -80,11 +80,11 @@ def _timed(step) -> float:
 
 
 def _tracer(config, ddp, optimizer, rename, out: Path, mode: str):
-    from ttrace_core.examples.megatron_gpt.train import manifest_for
+    from ttrace_examples.megatron_gpt.train import manifest_for
     from ttrace_core.integrations.megatron import (
         declare_distributed_optimizer_ranges, declare_megatron_layouts, megatron_tracer_config, unwrap,
     )
-    from ttrace_core.tracer import Tracer
+    from ttrace_core.record.tracer import Tracer
 
     tracer = Tracer(out, unwrap(ddp), role="candidate", manifest=manifest_for(config, "candidate"),
                     config=megatron_tracer_config(loss_scale=1 / config.num_micro_batches, rename=rename,
@@ -129,7 +129,7 @@ def _one_step(mode: str, config, ddp, optimizer, rename, out: Path, step_index: 
 
 
 def measure(config_dict: dict) -> None:
-    from ttrace_core.examples.megatron_gpt.train import MegatronGPTRunConfig, _build
+    from ttrace_examples.megatron_gpt.train import MegatronGPTRunConfig, _build
     from ttrace_core.integrations import megatron_cpu
 
     config = MegatronGPTRunConfig.from_dict(config_dict["run"])
@@ -175,7 +175,7 @@ def _duplicates_tally():
     import weakref
 
     from ttrace_core.integrations.dtensor import local_value
-    from ttrace_core.tracer import Tracer
+    from ttrace_core.record.tracer import Tracer
 
     original, tally, seen = Tracer.record, {"recorded": 0, "same object": 0, "same storage": 0}, {}
 

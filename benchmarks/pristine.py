@@ -17,8 +17,8 @@ import h5py
 import numpy as np
 
 from ttrace_core import api
-from ttrace_core.schema import TensorKey
-from ttrace_core.store import MANIFEST_NAME, tensor_from_array
+from ttrace_core.format.schema import TensorKey
+from ttrace_core.format.reader import MANIFEST_NAME, tensor_from_array
 
 # Manifest fields that say how the run was laid out or what it computed.
 JUDGED_MANIFEST = ("format_version", "role", "world_size", "degrees", "mesh_shape", "mesh_axis_names",

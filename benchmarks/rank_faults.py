@@ -25,8 +25,8 @@ import h5py
 import numpy as np
 
 from ttrace_core.errors import TtraceError
-from ttrace_core.jobs import start_ticks
-from ttrace_core.store import STEP_FILE, RunReader
+from ttrace_core.record.processes import start_ticks
+from ttrace_core.format.reader import STEP_FILE, RunReader
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 2

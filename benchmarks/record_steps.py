@@ -7,7 +7,7 @@ into OUT, printing "step K done" once step K's file is complete.
 import signal
 import sys
 
-from ttrace_core.examples.torch_gpt.single_rank import record_single_rank
+from ttrace_examples.torch_gpt.single_rank import record_single_rank
 
 if __name__ == "__main__":
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past a file-size limit a write fails (EFBIG) instead of killing

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import rank_faults
 from fault_summary import FaultRow, write_rows
-from ttrace_core.compare import compare_runs
+from ttrace_core.compare.engine import compare_runs
 from ttrace_core.errors import TtraceError
-from ttrace_core.store import RunReader
-from ttrace_core.tolerances import DtypeTolerances
+from ttrace_core.format.reader import RunReader
+from ttrace_core.compare.tolerances import DtypeTolerances
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOAD = Path(__file__).parent / "record_steps.py"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ttrace_core.launch import run_ranks
+from ttrace_core.record.launch import run_ranks
 
 RESULTS = Path(__file__).parent / "results"
 TARGETS = {"full": 1.5, "full, writer thread": 1.5, "stats-only": 1.15}

@@ -71,7 +71,7 @@ def _localize(reference: Path, candidate: Path, module: str | None) -> dict:
 def _rank_start_seconds() -> float:
     """A fresh interpreter importing torch, megatron-core and the example (what every replay rank pays)."""
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import ttrace_core.examples.megatron_gpt.train, megatron.core.models.gpt"],
+    subprocess.run([sys.executable, "-c", "import ttrace_examples.megatron_gpt.train, megatron.core.models.gpt"],
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return time.perf_counter() - started
 

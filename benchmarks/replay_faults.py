@@ -30,7 +30,7 @@ from pathlib import Path
 
 from fault_summary import FaultRow, write_rows
 from ttrace_core import api
-from ttrace_core.jobs import Job
+from ttrace_core.service.jobs import Job
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"

@@ -92,12 +92,11 @@ def catalogue(pair: tuple[Path, Path], seed: int, scale: int) -> list[corruption
 
 
 def _answer_of_cli(argv: list[str], work: Path) -> dict:
-    from ttrace_core import cli
-
+    from ttrace_core.cli.main import main as ttrace_main
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = cli.main(argv)
+            code = ttrace_main(argv)
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else 2
         except BaseException as error:  # noqa: BLE001 - anything escaping main is a crash

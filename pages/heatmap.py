@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import streamlit as st
 
-from app import cells, figures, verdicts
-from app.report import report_html
-from app.state import ALL_MICRO_BATCHES, ROW_CHOICES, view_from_click
-from app.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, view_state
+from ttrace_dashboard import cells, figures, verdicts
+from ttrace_dashboard.report import report_html
+from ttrace_dashboard.state import ALL_MICRO_BATCHES, ROW_CHOICES, view_from_click
+from ttrace_dashboard.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, view_state
 
 # Past this many modules the heatmap opens with one row per layer (a 48-layer GPT has 774 modules).
 # (Comments, not docstrings: Streamlit's magic would print a bare string on the page.)
@@ -40,7 +40,7 @@ state = replace(state, step=int(step), mb=mb, tensor=None, rank=None, rows=rows_
 show_in_url(state)
 
 if first is None:
-    level, text = verdicts.comparison_verdict(result.provenance)  # passing rows, yet the evidence may be incomplete
+    level, text = api.verdict_of(result.provenance).banner()  # passing rows, yet the evidence may be incomplete
     getattr(st, level)(text, icon=":material/check_circle:" if level == "success" else ":material/warning:")
 else:
     mb_text = "" if first["micro_batch"] < 0 else f" mb {first['micro_batch']}"

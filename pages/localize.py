@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import streamlit as st
 
-from app import cells, verdicts
-from app.report import report_html
-from app.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, stop_with, view_state
+from ttrace_dashboard import cells, verdicts
+from ttrace_dashboard.report import report_html
+from ttrace_dashboard.ui import SETTINGS, go_to, load_comparison, pair_caption, run_pair, show_in_url, stop_with, view_state
 from ttrace_core import api
 
 WHOLE_MODEL = ""
@@ -28,12 +28,13 @@ st.caption("The replay relaunches the candidate from its manifest with every tra
            "reference's inputs and output gradients. A module whose own outputs still fail introduces the error; "
            "one that fails only before rewriting inherits it.")
 
-job = api.replay_job(reference, candidate, state.module)
+job = api.replay_job(reference, candidate, state.module, SETTINGS)
 left, right = st.columns([1, 4])
 if left.button("Replay with reference inputs", type="primary", icon=":material/play_arrow:",
                disabled=job is not None and not job.status().done):
     try:
-        job = api.submit_replay(reference, candidate, state.module, rerun=job is not None and job.status().done)
+        job = api.submit_replay(reference, candidate, state.module, rerun=job is not None and job.status().done,
+                                 settings=SETTINGS)
     except api.TtraceError as error:
         stop_with(str(error))
 if job is None:

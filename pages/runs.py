@@ -3,10 +3,10 @@
 import pandas as pd
 import streamlit as st
 
-from app import runs as pairing
-from app import verdicts
-from app.state import ViewState, query_from_state
-from app.ui import dashboard_root, load_comparison, page, run_pair, show_in_url, stop_with, view_state
+from ttrace_dashboard import runs as pairing
+from ttrace_dashboard import verdicts
+from ttrace_dashboard.state import ViewState, query_from_state
+from ttrace_dashboard.ui import dashboard_root, load_comparison, page, run_pair, show_in_url, stop_with, view_state
 from ttrace_core import api
 
 
@@ -47,7 +47,7 @@ st.dataframe(table, width="stretch", height=35 * (len(table) + 1) + 3)
 reference, candidate = run_pair(state)
 result = load_comparison(reference, candidate)
 provenance = result.provenance
-level, text = verdicts.comparison_verdict(provenance)
+level, text = api.verdict_of(provenance).banner()
 ICONS = {"success": ":material/check_circle:", "warning": ":material/warning:", "error": ":material/cancel:"}
 getattr(st, level)(text, icon=ICONS[level])
 for note in provenance.get("notes", []):

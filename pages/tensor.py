@@ -6,8 +6,8 @@ from dataclasses import replace
 import pandas as pd
 import streamlit as st
 
-from app import cells, figures
-from app.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, stop_with, view_state
+from ttrace_dashboard import cells, figures
+from ttrace_dashboard.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, stop_with, view_state
 from ttrace_core import api
 
 

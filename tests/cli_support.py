@@ -7,15 +7,16 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ttrace_core import api, cli
-from ttrace_core.jobs import JobSpec
-from ttrace_core.localize import Evidence, Localization, ModuleVerdict
+from ttrace_core import api
+from ttrace_core.cli.main import main as ttrace_main
+from ttrace_core.service.jobs import JobSpec
+from ttrace_core.localize.verdicts import Evidence, Localization, ModuleVerdict
 
 
 def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
     """`ttrace ARGV` in this process: (exit code, stdout, stderr); argparse's usage errors exit too."""
     try:
-        code = cli.main(argv)
+        code = ttrace_main(argv)
     except SystemExit as exit_:
         code = exit_.code
     out, err = capsys.readouterr()

@@ -22,7 +22,7 @@ def run_ttrace(*args: str, timeout: float = 300, check_codes: tuple[int, ...] | 
 
 
 def load_comparison(path: Path):
-    from ttrace_core.compare import RunComparison
+    from ttrace_core.compare.engine import RunComparison
 
     return RunComparison.from_json(path.read_text())
 

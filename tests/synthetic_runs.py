@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ttrace_core.schema import Layout, RunManifest, TensorKey, TensorMeta
-from ttrace_core.trace_writer import RunWriter, write_manifest
+from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
+from ttrace_core.format.writer import RunWriter, write_manifest
 
 MODEL = {"num_layers": 2, "hidden": 8}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, load_comparison, run_ttrace
-from ttrace_core.store import step_file_name
+from ttrace_core.format.reader import step_file_name
 
 pytestmark = pytest.mark.distributed
 
@@ -44,7 +44,7 @@ def test_clean_layout_matches_the_reference(traces, reference_run, name):
 
 def test_parallel_runs_really_hold_shards(traces):
     """A clean verdict means something only if the candidate's tensors were sharded and mapped back."""
-    from ttrace_core.store import RunReader
+    from ttrace_core.format.reader import RunReader
 
     expected = {"tp2-sp": ("layers.0.ln1", "input.0", ("S(1)",)), "tp2": ("layers.0.attn.wq", "output.0", ("S(-1)",)),
                 "fsdp2": ("layers.0.attn.wq.weight", "value", ("S(0)",)), "cp2": ("layers.0.ln1", "input.0", ("S(1)",))}
@@ -145,7 +145,7 @@ def test_unsupported_layout_is_refused_before_spawning(tmp_path):
 def test_the_example_records_under_torchrun_like_any_script(traces, reference_run):
     out = traces / "torchrun-tp2"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "-m", "ttrace_core.examples", "torch-gpt", "--config", '{"tp": 2}']
+                "-m", "ttrace_examples", "torch-gpt", "--config", '{"tp": 2}']
     run_ttrace("record", "--out", str(out), "--", *torchrun, check_codes=(0,))
     result = run_ttrace("compare", str(reference_run), str(out))
     assert result.returncode == 0, result.stdout

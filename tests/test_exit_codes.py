@@ -2,7 +2,7 @@
 (one line `ttrace: error: ...` naming what is wrong), 3 internal error (with a request to report it),
 4 (localize) diverged but not explained.
 
-The table runs `ttrace_core.cli.main` in this process on small hand-written traces
+The table runs `ttrace_core.cli.main.main` in this process on small hand-written traces
 (tests/synthetic_runs.py: a reference and a diverging 2-rank candidate); localize verdicts come from
 replay jobs written as a finished job leaves them. Two cases go through a real subprocess.
 """
@@ -23,7 +23,7 @@ from tests.cli_support import REPLAYED, localization_for, run_main, write_finish
 from tests.conftest import ROOT, run_ttrace
 from tests.synthetic_runs import write_pair
 from ttrace_core import api
-from ttrace_core.jobs import Job
+from ttrace_core.service.jobs import Job
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_a_bug_of_ttrace_exits_3_with_its_traceback_and_where_to_report_it(paths
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("ttrace_core.report.render_run", broken)
+    monkeypatch.setattr("ttrace_core.cli.report.render_run", broken)
     code, _, err = run_main(["inspect", paths["cand"]], capsys)
     assert code == 3
     assert "Traceback (most recent call last)" in err and 'raise RuntimeError("a bug")' in err
@@ -137,7 +137,7 @@ def test_a_file_the_system_refuses_is_bad_input_not_a_bug(paths, capsys, monkeyp
     def refused(*args, **kwargs):
         raise PermissionError(13, "Permission denied", "/runs/cand/rank_00000.step_000000.h5")
 
-    monkeypatch.setattr("ttrace_core.report.render_run", refused)
+    monkeypatch.setattr("ttrace_core.cli.report.render_run", refused)
     code, _, err = run_main(["inspect", paths["cand"]], capsys)
     assert code == 2
     assert err.strip() == ("ttrace: error: /runs/cand/rank_00000.step_000000.h5: Permission denied; check the path, "

@@ -15,9 +15,9 @@ import pytest
 from tests.cli_support import localization_for, run_main, write_finished_replay
 from tests.conftest import run_ttrace
 from tests.synthetic_runs import write_pair
-from ttrace_core.compare import RunComparison
-from ttrace_core.localize import Localization
-from ttrace_core.strict_json import dumps, finite_or_none
+from ttrace_core.compare.engine import RunComparison
+from ttrace_core.localize.verdicts import Localization
+from ttrace_core.format.strict_json import dumps, finite_or_none
 
 
 def strict_loads(text: str):

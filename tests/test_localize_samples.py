@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_ttrace
-from ttrace_core.examples.megatron_gpt.bugs import CULPRITS, localized_correctly
-from ttrace_core.localize import Localization
+from ttrace_examples.megatron_gpt.bugs import CULPRITS, localized_correctly
+from ttrace_core.localize.verdicts import Localization
 
 pytestmark = pytest.mark.distributed
 

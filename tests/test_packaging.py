@@ -90,10 +90,15 @@ def test_records_and_inspects_a_run(venv, tmp_path):
 
 
 def test_the_dashboard_ships_its_pages_and_needs_its_extra(venv, tmp_path):
-    locate = "from ttrace_core.dashboard import APP_ENTRYPOINT, PAGES_DIR; print(APP_ENTRYPOINT); print(PAGES_DIR)"
-    entrypoint, pages = map(Path, run([venv / "bin" / "python", "-c", locate], cwd=tmp_path).stdout.split())
-    assert entrypoint.is_file() and entrypoint.is_relative_to(venv)
+    locate = "from ttrace_core.service.dashboard import app_entrypoint; print(app_entrypoint())"
+    entrypoint = Path(run([venv / "bin" / "python", "-c", locate], cwd=tmp_path).stdout.strip())
+    assert entrypoint.is_file() and entrypoint.is_relative_to(venv) and entrypoint.parent.name == "ttrace_dashboard"
+    pages = entrypoint.parent / "pages"
     assert sorted(p.name for p in pages.glob("*.py")) == sorted(p.name for p in (ROOT / "pages").glob("*.py"))
+    # no generic top-level name in site-packages: the dashboard is `ttrace_dashboard`, the examples `ttrace_examples`
+    for generic in ("app", "pages", "examples"):
+        found = run([venv / "bin" / "python", "-c", f"import {generic}"], cwd=tmp_path)
+        assert found.returncode != 0 and "ModuleNotFoundError" in found.stderr, generic
 
     refused = run([venv / "bin" / "ttrace", "dashboard", tmp_path], cwd=tmp_path)
     assert refused.returncode == 2 and refused.stdout == ""

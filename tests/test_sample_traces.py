@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ttrace_core.compare import compare_runs
-from ttrace_core.store import RunReader
-from ttrace_core.tolerances import select_tolerances
+from ttrace_core.compare.engine import compare_runs
+from ttrace_core.format.reader import RunReader
+from ttrace_core.compare.tolerances import select_tolerances
 
 SAMPLES_DIR = Path(__file__).resolve().parents[1] / "sample_traces"
 SAMPLES = json.loads((SAMPLES_DIR / "samples.json").read_text())
@@ -41,7 +41,7 @@ def test_sample_gives_its_documented_verdict(sample: dict) -> None:
 
 @pytest.mark.parametrize("sample", [s for s in SAMPLES if "bug" in s], ids=lambda s: s["name"])
 def test_bug_sample_matches_the_zoo(sample: dict) -> None:
-    from ttrace_core.examples.megatron_gpt.bugs import ZOO
+    from ttrace_examples.megatron_gpt.bugs import ZOO
 
     flags = sample["flags"]
     assert flags[flags.index("--bug") + 1] == sample["bug"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ttrace_core.session import SESSION_ENV, SessionSpec
+from ttrace_core.record.session import SESSION_ENV, SessionSpec
 
 SCRIPTS = Path(__file__).parent / "user_script"
 PLAIN, TRACED = SCRIPTS / "train.py", SCRIPTS / "train_traced.py"
@@ -130,7 +130,7 @@ def test_a_compiled_model_records_parameters_gradients_and_outputs_and_names_its
     (tmp_path / "train.py").write_text(COMPILED_SCRIPT)
     done = _ttrace("record", "--out", "run", "--", sys.executable, "train.py", cwd=tmp_path, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    from ttrace_core.store import RunReader
+    from ttrace_core.format.reader import RunReader
 
     with RunReader(tmp_path / "run") as reader:
         keys = {(k.phase, k.fqn, k.slot) for k in reader.index}

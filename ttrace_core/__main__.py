@@ -1,5 +1,5 @@
 import sys
 
-from ttrace_core.cli import main
+from ttrace_core.cli.main import main
 
 sys.exit(main())

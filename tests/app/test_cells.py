@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from app import cells
+from ttrace_dashboard import cells
 from tests.synthetic_runs import write_pair
 from ttrace_core import api
 

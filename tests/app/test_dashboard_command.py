@@ -7,8 +7,8 @@ import urllib.request
 import pytest
 
 from tests.app.server import free_port, wait_healthy
-from ttrace_core.cli import main
-from ttrace_core.dashboard import streamlit_command
+from ttrace_core.cli.main import main
+from ttrace_core.service.dashboard import streamlit_command
 
 
 def test_the_server_binds_this_machine_only_unless_told(tmp_path):

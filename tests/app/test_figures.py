@@ -2,7 +2,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from app import cells, figures
+from ttrace_dashboard import cells, figures
 from tests.synthetic_runs import write_pair
 from ttrace_core import api
 

@@ -10,8 +10,8 @@ import pytest
 
 from tests.app.test_pages import PAIR, _errors, _open, root  # noqa: F401  (the root fixture)
 from ttrace_core import api
-from ttrace_core.jobs import JobSpec
-from ttrace_core.localize import Evidence, Localization, ModuleVerdict
+from ttrace_core.service.jobs import JobSpec
+from ttrace_core.localize.verdicts import Evidence, Localization, ModuleVerdict
 
 
 def _finished_job(root, module, *, state="complete", localization: Localization | None = None):

@@ -7,7 +7,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from tests.synthetic_runs import write_pair, write_run
-from ttrace_core.dashboard import ROOT_ENV
+from ttrace_core.service.dashboard import ROOT_ENV
 
 MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 PAIR = {"ref": "reference", "cand": "candidate"}

@@ -1,4 +1,4 @@
-from app.runs import default_pair, matching_reference
+from ttrace_dashboard.runs import default_pair, matching_reference
 from ttrace_core.api import RunInfo
 
 MODEL = {"num_layers": 2}
@@ -28,9 +28,9 @@ def test_the_runs_page_lists_blind_spots_and_estimates_for_other_precisions(tmp_
     import torch
     from torch import nn
 
-    from app.runs import metadata_rows
+    from ttrace_dashboard.runs import metadata_rows
     from ttrace_core import api
-    from ttrace_core.tracer import Tracer, TracerConfig
+    from ttrace_core.record.tracer import Tracer, TracerConfig
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     tracer = Tracer(tmp_path, model, role="reference", config=TracerConfig(forward_only=("1",)))

@@ -1,6 +1,6 @@
 import pytest
 
-from app.state import ALL_MICRO_BATCHES, ViewState, query_from_state, state_from_query, view_from_click
+from ttrace_dashboard.state import ALL_MICRO_BATCHES, ViewState, query_from_state, state_from_query, view_from_click
 
 FULL = ViewState(ref="fp32/reference", cand="fp32/bug", tensor="forward/layers.0.attn/output.0", step=2, mb=3, rank=1,
                  module="layers.0.attn", rows="layers")

@@ -2,7 +2,7 @@ import copy
 
 import pytest
 
-from app import verdicts
+from ttrace_dashboard import verdicts
 from tests.app.test_localize_page import CULPRIT
 
 
@@ -38,10 +38,10 @@ COVERAGE = {"compared_elementwise": 10, "tensors_expected": 10, "compared_by_sta
     ("incomplete", ["missing-replica: 1 of 20"], "error", "FAILED (incomplete): missing-replica: 1 of 20. Evidence: 10/10"),
 ], ids=["equivalent", "by-statistics", "partial", "incomplete"])
 def test_the_verdict_banner_says_how_much_evidence_stands_behind_it(verdict, findings, level, start):
-    from app.verdicts import comparison_verdict
+    from ttrace_core.api import verdict_of
 
     provenance = {"verdict": verdict, "findings": findings, "coverage": COVERAGE, "first_divergence": None,
                   "passed": verdict != "incomplete"}
-    got_level, text = comparison_verdict(provenance)
+    got_level, text = verdict_of(provenance).banner()
     assert got_level == level and text.startswith(start), text
-    assert "19/20 copies, steps [0] of [0]" in text
+    assert "19/20 copies; 0/0 ranks; steps [0] of [0]" in text

@@ -5,8 +5,9 @@ import pytest
 
 from tests.synthetic_runs import write_pair
 from ttrace_core import api
+from ttrace_core.compare.table import read_provenance
 from ttrace_core.errors import TraceFormatError, TtraceError
-from ttrace_core.schema import FORMAT_VERSION
+from ttrace_core.format.schema import FORMAT_VERSION
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def test_the_table_opens_in_plain_pandas_with_its_provenance(pair):
     result = api.comparison_table(reference, candidate)
     frame = pd.read_parquet(result.path)
     assert len(frame) == len(result.frame) == 11
-    provenance = api.table.read_provenance(result.path)
+    provenance = read_provenance(result.path)
     assert provenance["reference_manifest_sha256"] and provenance["candidate_manifest_sha256"]
     assert provenance["ttrace_version"] == api.ttrace_version() and provenance["trace_format"] == FORMAT_VERSION == 2
     assert provenance["first_divergence"] == {"tensor": "forward/layers.0.act/output.0", "step": 0, "micro_batch": 0}
@@ -58,7 +59,7 @@ def test_a_damaged_cache_file_is_rebuilt(pair):
 
 
 def test_cli_compare_goes_through_the_cached_table(pair, capsys):
-    from ttrace_core.cli import main
+    from ttrace_core.cli.main import main
 
     reference, candidate = pair
     assert main(["compare", str(reference), str(candidate)]) == 1
@@ -109,7 +110,7 @@ def test_a_symlink_out_of_the_root_is_refused(tmp_path):
 
 
 def test_tensor_view_maps_the_error_to_the_rank_that_holds_it(pair, monkeypatch):
-    import ttrace_core.store as store
+    import ttrace_core.format.reader as store
 
     def no_full_index(*args, **kwargs):
         raise AssertionError("tensor_view opened the whole run index")
@@ -141,7 +142,7 @@ def test_tensor_view_of_an_unrecorded_tensor_is_one_line(pair):
 def test_big_tensors_are_max_pooled_so_a_single_bad_element_shows():
     import numpy as np
 
-    from ttrace_core.tensor_view import as_matrix, max_pool
+    from ttrace_core.service.tensor_view import as_matrix, max_pool
 
     matrix = np.zeros((1000, 700))
     matrix[777, 3] = 5.0

@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from ttrace_core.background_writer import BackgroundWriter
+from ttrace_core.record.background_writer import BackgroundWriter
 from ttrace_core.errors import TraceWriteError
-from ttrace_core.schema import Layout, TensorKey, TensorMeta
-from ttrace_core.store import RunReader
-from ttrace_core.trace_writer import RunWriter
-from ttrace_core.tracer import Tracer, TracerConfig
+from ttrace_core.format.schema import Layout, TensorKey, TensorMeta
+from ttrace_core.format.reader import RunReader
+from ttrace_core.format.writer import RunWriter
+from ttrace_core.record.tracer import Tracer, TracerConfig
 
 from tests.core.test_tracer import _model, _train_step
 
@@ -47,8 +47,8 @@ def test_a_full_queue_slows_the_training_thread_instead_of_growing_memory(tmp_pa
     background.stop()
     assert background.peak_pending_bytes <= 1024 * KIB  # never more than the bound of copies waiting
     assert queued > 0.3 and background.seconds_waited > 0.3  # 30 writes of 20 ms: the producer was held back
-    from ttrace_core.schema import RunManifest
-    from ttrace_core.trace_writer import write_manifest
+    from ttrace_core.format.schema import RunManifest
+    from ttrace_core.format.writer import write_manifest
 
     write_manifest(tmp_path, RunManifest(role="reference", world_size=1))
     with RunReader(tmp_path) as reader:
@@ -94,7 +94,7 @@ class FullDisk(RunWriter):
 
 
 def test_a_write_that_fails_in_the_thread_stops_its_own_step(tmp_path, monkeypatch):
-    import ttrace_core.tracer as tracer_module
+    import ttrace_core.record.tracer as tracer_module
 
     monkeypatch.setattr(tracer_module, "RunWriter", FullDisk)
     with pytest.raises(TraceWriteError, match=r"cannot write step 1 of rank 0 \(No space left on device\); the steps "

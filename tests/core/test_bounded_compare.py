@@ -6,10 +6,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ttrace_core.bounded import BYTES_PER_ELEMENT, free_dims, slab_lengths
-from ttrace_core.compare import compare_runs
-from ttrace_core.schema import Layout, TensorKey, TensorMeta
-from ttrace_core.store import RunReader
+from ttrace_core.compare.bounded import BYTES_PER_ELEMENT, free_dims, slab_lengths
+from ttrace_core.compare.engine import compare_runs
+from ttrace_core.format.schema import Layout, TensorKey, TensorMeta
+from ttrace_core.format.reader import RunReader
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from ttrace_core import placements as pl
-from ttrace_core.canonicalize import RecordedShard, canonicalize, shard
+from ttrace_core.canonicalize import placements as pl
+from ttrace_core.canonicalize.shards import RecordedShard, canonicalize, shard
 from ttrace_core.errors import LayoutError
-from ttrace_core.schema import Layout
+from ttrace_core.format.schema import Layout
 
 LAYOUTS = {
     "shard0-even": ((8, 4), (2,), ("S(0)",)),

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from ttrace_core.compare import RunComparison, TensorComparison, compare_values
-from ttrace_core.schema import TensorKey
-from ttrace_core.tolerances import DtypeTolerances, Tolerance
+from ttrace_core.compare.engine import RunComparison, TensorComparison, compare_values
+from ttrace_core.format.schema import TensorKey
+from ttrace_core.compare.tolerances import DtypeTolerances, Tolerance
 
 TOL = Tolerance(rel=1e-3, abs=1e-6, source="test")
 KEY = TensorKey(step=0, micro_batch=0, phase="forward", fqn="layers.0", slot="output.0")
@@ -74,7 +74,7 @@ def test_compute_precision_loosens_fp32_storage():
     ("int64", "output.0", False),        # an integer output is computed too
 ], ids=["token-ids", "float-input", "int-output"])
 def test_a_first_divergence_in_integer_inputs_is_named_a_data_mismatch(dtype, slot, named):
-    from ttrace_core.evidence import data_mismatch_finding
+    from ttrace_core.compare.evidence import data_mismatch_finding
 
     key = TensorKey(step=0, micro_batch=1, phase="forward", fqn="", slot=slot)
     result = RunComparison(reference="ref", candidate="cand",
@@ -86,7 +86,7 @@ def test_a_first_divergence_in_integer_inputs_is_named_a_data_mismatch(dtype, sl
 def _judged(value_error: float, drift_relative: float | None) -> TensorComparison:
     """A tensor whose candidate is off the reference by `value_error` (relative) and whose two
     replicas differ by `drift_relative`, judged like compare_tensor does."""
-    from ttrace_core.compare import _drift_ratio, _verdict
+    from ttrace_core.compare.engine import _drift_ratio, _verdict
 
     tolerance = Tolerance(rel=1e-3, abs=0.0, source="test", drift_rel=1e-5)
     expected = torch.ones(4, dtype=torch.float64)
@@ -109,7 +109,7 @@ def _judged(value_error: float, drift_relative: float | None) -> TensorCompariso
     ids=["both-drift-larger", "both-mismatch-larger", "mismatch-only", "drift-only"],
 )
 def test_one_ratio_per_row_the_status_column_and_message_agree(value_error, drift, status, decided_by, in_message):
-    from ttrace_core.report import comparison_row, ratios_text
+    from ttrace_core.cli.report import comparison_row, ratios_text
 
     c = _judged(value_error, drift)
     assert (c.status, c.decided_by) == (status, decided_by)
@@ -124,8 +124,8 @@ def test_one_ratio_per_row_the_status_column_and_message_agree(value_error, drif
 
 def _write_partial_pair(root, *, candidate_error: float):
     """A stats-only reference of one tensor, and a 2-rank candidate that holds it as partial sums (P(sum))."""
-    from ttrace_core.schema import Layout, RunManifest, TensorMeta
-    from ttrace_core.trace_writer import RunWriter, stats_from_tensor, write_manifest
+    from ttrace_core.format.schema import Layout, RunManifest, TensorMeta
+    from ttrace_core.format.writer import RunWriter, stats_from_tensor, write_manifest
 
     key = TensorKey(step=0, micro_batch=0, phase="backward", fqn="mlp.fc2", slot="grad_output.1")
     full = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
@@ -154,8 +154,8 @@ def _write_partial_pair(root, *, candidate_error: float):
 def test_a_partial_sum_with_values_is_compared_with_statistics_by_its_norm(tmp_path, candidate_error, status):
     """A stats-only trace keeps partial sums' values (their statistics cannot be combined): the norm of
     the summed values is compared with the statistics of the other run."""
-    from ttrace_core.compare import compare_runs
-    from ttrace_core.store import RunReader
+    from ttrace_core.compare.engine import compare_runs
+    from ttrace_core.format.reader import RunReader
 
     reference, candidate = _write_partial_pair(tmp_path, candidate_error=candidate_error)
     with RunReader(reference) as ref, RunReader(candidate) as cand:

@@ -1,4 +1,4 @@
-"""Nothing outside a trace directory is ever read (ttrace_core/containment.py).
+"""Nothing outside a trace directory is ever read (ttrace_core/format/containment.py).
 
 Each case plants, in a copy of a recorded sample candidate, a way out of the directory that leads to
 an exact copy of the data it replaces, so following it would pass (benchmarks/corruptions.py, the
@@ -17,7 +17,7 @@ import pytest
 
 from tests.cli_support import run_main
 from tests.conftest import ROOT
-from ttrace_core.store import step_file_name
+from ttrace_core.format.reader import step_file_name
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import corruptions  # noqa: E402
@@ -49,7 +49,7 @@ def test_a_way_out_of_the_trace_is_refused_and_never_followed(tmp_path, capsys, 
 
 def test_a_symlink_inside_the_run_directory_is_still_read(tmp_path):
     """Containment refuses ways *out*; a link between files of the same run is the run's own data."""
-    from ttrace_core.store import read_manifest
+    from ttrace_core.format.reader import read_manifest
 
     run = tmp_path / "run"
     shutil.copytree(SAMPLES / "tp2_sp_clean", run)

@@ -2,12 +2,12 @@ import pytest
 import torch
 from torch import nn
 
-from ttrace_core.compare import compare_runs
-from ttrace_core.dataflow import ExactInputs, in_subtree, owner_of
-from ttrace_core.schema import NO_MICRO_BATCH, TensorKey
-from ttrace_core.store import RunReader
-from ttrace_core.tolerances import Tolerance
-from ttrace_core.tracer import Tracer
+from ttrace_core.compare.engine import compare_runs
+from ttrace_core.compare.exact_inputs import ExactInputs, in_subtree, owner_of
+from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
+from ttrace_core.format.reader import RunReader
+from ttrace_core.compare.tolerances import Tolerance
+from ttrace_core.record.tracer import Tracer
 
 
 def act(phase: str, fqn: str, slot: str, micro_batch: int = 0, step: int = 0) -> TensorKey:

@@ -1,4 +1,4 @@
-"""A pass must rest on complete, consistent evidence (ttrace_core/evidence.py, records.py).
+"""A pass must rest on complete, consistent evidence (ttrace_core/compare/evidence.py, records.py).
 
 Each test damages a copy of a recorded sample trace (fp32, megatron-core TP2 + SP, clean) the way a
 trace gets damaged in ordinary use, and checks the exact finding or exit code; the undamaged copy
@@ -16,9 +16,9 @@ import h5py
 import pytest
 
 from tests.cli_support import run_main
-from ttrace_core.compare import compare_runs
-from ttrace_core.store import INVENTORY_ATTR, RunReader, step_file_name
-from ttrace_core.tolerances import DtypeTolerances
+from ttrace_core.compare.engine import compare_runs
+from ttrace_core.format.reader import INVENTORY_ATTR, RunReader, step_file_name
+from ttrace_core.compare.tolerances import DtypeTolerances
 
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_traces" / "fp32"
 # A module output that both TP ranks hold whole (placement R on the tp axis) and one that each holds a shard of.
@@ -194,7 +194,7 @@ def test_metadata_that_cannot_be_right_is_bad_input(runs, capsys, changes, messa
 
 
 def test_localize_on_incomplete_evidence_names_what_is_missing_instead_of_replaying(runs):
-    from ttrace_core.localize import localize
+    from ttrace_core.workflows.localize import localize
 
     reference, candidate = runs
     _drop_dataset(candidate, 1, REPLICATED, keep_inventory=False)

@@ -1,7 +1,7 @@
 import torch
 
-from ttrace_core.generator import local_from_full, normal_full, seed_from_name, tokens_full
-from ttrace_core.schema import Layout
+from ttrace_core.record.generator import local_from_full, normal_full, seed_from_name, tokens_full
+from ttrace_core.format.schema import Layout
 
 
 def test_values_depend_only_on_seed_and_name():

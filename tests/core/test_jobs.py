@@ -7,7 +7,8 @@ from dataclasses import asdict
 
 import pytest
 
-from ttrace_core.jobs import Job, JobFileError, JobSpec, ProcessRef, process_alive, submit
+from ttrace_core.record.processes import ProcessRef, process_alive
+from ttrace_core.service.jobs import Job, JobFileError, JobSpec, submit
 
 
 def _spec(code: str, tmp_path, *, timeout_s: float = 60, success_codes=(0,), extra_env: dict | None = None) -> JobSpec:
@@ -212,8 +213,7 @@ def test_a_lock_left_by_a_submitter_that_died_does_not_block_the_job_forever(tmp
 
 
 def test_a_dead_job_in_a_read_only_directory_is_reported_not_raised(tmp_path, monkeypatch):
-    from ttrace_core import jobs
-
+    from ttrace_core.service import jobs
     job = _copied_job(tmp_path, {"state": "running", "supervisor": {"pid": 1, "start": 0, "boot": "elsewhere"}})
 
     def read_only(path, data):

@@ -1,8 +1,8 @@
 import pytest
 
-from ttrace_core.compare import RunComparison, TensorComparison
-from ttrace_core.localize import Localization, can_replay_alone, module_verdicts, sync_findings
-from ttrace_core.schema import NO_MICRO_BATCH, RunManifest, TensorKey
+from ttrace_core.compare.engine import RunComparison, TensorComparison
+from ttrace_core.localize.verdicts import Localization, can_replay_alone, module_verdicts, sync_findings
+from ttrace_core.format.schema import NO_MICRO_BATCH, RunManifest, TensorKey
 
 
 def comparison(phase: str, fqn: str, slot: str, passed: bool, micro_batch: int = 0, drift: dict | None = None) -> TensorComparison:

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from ttrace_core.errors import TtraceError
-from ttrace_core.module_replay import call_arguments, recorded_calls
-from ttrace_core.schema import Layout, RunManifest, TensorKey, TensorMeta
-from ttrace_core.trace_writer import RunWriter, write_manifest
+from ttrace_core.record.module_replay import call_arguments, recorded_calls
+from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
+from ttrace_core.format.writer import RunWriter, write_manifest
 
 
 def test_arguments_keep_their_positions_and_names_and_floats_require_grad():

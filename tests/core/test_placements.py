@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-from ttrace_core import placements as pl
+from ttrace_core.canonicalize import placements as pl
 from ttrace_core.errors import LayoutError
-from ttrace_core.schema import Layout
+from ttrace_core.format.schema import Layout
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 from tests.app.test_localize_page import CULPRIT
 from tests.synthetic_runs import write_pair
 from ttrace_core import api
-from ttrace_core.report import render_markdown
+from ttrace_core.cli.report import render_markdown
 
 
 def test_the_markdown_summary_carries_verdict_first_divergence_culprit_and_evidence(tmp_path):

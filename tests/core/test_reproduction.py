@@ -3,11 +3,11 @@ import shutil
 import pytest
 
 from tests.synthetic_runs import write_pair
-from ttrace_core.compare import RunComparison, TensorComparison, compare_runs
-from ttrace_core.schema import TensorKey
-from ttrace_core.fingerprint import environment_fingerprint, fingerprint_differences
-from ttrace_core.reproduction import check_reproduction, reproducible_keys
-from ttrace_core.store import RunReader
+from ttrace_core.compare.engine import RunComparison, TensorComparison, compare_runs
+from ttrace_core.format.schema import TensorKey
+from ttrace_core.format.fingerprint import environment_fingerprint, fingerprint_differences
+from ttrace_core.localize.reproduction import check_reproduction, reproducible_keys
+from ttrace_core.format.reader import RunReader
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def _copy_with(candidate, tmp_path, change=None):
 def test_a_faithful_replay_reproduces_and_a_changed_one_does_not(runs, tmp_path, monkeypatch):
     reference, candidate, original = runs
     exact_key = next(c.key for c in original.comparisons if c.passed and c.key.phase == "forward")
-    monkeypatch.setattr("ttrace_core.reproduction.reproducible_keys", lambda original, step: [exact_key])
+    monkeypatch.setattr("ttrace_core.localize.reproduction.reproducible_keys", lambda original, step: [exact_key])
     with RunReader(candidate) as cand, RunReader(_copy_with(candidate, tmp_path)) as replay:
         same = check_reproduction(original, cand, replay, 0)
     assert same.reproduced is True and same.num_checked == 1 and same.mismatches == []

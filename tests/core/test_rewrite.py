@@ -1,10 +1,10 @@
 import torch
 from torch import nn
 
-from ttrace_core.compare import compare_runs
-from ttrace_core.rewrite import InputRewriter
-from ttrace_core.store import RunReader
-from ttrace_core.tracer import Tracer
+from ttrace_core.compare.engine import compare_runs
+from ttrace_core.record.rewrite import InputRewriter
+from ttrace_core.format.reader import RunReader
+from ttrace_core.record.tracer import Tracer
 
 
 def _record(run_dir, *, bug: bool, rewrite_from=None) -> None:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ttrace_core.errors import TraceFormatError
-from ttrace_core.schema import Layout, RunManifest, TensorKey, TensorMeta
-from ttrace_core.store import RunReader, step_file_name
-from ttrace_core.trace_writer import RunWriter, write_manifest
+from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
+from ttrace_core.format.reader import RunReader, step_file_name
+from ttrace_core.format.writer import RunWriter, write_manifest
 
 
 def _meta(rank: int, step: int, value: torch.Tensor, fqn: str = "lin") -> TensorMeta:
@@ -117,7 +117,7 @@ def test_reading_never_unpickles(tmp_path):
 
 
 def test_recording_into_an_existing_trace_is_refused(tmp_path):
-    from ttrace_core.trace_writer import refuse_existing_trace
+    from ttrace_core.format.writer import refuse_existing_trace
 
     refuse_existing_trace(tmp_path)  # an empty directory is fine
     _record(tmp_path, {0: torch.ones(2)})

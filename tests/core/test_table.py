@@ -4,13 +4,12 @@ import pandas as pd
 import pytest
 
 from tests.synthetic_runs import write_pair
-from ttrace_core.compare import compare_runs
-from ttrace_core.store import RunReader
-from ttrace_core.table import (
-    COLUMNS, comparison_from_table, key_from_tensor_id, layer_of, read_table, table_from_comparison, tensor_id,
-    tensor_kind, write_table,
-)
-from ttrace_core.schema import TensorKey
+from ttrace_core.format.records import data_from_record
+from ttrace_core.compare.engine import compare_runs
+from ttrace_core.format.reader import RunReader
+from ttrace_core.compare.table import COLUMNS, comparison_from_table, layer_of, read_table, table_from_comparison, tensor_id, tensor_kind, write_table
+from ttrace_core.format.naming import key_from_tensor_id
+from ttrace_core.format.schema import TensorKey
 
 
 @pytest.fixture
@@ -30,7 +29,7 @@ def _normalized(result) -> dict:
 def test_the_table_round_trips_every_number_through_parquet(tmp_path, compared):
     result, frame = compared
     provenance = {"reference": result.reference, "candidate": result.candidate, "steps_compared": result.steps_compared,
-                  "notes": result.notes, "coverage": result.coverage.to_dict()}
+                  "notes": result.notes, "coverage": data_from_record(result.coverage)}
     write_table(tmp_path / "t.parquet", frame, provenance)
     again, read_provenance = read_table(tmp_path / "t.parquet")
     assert read_provenance == provenance

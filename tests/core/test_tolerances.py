@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from ttrace_core.errors import TraceFormatError, TtraceError
-from ttrace_core.estimate import PerturbationEstimate, TensorDeviation, read_estimate, write_estimate
-from ttrace_core.generator import WeightPerturbation
-from ttrace_core.schema import NO_MICRO_BATCH, TensorKey
-from ttrace_core.tolerances import (
+from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation, read_estimate, write_estimate
+from ttrace_core.record.generator import WeightPerturbation
+from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
+from ttrace_core.compare.tolerances import (
     PerturbationTolerances,
     TheoremTolerances,
     layer_position,
@@ -113,7 +113,7 @@ def test_replicas_may_differ_by_one_rounding_not_by_the_layout_tolerance():
     provider = PerturbationTolerances(estimate=_estimate((quiet, 0.05, 1.0)), precision="bf16", alpha=4)
     tolerance = provider.tolerance_for(quiet, "bfloat16")
     assert tolerance.rel == pytest.approx(0.2) and tolerance.drift_rel == BF16_EPS
-    from ttrace_core.compare import _drift_ratio
+    from ttrace_core.compare.engine import _drift_ratio
 
     drift = {"ranks": (0, 1), "max_abs_diff": 0.1, "relative_diff": 0.02}
     assert _drift_ratio(drift, tolerance) == pytest.approx(0.02 / BF16_EPS)

@@ -3,9 +3,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ttrace_core.compare import compare_runs
-from ttrace_core.store import RunReader
-from ttrace_core.tracer import Tracer, TracerConfig
+from ttrace_core.compare.engine import compare_runs
+from ttrace_core.format.reader import RunReader
+from ttrace_core.record.tracer import Tracer, TracerConfig
 
 
 def _model() -> nn.Module:
@@ -121,7 +121,7 @@ def test_stats_only_tensors_share_one_dataset_of_records_per_step_file(tmp_path)
     import h5py
 
     from ttrace_core.errors import TraceFormatError
-    from ttrace_core.store import STATS_ONLY_METAS, read_shards
+    from ttrace_core.format.reader import STATS_ONLY_METAS, read_shards
 
     _record(tmp_path / "ref")
     _record(tmp_path / "stats", TracerConfig(stats_only=True))
@@ -168,7 +168,7 @@ def test_a_full_disk_stops_with_one_clear_error_and_keeps_the_finished_steps(tmp
     import resource
     from types import SimpleNamespace
 
-    from ttrace_core import trace_writer
+    from ttrace_core.format import writer as trace_writer
     from ttrace_core.errors import TraceWriteError
 
     model = _model()

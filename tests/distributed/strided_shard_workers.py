@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ttrace_core.canonicalize import RecordedShard, canonicalize, shard
+from ttrace_core.canonicalize.shards import RecordedShard, canonicalize, shard
 from ttrace_core.integrations.dtensor import layout_from_dtensor, local_value, placement_str
 
 FSDP_OVER_TP_PLACEMENTS = {

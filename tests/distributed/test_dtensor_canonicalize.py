@@ -2,7 +2,7 @@
 
 import pytest
 
-from ttrace_core.launch import run_ranks
+from ttrace_core.record.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

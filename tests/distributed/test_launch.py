@@ -3,7 +3,7 @@ import time
 import pytest
 
 from ttrace_core.errors import LaunchError
-from ttrace_core.launch import free_port, run_ranks
+from ttrace_core.record.launch import free_port, run_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from ttrace_core.canonicalize import RecordedShard, canonicalize
-from ttrace_core.launch import run_ranks
-from ttrace_core.schema import TensorKey
-from ttrace_core.store import RunReader
+from ttrace_core.canonicalize.shards import RecordedShard, canonicalize
+from ttrace_core.record.launch import run_ranks
+from ttrace_core.format.schema import TensorKey
+from ttrace_core.format.reader import RunReader
 
 pytestmark = pytest.mark.distributed
 

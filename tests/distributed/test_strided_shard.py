@@ -9,7 +9,7 @@ of it gives back each rank's local tensor bit for bit.
 
 import pytest
 
-from ttrace_core.launch import run_ranks
+from ttrace_core.record.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

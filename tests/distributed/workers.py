@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from ttrace_core.canonicalize import RecordedShard, canonicalize, shard
+from ttrace_core.canonicalize.shards import RecordedShard, canonicalize, shard
 from ttrace_core.integrations.dtensor import layout_from_dtensor, local_value
 
 
@@ -102,11 +102,11 @@ def record_with_full_tensors(config: dict) -> None:
     """Record the example GPT with the Tracer and keep full_tensor() of every DTensor it records."""
     import numpy as np
 
-    from ttrace_core.examples.torch_gpt.model import GPT, GPTConfig, loss_fn
-    from ttrace_core.examples.torch_gpt.parallelize import apply_fsdp, apply_tensor_parallel
-    from ttrace_core.examples.torch_gpt.train import TorchGPTRunConfig, init_weights, micro_batch
+    from ttrace_examples.torch_gpt.model import GPT, GPTConfig, loss_fn
+    from ttrace_examples.torch_gpt.parallelize import apply_fsdp, apply_tensor_parallel
+    from ttrace_examples.torch_gpt.train import TorchGPTRunConfig, init_weights, micro_batch
     from ttrace_core.integrations.dtensor import declare_parallelize_plan
-    from ttrace_core.tracer import Tracer, TracerConfig
+    from ttrace_core.record.tracer import Tracer, TracerConfig
 
     dist.init_process_group("gloo")
     try:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ttrace_core.examples.megatron_gpt.bugs import apply_bug
+from ttrace_examples.megatron_gpt.bugs import apply_bug
 from tests.integrations.megatron_workers import _stage_name
 from ttrace_core.integrations import megatron_cpu
 

@@ -9,9 +9,9 @@ import warnings
 import pytest
 
 from tests.conftest import MEGATRON_SIZE, load_comparison, run_ttrace
-from ttrace_core.adaptive import _record_values, value_window
+from ttrace_core.workflows.adaptive import _record_values, value_window
 from ttrace_core.errors import TtraceError
-from ttrace_core.store import RunReader, read_manifest
+from ttrace_core.format.reader import RunReader, read_manifest
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -1,4 +1,4 @@
-"""The bug zoo (ttrace_core/examples/megatron_gpt/bugs.py): its registry, and what each patch changes.
+"""The bug zoo (ttrace_examples/megatron_gpt/bugs.py): its registry, and what each patch changes.
 
 In-process tests check the metadata and that apply()/undo() swap exactly the documented megatron
 attribute and put the original object back. The distributed ones spawn 2 gloo ranks per group of
@@ -13,9 +13,9 @@ import warnings
 
 import pytest
 
-from ttrace_core.examples.megatron_gpt.bugs import BUG_CLASSES, ZOO, ZooBug, apply_bug
+from ttrace_examples.megatron_gpt.bugs import BUG_CLASSES, ZOO, ZooBug, apply_bug
 from ttrace_core.integrations import megatron_cpu
-from ttrace_core.launch import run_ranks
+from ttrace_core.record.launch import run_ranks
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected on CPU
@@ -138,7 +138,7 @@ def test_each_bug_moves_what_it_targets_and_only_under_the_patch(worker):
 
 
 def test_every_zoo_bug_has_a_matchable_culprit():
-    from ttrace_core.examples.megatron_gpt.bugs import CULPRITS
+    from ttrace_examples.megatron_gpt.bugs import CULPRITS
 
     assert set(CULPRITS) == set(ZOO)
     for name, truth in CULPRITS.items():

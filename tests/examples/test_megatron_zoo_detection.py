@@ -6,7 +6,7 @@ sync in fp32 and bf16, DP scaling, fp8 scales); the full sweep is the detection 
 import pytest
 
 from tests.conftest import MEGATRON_SIZE, load_comparison, run_ttrace
-from ttrace_core.examples.megatron_gpt.bugs import ZOO
+from ttrace_examples.megatron_gpt.bugs import ZOO
 
 pytestmark = pytest.mark.distributed
 

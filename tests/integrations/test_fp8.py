@@ -226,7 +226,7 @@ CLEAN_OF = {"wrong": "current", "wrong_sp": "current_sp", "wrong_delayed": "dela
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pytest.importorskip("megatron.core")
-    from ttrace_core.launch import run_ranks
+    from ttrace_core.record.launch import run_ranks
 
     out = tmp_path_factory.mktemp("fp8") / "results.json"
     run_ranks("tests.integrations.fp8_workers:tp_vs_tp1", {"out": str(out), "pairs": PAIRS, "gpt": GPTS}, 2,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ttrace_core.integrations import megatron_cpu
-from ttrace_core.launch import run_ranks
+from ttrace_core.record.launch import run_ranks
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected on CPU

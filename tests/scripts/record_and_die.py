@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from ttrace_core.examples.torch_gpt.single_rank import record_single_rank
+from ttrace_examples.torch_gpt.single_rank import record_single_rank
 
 
 def die_on_second_call():

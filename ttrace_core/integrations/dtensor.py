@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ttrace_core.errors import LayoutError
-from ttrace_core.schema import Layout
+from ttrace_core.format.schema import Layout
 
 
 def placement_str(placement: Placement | str) -> str:

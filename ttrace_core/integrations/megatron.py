@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ttrace_core.schema import global_fqn
+from ttrace_core.format.schema import global_fqn
 
 # The model root and the decoder block differ per pipeline stage (and duplicate their first and
 # last children). The masked softmax fills its input in place and the vocab-parallel cross entropy
@@ -80,7 +80,7 @@ _BY_NAME_SUFFIX: dict[str, dict[str, str]] = {
 
 def megatron_tracer_config(**fields):
     """A TracerConfig for megatron-core: main_grad, and the exclusions above, plus `fields`."""
-    from ttrace_core.tracer import TracerConfig
+    from ttrace_core.format.tracer_config import TracerConfig
 
     return TracerConfig(exclude=TRACER_EXCLUDE, exclude_activations=TRACER_EXCLUDE_ACTIVATIONS,
                         forward_only=TRACER_FORWARD_ONLY, grad_attr="main_grad", **fields)

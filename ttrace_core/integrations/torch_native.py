@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ttrace_core.placements import coordinate_from_rank
-from ttrace_core.schema import RunManifest, strip_wrappers
-from ttrace_core.store import dtype_name
+from ttrace_core.canonicalize.placements import coordinate_from_rank
+from ttrace_core.format.schema import RunManifest, strip_wrappers
+from ttrace_core.format.reader import dtype_name
 
 # Mesh axis names read as data parallelism (micro-batch ids are spread over them).
 DATA_PARALLEL_AXES = ("dp", "fsdp", "ddp", "dp_shard", "dp_replicate", "data_parallel", "hsdp", "dp_shard_cp")

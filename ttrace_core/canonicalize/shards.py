@@ -1,0 +1,269 @@
+"""Stage 2 of record -> canonicalize -> compare -> localize -> render.
+
+Input: the recorded shards of one logical tensor (their `Layout` metadata and local values), from
+every rank that holds it. Output: a `CanonicalTensor`, the full logical tensor plus a replica-drift
+finding when ranks that should hold identical values do not. One generic function driven by the
+recorded placements: no per-model or per-framework branch. `shard` is the inverse, used to give
+every rank its slice of a logical tensor (consistent init, input rewriting).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from ttrace_core.canonicalize import placements as pl
+from ttrace_core.errors import LayoutError
+from ttrace_core.format.schema import Layout, TensorKey
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedShard:
+    """One rank's local values of a logical tensor, with the layout they were recorded under."""
+
+    rank: int
+    layout: Layout
+    value: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaDrift:
+    """Replicas of one block that are not bitwise equal."""
+
+    ranks: tuple[int, ...]
+    """The rank whose values were used first, then the rank that differs most from it."""
+    max_abs_diff: float
+    relative_diff: float
+    """||replica - first||_F / ||first||_F of the most different replica."""
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalTensor:
+    full: torch.Tensor
+    replica_drift: ReplicaDrift | None
+    num_shards: int
+    replica_differences: tuple[ReplicaDifference, ...] = ()
+    """Every replica's difference from the first of its block, when `canonicalize(every_replica=True)`."""
+
+
+def _region_slices(region: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
+    return tuple(slice(start, start + length) for start, length in region)
+
+
+def _held_values(full: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A copy of the values of `full` that `layout.coordinate` holds, in its local order (flat range not applied)."""
+    blocks = pl.local_blocks(layout)
+    if len(blocks) == 1:
+        return full[_region_slices(blocks[0][0])].clone()
+    local = full.new_empty(tuple(sum(length for _, length in runs) for runs in pl.local_runs(layout)))
+    for global_region, local_region in blocks:
+        local[_region_slices(local_region)] = full[_region_slices(global_region)]
+    return local
+
+
+def _put_held_values(full: torch.Tensor, layout: Layout, value: torch.Tensor, *, accumulate: bool) -> None:
+    """Write (or add, in float64) a local tensor held under `layout` back into its places in `full`."""
+    for global_region, local_region in pl.local_blocks(layout):
+        block = value[_region_slices(local_region)]
+        if accumulate:
+            full[_region_slices(global_region)] += block.double()
+        else:
+            full[_region_slices(global_region)] = block
+
+
+def _check_consistent(key: TensorKey | None, shards: list[RecordedShard]) -> Layout:
+    first = shards[0].layout
+    for shard_ in shards[1:]:
+        other = shard_.layout
+        if (other.global_shape, other.mesh_shape, other.placements) != (first.global_shape, first.mesh_shape, first.placements):
+            raise LayoutError(
+                f"{key}: rank {shards[0].rank} recorded global shape {first.global_shape} with placements "
+                f"{first.placements} on mesh {first.mesh_shape}, rank {shard_.rank} recorded "
+                f"{other.global_shape} with {other.placements} on {other.mesh_shape}; the ranks disagree on the layout"
+            )
+    for shard_ in shards:
+        expected = pl.local_shape(shard_.layout)
+        if tuple(shard_.value.shape) != expected:
+            raise LayoutError(
+                f"{key}: rank {shard_.rank} holds shape {tuple(shard_.value.shape)} but placements "
+                f"{shard_.layout.placements} on mesh {shard_.layout.mesh_shape} at coordinate "
+                f"{shard_.layout.coordinate} imply {expected}; fix the layout annotation of this tensor"
+            )
+    return first
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaDifference:
+    """How one replica differs from the first of its block, in sums that add up over slabs of the
+    tensor (bounded.py compares a large tensor slab by slab)."""
+
+    ranks: tuple[int, int]
+    max_abs_diff: float
+    diff_norm: float
+    """||replica - first||_F over the finite differences (inf when NaN/Inf sit at different places)."""
+    base_norm: float
+    """||first||_F over its finite values."""
+
+
+def worst_drift(differences: list[ReplicaDifference]) -> ReplicaDrift | None:
+    """The replica that differs most, relative to the first of its block; None when all are equal."""
+    worst: ReplicaDrift | None = None
+    for difference in differences:
+        if difference.diff_norm == 0.0:
+            continue  # equal (but for NaNs at the same places: torch.equal is false on NaN)
+        relative = difference.diff_norm / difference.base_norm if difference.base_norm > 0 else math.inf
+        if worst is None or relative > worst.relative_diff:
+            worst = ReplicaDrift(ranks=difference.ranks, max_abs_diff=difference.max_abs_diff, relative_diff=relative)
+    return worst
+
+
+def _finite_norm(values: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(torch.where(torch.isfinite(values), values, 0.0))) if values.numel() else 0.0
+
+
+def _replica_differences(replicas: list[RecordedShard], *, every: bool = False) -> list[ReplicaDifference]:
+    """The differences of each replica from the first; replicas bitwise equal to it are left out
+    unless `every` (a slab's equal replicas still add their base norm to the whole tensor's)."""
+    first, found = replicas[0], []
+    base = base_norm = None  # computed at the first replica that differs: most replicas are equal
+    for other in replicas[1:]:
+        equal = torch.equal(first.value, other.value)
+        if equal and not every:
+            continue
+        if base is None:
+            base = first.value.double()
+            base_norm = _finite_norm(base)
+        if equal:
+            found.append(ReplicaDifference(ranks=(first.rank, other.rank), max_abs_diff=0.0, diff_norm=0.0, base_norm=base_norm))
+            continue
+        diff = other.value.double() - base
+        if not torch.equal(torch.isfinite(first.value), torch.isfinite(other.value)):
+            # a NaN or Inf in one replica only: NaN compares false with every bound, so say infinite
+            max_abs, diff_norm = math.inf, math.inf
+        else:
+            diff = torch.where(torch.isfinite(diff), diff, torch.zeros((), dtype=diff.dtype))
+            max_abs = float(diff.abs().max()) if diff.numel() else 0.0
+            diff_norm = float(torch.linalg.vector_norm(diff))
+        found.append(ReplicaDifference(ranks=(first.rank, other.rank), max_abs_diff=max_abs, diff_norm=diff_norm, base_norm=base_norm))
+    return found
+
+
+def _replica_drift(replicas: list[RecordedShard]) -> ReplicaDrift | None:
+    return worst_drift(_replica_differences(replicas))
+
+
+def _check_coverage(key: TensorKey | None, layout: Layout, shards: list[RecordedShard]) -> None:
+    replicate_axes = set(pl.axes_of_kind(layout, "replicate"))
+    kept_axes = [axis for axis in range(len(layout.mesh_shape)) if axis not in replicate_axes]
+    held = {tuple(s.layout.coordinate[axis] for axis in kept_axes) for s in shards}
+    needed_shape = tuple(layout.mesh_shape[axis] for axis in kept_axes)
+    missing = [coord for coord in pl.all_coordinates(needed_shape) if coord not in held]
+    if missing:
+        raise LayoutError(
+            f"{key}: no rank holds mesh coordinate {missing[0]} (non-replicated axes) of mesh {layout.mesh_shape} "
+            f"with placements {layout.placements}; ranks present: {sorted(s.rank for s in shards)}. "
+            "Re-record with every rank, or check that no rank file is missing"
+        )
+
+
+def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None, *,
+                 every_replica: bool = False) -> CanonicalTensor:
+    """Assemble the full logical tensor from its recorded shards.
+
+    Shard placements put each block at its global offset (several blocks per shard under SS,
+    see placements.py); partial placements are summed in
+    float64 (and divided for avg); replicas are compared, and the first one is used.
+    `every_replica`: keep every replica's difference, equal ones included (a slab of a larger tensor).
+    """
+    if not shards:
+        raise LayoutError(f"{key}: no shard was recorded")
+    layout = _check_consistent(key, shards)
+    if pl.blocked_view(layout) is not None:
+        viewed = [RecordedShard(s.rank, pl.blocked_view(s.layout), s.value.reshape(pl.local_shape(pl.blocked_view(s.layout))))
+                  for s in shards]
+        result = canonicalize(viewed, key, every_replica=every_replica)
+        return CanonicalTensor(full=result.full.reshape(layout.global_shape), replica_drift=result.replica_drift,
+                               num_shards=result.num_shards, replica_differences=result.replica_differences)
+    if any(s.layout.flat_range is not None for s in shards):
+        return _canonicalize_flat_ranges(shards, key)
+    _check_coverage(key, layout, shards)
+    dtype = shards[0].value.dtype
+    blocks: dict[tuple, dict[tuple[int, ...], list[RecordedShard]]] = defaultdict(lambda: defaultdict(list))
+    for shard_ in sorted(shards, key=lambda s: s.rank):
+        blocks[pl.local_runs(shard_.layout)][pl.partial_coordinate(shard_.layout)].append(shard_)
+    partial_axes = pl.axes_of_kind(layout, "partial")
+    specs = pl.parsed_placements(layout)
+    num_avg = 1
+    for axis in partial_axes:
+        if specs[axis].reduce_op == "avg":
+            num_avg *= layout.mesh_shape[axis]
+    differences: list[ReplicaDifference] = []
+    if partial_axes:
+        full = torch.zeros(layout.global_shape, dtype=torch.float64)
+    else:
+        full = torch.empty(layout.global_shape, dtype=dtype)
+    for by_partial in blocks.values():
+        for replicas in by_partial.values():
+            differences += _replica_differences(replicas, every=every_replica)
+            _put_held_values(full, replicas[0].layout, replicas[0].value, accumulate=bool(partial_axes))
+    if partial_axes:
+        full = (full / num_avg).to(dtype)
+    return CanonicalTensor(full=full, replica_drift=worst_drift(differences), num_shards=len(shards),
+                           replica_differences=tuple(differences) if every_replica else ())
+
+
+def _canonicalize_flat_ranges(shards: list[RecordedShard], key: TensorKey | None) -> CanonicalTensor:
+    """Blocks assembled from flat element ranges (distributed-optimizer gradient shards)."""
+    layout = shards[0].layout
+    if pl.axes_of_kind(layout, "partial"):
+        raise LayoutError(f"{key}: flat ranges over partial placements are not supported")
+    full = torch.empty(layout.global_shape, dtype=shards[0].value.dtype)
+    by_region: dict[tuple, list[RecordedShard]] = defaultdict(list)
+    for shard_ in shards:
+        by_region[pl.local_region(shard_.layout)].append(shard_)
+    drifts = []
+    for region, pieces in by_region.items():
+        numel = 1
+        for _, length in region:
+            numel *= length
+        flat = torch.empty(numel, dtype=full.dtype)
+        owner = torch.full((numel,), -1, dtype=torch.int64)
+        for piece in sorted(pieces, key=lambda s: s.rank):
+            start, end = piece.layout.flat_range or (0, numel)
+            held = owner[start:end] >= 0
+            if held.any() and not torch.equal(flat[start:end][held], piece.value[held]):
+                drifts.append(_replica_drift([RecordedShard(int(owner[start:end][held][0]), piece.layout, flat[start:end][held]),
+                                              RecordedShard(piece.rank, piece.layout, piece.value[held])]))
+            flat[start:end] = torch.where(held, flat[start:end], piece.value)
+            owner[start:end] = torch.where(held, owner[start:end], torch.full_like(owner[start:end], piece.rank))
+        if (owner < 0).any():
+            missing = int((owner < 0).nonzero()[0])
+            raise LayoutError(f"{key}: no rank holds flat element {missing} of block {region}; ranks present: "
+                              f"{sorted(p.rank for p in pieces)}. Re-record with every rank")
+        full[_region_slices(region)] = flat.view(tuple(length for _, length in region))
+    worst = max((d for d in drifts if d is not None), key=lambda d: d.relative_diff, default=None)
+    return CanonicalTensor(full=full, replica_drift=worst, num_shards=len(shards))
+
+
+def shard(full: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The local tensor that `layout.coordinate` holds of `full`: the inverse of `canonicalize`.
+
+    Along partial axes coordinate 0 holds the value and the others hold zeros (sum) or every
+    coordinate holds the value (avg), so that reducing gives `full` back.
+    """
+    if tuple(full.shape) != tuple(layout.global_shape):
+        raise LayoutError(f"cannot shard a tensor of shape {tuple(full.shape)} with a layout of global shape {layout.global_shape}")
+    if (view := pl.blocked_view(layout)) is not None:
+        return shard(full.reshape(view.global_shape), view).reshape(pl.local_shape(layout))
+    local = _held_values(full, layout)
+    if layout.flat_range is not None:
+        start, end = layout.flat_range
+        return local.reshape(-1)[start:end].clone()
+    specs = pl.parsed_placements(layout)
+    for axis in pl.axes_of_kind(layout, "partial"):
+        if specs[axis].reduce_op == "sum" and layout.coordinate[axis] != 0:
+            local.zero_()
+    return local

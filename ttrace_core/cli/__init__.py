@@ -1,0 +1,2 @@
+"""The `ttrace` command line, on top of `ttrace_core.api` and the workflows.
+"""

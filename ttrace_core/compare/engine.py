@@ -1,0 +1,281 @@
+"""Stage 3 of record -> canonicalize -> compare -> localize -> render.
+
+Input: a reference and a candidate `RunReader` and a `ToleranceProvider`. Output: a
+`RunComparison`, one `TensorComparison` per logical tensor in execution order (forward, backward,
+reduced parameter gradients, post-step parameters), each truthy when it passes and carrying the
+numbers behind its verdict. Structure is checked before values: key sets, then shape and dtype,
+then values promoted to float64.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ttrace_core.canonicalize import placements as pl
+from ttrace_core.format import strict_json
+from ttrace_core.compare.bounded import compare_in_slabs, slab_dims, working_bytes
+from ttrace_core.compare.metrics import metrics_from_sums, value_sums
+from ttrace_core.canonicalize.logical_value import canonical_tensor
+from ttrace_core.compare.exact_inputs import ExactInputs
+from ttrace_core.errors import LayoutError
+from ttrace_core.compare.results import Coverage, RunComparison, TensorComparison, Tolerance
+from ttrace_core.compare.settings import CompareSettings
+from ttrace_core.compare.evidence import (
+    check_comparable, data_mismatch_finding, inconsistency, quantization_only, tally_coverage,
+)
+from ttrace_core.format.schema import TensorKey, TensorMeta
+from ttrace_core.format.reader import RunReader
+from ttrace_core.compare.tolerances import (
+    DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, exact_inputs_tolerance, select_tolerances,
+)
+
+
+def compare_values(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance) -> dict:
+    """Metrics of actual vs expected (both float64, same shape) under one tolerance."""
+    return metrics_from_sums(value_sums(actual, expected, tolerance), tolerance)
+
+
+def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[str, str]:
+    """The status and its message. A tensor can fail two ways at once, against the reference
+    (mismatch) and between its own replicas (replica drift); the message gives both ratios and the
+    larger one decides, so the status, the `ratio` column and the text always agree."""
+    if metrics["num_nan"][0] != metrics["num_nan"][1] or metrics["num_inf"][0] != metrics["num_inf"][1]:
+        return "nonfinite", f"NaN/Inf counts differ: candidate {metrics['num_nan'][0]}/{metrics['num_inf'][0]}, " \
+                            f"reference {metrics['num_nan'][1]}/{metrics['num_inf'][1]}"
+    value_ratio, drift_ratio = metrics["ratio"], _drift_ratio(drift, tolerance)
+    mismatch = f"mismatch ratio {value_ratio:.3g} (relative error {metrics['error']:.3g}, tolerance {tolerance.rel:.3g})"
+    if drift_ratio > 1:
+        relative = drift["relative_diff"]
+        drifting = f"replica drift ratio {drift_ratio:.3g} (replicas on ranks {drift['ranks']} differ by {relative:.3g} relative)"
+        if value_ratio > 1:
+            decided = "replica drift" if drift_ratio > value_ratio else "mismatch"
+            return ("replica_drift" if decided == "replica drift" else "mismatch"), \
+                f"{mismatch}; {drifting}; decided by {decided}"
+        return "replica_drift", f"{drifting}; {mismatch}"
+    if value_ratio > 1:
+        return "mismatch", mismatch
+    return "pass", ""
+
+
+def _drift_ratio(drift: dict | None, tolerance: Tolerance) -> float:
+    """How far candidate replicas disagree, in units of the tensor's relative tolerance (0 within abs)."""
+    if drift is None or drift["max_abs_diff"] <= tolerance.abs:
+        return 0.0
+    allowed = tolerance.rel if tolerance.drift_rel is None else tolerance.drift_rel
+    if allowed > 0:
+        return drift["relative_diff"] / allowed
+    return 0.0 if drift["relative_diff"] == 0 else math.inf
+
+
+def _canonical_norm(metas: list[TensorMeta], key: TensorKey) -> float:
+    """Frobenius norm of the logical tensor from per-shard stats (stats-only traces)."""
+    layout = metas[0].layout
+    if pl.axes_of_kind(layout, "partial"):
+        raise LayoutError(f"{key}: partial placements cannot be combined from stats; record this tensor with values")
+    sumsq_by_region = {pl.local_region(m.layout): m.stats.sumsq / m.scale**2 for m in metas if m.stats}
+    return math.sqrt(sum(sumsq_by_region.values()))
+
+
+def _norm_of(reader: RunReader, metas: list[TensorMeta], key: TensorKey) -> float:
+    """The logical tensor's Frobenius norm (finite values, loss scale undone): from its shards'
+    statistics, or from its values when the shards hold them (a partial sum in a stats-only trace)."""
+    if metas[0].stats_only:
+        return _canonical_norm(metas, key)
+    values = canonical_tensor(reader, metas, key).full.double() / metas[0].scale
+    return float(torch.linalg.vector_norm(torch.where(torch.isfinite(values), values, 0.0))) if values.numel() else 0.0
+
+
+def _compare_stats(key: TensorKey, reference: RunReader, candidate: RunReader, tolerance: Tolerance) -> TensorComparison:
+    ref, cand = reference.index[key], candidate.index[key]
+    expected, actual = _norm_of(reference, ref, key), _norm_of(candidate, cand, key)
+    numel = math.prod(ref[0].layout.global_shape)
+    abs_error = abs(actual - expected)
+    allowed = tolerance.rel * expected + tolerance.abs * math.sqrt(numel)
+    ratio = abs_error / allowed if allowed > 0 else (0.0 if abs_error == 0 else math.inf)
+    status = "pass" if ratio <= 1 else "mismatch"
+    return TensorComparison(
+        key=key, status=status, dtype=cand[0].dtype, shape=ref[0].layout.global_shape, numel=numel,
+        error=abs_error / expected if expected > 0 else math.inf, abs_error=abs_error, reference_norm=expected,
+        tolerance=tolerance, ratio=ratio, value_ratio=ratio, stats_only=True,
+        message="stats-only: compares norms, a lower bound of the error" + ("" if status == "pass" else " (exceeds tolerance)"),
+    )
+
+
+def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider,
+                   *, ignore_dtype: bool = False, exact_inputs: tuple[float, int] | None = None,
+                   max_bytes: int | None = None) -> TensorComparison:
+    """`exact_inputs` (k, n): everything this tensor is computed from was exact and it combines at
+    most n partial results, so it is also held to k * sqrt(n) * eps (dataflow.py) when tighter.
+    `max_bytes`: compare a tensor whose values would take more, slab by slab (bounded.py)."""
+    ref_metas, cand_metas = reference.index[key], candidate.index[key]
+    ref_dtype, cand_dtype = ref_metas[0].dtype, cand_metas[0].dtype
+    tolerance = tolerances.tolerance_for(key, cand_dtype)
+    if exact_inputs:
+        tolerance = exact_inputs_tolerance(tolerance, candidate.manifest.precision, cand_dtype, *exact_inputs)
+    if ref_dtype != cand_dtype and not ignore_dtype:
+        return TensorComparison(key=key, status="dtype", dtype=cand_dtype,
+                                message=f"dtype {cand_dtype} in the candidate, {ref_dtype} in the reference")
+    if ref_metas[0].layout.global_shape != cand_metas[0].layout.global_shape:
+        return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=cand_metas[0].layout.global_shape,
+                                message=f"global shape {cand_metas[0].layout.global_shape} in the candidate, "
+                                        f"{ref_metas[0].layout.global_shape} in the reference")
+    try:
+        if ref_metas[0].stats_only or cand_metas[0].stats_only:
+            return _compare_stats(key, reference, candidate, tolerance)
+        if dims := slab_dims(ref_metas, cand_metas, max_bytes):
+            metrics, replica_drift = compare_in_slabs(key, reference, candidate, tolerance, max_bytes, dims)
+        else:
+            cand_full = canonical_tensor(candidate, cand_metas, key)
+            actual = cand_full.full.double() / cand_metas[0].scale
+            expected = canonical_tensor(reference, ref_metas, key).full.double() / ref_metas[0].scale
+            if actual.shape != expected.shape:
+                return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=tuple(actual.shape),
+                                        message=f"shape {tuple(actual.shape)} in the candidate, {tuple(expected.shape)} in the reference")
+            metrics, replica_drift = compare_values(actual, expected, tolerance), cand_full.replica_drift
+    except LayoutError as error:
+        return TensorComparison(key=key, status="layout", dtype=cand_dtype, message=str(error))
+    drift = asdict(replica_drift) if replica_drift else None
+    status, message = _verdict(metrics, drift, tolerance)
+    value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(drift, tolerance)
+    return TensorComparison(key=key, status=status, message=message, dtype=cand_dtype, tolerance=tolerance,
+                            replica_drift=drift, ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio,
+                            drift_ratio=drift_ratio, **metrics)
+
+
+def _execution_order(reader: RunReader, key: TensorKey) -> tuple:
+    return (*key.execution_order(), min(m.seq for m in reader.index[key]))
+
+
+@dataclass(kw_only=True, slots=True)
+class ComparePlan:
+    """What a comparison of two runs will compare, decided from their indexes alone (no value read)."""
+
+    ordered: list[TensorKey]
+    """The reference's keys of the compared steps, in execution order."""
+    common: set[TensorKey]
+    extras: list[TensorKey]
+    """Keys only the candidate recorded."""
+    tolerances: ToleranceProvider
+    exact_inputs_k: float | None
+    ignore_dtype: bool
+    max_bytes: int | None = None
+    """Budget of one tensor's comparison in bytes (bounded.py); None: unbounded."""
+    compared_whole: dict[TensorKey, int] = field(default_factory=dict)
+    """Tensors over the budget that could not be cut into slabs -> the bytes their comparison took."""
+
+    @property
+    def to_compare(self) -> list[TensorKey]:
+        return [key for key in self.ordered if key in self.common]
+
+
+def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
+                    ignore_dtype: bool = False, exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K,
+                    partial: bool = False, max_bytes: int | None = None) -> tuple[RunComparison, ComparePlan]:
+    """The comparison's frame (runs, steps, notes) and its plan; `compare_runs` fills the rows in."""
+    check_comparable(reference, candidate)
+    tolerances = tolerances or select_tolerances("auto", reference, candidate)
+    crossed = reference.manifest.precision != candidate.manifest.precision
+    if isinstance(tolerances, DtypeTolerances) or crossed:
+        exact_inputs_k = None  # across precisions exact inputs still give results that differ by the quantization
+    result = RunComparison(reference=str(reference.run_dir), candidate=str(candidate.run_dir), partial_allowed=partial)
+    steps = sorted(set(reference.complete_steps) & set(candidate.complete_steps))
+    for name, reader in (("reference", reference), ("candidate", candidate)):
+        for step, why in sorted(reader.partial_steps.items()):
+            result.notes.append(f"{name} step {step} is partial and was not compared: {why}")
+        for step in sorted(set(reader.complete_steps) - set(steps)):
+            if step not in reference.partial_steps and step not in candidate.partial_steps:
+                result.notes.append(f"{name} step {step} has no counterpart in the other run and was not compared")
+    result.steps_compared = steps
+    ref_keys = [k for k in reference.index if k.step in steps]
+    cand_keys = [k for k in candidate.index if k.step in steps]
+    common = set(ref_keys) & set(cand_keys)
+    plan = ComparePlan(ordered=sorted(ref_keys, key=lambda k: _execution_order(reference, k)), common=common,
+                       extras=sorted(set(cand_keys) - common, key=lambda k: _execution_order(candidate, k)),
+                       tolerances=tolerances, exact_inputs_k=exact_inputs_k or None, ignore_dtype=ignore_dtype,
+                       max_bytes=max_bytes)
+    return result, plan
+
+
+def compare_key(key: TensorKey, reference: RunReader, candidate: RunReader, plan: ComparePlan,
+                num_terms: int | None = None) -> TensorComparison:
+    """One row: inconsistent metadata first, then values; held to the exact-inputs rule when `num_terms`."""
+    comparison = _inconsistent(key, reference, candidate)
+    if comparison is not None:
+        return comparison
+    exact_inputs = (plan.exact_inputs_k, num_terms) if num_terms and plan.exact_inputs_k else None
+    metas = candidate.index[key]
+    if slab_dims(reference.index[key], metas, plan.max_bytes) == []:
+        plan.compared_whole[key] = working_bytes(metas)
+    return compare_tensor(key, reference, candidate, plan.tolerances, ignore_dtype=plan.ignore_dtype,
+                          exact_inputs=exact_inputs, max_bytes=plan.max_bytes)
+
+
+def compare_runs(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
+                 ignore_dtype: bool = False, progress: Callable[[int, int], None] | None = None,
+                 exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K, partial: bool = False,
+                 precomputed: dict[TensorKey, TensorComparison] | None = None, max_bytes: int | None = None) -> RunComparison:
+    """`exact_inputs_k` (None or 0: off) tightens derived tolerances (perturbation, theorem) where a
+    tensor's inputs were exact (dataflow.py); the flat dtype table is left as it is. `partial`: a
+    verdict on what was recorded, when the evidence is incomplete (RunComparison.partial_allowed).
+    `precomputed`: rows already compared without the exact-inputs rule (partition.py's workers); only
+    the tensors the rule applies to are compared again, so the result is the same as without them.
+    `max_bytes`: compare each tensor within that many bytes (bounded.py), slab by slab where needed."""
+    result, plan = plan_comparison(reference, candidate, tolerances, ignore_dtype=ignore_dtype,
+                                   exact_inputs_k=exact_inputs_k, partial=partial, max_bytes=max_bytes)
+    total = len(plan.ordered) + len(plan.extras)
+    exact = ExactInputs(plan.common)
+    for done, key in enumerate(plan.ordered, start=1):
+        if key in plan.common:
+            num_terms = exact.num_partial_terms(key, candidate.manifest.world_size) if plan.exact_inputs_k else None
+            known = None if precomputed is None or num_terms else precomputed.get(key)
+            # (a failing row is falsy: no `or` here)
+            comparison = known if known is not None else compare_key(key, reference, candidate, plan, num_terms)
+            exact.mark(key, comparison.exact)
+            result.comparisons.append(comparison)
+        else:
+            result.comparisons.append(TensorComparison(key=key, status="missing", message="recorded in the reference only"))
+        if progress:
+            progress(done, total)
+    crossed = reference.manifest.precision != candidate.manifest.precision
+    scales_only = [key for key in plan.extras if crossed and quantization_only(key)]
+    if scales_only:
+        result.notes.append(f"{len(scales_only)} tensors only the {candidate.manifest.precision} candidate records "
+                            f"(its quantization scales, e.g. {scales_only[0]}) were not compared: the "
+                            f"{reference.manifest.precision} reference has none")
+    for key in plan.extras:
+        if key not in scales_only:
+            result.comparisons.append(TensorComparison(key=key, status="extra", message="recorded in the candidate only"))
+    if plan.compared_whole:
+        key, needed = max(plan.compared_whole.items(), key=lambda item: item[1])
+        result.notes.append(f"{len(plan.compared_whole)} tensors over the memory budget could not be cut into slabs "
+                            f"(every dim sharded, or flat ranges) and were compared whole, the largest {key} "
+                            f"with about {needed / 2**20:.0f} MiB")
+    result.coverage = tally_coverage(result.comparisons, reference, candidate, result.steps_compared)
+    if (finding := data_mismatch_finding(result)) is not None:
+        result.notes.insert(0, finding)
+    return result
+
+
+def _inconsistent(key: TensorKey, reference: RunReader, candidate: RunReader) -> TensorComparison | None:
+    """A row for a tensor whose shards' metadata disagree, checked before any value is read."""
+    for name, reader in (("candidate", candidate), ("reference", reference)):
+        why = reader.misplaced.get(key) or inconsistency(key, reader.index[key], reader.manifest)
+        if why is not None:
+            return TensorComparison(key=key, status="inconsistent", dtype=reader.index[key][0].dtype,
+                                    message=f"{name} metadata disagree: {why}")
+    return None
+
+
+def compare_readers(reference: RunReader, candidate: RunReader, settings: CompareSettings, *,
+                    progress: Callable[[int, int], None] | None = None,
+                    precomputed: dict[TensorKey, TensorComparison] | None = None) -> RunComparison:
+    """Compare two open runs as `settings` say: the one place settings become a comparison."""
+    tolerances = select_tolerances(settings.tolerance, reference, candidate, alpha=settings.alpha, k=settings.theorem_k,
+                                   c=settings.theorem_c)
+    return compare_runs(reference, candidate, tolerances, progress=progress, precomputed=precomputed,
+                        **settings.engine_options())

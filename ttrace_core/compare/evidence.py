@@ -1,0 +1,197 @@
+"""What a verdict rests on: consistency of the recorded metadata and coverage of the run.
+
+Part of stage 3 (compare), run on the runs' indexes before any value is read (structure before
+values, as torch.testing does). Input: the `TensorMeta` of every shard of a tensor and the run's
+manifest. Output, per tensor: the disagreement among its shards, if any (`inconsistency`), and how
+many copies were recorded against how many the layout and the run's structure call for
+(`count_copies`). Per run: a `Coverage` block, which says how much evidence stands behind the verdict
+and names what is missing (`Coverage.findings`). Also here: the run-level checks that come before
+values (`check_comparable`, the tensors only a quantized run holds) and the data-mismatch finding.
+
+Copies. A tensor's layout gives one block per mesh coordinate, and ranks outside the tensor's mesh
+may hold the same block again (data-parallel replicas of a reduced gradient). Every coordinate must be
+held, and by as many ranks as the most replicated coordinate of the tensor's *family*: the same
+module output over all micro-batches and steps, or a parameter's gradient and its post-step value
+(every data-parallel rank holds both). A replica that is missing leaves the replica-drift check, the
+one that catches an unreduced gradient, with nothing to compare.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from ttrace_core.canonicalize import placements as pl
+from ttrace_core.errors import ConfigMismatchError, LayoutError
+from ttrace_core.format.schema import RunManifest, TensorKey, TensorMeta
+from ttrace_core.format.reader import RunReader
+from ttrace_core.compare.results import Coverage, RunComparison
+
+
+# Fields every shard of one tensor must agree on: (name, how to read it from a TensorMeta).
+_SHARED_FIELDS = (
+    ("dtype", lambda m: m.dtype), ("scale", lambda m: m.scale), ("stats_only", lambda m: m.stats_only),
+    ("global shape", lambda m: m.layout.global_shape), ("mesh", lambda m: m.layout.mesh_shape),
+    ("mesh axes", lambda m: m.layout.mesh_axis_names), ("placements", lambda m: m.layout.placements),
+    ("flat range use", lambda m: m.layout.flat_range is not None),
+)
+
+
+def inconsistency(key: TensorKey, metas: list[TensorMeta], manifest: RunManifest) -> str | None:
+    """Why the shards of `key` cannot all be right (their metadata disagree with each other or with
+    the manifest), naming the field and the ranks; None when they agree."""
+    first = metas[0]
+    for name, value_of in _SHARED_FIELDS:
+        for other in metas[1:]:
+            if value_of(other) != value_of(first):
+                return (f"{key}: rank {first.rank} recorded {name} {value_of(first)}, rank {other.rank} recorded {name} "
+                        f"{value_of(other)}")
+    for meta in metas:
+        if (why := _against_manifest(meta, manifest)) is not None:
+            return f"{key}: {why}"
+    return _duplicate_coordinate(key, metas)
+
+
+def _against_manifest(meta: TensorMeta, manifest: RunManifest) -> str | None:
+    if meta.rank >= manifest.world_size:
+        return f"rank {meta.rank} recorded it, but the manifest's world size is {manifest.world_size}"
+    try:
+        expected_shape = pl.local_shape(meta.layout)
+    except LayoutError as error:
+        return f"rank {meta.rank}: {error}"
+    if meta.local_shape != expected_shape and not meta.stats_only:
+        return (f"rank {meta.rank} holds local shape {meta.local_shape}, but its placements {meta.layout.placements} "
+                f"on mesh {meta.layout.mesh_shape} at coordinate {meta.layout.coordinate} give {expected_shape}")
+    if not manifest.rank_coordinates:
+        return None
+    world = dict(zip(manifest.mesh_axis_names, zip(manifest.mesh_shape, manifest.rank_coordinates[meta.rank])))
+    for axis, name in enumerate(meta.layout.mesh_axis_names):
+        size, coordinate = world.get(name, (None, None))
+        if size == meta.layout.mesh_shape[axis] and coordinate != meta.layout.coordinate[axis]:
+            return (f"rank {meta.rank} recorded coordinate {meta.layout.coordinate[axis]} on mesh axis {name!r}, "
+                    f"the manifest places rank {meta.rank} at {coordinate} on that axis")
+    return None
+
+
+def _duplicate_coordinate(key: TensorKey, metas: list[TensorMeta]) -> str | None:
+    """Two ranks claiming the same block of a partial placement would be summed twice."""
+    if not metas or not pl.axes_of_kind(metas[0].layout, "partial"):
+        return None
+    seen: dict[tuple[int, ...], int] = {}
+    for meta in metas:
+        if meta.layout.coordinate in seen:
+            return (f"{key}: ranks {seen[meta.layout.coordinate]} and {meta.rank} both recorded coordinate "
+                    f"{meta.layout.coordinate} of a partial placement {meta.layout.placements}; its sum would count it twice")
+        seen[meta.layout.coordinate] = meta.rank
+    return None
+
+
+def family_of(key: TensorKey) -> tuple:
+    """Tensors that every correct run records on the same number of ranks per block."""
+    if key.phase in ("grad", "param"):
+        return ("parameter", key.fqn)
+    return (key.phase, key.fqn, key.slot, key.call)
+
+
+def _copies_per_coordinate(metas: list[TensorMeta]) -> int:
+    held = Counter(meta.layout.coordinate for meta in metas)
+    return max(held.values()) if held else 0
+
+
+def replication_by_family(index: dict[TensorKey, list[TensorMeta]]) -> dict[tuple, int]:
+    """family -> the most ranks that held one block of any of its tensors."""
+    replication: dict[tuple, int] = defaultdict(int)
+    for key, metas in index.items():
+        family = family_of(key)
+        replication[family] = max(replication[family], _copies_per_coordinate(metas))
+    return replication
+
+
+@dataclass(frozen=True, slots=True)
+class Copies:
+    present: int
+    expected: int
+    ranks: tuple[int, ...]
+    """The ranks that recorded the tensor."""
+
+
+def count_copies(metas: list[TensorMeta], replication: int) -> Copies:
+    num_blocks = math.prod(metas[0].layout.mesh_shape) if metas else 1
+    return Copies(present=len(metas), expected=num_blocks * max(replication, 1), ranks=tuple(sorted(m.rank for m in metas)))
+
+
+def expected_steps(reference: RunReader, candidate: RunReader) -> list[int]:
+    """Every step the candidate recorded (partial ones too), and every reference step up to the
+    candidate's last: a candidate recorded for fewer steps than its reference is judged on its own
+    steps, but a step missing in between, or a partial one on either side, leaves the evidence incomplete."""
+    own = {*candidate.complete_steps, *candidate.partial_steps}
+    last = max(own, default=-1)
+    from_reference = {s for s in (*reference.complete_steps, *reference.partial_steps) if s <= last}
+    return sorted(own | from_reference)
+
+
+def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps_compared: list[int]) -> Coverage:
+    """The coverage block of one comparison: `rows` are its TensorComparisons (the noted, not compared
+    quantization scales left out), the readers give every tensor's recorded copies."""
+    replication = {id(reader): replication_by_family(reader.index) for reader in (reference, candidate)}
+    steps_expected = expected_steps(reference, candidate)
+    coverage = Coverage(tensors_expected=len(rows), steps_expected=steps_expected, steps_compared=list(steps_compared),
+                        stats_only_run=any(r.manifest.tracer.get("stats_only") is True for r in (reference, candidate)),
+                        inventory_gaps=reference.inventory_gaps + candidate.inventory_gaps)
+    for row in rows:
+        if row.status in ("missing", "extra"):
+            coverage.missing_in_candidate += row.status == "missing"
+            coverage.missing_in_reference += row.status == "extra"
+            continue
+        for reader in (reference, candidate):
+            copies = count_copies(reader.index[row.key], replication[id(reader)][family_of(row.key)])
+            coverage.copies_present += copies.present
+            coverage.copies_expected += copies.expected
+            if copies.present < copies.expected and len(coverage.missing_copies) < 5:
+                coverage.missing_copies.append(f"{row.key}: {copies.present} of {copies.expected} copies in "
+                                               f"{reader.run_dir.name} (ranks {list(copies.ranks)})")
+        if row.stats_only:
+            coverage.compared_by_stats += 1
+        elif row.value_ratio is not None:
+            coverage.compared_elementwise += 1
+        else:
+            coverage.not_compared += 1
+    for reader in (reference, candidate):
+        coverage.ranks_expected += reader.manifest.world_size
+        coverage.ranks_present += len({m.rank for key, metas in reader.index.items() if key.step in steps_compared for m in metas})
+    return coverage
+
+
+def check_comparable(reference: RunReader, candidate: RunReader) -> None:
+    ref_model, cand_model = reference.manifest.model, candidate.manifest.model
+    if ref_model != cand_model:
+        names = sorted(set(ref_model) | set(cand_model))
+        differing = [n for n in names if ref_model.get(n) != cand_model.get(n)]
+        detail = ", ".join(f"{n}: {ref_model.get(n)!r} vs {cand_model.get(n)!r}" for n in differing[:3])
+        raise ConfigMismatchError(
+            f"{candidate.run_dir}: model configuration differs from the reference {reference.run_dir} ({detail}); "
+            "record both runs from the same model configuration"
+        )
+
+
+# Modules that exist only in a quantized run: the fp8 integration passes each GEMM's inverse scales
+# through an identity `fp8_scale_inv` child so that the tracer records them (integrations/fp8.py).
+QUANTIZATION_ONLY_MODULES = ("fp8_scale_inv",)
+
+
+def quantization_only(key: TensorKey) -> bool:
+    return key.fqn.rsplit(".", 1)[-1] in QUANTIZATION_ONLY_MODULES
+
+
+def data_mismatch_finding(result: RunComparison) -> str | None:
+    """Integer forward inputs (token ids, labels) come from the data loader, not from arithmetic: when
+    the first divergence is one, the runs were fed different micro-batches and everything after it
+    follows from that, so it is named as such instead of as a numerical error."""
+    first = result.first_divergence
+    if first is None or first.key.phase != "forward" or not first.key.slot.startswith("input") or \
+            not (first.dtype or "").startswith(("int", "uint", "bool")):
+        return None
+    return (f"data-mismatch: {first.key} holds {first.dtype} inputs that differ from the reference's, so the runs "
+            "were not fed the same micro-batches; the candidate's global micro-batch m (local micro-batch k of "
+            "data-parallel rank r is m = k * dp + r) must be the reference's m-th (README: your own script)")

@@ -1,0 +1,298 @@
+"""The result types of stage 3 (compare), and their one serialized form.
+
+Every later stage reads these: the table (compare/table.py), localize, the report, the dashboard.
+`Tolerance` is the bound a tensor was judged against, `TensorComparison` one row of a comparison,
+`Coverage` how much evidence a verdict rests on, `RunComparison` the whole comparison and
+`VerdictSummary` the verdict with its first divergence, which both the terminal and the dashboard
+put into words here, once.
+
+Serialized form: `format.records.data_from_record` (msgspec's builtins) writes each record as plain
+JSON data and `record_from_data` reads it back, type-checked. The `--json` output, a partitioned
+worker's rows, the Parquet table's columns (table.py maps each column to a path in that form) and the
+table's provenance all use it.
+
+Imports no torch: `ttrace_core.api` hands these to the dashboard without loading the tensor stack.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ttrace_core.format import strict_json
+from ttrace_core.format.naming import tensor_id
+from ttrace_core.format.records import data_from_json, data_from_record, record_from_data
+from ttrace_core.format.schema import TensorKey
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    rel: float
+    abs: float
+    source: str
+    """Where the numbers come from, shown next to every verdict ("dtype default (float32)")."""
+    drift_rel: float | None = None
+    """How far the candidate's replicas of the tensor may differ (relative); None: as far as `rel`."""
+    method: str = ""
+    """"dtype", "perturbation", "perturbation-floor", "theorem" or "exact-inputs"."""
+    params: tuple[tuple[str, float], ...] = ()
+    """The numbers the method used, e.g. (("alpha", 4.0), ("r_t", 2e-7), ("samples", 4))."""
+
+
+
+
+@dataclass(kw_only=True, slots=True)
+class Coverage:
+    """How much evidence stands behind a verdict. "equivalent" needs `full`: every expected tensor
+    compared element-wise (or, in a run recorded in stats-only mode, by statistics) on every copy,
+    over every expected step (`expected_steps`)."""
+
+    tensors_expected: int = 0
+    """Logical tensors either run recorded in the compared steps (the fp8-only quantization scales,
+    which a higher-precision reference cannot have, excluded)."""
+    compared_elementwise: int = 0
+    compared_by_stats: int = 0
+    missing_in_candidate: int = 0
+    missing_in_reference: int = 0
+    not_compared: int = 0
+    """Tensors judged on structure alone (dtype, shape, layout or metadata disagree)."""
+    copies_expected: int = 0
+    copies_present: int = 0
+    ranks_expected: int = 0
+    ranks_present: int = 0
+    steps_expected: list[int] = field(default_factory=list)
+    """The candidate's steps and the reference's up to the candidate's last (`expected_steps`)."""
+    steps_compared: list[int] = field(default_factory=list)
+    stats_only_run: bool = False
+    """One of the runs was recorded in stats-only mode by the user's choice."""
+    missing_copies: list[str] = field(default_factory=list)
+    """The first few tensors with copies missing: "KEY: 1 of 2 copies (ranks [0])"."""
+    inventory_gaps: list[str] = field(default_factory=list)
+    """Step files holding fewer tensors than their writer recorded."""
+
+    @property
+    def stats_only_tensors_in_full_run(self) -> int:
+        return 0 if self.stats_only_run else self.compared_by_stats
+
+    @property
+    def full(self) -> bool:
+        compared = self.compared_elementwise + (self.compared_by_stats if self.stats_only_run else 0)
+        return (compared == self.tensors_expected and self.copies_present >= self.copies_expected
+                and self.steps_compared == self.steps_expected and self.ranks_present == self.ranks_expected
+                and not self.inventory_gaps)
+
+    def findings(self) -> list[str]:
+        """Named findings, one line each: `incomplete`, `missing-replica`."""
+        found = []
+        if missing_steps := [s for s in self.steps_expected if s not in self.steps_compared]:
+            found.append(f"incomplete: steps {missing_steps} were not compared (partial or in one run only)")
+        if self.ranks_present < self.ranks_expected:
+            found.append(f"incomplete: {self.ranks_present} of {self.ranks_expected} ranks hold a compared step")
+        if self.missing_in_candidate or self.missing_in_reference:
+            found.append(f"incomplete: {self.missing_in_candidate} tensors missing in the candidate, "
+                         f"{self.missing_in_reference} in the reference")
+        if self.not_compared:
+            found.append(f"incomplete: {self.not_compared} tensors could not be compared by value (see their rows)")
+        if self.stats_only_tensors_in_full_run:
+            found.append(f"incomplete: {self.compared_by_stats} tensors hold statistics only, in runs recorded in full")
+        found += [f"incomplete: {gap}" for gap in self.inventory_gaps]
+        if self.copies_present < self.copies_expected:
+            example = f", e.g. {self.missing_copies[0]}" if self.missing_copies else ""
+            found.append(f"missing-replica: {self.copies_expected - self.copies_present} of {self.copies_expected} "
+                         f"expected copies were not recorded{example}")
+        return found
+
+    def summary(self) -> str:
+        by_stats = f", {self.compared_by_stats} by statistics only" if self.compared_by_stats else ""
+        return (f"{self.compared_elementwise}/{self.tensors_expected} tensors compared element-wise{by_stats}; "
+                f"{self.copies_present}/{self.copies_expected} copies; {self.ranks_present}/{self.ranks_expected} ranks; "
+                f"steps {self.steps_compared} of {self.steps_expected}")
+
+
+
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorComparison:
+    key: TensorKey
+    status: str
+    """"pass", or why it fails: "mismatch", "replica_drift", "nonfinite", "missing", "extra",
+    "shape", "dtype", "layout", "inconsistent" (its shards' metadata disagree; evidence.py)."""
+    message: str = ""
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    error: float | None = None
+    """Relative error ||actual - expected||_F / ||expected||_F, in float64."""
+    abs_error: float | None = None
+    """||actual - expected||_F."""
+    reference_norm: float | None = None
+    tolerance: Tolerance | None = None
+    ratio: float | None = None
+    """The ratio that judged the tensor: the larger of `value_ratio` and `drift_ratio` (`decided_by`
+    names which); <= 1 passes."""
+    value_ratio: float | None = None
+    """||actual - expected||_F / (rel * ||expected||_F + abs * sqrt(numel))."""
+    drift_ratio: float | None = None
+    """How far the candidate's replicas disagree, in units of the tolerance's drift_rel (0: none)."""
+    min_rel_tolerance: float | None = None
+    """The smallest rel that would have passed with the same abs."""
+    max_abs_diff: float | None = None
+    max_abs_index: tuple[int, ...] | None = None
+    max_rel_diff: float | None = None
+    max_rel_index: tuple[int, ...] | None = None
+    num_mismatched: int | None = None
+    """Elements outside abs + rel * |expected|."""
+    numel: int | None = None
+    num_nan: tuple[int, int] = (0, 0)
+    """(candidate, reference)."""
+    num_inf: tuple[int, int] = (0, 0)
+    replica_drift: dict | None = None
+    """Candidate replicas that differ: {"ranks", "max_abs_diff", "relative_diff"}."""
+    stats_only: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+    @property
+    def decided_by(self) -> str | None:
+        """"mismatch" or "replica drift": which of the two ratios is `ratio` (None without a ratio)."""
+        if self.value_ratio is None:
+            return None
+        return "replica drift" if (self.drift_ratio or 0.0) > self.value_ratio else "mismatch"
+
+    @property
+    def exact(self) -> bool:
+        """Bitwise equal to the reference, on every replica."""
+        return self.passed and not self.stats_only and self.abs_error == 0 and self.replica_drift is None \
+            and self.num_nan[0] == 0 and self.num_inf[0] == 0
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def to_dict(self) -> dict:
+        """The serialized form (`data_from_record`), with `decided_by` for readers of the JSON."""
+        return {**data_from_record(self), "decided_by": self.decided_by}
+
+    @staticmethod
+    def from_dict(data: dict, where: str = "comparison row") -> TensorComparison:
+        return record_from_data(data, TensorComparison, where, "comparison row", "compare the runs again")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunComparison:
+    reference: str
+    candidate: str
+    comparisons: list[TensorComparison] = field(default_factory=list)
+    steps_compared: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Partial or unmatched steps that were not compared."""
+    coverage: Coverage | None = None
+    """How much evidence the verdict rests on (evidence.py); None in comparisons from before it existed."""
+    partial_allowed: bool = False
+    """The user asked for a verdict on what was recorded (`--partial`): incomplete evidence then
+    passes as "partial" instead of failing as "incomplete"."""
+
+    @property
+    def verdict(self) -> str:
+        """"equivalent", "equivalent by statistics", "partial" (pass); "incomplete", "not equivalent" (fail)."""
+        if not self.comparisons or not all(self.comparisons):
+            return "not equivalent"
+        if self.coverage is None or self.coverage.full:
+            by_stats = self.coverage is not None and self.coverage.stats_only_run and self.coverage.compared_by_stats
+            return "equivalent by statistics" if by_stats else "equivalent"
+        return "partial" if self.partial_allowed else "incomplete"
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict in ("equivalent", "equivalent by statistics", "partial")
+
+    @property
+    def findings(self) -> list[str]:
+        """What the evidence lacks, one named line each (`incomplete: ...`, `missing-replica: ...`)."""
+        return self.coverage.findings() if self.coverage is not None else []
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def failures(self) -> list[TensorComparison]:
+        return [c for c in self.comparisons if not c]
+
+    @property
+    def first_divergence(self) -> TensorComparison | None:
+        return next((c for c in self.comparisons if not c), None)
+
+    def worst(self, count: int) -> list[TensorComparison]:
+        def badness(c: TensorComparison) -> float:
+            if c.ratio is None:
+                return math.inf if not c else 0.0
+            return c.ratio
+        return sorted(self.comparisons, key=badness, reverse=True)[:count]
+
+    def to_json(self) -> str:
+        """Strict JSON: a NaN or infinite number (the ratio of a tensor with NaNs) is written as null."""
+        data = data_from_record(self)
+        data["comparisons"] = [c.to_dict() for c in self.comparisons]
+        return strict_json.dumps({**self.summary().header(), **data}, indent=1)
+
+    @staticmethod
+    def from_json(text: str, where: str = "comparison") -> RunComparison:
+        data = data_from_json(text, where, "comparison", "compare the runs again")
+        return record_from_data(data, RunComparison, where, "comparison", "compare the runs again")
+
+    def summary(self) -> VerdictSummary:
+        first = self.first_divergence
+        return VerdictSummary(
+            verdict=self.verdict, passed=self.passed, findings=self.findings, coverage=self.coverage,
+            first_divergence=None if first is None else FirstDivergence(
+                tensor=tensor_id(first.key), step=first.key.step, micro_batch=first.key.micro_batch))
+
+
+@dataclass(kw_only=True, slots=True)
+class FirstDivergence:
+    tensor: str
+    """"phase/fqn/slot" (format.naming.tensor_id)."""
+    step: int
+    micro_batch: int
+
+
+@dataclass(kw_only=True, slots=True)
+class VerdictSummary:
+    """A comparison's verdict and what it rests on; the table's provenance holds these same fields."""
+
+    verdict: str
+    passed: bool
+    findings: list[str] = field(default_factory=list)
+    coverage: Coverage | None = None
+    first_divergence: FirstDivergence | None = None
+
+    def headline(self) -> str:
+        """"PASSED (equivalent)", "PASSED (partial: ...)", "FAILED (incomplete)", "FAILED (not equivalent)"."""
+        verdict = self.verdict
+        if verdict == "partial" and self.coverage is not None:
+            verdict = f"partial: {self.coverage.summary()}"
+        return f"{'PASSED' if self.passed else 'FAILED'} ({verdict})"
+
+    def banner(self) -> tuple[str, str]:
+        """(level, text) for a page's banner: level "success", "warning" (a partial verdict) or "error"; the
+        text names the first divergence, or what the evidence lacks, and how much evidence stands behind it."""
+        evidence = f"Evidence: {self.coverage.summary()}." if self.coverage is not None else ""
+        if self.verdict in ("equivalent", "equivalent by statistics"):
+            return "success", f"PASSED ({self.verdict}): the candidate matches the reference. {evidence}"
+        findings = "; ".join(self.findings)
+        if self.verdict == "partial":
+            return "warning", f"PASSED (partial): what was recorded matches, but {findings}. {evidence}"
+        first = self.first_divergence
+        if first is None:
+            return "error", f"FAILED ({self.verdict}): {findings}. {evidence}"
+        mb = "" if first.micro_batch < 0 else f" mb {first.micro_batch}"
+        return "error", f"FAILED ({self.verdict}): first divergence at `{first.tensor}` (step {first.step}{mb}). {evidence}"
+
+    def header(self) -> dict:
+        """The fields `--json` writes before the comparison's own: passed, verdict, findings."""
+        return {"passed": self.passed, "verdict": self.verdict, "findings": self.findings}
+
+    @staticmethod
+    def from_provenance(provenance: dict, where: str = "comparison table") -> VerdictSummary:
+        return record_from_data(provenance, VerdictSummary, where, "comparison table's provenance", "compare the runs again")

@@ -1,0 +1,171 @@
+"""The comparison table: stage 3's result (compare) as one flat, versioned Parquet file.
+
+Input: a `RunComparison` and the candidate's `RunReader` (for pipeline stages). Output: a pandas
+DataFrame with one row per compared tensor instance, in execution order, and a Parquet file under
+the candidate's run directory that holds it with its provenance. The row keeps every number of a
+`TensorComparison`, so `comparison_from_table` gives the same result back: the CLI and the
+dashboard read one file, and can never disagree. It opens in plain pandas
+(`pandas.read_parquet(path)`); the provenance is the schema's `ttrace` metadata (`read_provenance`).
+
+Cache: the file name is a hash of the inputs (both runs' manifests and step files by name, size and
+mtime, the reference's tolerance estimate, the settings, the ttrace and table versions), so a
+changed input gives a new name and an unchanged one reuses the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import fields
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ttrace_core.compare.results import Coverage, RunComparison, TensorComparison
+from ttrace_core.format.naming import layer_of, module_of, tensor_id, tensor_kind
+from ttrace_core.format.reader import RunReader
+from ttrace_core.format.records import data_from_record, record_from_data
+from ttrace_core.format.schema import TensorKey
+
+TABLE_FORMAT_VERSION = 3  # 2: the "call" column; 3: the coverage block in the provenance
+METADATA_KEY = b"ttrace"
+
+_INT_COLUMNS = ("layer", "stage", "numel", "num_mismatched")
+_NESTED_PATHS = {
+    "step": ("key", "step"), "micro_batch": ("key", "micro_batch"), "phase": ("key", "phase"), "fqn": ("key", "fqn"),
+    "slot": ("key", "slot"), "call": ("key", "call"),
+    "tolerance_rel": ("tolerance", "rel"), "tolerance_abs": ("tolerance", "abs"),
+    "tolerance_drift_rel": ("tolerance", "drift_rel"), "tolerance_method": ("tolerance", "method"),
+    "tolerance_params": ("tolerance", "params"), "tolerance_source": ("tolerance", "source"),
+    "num_nan_candidate": ("num_nan", 0), "num_nan_reference": ("num_nan", 1),
+    "num_inf_candidate": ("num_inf", 0), "num_inf_reference": ("num_inf", 1),
+    "drift_ranks": ("replica_drift", "ranks"), "drift_max_abs_diff": ("replica_drift", "max_abs_diff"),
+    "drift_relative_diff": ("replica_drift", "relative_diff"),
+}
+ROW_PATHS: dict[str, tuple] = {
+    **{spec.name: (spec.name,) for spec in fields(TensorComparison)
+       if spec.name not in ("key", "tolerance", "num_nan", "num_inf", "replica_drift")},
+    **_NESTED_PATHS,
+}
+"""Column -> where its value sits in a TensorComparison's serialized form (`data_from_record`). A new
+field of TensorComparison becomes a column by itself; the other columns are derived from the key."""
+_PRESENCE = {"tolerance": "tolerance_method", "replica_drift": "drift_ranks"}
+"""A nested record is absent (None) when this column of it is."""
+_JSON_COLUMNS = ("shape", "max_abs_index", "max_rel_index", "tolerance_params", "drift_ranks")
+_DERIVED = ("tensor", "module", "layer", "stage", "kind", "order", "passed")
+_ORDER = (
+    "tensor", "step", "micro_batch", "phase", "fqn", "slot", "call", "module", "layer", "stage", "kind", "order", "status",
+    "passed", "message", "dtype", "shape", "numel", "error", "abs_error", "reference_norm", "ratio", "value_ratio",
+    "drift_ratio", "min_rel_tolerance", "tolerance_rel", "tolerance_abs", "tolerance_drift_rel", "tolerance_method",
+    "tolerance_params", "tolerance_source", "max_abs_diff", "max_abs_index", "max_rel_diff", "max_rel_index",
+    "num_mismatched", "num_nan_candidate", "num_nan_reference", "num_inf_candidate", "num_inf_reference",
+    "drift_ranks", "drift_max_abs_diff", "drift_relative_diff", "stats_only",
+)
+COLUMNS = _ORDER + tuple(name for name in ROW_PATHS if name not in _ORDER)
+"""One row per compared tensor instance; lists and dicts are JSON text, so plain pandas reads every cell."""
+
+
+def pipeline_stage(reader: RunReader, key: TensorKey) -> int | None:
+    """The candidate's pipeline stage that recorded `key` (None without a pp mesh axis)."""
+    names = reader.manifest.mesh_axis_names
+    metas = reader.index.get(key)
+    if "pp" not in names or not metas or not reader.manifest.rank_coordinates:
+        return None
+    axis = names.index("pp")
+    return min(reader.manifest.rank_coordinates[m.rank][axis] for m in metas)
+
+
+def _at(data: object, path: tuple) -> object:
+    for step in path:
+        if data is None:
+            return None
+        data = data[step]
+    return data
+
+
+def row_from_comparison(c: TensorComparison, order: int, stage: int | None) -> dict:
+    data = data_from_record(c)
+    row = {column: _at(data, path) for column, path in ROW_PATHS.items()}
+    if row["tolerance_params"] is not None:
+        row["tolerance_params"] = dict(row["tolerance_params"])  # a JSON object in its cell
+    derived = {"tensor": tensor_id(c.key), "module": module_of(c.key), "layer": layer_of(c.key.fqn), "stage": stage,
+               "kind": tensor_kind(c.key), "order": order, "passed": c.passed}
+    return {column: derived[column] if column in derived else row[column] for column in COLUMNS}
+
+
+def table_from_comparison(result: RunComparison, candidate: RunReader) -> pd.DataFrame:
+    rows = [row_from_comparison(c, order, pipeline_stage(candidate, c.key)) for order, c in enumerate(result.comparisons)]
+    frame = pd.DataFrame(rows, columns=COLUMNS)
+    for name in _JSON_COLUMNS:
+        frame[name] = [None if v is None else json.dumps(list(v) if not isinstance(v, dict) else v) for v in frame[name]]
+    for name in _INT_COLUMNS:
+        frame[name] = frame[name].astype("Int64")
+    return frame
+
+
+def _optional(value):
+    """A cell as a Python scalar, None where it is missing (None, pandas' NA, or NaN in a float column)."""
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return value.item() if hasattr(value, "item") else value
+
+
+def _loaded(text: str | None):
+    return None if _optional(text) is None else json.loads(text)
+
+
+def _put(data: dict, path: tuple, value: object) -> None:
+    for step, next_step in zip(path, path[1:]):
+        data = data.setdefault(step, [None, None] if isinstance(next_step, int) else {})
+    data[path[-1]] = value
+
+
+def comparison_from_row(row: dict) -> TensorComparison:
+    """The TensorComparison a row was made from (the inverse of `row_from_comparison`)."""
+    data: dict = {}
+    for column, path in ROW_PATHS.items():
+        value = _loaded(row[column]) if column in _JSON_COLUMNS else _optional(row.get(column))
+        _put(data, path, value)
+    for name, column in _PRESENCE.items():
+        if data[name][ROW_PATHS[column][1]] is None:
+            data[name] = None
+    if data["tolerance"] is not None:
+        data["tolerance"]["params"] = list((data["tolerance"]["params"] or {}).items())
+    data["message"] = data["message"] or ""
+    data["key"]["call"] = data["key"]["call"] or 0
+    return record_from_data(data, TensorComparison, "comparison table", "comparison row", "compare the runs again")
+
+
+def comparison_from_table(frame: pd.DataFrame, provenance: dict) -> RunComparison:
+    coverage = provenance.get("coverage")
+    return RunComparison(
+        reference=provenance["reference"], candidate=provenance["candidate"],
+        steps_compared=list(provenance["steps_compared"]), notes=list(provenance["notes"]),
+        comparisons=[comparison_from_row(row) for row in frame.to_dict("records")],
+        coverage=None if coverage is None else record_from_data(coverage, Coverage, "comparison table", "coverage block",
+                                                                "compare the runs again"),
+        partial_allowed=bool(provenance.get("settings", {}).get("partial", False)),
+    )
+
+
+def write_table(path: Path, frame: pd.DataFrame, provenance: dict) -> None:
+    """Atomically: a reader never sees a half-written table."""
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    metadata = {**(table.schema.metadata or {}), METADATA_KEY: json.dumps(provenance).encode()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    pq.write_table(table.replace_schema_metadata(metadata), staging)
+    os.replace(staging, path)
+
+
+def read_provenance(path: str | os.PathLike) -> dict:
+    metadata = pq.read_schema(path).metadata or {}
+    return json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else {}
+
+
+def read_table(path: str | os.PathLike) -> tuple[pd.DataFrame, dict]:
+    frame = pd.read_parquet(path)
+    return frame, read_provenance(path)

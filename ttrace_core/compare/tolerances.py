@@ -1,0 +1,233 @@
+"""Tolerances for stage 3 (compare), behind one interface.
+
+A tensor passes when ||actual - expected||_F <= rel * ||expected||_F + abs * sqrt(numel): the
+additive form of torch.testing.assert_close applied to Frobenius norms, so that near-zero
+references fall back to an absolute, per-element RMS bound. Three providers:
+
+- `PerturbationTolerances` (the default once the reference holds an estimate): per tensor,
+  rel = max(alpha * r_t, floor), r_t the largest relative deviation the tensor showed when the
+  reference was re-run with weights perturbed by the unit round-off (workflows/estimate.py, compare/estimate_file.py);
+- `TheoremTolerances`: rel = k * C**depth * eps, depth the number of layers between the tensor
+  and the input (forward) or the loss (backward, gradients, updated parameters);
+- `DtypeTolerances`: one (rel, abs) row per dtype.
+
+docs/tolerances.md has the math and the calibration of alpha, k and C.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ttrace_core.compare.results import Tolerance
+from ttrace_core.compare.settings import (  # noqa: F401 (the defaults are part of this module's interface)
+    DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS,
+)
+from ttrace_core.compare.estimate_file import PerturbationEstimate, estimate_path, read_estimate
+from ttrace_core.errors import TtraceError
+from ttrace_core.format.naming import layer_of
+from ttrace_core.format.reader import RunReader
+from ttrace_core.format.schema import TensorKey
+
+
+
+class ToleranceProvider(Protocol):
+    def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance: ...
+
+
+# (rel, abs) per compute dtype. fp32: TP/SP/FSDP reorderings measured here stay below 5e-7
+# relative, so 1e-5 leaves a 20x margin while any real bug is orders of magnitude above it.
+# Low-precision rows are round-off scale (a few eps); the derived tolerances replace them.
+DTYPE_TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-10, 1e-12),
+    "float32": (1e-5, 1e-7),
+    "float16": (5e-3, 1e-5),
+    "bfloat16": (4e-2, 1e-4),
+    "float8_e4m3fn": (4e-2, 1e-4),
+    "float8_e5m2": (4e-2, 1e-4),
+}
+
+
+# The run's `precision` (manifest) names its compute dtype; fp8 recipes accumulate and store in bf16.
+COMPUTE_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+
+
+def machine_epsilon(precision: str) -> float:
+    """eps of the run's compute dtype (bf16's for fp8 recipes: they accumulate and store in bf16)."""
+    if precision not in COMPUTE_DTYPES:
+        raise TtraceError(f"precision {precision!r} has no compute dtype; known: {sorted(COMPUTE_DTYPES)}")
+    return torch.finfo(getattr(torch, COMPUTE_DTYPES[precision])).eps
+
+
+def _storage_epsilon(dtype: str) -> float:
+    torch_dtype = getattr(torch, dtype, None)
+    return torch.finfo(torch_dtype).eps if isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeTolerances:
+    """The per-dtype default table, with optional overrides for every dtype.
+
+    A tensor stored in fp32 but computed in bf16 (Megatron's fp32 main_grad) carries bf16
+    round-off: with `precision` set, the looser of its own dtype's row and the row of the
+    run's compute dtype applies.
+    """
+
+    overrides: dict[str, tuple[float, float]] | None = None
+    precision: str | None = None
+
+    def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
+        table = {**DTYPE_TOLERANCES, **(self.overrides or {})}
+        rel, abs_ = table.get(dtype, table["float32"])
+        source = f"dtype default ({dtype})"
+        compute = COMPUTE_DTYPES.get(self.precision or "", dtype)
+        compute_rel, compute_abs = table.get(compute, table["float32"])
+        if compute_rel > rel:
+            rel, abs_, source = compute_rel, max(abs_, compute_abs), f"dtype default ({dtype}, computed in {compute})"
+        return Tolerance(rel=rel, abs=abs_, source=source, method="dtype")
+
+
+# Floor, in units of eps: a tensor the perturbation does not move may still differ by one rounding.
+DEFAULT_FLOOR_EPS = 1.0
+
+
+@dataclass(kw_only=True, slots=True)
+class PerturbationTolerances:
+    """rel_t = max(alpha * r_t, floor_eps * eps) from a stored `PerturbationEstimate`.
+
+    r_t is the largest relative deviation over the samples *and over the micro-batches* of the
+    same tensor (same step, phase, fqn, slot): one tensor on different data has the same round-off
+    sensitivity, and pooling turns 4 samples into 16 draws, which matters for tensors of a few
+    elements (an fp8 scale is one), whose deviation is a single, heavy-tailed number.
+    """
+
+    estimate: PerturbationEstimate
+    precision: str
+    alpha: float = DEFAULT_ALPHA
+    floor_eps: float = DEFAULT_FLOOR_EPS
+    fallback: DtypeTolerances = field(default_factory=DtypeTolerances)
+    _pooled: dict[tuple, float] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for key, deviation in self.estimate.tensors.items():
+            group = _micro_batch_group(key)
+            self._pooled[group] = max(self._pooled.get(group, 0.0), deviation.relative)
+
+    def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
+        deviation = self.estimate.tensors.get(key)
+        if deviation is None:
+            fallback = self.fallback.tolerance_for(key, dtype)
+            return Tolerance(fallback.rel, fallback.abs, f"{fallback.source}; not in the perturbation estimate",
+                             method="dtype")
+        floor = self.floor_eps * max(machine_epsilon(self.precision), _storage_epsilon(dtype))
+        if deviation.reference_norm == 0:  # an all-zero reference: only an absolute bound means anything
+            rms = self.alpha * deviation.deviation / math.sqrt(max(deviation.numel, 1))
+            return Tolerance(rel=floor, abs=rms, drift_rel=floor, method="perturbation",
+                             params=(("alpha", self.alpha), ("deviation", deviation.deviation), ("samples", self.estimate.num_samples)),
+                             source=f"perturbation: alpha {self.alpha:g} x absolute deviation (zero reference)")
+        relative = self._pooled[_micro_batch_group(key)]
+        if self.alpha * relative < floor:
+            return Tolerance(rel=floor, abs=0.0, drift_rel=floor, method="perturbation-floor",
+                             params=(("floor_eps", self.floor_eps), ("r_t", relative), ("samples", self.estimate.num_samples)),
+                             source=f"perturbation floor {self.floor_eps:g} eps (r_t {relative:.2g})")
+        # Replicas are one computation on the same inputs, or one collective's result: a correct run
+        # gives them bitwise equal (measured: no clean layout shows any drift), so they may differ by
+        # one rounding (the floor), not by the round-off that separates two layouts.
+        return Tolerance(rel=self.alpha * relative, abs=0.0, drift_rel=floor, method="perturbation",
+                         params=(("alpha", self.alpha), ("r_t", relative), ("samples", self.estimate.num_samples)),
+                         source=f"perturbation: alpha {self.alpha:g} x r_t {relative:.2g} ({self.estimate.num_samples} samples)")
+
+
+def _micro_batch_group(key: TensorKey) -> tuple:
+    return key.step, key.phase, key.fqn, key.slot
+
+
+_EMBEDDING_NAMES = ("emb", "wte", "wpe")
+
+
+def layer_position(fqn: str, num_layers: int) -> int:
+    """1-based layer of a tensor: `layers.<i>` is i + 1; embeddings 0; anything else above the top (L + 1)."""
+    layer = layer_of(fqn)
+    if layer is not None:
+        return layer + 1
+    return 0 if any(name in fqn for name in _EMBEDDING_NAMES) else num_layers + 1
+
+
+def theorem_depth(key: TensorKey, num_layers: int) -> int:
+    """Layers of round-off a tensor has passed through: from the input in forward, from the loss
+    otherwise (the theorem's L + 1 - l for a gradient of layer l)."""
+    position = layer_position(key.fqn, num_layers)
+    depth = position if key.phase == "forward" else num_layers + 1 - position
+    return max(depth, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class TheoremTolerances:
+    """rel = k * C**depth * eps (TTrace v1, Theorem 5.3); `fixed_depth` pins one depth for every
+    tensor, e.g. L + 1 for Megatron's adopted check at l = 0."""
+
+    num_layers: int
+    precision: str
+    k: float = DEFAULT_THEOREM_K
+    c: float = DEFAULT_THEOREM_C
+    fixed_depth: int | None = None
+
+    def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
+        depth = self.fixed_depth if self.fixed_depth is not None else theorem_depth(key, self.num_layers)
+        rel = self.k * self.c ** depth * machine_epsilon(self.precision)
+        return Tolerance(rel=rel, abs=0.0, source=f"theorem: {self.k:g} x {self.c:g}^{depth} x eps", method="theorem",
+                         params=(("k", self.k), ("C", self.c), ("depth", depth), ("eps", machine_epsilon(self.precision))))
+
+
+
+
+def exact_inputs_tolerance(tolerance: Tolerance, precision: str, dtype: str, k: float, num_terms: int) -> Tolerance:
+    """The tighter of `tolerance` and k * sqrt(num_terms) * eps, for a tensor whose inputs were all exact."""
+    rel = k * math.sqrt(num_terms) * max(machine_epsilon(precision), _storage_epsilon(dtype))
+    if rel >= tolerance.rel:
+        return tolerance
+    drift_rel = min(rel, tolerance.rel if tolerance.drift_rel is None else tolerance.drift_rel)
+    return Tolerance(rel=rel, abs=tolerance.abs, drift_rel=drift_rel, method="exact-inputs",
+                     params=(("k", k), ("n", num_terms), ("eps", rel / (k * math.sqrt(num_terms)))),
+                     source=f"exact inputs: {k:g} x sqrt({num_terms}) x eps (theorem depth 0), tighter than {tolerance.source}")
+
+
+
+
+def num_layers_of(reader: RunReader) -> int:
+    """The model's layer count: its manifest's num_layers, else the highest `layers.<i>` traced."""
+    declared = reader.manifest.model.get("num_layers")
+    if isinstance(declared, int):
+        return declared
+    indices = [layer for key in reader.index if (layer := layer_of(key.fqn)) is not None]
+    return max(indices, default=-1) + 1
+
+
+def select_tolerances(kind: str, reference: RunReader, candidate: RunReader, *, alpha: float = DEFAULT_ALPHA,
+                      k: float = DEFAULT_THEOREM_K, c: float = DEFAULT_THEOREM_C) -> ToleranceProvider:
+    """The provider `ttrace compare --tolerance KIND` uses; "auto" is perturbation when the reference holds an estimate."""
+    precision = candidate.manifest.precision
+    if kind not in TOLERANCE_KINDS:
+        raise TtraceError(f"--tolerance {kind!r}: choose from {', '.join(TOLERANCE_KINDS)}")
+    if kind == "theorem":
+        return TheoremTolerances(num_layers=num_layers_of(reference), precision=precision, k=k, c=c)
+    crossed = reference.manifest.precision != precision
+    estimate = read_estimate(reference.run_dir, precision) if kind in ("auto", "perturbation") else None
+    if estimate is None:
+        if crossed and kind in ("auto", "perturbation"):
+            raise TtraceError(f"{estimate_path(reference.run_dir, precision)}: the candidate computes in {precision}, the "
+                              f"reference in {reference.manifest.precision}, and no estimate covers that quantization; run "
+                              f"`ttrace estimate {os.fspath(reference.run_dir)} --for-precision {precision}` first")
+        if kind == "perturbation":
+            raise TtraceError(f"{estimate_path(reference.run_dir)}: no perturbation estimate; run "
+                              f"`ttrace estimate {os.fspath(reference.run_dir)}` first, or pass --tolerance theorem|dtype")
+        return DtypeTolerances(precision=precision)
+    if estimate.precision != precision:
+        raise TtraceError(f"{estimate_path(reference.run_dir)}: estimated for precision {estimate.precision} but the "
+                          f"candidate runs {precision}; estimate a {precision} reference, or pass --tolerance theorem|dtype")
+    return PerturbationTolerances(estimate=estimate, precision=precision, alpha=alpha,
+                                  fallback=DtypeTolerances(precision=precision))

@@ -1,0 +1,71 @@
+"""Naming conventions of traced tensors, written once: which layer a module is in, which module owns
+a parameter, a slot's family, a tensor's module and kind, and the id the URL and the table use.
+
+A key names one tensor instance (format.schema.TensorKey): `phase` forward | backward | grad | param,
+`fqn` the module (activations) or the parameter (grad, param), `slot` "<family>.<index or name>"
+("output.0", "input.hidden_states", "grad_input.1") or "grad" / "value" for parameters.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ttrace_core.format.schema import TensorKey
+
+LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
+"""A transformer layer in a module path: "decoder.layers.3.mlp" is in layer 3 (also "blocks.3", "h.3")."""
+
+KINDS = ("input", "output", "grad_output", "grad_input", "param_grad", "param")
+"""Tensor kinds in the order the heatmap shows them."""
+_KIND_OF = {("forward", "input"): "input", ("forward", "output"): "output", ("backward", "grad_output"): "grad_output",
+            ("backward", "grad_input"): "grad_input", ("grad", "grad"): "param_grad", ("param", "value"): "param"}
+
+
+def layer_of(fqn: str) -> int | None:
+    """The layer index in a module or parameter path, None outside the layers."""
+    match = LAYER_PATTERN.search(fqn)
+    return int(match.group(1)) if match else None
+
+
+def layer_module(fqn: str) -> str:
+    """The layer a module sits in ("decoder.layers.3" for "decoder.layers.3.mlp.fc1"), or itself outside the layers."""
+    match = LAYER_PATTERN.search(fqn)
+    return fqn[:match.end(1)] if match else fqn
+
+
+def owner_of(parameter_fqn: str) -> str:
+    """The module a parameter belongs to: "layers.0.mlp.fc1" for "layers.0.mlp.fc1.weight"; the root is ""."""
+    return parameter_fqn.rsplit(".", 1)[0] if "." in parameter_fqn else ""
+
+
+def in_subtree(fqn: str, root: str | None) -> bool:
+    """fqn is root or nested inside it; the root module ("") and None hold everything."""
+    return not root or fqn == root or fqn.startswith(root + ".")
+
+
+def slot_family(slot: str) -> str:
+    """"output" for "output.0", "input" for "input.hidden_states", "grad" for "grad"."""
+    return slot.split(".", 1)[0]
+
+
+def module_of(key: TensorKey) -> str:
+    """The module a tensor belongs to: its own fqn for activations, the owner for parameters."""
+    return owner_of(key.fqn) if key.phase in ("grad", "param") else key.fqn
+
+
+def tensor_kind(key: TensorKey) -> str:
+    family = slot_family(key.slot)
+    return _KIND_OF.get((key.phase, family), family)
+
+
+def tensor_id(key: TensorKey) -> str:
+    """"phase/fqn/slot": a tensor across steps and micro-batches (the URL's `tensor`); a module's later
+    calls within a micro-batch add "@call" ("forward/lm_head/output.0@1")."""
+    return f"{key.phase}/{key.fqn}/{key.slot}" + (f"@{key.call}" if key.call else "")
+
+
+def key_from_tensor_id(text: str, step: int, micro_batch: int) -> TensorKey:
+    phase, rest = text.split("/", 1)
+    fqn, slot = rest.rsplit("/", 1)
+    slot, _, call = slot.partition("@")
+    return TensorKey(step=step, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot, call=int(call or 0))

@@ -1,0 +1,385 @@
+"""Trace store: stage 1 (record) writes it (trace_writer.py), stage 2 (canonicalize) reads it here.
+
+A run directory holds `manifest.json` and one HDF5 file per rank and step,
+`rank_00001.step_000000.h5`. A step file is written as `<name>.partial` and renamed only after it
+is complete and flushed, so a killed recording leaves every finished step readable and its
+interrupted step marked partial. Datasets are uncompressed and contiguous: fp32 activations
+compress by under 10% while gzip makes writing 10x slower. Every dataset carries its `TensorMeta`
+as one JSON attribute. Values are raw bits: bf16 as int16, fp8 as uint8 plus its scale; nothing is
+upcast. Reading never executes code: JSON and HDF5 numeric arrays only, no pickle, no torch.load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from ttrace_core.format.containment import contained, dataset_metas, refuse_external_storage, refuse_links
+from ttrace_core.errors import TraceFormatError
+from ttrace_core.format.records import data_from_json, meta_from_json, record_from_data
+from ttrace_core.format.schema import (
+    FORMAT_VERSION, NO_MICRO_BATCH, PHASES, READABLE_FORMAT_VERSIONS, REQUIRED_MANIFEST_FIELDS, RunManifest, TensorKey,
+    TensorMeta,
+)
+
+MANIFEST_NAME = "manifest.json"
+INVENTORY_ATTR = "num_tensors"
+"""Step-file attribute: how many datasets the writer put in it (a reader that finds fewer names the gap)."""
+PARTIAL_SUFFIX = ".partial"
+STATS_ONLY_METAS = "stats_only_metas"
+"""Step-file dataset: the metadata of every stats-only tensor of the step, one JSON record per line
+(a stats-only tensor has no values, and one dataset per tensor cost more than recording it)."""
+STOPPED_ATTR = "stopped"
+"""Partial step-file attribute: the exception that stopped the step on that rank (a killed rank leaves none)."""
+MAX_STOPPED_CHARS = 300
+STEP_FILE = re.compile(r"^rank_(\d{5})\.step_(\d{6})\.h5(\.partial)?$")
+
+# Dtypes stored as raw bits of an integer dtype of the same width.
+RAW_BITS = {
+    "bfloat16": torch.int16,
+    "float8_e4m3fn": torch.uint8,
+    "float8_e5m2": torch.uint8,
+    "float8_e4m3fnuz": torch.uint8,
+    "float8_e5m2fnuz": torch.uint8,
+}
+NATIVE_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+
+
+def step_file_name(rank: int, step: int) -> str:
+    return f"rank_{rank:05d}.step_{step:06d}.h5"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_from_array(array: np.ndarray, name: str, where: str) -> torch.Tensor:
+    if name in RAW_BITS:
+        return torch.from_numpy(np.asarray(array, order="C")).view(getattr(torch, name))
+    if name in NATIVE_DTYPES:
+        return torch.from_numpy(np.asarray(array, order="C"))
+    raise TraceFormatError(f"{where}: unknown dtype {name!r} in the trace; it was written by another ttrace version")
+
+
+def dataset_path(key: TensorKey) -> str:
+    group = "all" if key.micro_batch < 0 else f"mb_{key.micro_batch:04d}"
+    call = f"@{key.call}" if key.call else ""
+    return f"{key.phase}/{group}/{key.fqn or '<root>'}#{key.slot}{call}"
+
+
+def key_fromdataset_path(path: str, step: int) -> TensorKey | None:
+    """The key a dataset's place in its file names (the inverse of `_dataset_path`); None for a name
+    ttrace does not write."""
+    parts = path.split("/")
+    if len(parts) != 3 or "#" not in parts[2] or parts[0] not in PHASES:
+        return None
+    group, (fqn, _, slot) = parts[1], parts[2].partition("#")
+    slot, _, call = slot.partition("@")
+    if group == "all":
+        micro_batch = NO_MICRO_BATCH
+    elif group.startswith("mb_") and group[3:].isdigit():
+        micro_batch = int(group[3:])
+    else:
+        return None
+    if call and not call.isdigit():
+        return None
+    return TensorKey(step=step, micro_batch=micro_batch, phase=parts[0], fqn="" if fqn == "<root>" else fqn, slot=slot,
+                     call=int(call or 0))
+
+
+def read_manifest(run_dir: str | os.PathLike) -> RunManifest:
+    path = Path(run_dir) / MANIFEST_NAME
+    if not Path(run_dir).is_dir():
+        raise TraceFormatError(f"{run_dir}: no such run directory; pass the --out directory of `ttrace example` or a Tracer")
+    if not path.is_file():
+        raise TraceFormatError(f"{path}: missing; this directory is not a ttrace run (or its recording never started)")
+    data = data_from_json(contained(run_dir, MANIFEST_NAME).read_bytes(), str(path), "manifest", "re-record the run")
+    version = data.get("format_version", FORMAT_VERSION) if isinstance(data, dict) else FORMAT_VERSION
+    if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
+        raise TraceFormatError(
+            f"{path}: trace format version {version!r}, this ttrace reads versions {READABLE_FORMAT_VERSIONS}; "
+            "use the ttrace version that recorded it"
+        )
+    if isinstance(data, dict) and (missing := [f for f in REQUIRED_MANIFEST_FIELDS if f not in data]):
+        raise TraceFormatError(f"{path}: not a valid manifest (field $.{missing[0]} is missing); re-record the run")
+    return record_from_data(data, RunManifest, str(path), "manifest", "re-record the run")
+
+
+def _step_file_states(run_dir: Path) -> dict[int, dict[int, bool]]:
+    """step -> rank -> complete, from file names alone."""
+    found: dict[int, dict[int, bool]] = defaultdict(dict)
+    for entry in sorted(os.listdir(run_dir)):
+        if match := STEP_FILE.match(entry):
+            rank, step = int(match.group(1)), int(match.group(2))
+            if match.group(3) is None or rank not in found[step]:
+                found[step][rank] = match.group(3) is None
+    return found
+
+
+def _why_partial(run_dir: Path, step: int, by_rank: dict[int, bool], world_size: int) -> str:
+    """Which ranks left step `step` unfinished (a `.partial` file, and what stopped each) and which have
+    no file for it at all."""
+    interrupted = [r for r in range(world_size) if by_rank.get(r) is False]
+    missing = [r for r in range(world_size) if r not in by_rank]
+    reasons = []
+    if interrupted:
+        words = "; ".join(f"rank {r} {_stopped_word(run_dir, r, step)}" for r in interrupted)
+        reasons.append(f"ranks {interrupted} did not finish step {step} ({words})")
+    if missing:
+        finished = [r for r in range(world_size) if by_rank.get(r)]
+        reasons.append(f"ranks {missing} have no file for step {step} (the rank died before the step began, or its "
+                       f"file was not copied){f'; ranks {finished} finished it' if finished else ''}")
+    return "; ".join(reasons)
+
+
+def _stopped_word(run_dir: Path, rank: int, step: int) -> str:
+    """What a rank's partial step file says stopped it; a file without a word was killed or lost its machine."""
+    silent = "left no word: killed, or its machine died"
+    try:
+        path = contained(run_dir, step_file_name(rank, step) + PARTIAL_SUFFIX)
+        with h5py.File(path, "r") as handle:
+            word = handle.attrs.get(STOPPED_ATTR)
+    except (OSError, TraceFormatError):  # a file cut off mid-write is expected here: the step was interrupted
+        return silent
+    if isinstance(word, bytes):
+        word = word.decode(errors="replace")
+    if not isinstance(word, str) or not word.strip():
+        return silent
+    return "stopped on " + " ".join(word.split())[:MAX_STOPPED_CHARS]
+
+
+def step_files(run_dir: str | os.PathLike, world_size: int) -> tuple[list[int], list[int]]:
+    """(complete steps, partial steps) of a run, from file names alone: no HDF5 file is opened."""
+    found = _step_file_states(Path(run_dir))
+    complete = [step for step, by_rank in sorted(found.items()) if all(by_rank.get(r, False) for r in range(world_size))]
+    return complete, [step for step in sorted(found) if step not in complete]
+
+
+def stats_only_metas(handle: h5py.File, where: str) -> list[TensorMeta]:
+    """The step file's stats-only records (STATS_ONLY_METAS), each checked like a dataset's metadata."""
+    try:
+        text = bytes(handle[STATS_ONLY_METAS][()])
+    except (OSError, KeyError, TypeError, ValueError) as error:
+        raise TraceFormatError(f"{where}:{STATS_ONLY_METAS}: cannot be read ({error}); re-record this rank") from error
+    return [meta_from_json(line, f"{where}:{STATS_ONLY_METAS} line {number}")
+            for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+
+
+def read_shards(run_dir: str | os.PathLike, key: TensorKey, world_size: int) -> list[tuple[TensorMeta, torch.Tensor | None]]:
+    """Every rank's shard of one tensor, opening only that dataset in each rank's step file.
+
+    Values are None for stats-only shards. A rank that did not record the key is skipped.
+    """
+    run_dir = Path(run_dir)
+    path = dataset_path(key)
+    shards = []
+    for rank in range(world_size):
+        file_path = contained(run_dir, step_file_name(rank, key.step))
+        where = f"{file_path}:{path}"
+        try:
+            with h5py.File(file_path, "r") as handle:
+                refuse_links(handle, str(file_path))
+                if path not in handle:
+                    if STATS_ONLY_METAS in handle:
+                        refuse_external_storage(handle[STATS_ONLY_METAS].id, f"{file_path}:{STATS_ONLY_METAS}")
+                        shards += [(m, None) for m in stats_only_metas(handle, str(file_path))
+                                   if m.key == key and m.rank == rank]
+                    continue
+                dataset = handle[path]
+                refuse_external_storage(dataset.id, where)
+                meta = meta_from_json(dataset.attrs["meta"], where)
+                array = None if meta.stats_only else dataset[()]
+        except (OSError, KeyError) as error:
+            raise TraceFormatError(f"{where}: cannot read the dataset ({error}); the file is truncated or corrupted, "
+                                   f"re-record rank {rank}") from error
+        value = None if array is None else tensor_from_array(array, meta.dtype, where)
+        if value is not None and tuple(value.shape) != meta.local_shape:
+            raise TraceFormatError(f"{where}: stored shape {tuple(value.shape)} differs from its metadata {meta.local_shape}")
+        shards.append((meta, value))
+    if not shards:
+        raise TraceFormatError(f"{run_dir}: no rank recorded {key}; pick a tensor the run holds (`ttrace inspect --tensors`)")
+    return shards
+
+
+def forward_inputs(run_dir: str | os.PathLike, rank: int, step: int, fqn: str) -> dict[int, dict[str, torch.Tensor]]:
+    """{global micro-batch: {slot: value}} of the forward inputs one rank recorded for one module,
+    reading only those datasets (names are listed, nothing else is opened)."""
+    path = contained(run_dir, step_file_name(rank, step))
+    prefix = f"{fqn or '<root>'}#input."
+    calls: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+    try:
+        with h5py.File(path, "r") as handle:
+            refuse_links(handle, str(path))
+            forward = handle.get("forward")
+            for group_name in (sorted(forward) if forward is not None else []):
+                group = forward[group_name]
+                for name in group:
+                    if name.startswith(prefix):
+                        refuse_external_storage(group[name].id, f"{path}:forward/{group_name}/{name}")
+                        meta = meta_from_json(group[name].attrs["meta"], f"{path}:forward/{group_name}/{name}")
+                        calls[meta.key.micro_batch][meta.key.slot] = tensor_from_array(group[name][()], meta.dtype, str(path))
+    except OSError as error:
+        raise TraceFormatError(f"{path}: not a readable HDF5 file ({error}); it is truncated or corrupted, "
+                               f"re-record rank {rank}") from error
+    return dict(calls)
+
+
+def _blind_spots_of(handle: h5py.File, path: Path, rank: int) -> dict[str, str]:
+    """The modules one rank's trace could not see into (Tracer.blind_spots), from its step file."""
+    try:
+        blind_spots = json.loads(handle.attrs.get("blind_spots", "{}"))
+    except (TypeError, ValueError) as error:
+        raise TraceFormatError(f"{path}: attribute blind_spots is not JSON ({error}); re-record rank {rank}") from error
+    if not isinstance(blind_spots, dict) or not all(isinstance(v, str) for v in blind_spots.values()):
+        raise TraceFormatError(f"{path}: attribute blind_spots must map module names to text; re-record rank {rank}")
+    return blind_spots
+
+
+def read_blind_spots(run_dir: str | os.PathLike, manifest: RunManifest, step: int) -> dict[str, str]:
+    """Every blind spot of a run: the manifest's and those each rank wrote with `step` (tensors are not read)."""
+    found = dict(manifest.blind_spots)
+    for rank in range(manifest.world_size):
+        path = contained(run_dir, step_file_name(rank, step))
+        try:
+            with h5py.File(path, "r") as handle:
+                for fqn, why in _blind_spots_of(handle, path, rank).items():
+                    found.setdefault(fqn, why)
+        except OSError as error:
+            raise TraceFormatError(f"{path}: not a readable HDF5 file ({error}); re-record rank {rank}") from error
+    return found
+
+
+class RunReader:
+    """Read-only view of a run directory: the manifest, which steps are complete, and every shard."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, subtree: str | None = None) -> None:
+        """`subtree`: index only the tensors of that module and its descendants (their parameters
+        included); the other datasets' metadata is never read (a 48-layer trace's full index takes seconds)."""
+        self.run_dir = Path(run_dir)
+        self.subtree = subtree or None
+        self.manifest = read_manifest(run_dir)
+        self._files: dict[tuple[int, int], h5py.File] = {}
+        self.index: dict[TensorKey, list[TensorMeta]] = defaultdict(list)
+        self.complete_steps: list[int] = []
+        self.partial_steps: dict[int, str] = {}
+        """step -> why it is not complete (which ranks were interrupted or are missing)."""
+        self.misplaced: dict[TensorKey, str] = {}
+        """Tensors whose metadata names another key or rank than the place they are stored at."""
+        self.inventory_gaps: list[str] = []
+        """Step files that hold fewer tensors than their writer recorded (INVENTORY_ATTR)."""
+        self._scan()
+
+    def _scan(self) -> None:
+        found = _step_file_states(self.run_dir)
+        ranks_seen = {rank for by_rank in found.values() for rank in by_rank}
+        for rank in range(self.manifest.world_size):
+            if rank not in ranks_seen:
+                raise TraceFormatError(
+                    f"{self.run_dir}: manifest says world_size {self.manifest.world_size} but there is no file of "
+                    f"rank {rank} ({step_file_name(rank, 0).replace('000000', '*')}): the rank died before its first step or its "
+                    "files were not copied; copy the whole run directory, or re-record if the rank died"
+                )
+        for step, by_rank in sorted(found.items()):
+            if any(not by_rank.get(r, False) for r in range(self.manifest.world_size)):
+                self.partial_steps[step] = _why_partial(self.run_dir, step, by_rank, self.manifest.world_size)
+                continue
+            for rank in range(self.manifest.world_size):
+                self._index_file(rank, step)
+            self.complete_steps.append(step)
+
+    def _index_file(self, rank: int, step: int) -> None:
+        path = contained(self.run_dir, step_file_name(rank, step))
+        try:
+            handle = h5py.File(path, "r")
+        except OSError as error:
+            reason = str(error).split("(")[0].strip() or "unreadable"
+            raise TraceFormatError(
+                f"{path}: not a readable HDF5 file ({reason}); it is truncated or corrupted, re-record rank {rank}"
+            ) from error
+        self._files[(rank, step)] = handle
+        where = f"{path}"
+        for fqn, why in _blind_spots_of(handle, path, rank).items():
+            self.manifest.blind_spots.setdefault(fqn, why)
+
+        try:
+            metas = dataset_metas(handle, where)
+        except (OSError, RuntimeError, KeyError, ValueError) as error:
+            raise TraceFormatError(f"{path}: corrupted HDF5 structure ({error}); re-record rank {rank}") from error
+        stats_only = stats_only_metas(handle, where) if metas.pop(STATS_ONLY_METAS, False) is not False else []
+        for name, text in metas.items():
+            if self._wanted(name):
+                self._index_dataset(name, text, rank, step, where)
+        for meta in stats_only:
+            if self._wanted(dataset_path(meta.key)):
+                self._index_stats_only(meta, rank, step)
+        held = len(metas) + len(stats_only)
+        written = handle.attrs.get(INVENTORY_ATTR)
+        if written is None:
+            return
+        written = int(written) if isinstance(written, (int, np.integer)) else repr(written)
+        if written != held:
+            self.inventory_gaps.append(f"{path.name} holds {held} tensors, its writer recorded {written}")
+
+    def _index_stats_only(self, meta: TensorMeta, rank: int, step: int) -> None:
+        placed = dataclasses.replace(meta.key, step=step)
+        if meta.key.step != step or meta.rank != rank or not meta.stats_only:
+            self.misplaced[placed] = (f"{placed}: the stats-only record in rank {rank}'s file of step {step} says it is "
+                                      f"{meta.key} of rank {meta.rank}{'' if meta.stats_only else ', with values'}")
+            meta = dataclasses.replace(meta, key=placed, rank=rank, stats_only=True)
+        self.index[placed].append(meta)
+
+    def _index_dataset(self, name: str, text: bytes | None, rank: int, step: int, where: str) -> None:
+        if text is None:
+            raise TraceFormatError(f"{where}: dataset {name} has no ttrace metadata; the file was not written by ttrace")
+        meta = meta_from_json(text, f"{where}:{name}")
+        placed = key_fromdataset_path(name, step)
+        if placed is None:
+            raise TraceFormatError(f"{where}: dataset {name} is not where ttrace writes tensors; the file was not written by ttrace")
+        if placed != meta.key or meta.rank != rank:
+            self.misplaced[placed] = (f"{placed}: the dataset in rank {rank}'s file says it is {meta.key} of rank {meta.rank}")
+            meta = dataclasses.replace(meta, key=placed, rank=rank)
+        self.index[placed].append(meta)
+
+    def _wanted(self, dataset_path: str) -> bool:
+        if self.subtree is None:
+            return True
+        fqn = dataset_path.rsplit("/", 1)[-1].split("#", 1)[0]
+        return fqn == self.subtree or fqn.startswith(self.subtree + ".")
+
+    def read(self, meta: TensorMeta, region: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The recorded local values of one shard, in its recorded dtype; `region` (a slice per leading
+        dim): only that part, read as a hyperslab (HDF5 reads only its bytes)."""
+        path = dataset_path(meta.key)
+        where = f"{self.run_dir / step_file_name(meta.rank, meta.key.step)}:{path}"
+        if meta.stats_only:
+            raise TraceFormatError(f"{where}: recorded in stats-only mode; it holds no values")
+        try:
+            dataset = self._files[(meta.rank, meta.key.step)][path]
+            if dataset.shape != meta.local_shape:
+                raise TraceFormatError(f"{where}: stored shape {dataset.shape} differs from its metadata {meta.local_shape}")
+            array = dataset[()] if region is None else dataset[region]
+        except (OSError, KeyError) as error:
+            raise TraceFormatError(f"{where}: cannot read the dataset ({error}); the file is corrupted, re-record it") from error
+        return tensor_from_array(array, meta.dtype, where)
+
+    def keys(self) -> list[TensorKey]:
+        return list(self.index)
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+    def __enter__(self) -> RunReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,64 @@
+"""Parse the trace's files into the typed records of schema.py, checking every field's range.
+
+The one place where text from a trace (manifest.json, each dataset's metadata attribute, the
+tolerance estimate) becomes a record. msgspec checks each field against the type and range the
+record declares (`schema.Count`, `schema.FinitePositive`, ...) and runs the record's own
+`__post_init__` checks; a failure becomes one line that names the file and the field:
+
+    runs/cand/manifest.json: not a valid manifest (field $.world_size: Expected `int` >= 1); re-record the run
+
+Nothing here executes code from the file: JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+import msgspec
+
+from ttrace_core.errors import TraceFormatError
+from ttrace_core.format.schema import TensorMeta
+
+Record = TypeVar("Record")
+
+_META_DECODER = msgspec.json.Decoder(TensorMeta)
+
+
+def _reason(error: Exception) -> str:
+    """msgspec's "Expected `int` >= 1 - at `$.world_size`" as "field $.world_size: Expected `int` >= 1"."""
+    text = str(error)
+    message, _, path = text.rpartition(" - at ")
+    if message and path.startswith("`$"):
+        return f"field {path.strip('`')}: {message}"
+    return text
+
+
+def record_from_data(data: object, record: type[Record], where: str, what: str, remedy: str) -> Record:
+    """A record from already-parsed JSON (the JSON files may hold NaN, which only `json` reads).
+    `what` names the file's kind in the error: "not a valid <what> (field $.x: ...); <remedy>"."""
+    try:
+        return msgspec.convert(data, type=record, strict=True)
+    except (msgspec.ValidationError, RecursionError) as error:
+        raise TraceFormatError(f"{where}: not a valid {what} ({_reason(error)}); {remedy}") from error
+
+
+def data_from_json(text: str | bytes, where: str, what: str, remedy: str) -> object:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise TraceFormatError(f"{where}: not a valid {what} (not JSON: {str(error)[:120]}); {remedy}") from error
+
+
+def meta_from_json(text: str | bytes, where: str) -> TensorMeta:
+    """One dataset's metadata attribute (written by trace_writer.RunWriter: finite numbers, so strict JSON)."""
+    try:
+        return _META_DECODER.decode(text)
+    except (msgspec.DecodeError, RecursionError, UnicodeError, TypeError) as error:  # a flipped bit: not UTF-8
+        raise TraceFormatError(f"{where}: tensor metadata is malformed ({_reason(error)}); re-record this rank") from error
+
+
+def data_from_record(record: object) -> object:
+    """A record as plain JSON-able data (dicts, lists, numbers, strings): the one serialized form that
+    `record_from_data` reads back. Non-finite floats stay floats; `strict_json` writes them as null."""
+    return msgspec.to_builtins(record)

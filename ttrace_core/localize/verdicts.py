@@ -1,0 +1,297 @@
+"""Stage 4 of record -> canonicalize -> compare -> localize -> render: name the module or reduction at fault.
+
+Input: the candidate's comparison with the reference, and the comparison of its replay: the candidate
+relaunched with input rewriting on (workflows/localize.py, record/rewrite.py), where every traced module
+computes from the reference's inputs and output gradients while the trace keeps each module's own
+values. Output: a `Localization`, with one verdict per module, the culprits, their evidence
+(ratios before and after rewriting), the bug class and the command that reproduces the replay.
+
+How the replay is read, per step and micro-batch in execution order:
+- an output (forward) or grad_input (backward) that fails: the module was wrong on correct inputs;
+- an input or grad_output that fails while nothing earlier in that micro-batch failed: the code
+  between modules broke it, i.e. the parent's glue (or, with no traced parent, the code outside
+  every traced module, such as the loss and the schedule, named by the recorded tensors on both
+  sides of it: "between output_layer (forward output.0) and output_layer (backward grad_output.0)");
+- a culprit is a module that introduces error while none of its descendants does; its ancestors
+  inherit the error.
+Only the first step that diverges is judged: later steps start from parameters the bug already
+changed. Then, when no module explains them: a reduced gradient that fails is a gradient-sync bug (its
+replicas disagree along the mesh axis of the missing reduction, or it is off by a constant factor,
+a scaling bug), and an updated parameter that fails while its gradient passes is the optimizer's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ttrace_core.canonicalize.logical_value import logical_value
+from ttrace_core.compare.results import RunComparison, TensorComparison
+from ttrace_core.format.naming import in_subtree, module_of, owner_of, slot_family
+from ttrace_core.format import strict_json
+from ttrace_core.format.records import data_from_json, data_from_record, record_from_data
+from ttrace_core.format.schema import RunManifest, TensorKey
+from ttrace_core.format.reader import RunReader
+
+STRUCTURAL = ("missing", "extra", "shape", "dtype", "layout")
+# A gradient off from the reference by a constant factor (and nothing else) is a scaling bug.
+PURE_SCALE_RESIDUAL = 1e-3
+
+
+@dataclass(kw_only=True, slots=True)
+class Evidence:
+    key: str
+    ratio_before: float | None
+    """Ratio (error / tolerance) in the plain comparison."""
+    ratio_after: float | None
+    """Ratio in the rewriting replay."""
+    status: str
+
+
+@dataclass(kw_only=True, slots=True)
+class ModuleVerdict:
+    fqn: str
+    verdict: str
+    """"introduces error", "inherits error" or "clean"."""
+    phase: str = ""
+    """Where a culprit's error shows: "forward", "backward", "forward glue", "backward glue"."""
+    evidence: list[Evidence] = field(default_factory=list)
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncFinding:
+    params: list[str]
+    reduction: str
+    """"TP", "TP (sequence parallel)", "DP", "PP-embedding", "EP", "optimizer", or "unknown"."""
+    bug_class: str
+    """"gradient-sync", "scaling" or "optimizer"."""
+    detail: str
+    evidence: list[Evidence] = field(default_factory=list)
+
+
+@dataclass(kw_only=True, slots=True)
+class Localization:
+    reference: str
+    candidate: str
+    replay: str | None
+    diverged: bool
+    culprits: list[str] = field(default_factory=list)
+    """Module fqns (execution order), then "params ... (reduction)" for sync findings."""
+    bug_class: str = ""
+    modules: list[ModuleVerdict] = field(default_factory=list)
+    sync: list[SyncFinding] = field(default_factory=list)
+    command: str = ""
+    notes: list[str] = field(default_factory=list)
+    replay_scope: str = ""
+    """"module alone" (only the module ran, module_replay.py), "whole model", or "reused"."""
+    reproduction: dict | None = None
+    """reproduction.Reproduction as a dict: whether the replay recomputed the candidate's exact-input tensors."""
+
+    def __bool__(self) -> bool:
+        """True when nothing is at fault."""
+        return not self.culprits
+
+    @property
+    def reproduced(self) -> bool | None:
+        return None if self.reproduction is None else self.reproduction["reproduced"]
+
+    @property
+    def exit_code(self) -> int:
+        """0 no divergence, 1 culprit named, 4 diverged but not explained (or the replay does not reproduce)."""
+        if not self.diverged:
+            return 0
+        return 1 if self.culprits and self.reproduced is not False else 4
+
+    def to_json(self) -> str:
+        return strict_json.dumps(data_from_record(self), indent=1)  # a NaN or infinite ratio is written as null
+
+    @staticmethod
+    def from_json(text: str, where: str = "localization result") -> Localization:
+        """Every field's type checked; TraceFormatError naming `where` if the text is not a localization."""
+        data = data_from_json(text, where, "localization result", "run the replay again")
+        return record_from_data(data, Localization, where, "localization result", "run the replay again")
+
+
+def is_descendant(fqn: str, ancestor: str) -> bool:
+    """Module nesting by name; glue named by its neighbours ("between ...") is nobody's ancestor."""
+    return bool(ancestor) and fqn.startswith(ancestor + ".")
+
+
+def _evidence(key: TensorKey, before: dict[TensorKey, TensorComparison], after: TensorComparison) -> Evidence:
+    original = before.get(key)
+    return Evidence(key=str(key), ratio_before=original.ratio if original is not None else None, ratio_after=after.ratio,
+                    status=after.status)
+
+
+def glue_between(comparisons: list[TensorComparison], position: int) -> str:
+    """The code that produced the tensor at `position` when no traced module holds that code (the
+    model's own forward, the loss, the schedule, a module that hands back a function): named by
+    the nearest recorded tensors on both sides of it, the last one of the same micro-batch recorded
+    before it from another module and the tensor itself, never as the model root."""
+    after = comparisons[position].key
+    previous = next((c.key for c in reversed(comparisons[:position])
+                     if c.key.step == after.step and c.key.micro_batch == after.micro_batch
+                     and c.key.phase in ("forward", "backward") and (c.key.fqn, c.key.phase) != (after.fqn, after.phase)),
+                    None)
+    start = f"{previous.fqn or 'the model'} ({previous.phase} {previous.slot})" if previous else "the micro-batch's data"
+    return f"between {start} and {after.fqn or 'the model'} ({after.phase} {after.slot})"
+
+
+def _module_suspects(replay: RunComparison, before: dict, traced: set[str],
+                     root: str | None) -> dict[str, tuple[str, list[Evidence]]]:
+    """fqn -> (phase, evidence) of every module the replay says introduced an error. With a `root`
+    (a one-module replay) that module's own inputs and output gradients come from unrewritten code
+    outside it: they are not evidence. Glue that no traced module owns is named by its neighbours
+    (`glue_between`)."""
+    suspects: dict[str, tuple[str, list[Evidence]]] = {}
+    failed_scopes: set[tuple] = set()
+    for position, c in enumerate(replay.comparisons):
+        if c.key.phase not in ("forward", "backward") or c.status in STRUCTURAL:
+            continue
+        scope = (c.key.step, c.key.phase, c.key.micro_batch)
+        family = slot_family(c.key.slot)
+        if c:
+            continue
+        if family in ("output", "grad_input"):
+            fqn, phase = c.key.fqn, c.key.phase
+        elif scope in failed_scopes or c.key.fqn == root:
+            continue  # an input broken by an earlier failure in the same micro-batch, or from outside the replay
+        else:
+            parent = owner_of(c.key.fqn)
+            fqn = parent if parent and parent in traced else glue_between(replay.comparisons, position)
+            phase = f"{c.key.phase} glue"
+        failed_scopes.add(scope)
+        entry = suspects.setdefault(fqn, (phase, []))
+        if len(entry[1]) < 5:
+            entry[1].append(_evidence(c.key, before, c))
+    return suspects
+
+
+def module_verdicts(original: RunComparison, replay: RunComparison, root: str | None = None) -> list[ModuleVerdict]:
+    before = {c.key: c for c in original.comparisons}
+    traced = {c.key.fqn for c in replay.comparisons if c.key.phase in ("forward", "backward")}
+    suspects = _module_suspects(replay, before, traced, root)
+    failing_before = {c.key.fqn for c in original.comparisons if not c and c.key.phase in ("forward", "backward")}
+    verdicts = []
+    for fqn in sorted(traced | set(suspects), key=lambda f: _first_position(replay, f)):
+        if fqn in suspects and not any(is_descendant(other, fqn) for other in suspects if other != fqn):
+            phase, evidence = suspects[fqn]
+            verdicts.append(ModuleVerdict(fqn=fqn, verdict="introduces error", phase=phase, evidence=evidence))
+        elif fqn in suspects or fqn in failing_before:
+            verdicts.append(ModuleVerdict(fqn=fqn, verdict="inherits error"))
+        else:
+            verdicts.append(ModuleVerdict(fqn=fqn, verdict="clean"))
+    return verdicts
+
+
+def _first_position(replay: RunComparison, fqn: str) -> int:
+    return next((i for i, c in enumerate(replay.comparisons) if c.key.fqn == fqn), len(replay.comparisons))
+
+
+def _drift_axes(drift: dict, manifest: RunManifest) -> list[str]:
+    ranks = list(drift.get("ranks") or [])
+    if len(ranks) < 2 or not manifest.rank_coordinates:
+        return []
+    first, second = (manifest.rank_coordinates[r] for r in ranks[:2])
+    return [name for name, a, b in zip(manifest.mesh_axis_names, first, second) if a != b]
+
+
+def _reduction_name(axes: list[str], manifest: RunManifest) -> str:
+    if "pp" in axes:
+        return "PP-embedding"
+    if "tp" in axes:
+        return "TP (sequence parallel)" if manifest.degrees.get("sp") else "TP"
+    if "ep" in axes:
+        return "EP"
+    return "DP" if "dp" in axes or "fsdp" in axes else "unknown"
+
+
+def _scale_factor(reference: RunReader, replay: RunReader, key: TensorKey) -> tuple[float, float]:
+    """(s, residual): candidate ~ s * reference, residual = ||a - s e|| / ||a||."""
+    actual, expected = logical_value(replay, key), logical_value(reference, key)
+    denominator = float((expected * expected).sum())
+    if denominator == 0:
+        return math.nan, math.inf
+    s = float((actual * expected).sum()) / denominator
+    norm = float(torch.linalg.vector_norm(actual))
+    return s, (float(torch.linalg.vector_norm(actual - s * expected)) / norm if norm else math.inf)
+
+
+def _classify_gradient(c: TensorComparison, reference: RunReader, replay: RunReader, manifest: RunManifest) -> tuple[str, str, str]:
+    """(reduction, bug class, detail) of one failing reduced gradient; reduction "" = the module's own wgrad."""
+    if c.status == "replica_drift" or (c.replica_drift and c.replica_drift.get("relative_diff", 0) > 0):
+        axes = _drift_axes(c.replica_drift or {}, manifest)
+        if axes:
+            return _reduction_name(axes, manifest), "gradient-sync", f"replicas differ along {'/'.join(axes)}"
+    s, residual = _scale_factor(reference, replay, c.key)
+    data_parallel = max(manifest.degrees.get("dp", 1), manifest.degrees.get("fsdp", 1), manifest.degrees.get("ep", 1))
+    # Pure scaling: once divided by the factor, the gradient would pass its own tolerance.
+    if residual < max(PURE_SCALE_RESIDUAL, c.tolerance.rel if c.tolerance else 0.0) and data_parallel > 1:
+        reduction = "EP" if ".experts." in c.key.fqn and manifest.degrees.get("ep", 1) > 1 else "DP"
+        return reduction, "scaling", f"off by a constant factor {s:.4g}"
+    return "", "backward", f"weight gradient wrong (factor {s:.3g}, residual {residual:.2g})"
+
+
+def sync_findings(original: RunComparison, replay: RunComparison, reference: RunReader, replay_reader: RunReader,
+                  manifest: RunManifest, module_culprits: list[str]) -> tuple[list[SyncFinding], list[ModuleVerdict]]:
+    """Failing reduced gradients and updated parameters that no module culprit explains."""
+    before = {c.key: c for c in original.comparisons}
+    groups: dict[tuple[str, str, str], SyncFinding] = {}
+    wgrad: dict[str, ModuleVerdict] = {}
+    failing_grads = {c.key.fqn for c in replay.comparisons if c.key.phase == "grad" and not c}
+    for c in replay.comparisons:
+        if c or c.key.phase not in ("grad", "param") or c.status in STRUCTURAL:
+            continue
+        if any(is_descendant(c.key.fqn, m) for m in module_culprits):
+            continue
+        if c.key.phase == "param":
+            if c.key.fqn in failing_grads:
+                continue  # a wrong gradient gives a wrong update: already reported
+            reduction, bug_class, detail = "optimizer", "optimizer", "updated parameter wrong while its gradient passes"
+        else:
+            reduction, bug_class, detail = _classify_gradient(c, reference, replay_reader, manifest)
+        if not reduction:
+            owner = owner_of(c.key.fqn) or c.key.fqn  # a parameter of the model root is named itself
+            verdict = wgrad.setdefault(owner, ModuleVerdict(fqn=owner, verdict="introduces error",
+                                                            phase="backward (weight gradient)"))
+            verdict.evidence.append(_evidence(c.key, before, c))
+            continue
+        finding = groups.setdefault((reduction, bug_class, detail.split(" ")[0]),
+                                    SyncFinding(params=[], reduction=reduction, bug_class=bug_class, detail=detail))
+        finding.params.append(c.key.fqn)
+        if len(finding.evidence) < 5:
+            finding.evidence.append(_evidence(c.key, before, c))
+    return list(groups.values()), list(wgrad.values())
+
+
+def analyze(original: RunComparison, replay: RunComparison, reference: RunReader, replay_reader: RunReader,
+            manifest: RunManifest, root: str | None = None) -> Localization:
+    modules = module_verdicts(original, replay, root)
+    introducing = [m.fqn for m in modules if m.verdict == "introduces error"]
+    sync, wgrad_culprits = sync_findings(original, replay, reference, replay_reader, manifest, introducing)
+    modules += wgrad_culprits
+    culprits = introducing + [m.fqn for m in wgrad_culprits]
+    culprits += [f"{_summarize(s.params)} ({s.reduction})" for s in sync]
+    first_class = next((m.phase for m in modules if m.verdict == "introduces error"), "")
+    bug_class = first_class or (sync[0].bug_class + f": {sync[0].reduction}" if sync else "")
+    return Localization(reference=original.reference, candidate=original.candidate, replay=replay.candidate,
+                        diverged=True, culprits=culprits, bug_class=bug_class, modules=modules, sync=sync)
+
+
+def _summarize(params: list[str]) -> str:
+    return ", ".join(params) if len(params) <= 3 else f"{', '.join(params[:3])} and {len(params) - 3} more"
+
+
+def can_replay_alone(original: RunComparison, module: str) -> bool:
+    """A module run alone shows what it computes, never a gradient reduction or an optimizer step: so
+    only when `module` is a recorded module and some activation of its subtree fails (reduced
+    gradients that fail with no activation failing point at the reduction or the optimizer)."""
+    in_module = [c for c in original.comparisons if in_subtree(module_of(c.key), module)]
+    return any(c.key.fqn == module and c.key.phase == "forward" for c in in_module) and \
+        any(not c and c.key.phase in ("forward", "backward") for c in in_module)
+
+
+def module_of(key: TensorKey) -> str:
+    return owner_of(key.fqn) if key.phase in ("grad", "param") else key.fqn

@@ -1,0 +1,127 @@
+"""Launch a recorded run: `ttrace record -- COMMAND` and the relaunches of `ttrace estimate` / `ttrace localize`.
+
+Input: a command (typically `torchrun --standalone --nproc-per-node N train.py ...`) whose script
+calls `ttrace_core.attach`, or a run directory whose manifest names how it was launched. Output:
+the run directory the command's ranks record into (stage 1). The command gets its session through
+one variable, TTRACE_SESSION, naming a spec file that lives only as long as this launcher; the
+caller's own environment is never changed.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ttrace_core.errors import LaunchError, TtraceError
+from ttrace_core.format.schema import RunManifest
+from ttrace_core.record.session import SESSION_ENV, SessionSpec
+
+
+@contextmanager
+def session_environment(spec: SessionSpec) -> Iterator[dict[str, str]]:
+    """The environment of a command run in `spec`'s session: this process's plus TTRACE_SESSION, naming
+    a spec file that is deleted when the block ends."""
+    with tempfile.TemporaryDirectory(prefix="ttrace-session-") as folder:
+        path = Path(folder) / "session.json"
+        spec.write(path)
+        env = {**os.environ, SESSION_ENV: str(path)}
+        env.setdefault("OMP_NUM_THREADS", "1")  # N ranks on few cores otherwise oversubscribe threads
+        yield env
+
+
+def run_session(spec: SessionSpec, *, timeout_s: float) -> None:
+    """Run spec.command in spec.cwd with the session switched on for it; raise LaunchError if it fails."""
+    with session_environment(spec) as env:
+        try:
+            process = subprocess.Popen(spec.command, cwd=spec.cwd or None, env=env, start_new_session=True)
+        except OSError as error:
+            raise TtraceError(f"cannot start {shlex.join(spec.command)!r} in {spec.cwd or os.getcwd()} ({error}); "
+                              "check the command and the directory it was recorded in") from error
+        try:
+            code = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise LaunchError(f"{shlex.join(spec.command)} ran longer than {timeout_s:.0f} s and was killed; "
+                              "raise --timeout or look for a hang") from None
+        except BaseException:
+            os.killpg(process.pid, signal.SIGKILL)  # Ctrl-C: never leave the ranks running
+            process.wait()
+            raise
+    if code != 0:
+        raise LaunchError(f"{shlex.join(spec.command)} exited with code {code} (its output is above)")
+
+
+def record(out: str | os.PathLike, command: list[str], *, seed: int = 0, stats_only: bool = False,
+           role: str | None = None, timeout_s: float = 3600.0) -> Path:
+    """`ttrace record --out OUT -- COMMAND`: run the command with tracing on; returns the run directory."""
+    from ttrace_core.format.writer import refuse_existing_trace
+
+    if not command:
+        raise TtraceError("ttrace record: no command; write it after --, e.g. "
+                          "ttrace record --out runs/ref -- torchrun --standalone --nproc-per-node 1 train.py")
+    out = Path(out).resolve()
+    refuse_existing_trace(out)
+    spec = SessionSpec(out=str(out), launcher_pid=os.getpid(), command=list(command), cwd=os.getcwd(), seed=seed,
+                       role=role, stats_only=stats_only)
+    run_session(spec, timeout_s=timeout_s)
+    if not (out / "manifest.json").is_file():
+        raise TtraceError(f"{shlex.join(command)} finished but recorded nothing into {out}: its script must call "
+                          "ttrace_core.attach(model, optimizer) and run its steps inside `with session.step(i):`")
+    return out
+
+
+def relaunch(run_dir: Path, manifest: RunManifest, out: Path, *, perturbation: dict | None = None,
+             rewrite: dict | None = None, precision: str | None = None, value_steps: list[int] | None = None,
+             timeout_s: float) -> None:
+    """Run a recorded run again into `out`, its weights perturbed (estimate), its modules' inputs
+    rewritten (localize) or its values recorded for `value_steps` only (adaptive capture), in a session
+    of the given mode: the recorded command, or for a run recorded by an older ttrace, the example
+    factory its manifest names."""
+    entrypoint = manifest.entrypoint
+    command, factory = [current_name(part) for part in entrypoint.get("command") or []], entrypoint.get("factory")
+    if not command and not (factory and entrypoint.get("config") is not None):
+        raise TtraceError(f"{run_dir}/manifest.json: no entrypoint recorded, so the run cannot be relaunched; "
+                          "record it with `ttrace record -- COMMAND` (or `ttrace example`)")
+    mode = "perturb" if perturbation is not None else "rewrite" if rewrite else "record"
+    spec = SessionSpec(out=str(out), mode=mode, launcher_pid=os.getpid(), command=list(command or []),
+                       cwd=entrypoint.get("cwd", ""), seed=int(entrypoint.get("seed", manifest.seed)),
+                       role=manifest.role, perturbation=perturbation, rewrite=rewrite, precision=precision,
+                       value_steps=value_steps)
+    if command:
+        if spec.cwd and not Path(spec.cwd).is_dir():
+            raise TtraceError(f"{run_dir}/manifest.json: the command ran in {spec.cwd}, which does not exist here; "
+                              "relaunch where the run was recorded")
+        run_session(spec, timeout_s=timeout_s)
+        return
+    from ttrace_core.record.launch import resolve, run_ranks
+
+    factory = current_name(factory)
+    try:
+        resolve(factory)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise TtraceError(f"{run_dir}/manifest.json: entrypoint {factory!r} cannot be imported here ({error}); "
+                          "install the package that defines it, or run from the directory it was recorded in") from error
+    with session_environment(spec) as env:
+        run_ranks(factory, {**entrypoint["config"], **({"precision": precision} if precision else {})},
+                  manifest.world_size, timeout_s=timeout_s,
+                  env={SESSION_ENV: env[SESSION_ENV]})
+
+
+MOVED_MODULES = {"ttrace_core.examples": "ttrace_examples"}
+"""Packages renamed since a trace was recorded: old manifests name the old module in their entrypoint."""
+
+
+def current_name(name: str) -> str:
+    """An entrypoint's module ("ttrace_core.examples.megatron_gpt.train:run" recorded before the examples
+    left the core package) under its current name; anything else unchanged."""
+    for old, new in MOVED_MODULES.items():
+        if name == old or name.startswith((old + ".", old + ":")):
+            return new + name[len(old):]
+    return name

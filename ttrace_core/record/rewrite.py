@@ -1,0 +1,148 @@
+"""Input rewriting for stage 4 (localize): run the candidate with every traced module fed the reference's values.
+
+Input: a `Tracer` recording a candidate re-run, and the reference run directory. Output: the same
+trace the tracer writes, except that each traced module *computes* from the reference's inputs
+(forward) and the reference's output gradients (backward), resharded into this rank's layout by
+`canonicalize.shard`, the inverse of the canonical mapping. What the trace *records* at a module
+boundary is still the candidate's own value, taken before the rewrite: so a module whose output
+fails was wrong on correct inputs (it introduces the error), and an input that fails although
+every module feeding it passed was broken by the code between modules (the parent's glue).
+
+Only floating tensors that require grad are rewritten: the dataflow being trained. Token ids,
+masks, rotary tables and detached observers (fp8 scales) keep the candidate's values. A rewrite
+returns the reference's values bitwise in forward and passes the gradient to the candidate's
+tensor in backward (`_Substitute`), so the autograd graph stays connected and every upstream
+module still runs its backward.
+
+Switched on explicitly: `ttrace localize` relaunches the candidate in a rewrite session
+(session.py), whose `attach` hands an `InputRewriter` to the Tracer. It plugs in through the Tracer's public seam (traced_modules, current_forward_call,
+coming_backward_call, layout_of, record); no environment variable turns it on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ttrace_core.canonicalize.shards import shard
+from ttrace_core.canonicalize.logical_value import logical_value
+from ttrace_core.format.naming import in_subtree
+from ttrace_core.format.schema import TensorKey
+from ttrace_core.format.reader import RunReader
+
+if TYPE_CHECKING:
+    from ttrace_core.record.tracer import Tracer
+
+class _Substitute(torch.autograd.Function):
+    """Forward: the reference's values, bitwise (adding a detached difference rounds in bf16).
+    Backward: the gradient goes to the candidate's tensor unchanged."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return target.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class InputRewriter:
+    """Forward pre-hooks and backward pre-hooks that feed traced modules the reference's values."""
+
+    def __init__(self, reference_dir: str | os.PathLike, module: str | None = None) -> None:
+        self.reference_dir = str(reference_dir)
+        self.reference = RunReader(reference_dir)
+        self.module = module or None
+        self.num_rewritten = 0
+        self.tracer: Tracer | None = None
+
+    def describe(self) -> dict:
+        return {"rewrite_from": self.reference_dir, "rewrite_module": self.module}
+
+    def attach(self, tracer: Tracer, model: nn.Module, handles: list) -> None:
+        self.tracer = tracer
+        for fqn, submodule, backward in tracer.traced_modules(model):
+            if not in_subtree(fqn, self.module):
+                continue
+            # Registered after the tracer's own pre-hook: the tracer records the candidate's input first.
+            handles.append(submodule.register_forward_pre_hook(self._forward_pre_hook(fqn), with_kwargs=True))
+            if backward:
+                handles.append(submodule.register_full_backward_pre_hook(self._backward_pre_hook(fqn)))
+
+    def records_grad_outputs(self, fqn: str) -> bool:
+        """The rewriter records (and then replaces) grad_output at these modules, not the tracer."""
+        return in_subtree(fqn, self.module)
+
+    def _reference_local(self, key: TensorKey, like: torch.Tensor, scale: float) -> torch.Tensor | None:
+        if key not in self.reference.index:
+            return None
+        layout = self.tracer.layout_of(key, like)
+        full = logical_value(self.reference, key) * scale
+        if tuple(full.shape) != tuple(layout.global_shape):
+            return None  # a different logical shape: leave the candidate's value
+        local = shard(full, layout).to(like.dtype)
+        if isinstance(like, DTensor):
+            return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                      shape=like.shape, stride=like.stride())
+        return local
+
+    def _rewritten(self, key: TensorKey, value: object, scale: float = 1.0) -> object:
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not value.requires_grad:
+            return value
+        target = self._reference_local(key, value, scale)
+        if target is None:
+            return value
+        self.num_rewritten += 1
+        return _Substitute.apply(value, target)
+
+    def _forward_pre_hook(self, fqn: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict):
+            call = self.tracer.current_forward_call(fqn)
+            if call is None:
+                return None
+            micro_batch, index_of_call = call
+
+            def key(slot: str) -> TensorKey:
+                return self.tracer.key("forward", fqn, slot, micro_batch, index_of_call)
+
+            leaves, spec = tree_flatten(args)
+            index = 0
+            for position, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor):
+                    leaves[position] = self._rewritten(key(f"input.{index}"), leaf)
+                    index += 1
+            new_kwargs = {name: self._rewritten(key(f"input.{name}"), value) for name, value in kwargs.items()}
+            return tree_unflatten(leaves, spec), new_kwargs
+        return hook
+
+    def _backward_pre_hook(self, fqn: str):
+        def hook(module: nn.Module, grad_output: tuple):
+            tracer = self.tracer
+            call = tracer.coming_backward_call(fqn)
+            if call is None:
+                return None
+            replaced = []
+            for index, value in enumerate(grad_output):
+                if not isinstance(value, torch.Tensor):
+                    replaced.append(value)
+                    continue
+                key = tracer.key("backward", fqn, f"grad_output.{index}", *call)
+                tracer.record(key, value)
+                target = self._reference_local(key, value, tracer.config.loss_scale)
+                self.num_rewritten += target is not None
+                replaced.append(value if target is None else target)
+            return tuple(replaced)
+        return hook
+
+    def close(self) -> None:
+        self.reference.close()
+
+
+def rewriter_from_config(rewrite: dict | None) -> InputRewriter | None:
+    """The rewriter a replay's config asks for ({"reference": dir, "module": fqn or None}), or None."""
+    return None if not rewrite else InputRewriter(rewrite["reference"], rewrite.get("module"))

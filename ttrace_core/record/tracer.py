@@ -1,0 +1,448 @@
+"""Stage 1 of record -> canonicalize -> compare -> localize -> render.
+
+Input: a live model (and optimizer) on one rank. Output: that rank's step files in a run
+directory, plus manifest.json from rank 0. Per step and micro-batch the tracer records every
+selected module's forward inputs and outputs and its activation gradients (grad_output,
+grad_input); per step, each parameter's gradient after every reduction and before
+optimizer.step(), and each parameter after it. Each tensor is stored with the layout in effect:
+a DTensor's own placements, an annotation declared with `Tracer.declare`, the layout of the
+forward tensor a gradient belongs to, or else "whole tensor, replicated".
+
+Integration:
+
+    tracer = Tracer(run_dir, model, role="candidate", optimizer=optimizer)
+    for step in range(num_steps):
+        with tracer.step(step):
+            ...forward/backward over micro-batches...
+            optimizer.step()
+    tracer.close()
+
+Attach the tracer after parallelize_module / fully_shard / DDP, so that its hooks see what the
+module really receives and returns. Hooks only read: they return None and never change outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
+
+from ttrace_core.integrations.dtensor import (
+    layout_from_dtensor, layout_of_converted_output, local_value,
+)
+from ttrace_core.format.fingerprint import environment_fingerprint
+from ttrace_core.format.naming import owner_of, slot_family
+from ttrace_core.format.schema import (
+    NO_MICRO_BATCH, WRAPPER_COMPONENTS, Layout, RunManifest, TensorKey, TensorMeta, global_fqn,
+    strip_wrappers,
+)
+from ttrace_core.record.background_writer import BackgroundWriter
+from ttrace_core.record.declarations import Declarations
+from ttrace_core.record.step_state import StepState
+from ttrace_core.format.tracer_config import TracerConfig
+from ttrace_core.format.reader import dtype_name
+from ttrace_core.format.writer import RunWriter, refuse_existing_trace, stats_from_tensor, write_error, write_manifest
+
+
+def _quiet_hook_warnings() -> None:
+    """Silence the two warnings the tracer's own hooks cause, once hooks are attached (never at import):
+    a module whose inputs need no gradient (an embedding fed token ids) still gets its grad_output
+    recorded, and torch warns about exactly that case on every backward; a module that returns neither
+    a tensor nor a tuple gets no backward hook call, which the tracer lists as a blind spot
+    (`Tracer.blind_spots`, shown by `ttrace inspect`) instead."""
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
+    warnings.filterwarnings("ignore", message="For backward hooks to be called, module output should be a Tensor")
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    """A module that only wraps another (its child is traced under the wrapper's name instead). Told by
+    the child's name, not the class: fully_shard swaps a wrapper's class for a subclass of its own."""
+    return any(name in WRAPPER_COMPONENTS for name, _ in module.named_children())
+
+
+class InputRewriting(Protocol):
+    """What the Tracer needs of localize's input rewriting (rewrite.InputRewriter)."""
+
+    def attach(self, tracer: Tracer, model: nn.Module, handles: list) -> None: ...
+    def records_grad_outputs(self, fqn: str) -> bool: ...
+    def describe(self) -> dict: ...
+    def close(self) -> None: ...
+
+
+def _proper_ancestors(fqn: str) -> list[str]:
+    """"a.b.c" -> ["a", "a.b"]; the root ("") is left out: excluding it leaves its children traced."""
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _hookable_output(output: object) -> bool:
+    """A full backward hook fires only for a module that returns a tensor or a tuple (torch warns otherwise)."""
+    return isinstance(output, (torch.Tensor, tuple))
+
+
+def _one_sentence(error: BaseException) -> str:
+    """`RuntimeError: [gloo ...] Read error ...: Connection reset by peer.` without gloo's advice after it."""
+    text = " ".join(str(error).split())
+    sentence, stop, _ = text.partition(". ")
+    return f"{type(error).__name__}: {sentence}{stop.strip()}"
+
+
+def _tensors_of(values: object) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(values)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+class Tracer:
+    def __init__(self, run_dir: str | os.PathLike, model: nn.Module, *, role: str,
+                 optimizer: torch.optim.Optimizer | None = None, config: TracerConfig | None = None,
+                 manifest: RunManifest | None = None, rewriter: InputRewriting | None = None) -> None:
+        """`rewriter` (localize's input rewriting, rewrite.py) is the one way to change what traced modules
+        compute; without it the hooks only read."""
+        if role not in ("reference", "candidate"):
+            raise ValueError(f"role must be 'reference' or 'candidate', got {role!r}")
+        self.config = config or TracerConfig()
+        self.model = model
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        writer = RunWriter(run_dir, self.rank)
+        self._writer = BackgroundWriter(writer, self.config.writer_queue_bytes) if self.config.writer_queue_bytes else writer
+        self._declarations = Declarations()
+        self._state: StepState | None = None
+        self._handles: list = []
+        self._rewriter = rewriter
+        if self.rank == 0:
+            refuse_existing_trace(run_dir, manifest_only=True)
+            manifest = manifest or RunManifest(role=role, world_size=world_size)
+            manifest.role, manifest.world_size = role, world_size
+            manifest.tracer = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.config).items()}
+            manifest.environment = manifest.environment or environment_fingerprint(world_size)
+            if rewriter is not None:
+                manifest.tracer |= rewriter.describe()
+            write_manifest(run_dir, manifest)
+        self._handles.append(model.register_forward_pre_hook(self._root_pre_hook))
+        self.blind_spots: dict[str, str] = self.untraced_modules(model)
+        """Module -> what the trace of it misses: the configuration's exclusions, and modules whose
+        backward hooks cannot fire (found during the run); written with every step file."""
+        _quiet_hook_warnings()
+        self._attach_modules(model)
+        if rewriter is not None:
+            rewriter.attach(self, model, self._handles)
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.record_gradients()))
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.record_parameters()))
+
+    # ---- selection and layout resolution ----------------------------------------------------
+
+    def global_fqn(self, local_fqn: str) -> str:
+        """The reference's name of this rank's module or parameter: wrapper components dropped
+        (activation checkpointing, torch.compile), then the config's renames applied."""
+        return global_fqn(strip_wrappers(local_fqn), self.config.rename)
+
+    def is_selected(self, local_fqn: str) -> bool:
+        config = self.config
+        return any(fnmatch.fnmatchcase(local_fqn, g) for g in config.include) and \
+            not any(fnmatch.fnmatchcase(local_fqn, g) for g in config.exclude)
+
+    def traced_modules(self, model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
+        """(global fqn, module, whether its backward is hooked) of every module whose activations are
+        recorded. A wrapper inside the model (a checkpoint wrapper) is skipped and the module it wraps
+        traced under its name; a wrapper at the root (torch.compile's) is traced itself, outside the
+        compiled code, and the module it wraps skipped."""
+        config = self.config
+        wrapped_root = {id(child) for name, child in model.named_children() if name in WRAPPER_COMPONENTS}
+        for local_fqn, module in model.named_modules():
+            name = strip_wrappers(local_fqn)
+            if (local_fqn and _is_wrapper(module)) or id(module) in wrapped_root or not self.is_selected(name) or \
+                    any(fnmatch.fnmatchcase(name, g) for g in config.exclude_activations):
+                continue
+            backward = not any(fnmatch.fnmatchcase(name, g) for g in config.forward_only)
+            yield self.global_fqn(local_fqn), module, backward
+
+    def untraced_modules(self, model: nn.Module) -> dict[str, str]:
+        """Global fqn -> why the trace cannot see into it, for every module the configuration leaves
+        out (the outermost of a subtree left out for the same reason)."""
+        config, found = self.config, {}
+        for local_fqn, module in model.named_modules():
+            name = strip_wrappers(local_fqn)
+            if local_fqn and _is_wrapper(module):
+                continue
+            if not self.is_selected(name):
+                why = "not traced (tracer configuration: exclude): its own inputs and outputs are not recorded"
+            elif any(fnmatch.fnmatchcase(name, g) for g in config.exclude_activations):
+                why = ("activations not traced (tracer configuration: exclude_activations): its parameters, "
+                       "gradients and updates are recorded, its inputs and outputs are not")
+            elif any(fnmatch.fnmatchcase(name, g) for g in config.forward_only):
+                why = ("backward not hooked (tracer configuration: forward_only): its grad_output is recorded "
+                       "through tensor hooks on its outputs, its grad_input is not")
+            else:
+                continue
+            fqn = self.global_fqn(local_fqn)
+            if not any(found[p] == why for p in _proper_ancestors(fqn) if p in found):
+                found[fqn] = why
+        return found
+
+    def declare(self, fqn_glob: str, slot_glob: str, placements: Sequence, mesh) -> None:
+        """Declare the layout of plain (non-DTensor) tensors at matching module slots.
+
+        Example: under sequence parallelism with local outputs, `tracer.declare("layers.*",
+        "output.0", [Shard(1)], tp_mesh)` says each rank holds its sequence shard of a block output.
+        `mesh` is a DeviceMesh or (mesh_shape, coordinate, axis_names); placements are DTensor
+        placements or their strings ("S(0)", "R", "P(sum)"). Globs match the recorded (global) fqn.
+        Later declarations win over earlier ones.
+        """
+        self._declarations.declare(fqn_glob, slot_glob, placements, mesh)
+
+    def declare_flat_range(self, fqn: str, slot: str, start: int, end: int) -> None:
+        """This rank's values of tensor (fqn, slot) are only elements [start, end) of its flattened
+        local block, e.g. the gradient shard a distributed optimizer reduced onto this rank; the
+        rest of the local tensor is not the logical value and is not recorded."""
+        self._declarations.declare_flat_range(fqn, slot, start, end)
+
+    def layout_of(self, key: TensorKey, value: torch.Tensor) -> Layout:
+        """The layout in effect for `value`, recorded (or about to be recorded) under `key`."""
+        local = local_value(value)
+        if isinstance(value, DTensor):
+            return layout_from_dtensor(value)
+        if (declared := self._declarations.layout(key.fqn, key.slot, tuple(local.shape))) is not None:
+            return declared
+        if (converted := self._converted_layout(key, local)) is not None:
+            return converted
+        if key.slot.startswith("grad_") and self._state is not None:
+            # The gradient of a tensor is laid out like the tensor itself.
+            forward_slot = key.slot.removeprefix("grad_")
+            inherited = self._state.forward_layouts.get((key.fqn, key.micro_batch, key.call, forward_slot))
+            if inherited is not None and inherited.global_shape and len(inherited.global_shape) == local.dim():
+                return inherited
+        return Layout.replicated(tuple(local.shape))
+
+    def _converted_layout(self, key: TensorKey, local: torch.Tensor) -> Layout | None:
+        if key.phase != "forward" or not key.slot.startswith("output.") or self._state is None:
+            return None
+        before = self._state.converted_outputs.get(key.fqn) or []
+        index = int(key.slot.removeprefix("output."))
+        return layout_of_converted_output(before[index], local) if index < len(before) and before[index] is not None else None
+
+    # ---- recording ----------------------------------------------------------------------------
+
+    def _recording(self) -> bool:
+        # A forward that runs inside a backward is activation checkpointing's recomputation, not a new call.
+        return self._state is not None and torch._C._current_graph_task_id() == -1
+
+    def key(self, phase: str, fqn: str, slot: str, micro_batch: int, call: int = 0) -> TensorKey:
+        return TensorKey(step=self._state.step, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot, call=call)
+
+    def record(self, key: TensorKey, value: torch.Tensor) -> None:
+        """Store one tensor of the current step under `key` (skipped when its slot kind is not selected)."""
+        if slot_family(key.slot) not in self.config.slots:
+            return
+        state = self._state
+        local = local_value(value)
+        layout = self.layout_of(key, value)
+        if (flat_range := self._declarations.flat_ranges.get((key.fqn, key.slot))) is not None:
+            local = local.reshape(-1)[flat_range[0]:flat_range[1]]
+            layout = dataclasses.replace(layout, flat_range=flat_range)
+        if key.phase == "forward" and layout.mesh_shape:
+            state.forward_layouts[(key.fqn, key.micro_batch, key.call, key.slot)] = layout
+        # A partial sum's statistics cannot be combined into the whole tensor's: it keeps its values.
+        stats_only = self.config.stats_only and not any(p.startswith("P(") for p in layout.placements)
+        meta = TensorMeta(
+            key=key, rank=self.rank, dtype=dtype_name(local.dtype), local_shape=tuple(local.shape), layout=layout,
+            seq=state.seq, scale=self.config.loss_scale if key.phase == "backward" else 1.0,
+            stats=stats_from_tensor(local), stats_only=stats_only,
+        )
+        state.seq += 1
+        self._writer.write(meta, None if stats_only else local)
+
+    def _global_micro_batch(self, local_index: int) -> int:
+        return local_index * self.config.data_parallel_size + self.config.data_parallel_rank
+
+    def current_forward_call(self, fqn: str) -> tuple[int, int] | None:
+        """(global micro-batch, call) of the forward of `fqn` in progress, None outside one (or in shape
+        inference). A forward recomputed by activation checkpointing belongs to the call whose backward runs."""
+        if self._state is None:
+            return None
+        if not self._recording():
+            return self._state.next_backward_call(fqn, pop=False)
+        pending = self._state.pending_forward[fqn]
+        return pending[-1] if pending else None
+
+    def coming_backward_call(self, fqn: str) -> tuple[int, int] | None:
+        """(global micro-batch, call) the next backward of `fqn` belongs to."""
+        return None if self._state is None else self._state.next_backward_call(fqn, pop=False)
+
+    def _attach_modules(self, model: nn.Module) -> None:
+        for fqn, module, backward in self.traced_modules(model):
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._forward_hook(fqn, backward)))
+            # Before a parallel style's own output hook: the DTensor it is about to make local.
+            self._handles.append(module.register_forward_hook(self._see_output_dtensors(fqn), prepend=True))
+            if backward:
+                self._handles.append(module.register_full_backward_hook(self._backward_hook(fqn)))
+
+    def _root_pre_hook(self, module: nn.Module, args: tuple) -> None:
+        if self._recording() and not any(t.is_meta for t in _tensors_of(args)):
+            self._state.root_calls += 1
+
+    def _pre_hook(self, fqn: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._recording():
+                return None
+            state = self._state
+            if any(t.is_meta for t in _tensors_of((args, kwargs))):
+                state.pending_forward[fqn].append(None)  # shape inference (pipelining): not a micro-batch
+                return None
+            local, call = state.next_forward_call(fqn)
+            micro_batch = self._global_micro_batch(local)
+            state.pending_forward[fqn].append((micro_batch, call))
+            for index, value in enumerate(_tensors_of(args)):
+                self.record(self.key("forward", fqn, f"input.{index}", micro_batch, call), value)
+            for name, value in kwargs.items():
+                if isinstance(value, torch.Tensor):
+                    self.record(self.key("forward", fqn, f"input.{name}", micro_batch, call), value)
+            return None
+        return hook
+
+    def _see_output_dtensors(self, fqn: str):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if self._recording():
+                outputs = _tensors_of(output)
+                seen = [value if isinstance(value, DTensor) else None for value in outputs]
+                self._state.converted_outputs[fqn] = seen if any(v is not None for v in seen) else []
+            return None
+        return hook
+
+    def _forward_hook(self, fqn: str, backward_hooked: bool):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if not self._recording() or not self._state.pending_forward[fqn]:
+                return None
+            entry = self._state.pending_forward[fqn].pop()
+            if entry is None:
+                return None
+            micro_batch, call = entry
+            outputs = _tensors_of(output)
+            for index, value in enumerate(outputs):
+                self.record(self.key("forward", fqn, f"output.{index}", micro_batch, call), value)
+            needs_grad = any(value.requires_grad for value in outputs)  # else no backward will come for this call
+            if needs_grad and backward_hooked and _hookable_output(output):
+                self._state.pending_backward[fqn].append(entry)
+            elif callable(output) and not outputs:
+                self.blind_spots[fqn] = (f"its forward returns a function ({type(output).__name__}) that runs after the "
+                                         "module returns: that computation is not recorded and shows as its parent's glue")
+            elif needs_grad:
+                if backward_hooked:
+                    self.blind_spots[fqn] = (f"its forward returns {type(output).__name__}, so backward hooks cannot fire: "
+                                             "its grad_output is recorded through tensor hooks, its grad_input is not")
+                self._record_grad_outputs_by_tensor_hooks(fqn, outputs, micro_batch, call)
+            self._state.converted_outputs.pop(fqn, None)
+            return None
+        return hook
+
+    def _record_grad_outputs_by_tensor_hooks(self, fqn: str, outputs: list[torch.Tensor], micro_batch: int, call: int) -> None:
+        """grad_output of a module without a backward hook: a hook on each output tensor (in-place changes
+        of the output after it, like a fused cross entropy's, do not disturb it)."""
+        def recorder(index: int):
+            def hook(grad: torch.Tensor) -> None:
+                if self._state is not None:
+                    self.record(self.key("backward", fqn, f"grad_output.{index}", micro_batch, call), grad)
+            return hook
+        for index, value in enumerate(outputs):
+            if value.requires_grad:
+                value.register_hook(recorder(index))
+
+    def _backward_hook(self, fqn: str):
+        def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+            if self._state is None:
+                return None
+            entry = self._state.next_backward_call(fqn, pop=True)
+            if entry is None:
+                return None
+            micro_batch, call = entry
+            rewritten = self._rewriter is not None and self._rewriter.records_grad_outputs(fqn)
+            for index, value in enumerate(grad_output):
+                if isinstance(value, torch.Tensor) and not rewritten:  # else recorded before the rewrite
+                    self.record(self.key("backward", fqn, f"grad_output.{index}", micro_batch, call), value)
+            for index, value in enumerate(grad_input):
+                if isinstance(value, torch.Tensor):
+                    self.record(self.key("backward", fqn, f"grad_input.{index}", micro_batch, call), value)
+            return None
+        return hook
+
+    def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for local_fqn, param in self.model.named_parameters():
+            name = strip_wrappers(local_fqn)
+            if self.is_selected(owner_of(name)):
+                yield self.global_fqn(local_fqn), param
+
+    def record_gradients(self) -> None:
+        """Record every parameter's reduced gradient; call after backward, before optimizer.step()."""
+        if not self._recording():
+            return
+        for fqn, param in self._named_parameters():
+            grad = getattr(param, self.config.grad_attr, None)
+            if grad is not None:
+                self.record(self.key("grad", fqn, "grad", NO_MICRO_BATCH), grad)
+
+    def record_parameters(self) -> None:
+        """Record every parameter's value; call after optimizer.step()."""
+        if not self._recording():
+            return
+        for fqn, param in self._named_parameters():
+            self.record(self.key("param", fqn, "value", NO_MICRO_BATCH), param)
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Record one iteration. The step file is completed only if the block finishes."""
+        if self.config.steps is not None and step not in self.config.steps:
+            yield
+            return
+        self._writer.begin_step(step)
+        self._state = StepState(step=step)
+        try:
+            yield
+        except BaseException as error:
+            self._abandon_step(_one_sentence(error))
+            if isinstance(error, OSError):  # the disk is full, a file-size limit, an I/O error: say so plainly
+                raise write_error(self._writer.run_dir, self.rank, step, error) from error
+            raise
+        self._state = None
+        try:
+            self._writer.end_step(self.blind_spots)
+        except OSError as error:
+            self._abandon_step(_one_sentence(error))
+            raise write_error(self._writer.run_dir, self.rank, step, error) from error
+
+    def _abandon_step(self, why: str = "") -> None:
+        """Leave the open step file partial, saying `why` in it; a failing close (a full disk) must not hide why."""
+        self._state = None
+        try:
+            self._writer.close(why)
+        except OSError:
+            pass
+
+    @property
+    def num_bytes_written(self) -> int:
+        return self._writer.num_bytes_written
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        try:
+            self._writer.close()
+        finally:
+            self._writer.stop()
+        if self._rewriter is not None:
+            self._rewriter.close()

@@ -1,0 +1,130 @@
+"""The comparison of two runs as a cached table: computed once (compare), kept as Parquet under the
+candidate (compare/table.py) and reused until either run's files, the reference's tolerance
+estimate or the settings change."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+import torch.distributed as dist
+
+from ttrace_core.compare import table
+from ttrace_core.compare.engine import compare_runs
+from ttrace_core.compare.estimate_file import estimate_files
+from ttrace_core.compare.partition import compare_partitioned
+from ttrace_core.compare.results import RunComparison
+from ttrace_core.compare.settings import CompareSettings
+from ttrace_core.compare.tolerances import select_tolerances
+from ttrace_core.errors import TtraceError
+from ttrace_core.format.reader import MANIFEST_NAME, RunReader, read_manifest
+from ttrace_core.format.records import data_from_record
+from ttrace_core.format.schema import FORMAT_VERSION
+
+
+def ttrace_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ttrace")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def run_fingerprint(run_dir: Path) -> list:
+    """What a comparison depends on in a run directory: its manifest's bytes and its data files' stats."""
+    manifest = (run_dir / MANIFEST_NAME).read_bytes()
+    estimates = {path.name for path in estimate_files(run_dir).values()}
+    names = sorted(p for p in os.listdir(run_dir) if p.endswith((".h5", ".partial")) or p in estimates)
+    stats = [(name, (run_dir / name).stat().st_size, (run_dir / name).stat().st_mtime_ns) for name in names]
+    return [hashlib.sha256(manifest).hexdigest(), stats]
+
+
+def _cache_path(reference: Path, candidate: Path, settings: CompareSettings) -> tuple[Path, dict]:
+    inputs = {"reference": run_fingerprint(reference), "candidate": run_fingerprint(candidate), "settings": settings.to_data(),
+              "ttrace": ttrace_version(), "table_format": table.TABLE_FORMAT_VERSION}
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
+    name = f"comparison-{digest}.parquet"
+    own = candidate / ".ttrace" / "comparisons"
+    if os.access(candidate, os.W_OK) and (not own.exists() or os.access(own, os.W_OK)):
+        return own / name, inputs
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ttrace" / "comparisons"
+    return user_cache / name, inputs
+
+
+_PROVIDER_NAMES = {"PerturbationTolerances": "perturbation estimate", "TheoremTolerances": "theorem bound",
+                   "DtypeTolerances": "dtype table"}
+
+
+@dataclass(kw_only=True, slots=True)
+class ComparisonTable:
+    frame: pd.DataFrame
+    provenance: dict
+    path: Path
+    cached: bool
+    """True when the table was read from an earlier computation."""
+
+
+def _provenance(result: RunComparison, inputs: dict, settings: CompareSettings, tolerance_kind: str, seconds: float) -> dict:
+    return {
+        "ttrace_version": inputs["ttrace"], "table_format": table.TABLE_FORMAT_VERSION, "trace_format": FORMAT_VERSION,
+        "reference": result.reference, "candidate": result.candidate,
+        "reference_manifest_sha256": inputs["reference"][0], "candidate_manifest_sha256": inputs["candidate"][0],
+        "settings": settings.to_data(), "tolerance_provider": tolerance_kind,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(seconds, 3),
+        "steps_compared": result.steps_compared, "notes": result.notes,
+        "num_tensors": len(result.comparisons), "num_failed": len(result.failures),
+        **data_from_record(result.summary()),
+    }
+
+
+def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings | None = None,
+                     *, progress: Callable[[int, int], None] | None = None, rebuild: bool = False,
+                     partitioned: bool = False) -> ComparisonTable:
+    """The comparison of two runs as a table, from the cache when its inputs are unchanged. `partitioned`:
+    this process is one rank of an initialized gloo group of compare workers (compare_workers.py), which
+    each compare a part; rank 0 writes the cache."""
+    settings = settings or CompareSettings()
+    reference, candidate = Path(reference), Path(candidate)
+    for run_dir in (reference, candidate):
+        read_manifest(run_dir)  # one clear line for a missing or foreign directory
+    path, inputs = _cache_path(reference, candidate, settings)
+    if path.is_file() and not rebuild:
+        try:
+            frame, provenance = table.read_table(path)
+            return ComparisonTable(frame=frame, provenance=provenance, path=path, cached=True)
+        except (OSError, ValueError):
+            pass  # a damaged cache file is rebuilt below
+    started = time.perf_counter()
+    with RunReader(reference) as ref_reader, RunReader(candidate) as cand_reader:
+        tolerances = select_tolerances(settings.tolerance, ref_reader, cand_reader, alpha=settings.alpha,
+                                       k=settings.theorem_k, c=settings.theorem_c)
+        if partitioned:
+            result = compare_partitioned(ref_reader, cand_reader, tolerances, **settings.engine_options())
+        else:
+            result = compare_runs(ref_reader, cand_reader, tolerances, progress=progress, **settings.engine_options())
+        frame = table.table_from_comparison(result, cand_reader)
+    if not result.comparisons:
+        raise TtraceError(f"{candidate}: no step was completed in both runs, nothing to compare")
+    provenance = _provenance(result, inputs, settings, _PROVIDER_NAMES.get(type(tolerances).__name__, "custom"),
+                             time.perf_counter() - started)
+    try:
+        if not partitioned or dist.get_rank() == 0:  # one writer of the cache among partitioned workers
+            table.write_table(path, frame, provenance)
+    except OSError:
+        pass  # a read-only place: the table is still returned, just not kept
+    return ComparisonTable(frame=frame, provenance=provenance, path=path, cached=False)
+
+
+def run_comparison(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings | None = None,
+                   **kwargs) -> RunComparison:
+    """The same comparison as a `RunComparison` (what `ttrace compare` prints and writes as JSON)."""
+    result = comparison_table(reference, candidate, settings, **kwargs)
+    return table.comparison_from_table(result.frame, result.provenance)

@@ -1,0 +1,110 @@
+"""The runs under a root, from their manifests and file names only (no tensor is read): the Runs
+page's list and the dashboard's path confinement. `RunInfo` is imported with the api, so the trace
+reader (and torch behind it) is imported only when a run is read."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ttrace_core.errors import TraceFormatError, TtraceError
+
+# Directories of a run that hold derived data, not runs to list (replays are listed by the localizer).
+_DERIVED_DIRS = (".ttrace", ".localize")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunInfo:
+    """One run directory under a root, from its manifest (tensors are not read)."""
+
+    path: str
+    """Relative to the root, with "/" separators."""
+    role: str | None = None
+    precision: str | None = None
+    world_size: int | None = None
+    degrees: dict = field(default_factory=dict)
+    steps: list[int] = field(default_factory=list)
+    partial_steps: list[int] = field(default_factory=list)
+    model: dict = field(default_factory=dict)
+    bug: str | None = None
+    has_estimate: bool = False
+    entrypoint: str | None = None
+    """What recorded (and relaunches) the run, "module:function"."""
+    format_version: int | None = None
+    versions: dict = field(default_factory=dict)
+    """Python and package versions from the manifest's environment fingerprint (empty for older traces)."""
+    error: str | None = None
+    """Why the run cannot be used (one line), else None."""
+    blind_spots: dict = field(default_factory=dict)
+    """Module -> what the trace of it misses (store.read_blind_spots)."""
+    estimates_for: list[str] = field(default_factory=list)
+    """Other precisions the reference was estimated for (`ttrace estimate --for-precision`)."""
+
+    @property
+    def layout(self) -> str:
+        """"tp2 sp pp1 ..." reduced to the degrees above 1 (and flags that are on)."""
+        parts = [f"{name}{value}" if value > 1 else name for name, value in sorted(self.degrees.items())
+                 if isinstance(value, int) and (value > 1 or (value == 1 and name in ("sp", "dist_opt")))]
+        return " ".join(parts) or "single rank"
+
+
+def _versions(environment: dict) -> dict:
+    packages = {name: version for name, version in (environment.get("packages") or {}).items() if version}
+    return {"python": environment["python"], **packages} if environment.get("python") else packages
+
+
+def _run_info(root: Path, run_dir: Path) -> RunInfo:
+    from ttrace_core.compare.estimate_file import estimate_files
+    from ttrace_core.format.reader import read_blind_spots, read_manifest, step_files
+
+    relative = run_dir.relative_to(root).as_posix() if run_dir != root else "."
+    try:
+        manifest = read_manifest(run_dir)
+    except TtraceError as error:
+        return RunInfo(path=relative, error=str(error))
+    complete, partial = step_files(run_dir, manifest.world_size)
+    config = manifest.entrypoint.get("config") or {}
+    try:
+        blind_spots = read_blind_spots(run_dir, manifest, complete[0]) if complete else dict(manifest.blind_spots)
+    except TtraceError as error:
+        return RunInfo(path=relative, error=str(error))
+    estimates = estimate_files(run_dir)
+    crossed = sorted(p for p in estimates if p is not None)
+    return RunInfo(path=relative, role=manifest.role, precision=manifest.precision, world_size=manifest.world_size,
+                   degrees=dict(manifest.degrees), steps=complete, partial_steps=partial, model=dict(manifest.model),
+                   bug=config.get("bug"), has_estimate=None in estimates,
+                   entrypoint=manifest.entrypoint.get("factory"), format_version=manifest.format_version,
+                   versions=_versions(manifest.environment), blind_spots=blind_spots, estimates_for=crossed,
+                   error=None if complete else f"{run_dir}: no complete step (partial: {partial}); re-record the run")
+
+
+def run_info(run_dir: str | os.PathLike) -> RunInfo:
+    """One run's metadata (its path relative to its parent folder)."""
+    run_dir = Path(run_dir).resolve()
+    return _run_info(run_dir.parent, run_dir)
+
+
+def find_runs(root: str | os.PathLike) -> list[RunInfo]:
+    """Every directory under `root` holding a manifest.json, sorted by path; unreadable ones carry `error`."""
+    root = Path(root).resolve()
+    if not root.is_dir():
+        raise TraceFormatError(f"{root}: not a directory; pass the folder that holds your run directories")
+    from ttrace_core.format.reader import MANIFEST_NAME
+
+    found = []
+    for directory, subdirs, files in os.walk(root, followlinks=False):
+        subdirs[:] = sorted(d for d in subdirs if d not in _DERIVED_DIRS and not d.startswith("."))
+        if MANIFEST_NAME in files:
+            found.append(_run_info(root, Path(directory)))
+    return sorted(found, key=lambda run: run.path)
+
+
+def path_under_root(root: str | os.PathLike, relative: str) -> Path:
+    """`root / relative`, refused when it resolves (symlinks followed) outside the root."""
+    base = Path(root).resolve()
+    target = (base / relative).resolve()
+    if target != base and base not in target.parents:
+        raise TtraceError(f"{relative}: resolves to {target}, outside the dashboard root {base}; "
+                          "only runs under the root are served")
+    return target

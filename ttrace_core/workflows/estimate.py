@@ -1,0 +1,106 @@
+"""`ttrace estimate`: re-run the reference with perturbed weights and measure how far round-off
+alone moves each traced tensor.
+
+A workflow: it relaunches recording (record.command.relaunch) and compares the re-runs' logical tensors
+with the reference's (canonicalize.logical_value). Output: a `compare.estimate_file.PerturbationEstimate`,
+which the caller stores with `write_estimate`.
+
+The method (TTrace v2): a backward-stable floating-point run equals the exact computation on
+inputs moved by about the unit round-off u, so the reference re-run with its weights perturbed
+elementwise, w * (1 + delta) with delta ~ U[-u, u], moves each tensor t by as much as round-off
+can. For N samples, deviation_t = max_n ||T_t^(n) - T_t||_F. Relaunching uses only the manifest
+(entrypoint factory and config); the re-runs are written under `.estimate/` and removed after.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ttrace_core.canonicalize.logical_value import logical_value
+from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation
+from ttrace_core.compare.tolerances import machine_epsilon
+from ttrace_core.errors import TtraceError
+from ttrace_core.format.reader import RunReader, read_manifest
+from ttrace_core.format.schema import TensorKey
+from ttrace_core.record.command import relaunch
+
+
+def deviations(reference: RunReader, perturbed: RunReader) -> dict[TensorKey, tuple[float, float, int]]:
+    """(||perturbed - reference||_F, ||reference||_F, numel) of every tensor both runs hold."""
+    result = {}
+    for key in reference.index:
+        if key not in perturbed.index or reference.index[key][0].stats_only:
+            continue
+        expected, actual = logical_value(reference, key), logical_value(perturbed, key)
+        finite = torch.isfinite(expected) & torch.isfinite(actual)
+        diff = torch.where(finite, actual - expected, torch.zeros((), dtype=torch.float64))
+        norm = torch.where(finite, expected, torch.zeros((), dtype=torch.float64))
+        result[key] = (float(torch.linalg.vector_norm(diff)), float(torch.linalg.vector_norm(norm)), expected.numel())
+    return result
+
+
+def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, relative: float | None = None,
+                       timeout_s: float = 600.0, num_workers: int | None = None,
+                       for_precision: str | None = None) -> PerturbationEstimate:
+    """Re-run the reference `num_samples` times with perturbed weights and measure every tensor's deviation.
+
+    `for_precision` (e.g. "fp8" on a bf16 reference): the re-runs compute in that precision, so each
+    deviation is the quantization plus the round-off, the tolerance an fp8 candidate needs when it
+    is judged against the bf16 run (the triangle inequality again: candidate vs an fp8 reference, plus
+    that fp8 reference vs this one, each about one such deviation)."""
+    if num_samples < 1:
+        raise TtraceError(f"--samples {num_samples}: need at least 1 perturbed re-run")
+    run_dir = Path(run_dir)
+    manifest = read_manifest(run_dir)
+    if not manifest.entrypoint.get("command") and not manifest.entrypoint.get("factory"):
+        raise TtraceError(f"{run_dir}/manifest.json: no entrypoint recorded, so the reference cannot be re-run; "
+                          "record it with `ttrace record -- COMMAND` (or `ttrace example`)")
+    if manifest.tracer.get("stats_only"):
+        raise TtraceError(f"{run_dir}: recorded with --stats-only, so it holds no values to measure deviations on; "
+                          "record the reference again without --stats-only")
+    for_precision = None if for_precision in (None, manifest.precision) else for_precision
+    relative = relative if relative is not None else machine_epsilon(manifest.precision) / 2  # unit round-off
+    work = run_dir / ".estimate"
+    shutil.rmtree(work, ignore_errors=True)
+    outs = [work / f"sample_{i}" for i in range(num_samples)]
+    workers = num_workers or max(1, (os.cpu_count() or 1) // manifest.world_size)
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=min(workers, num_samples)) as pool:
+        futures = [pool.submit(relaunch, run_dir, manifest, out.resolve(), timeout_s=timeout_s, precision=for_precision,
+                               perturbation={"sample": i, "relative": relative}) for i, out in enumerate(outs)]
+        for future in futures:
+            future.result()
+    if for_precision is not None:
+        _check_precision_honoured(run_dir, outs, for_precision)
+    estimate = PerturbationEstimate(precision=for_precision or manifest.precision, num_samples=num_samples,
+                                    relative=relative, reference_precision=manifest.precision)
+    with RunReader(run_dir) as reference:
+        for out in outs:
+            with RunReader(out) as perturbed:
+                _merge(estimate, deviations(reference, perturbed))
+    estimate.seconds = time.monotonic() - started
+    shutil.rmtree(work, ignore_errors=True)
+    return estimate
+
+
+def _check_precision_honoured(run_dir: Path, outs: list[Path], precision: str) -> None:
+    for out in outs:
+        recorded = read_manifest(out).precision
+        if recorded != precision:
+            shutil.rmtree(run_dir / ".estimate", ignore_errors=True)
+            raise TtraceError(f"{run_dir}: asked its command to re-run in {precision} but it recorded {recorded}; the "
+                              "script must apply ttrace_core.requested_precision() to its config (the bundled examples do)")
+
+
+def _merge(estimate: PerturbationEstimate, sample: dict[TensorKey, tuple[float, float, int]]) -> None:
+    for key, (deviation, norm, numel) in sample.items():
+        entry = estimate.tensors.setdefault(key, TensorDeviation(key=key, deviation=0.0, reference_norm=norm, numel=numel))
+        entry.deviation = max(entry.deviation, deviation)
+        entry.per_sample.append(deviation / norm if norm > 0 else (0.0 if deviation == 0 else math.inf))

@@ -1,0 +1,341 @@
+"""One training run of a megatron-core GPT on this rank: what `ttrace example megatron-gpt` launches.
+
+GPTModel with the local (non-TransformerEngine) spec, Megatron DDP, the Megatron optimizer and
+`get_forward_backward_func` over micro-batches, on CPU ranks through megatron_cpu. Every layout
+trains the same logical model on the same global batch: weights come from (seed, global parameter
+name) sliced by each parameter's TP layout, micro-batches from (seed, global micro-batch id).
+The reference is this same script on one process with every degree 1. The ttrace lines are marked
+`# ttrace`; a test counts them.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import ttrace_core as ttrace
+from ttrace_core.record.generator import WeightPerturbation, normal_full, tokens_full
+from ttrace_core.canonicalize.shards import shard
+from ttrace_core.integrations import megatron_cpu
+from ttrace_core.integrations.megatron import (
+    declare_distributed_optimizer_ranges,
+    declare_megatron_layouts,
+    gated_fc1_modules,
+    parameter_placement,
+    megatron_rename,
+    megatron_tracer_config,
+    unwrap,
+)
+from ttrace_core.canonicalize.placements import coordinate_from_rank
+from ttrace_core.format.schema import Layout, RunManifest, global_fqn
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+
+ENTRYPOINT = "ttrace_examples.megatron_gpt.train:run"
+LOSSES_FILE = "losses.json"
+# fp8: bf16 parameters and compute (Float16Module) with the four transformer GEMMs in emulated FP8
+# (per-tensor current scaling, e4m3 forward / e5m2 gradients, amax reduced over TP), as TE runs it.
+# fp64: the oracle of the Dynamo-style baseline in benchmarks/detection.py (grads kept in fp64 too).
+PRECISIONS = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+
+@dataclass(kw_only=True, slots=True)
+class MegatronModelConfig:
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    vocab_size: int = 128
+    """A multiple of the TP degree: no vocab padding."""
+    seq_len: int = 16
+    """A multiple of the TP degree under sequence parallelism."""
+    swiglu: bool = False
+    """SwiGLU MLP (megatron's gated_linear_unit): fc1 holds [gate; up] per TP rank."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer (summed across the first and last stage under PP)."""
+    num_experts: int = 0
+    """MoE with this many experts (top-2, all-gather token dispatcher); 0 is a dense MLP."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MegatronGPTRunConfig:
+    """One run of the example; `ttrace example megatron-gpt` records it through `ttrace record`, which
+    also says where (the session's run directory) and in which mode (record, perturb, rewrite)."""
+
+    tp: int = 1
+    sp: bool = False
+    """Megatron sequence parallelism (needs tp > 1)."""
+    pp: int = 1
+    dp: int = 1
+    dist_opt: bool = False
+    """Megatron's distributed optimizer (shards optimizer state over DP)."""
+    ep: int = 1
+    """Expert parallelism over the data-parallel ranks (needs --moe; dp must be a multiple)."""
+    precision: str = "fp32"
+    steps: int = 1
+    seed: int = 0
+    num_micro_batches: int = 4
+    micro_batch_size: int = 2
+    lr: float = 0.01
+    adam_eps: float = 1e-3
+    """Adam (the distributed optimizer supports nothing else) with a large eps: the update stays a
+    smooth function of the gradient, so round-off in near-zero gradients is not blown up to +-lr."""
+    bug: str | None = None
+    stats_only: bool = False
+    record_steps: int | None = None
+    """Trace only the first this many steps (None: all); every step trains and logs its loss."""
+    model: MegatronModelConfig = field(default_factory=MegatronModelConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.model.num_layers < 1:
+            raise ValueError(f"--steps {self.steps} --num-layers {self.model.num_layers}: both must be at least 1")
+        if min(self.tp, self.pp, self.dp) < 1:
+            raise ValueError(f"parallel degrees must be >= 1, got tp {self.tp} pp {self.pp} dp {self.dp}")
+        if self.sp and self.tp == 1:
+            raise ValueError("--sp needs --tp 2 or more")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: choose from {sorted(PRECISIONS)}")
+        if self.ep > 1 and (not self.model.num_experts or self.dp % self.ep or self.model.num_experts % self.ep):
+            raise ValueError(f"--ep {self.ep} needs --moe and divides both dp ({self.dp}) and the experts ({self.model.num_experts})")
+        if self.num_micro_batches % self.dp:
+            raise ValueError(f"num_micro_batches {self.num_micro_batches} is not a multiple of dp {self.dp}")
+        m = self.model
+        if m.num_layers % self.pp or m.num_attention_heads % self.tp or m.vocab_size % self.tp or m.seq_len % self.tp:
+            raise ValueError(f"the model ({m}) does not divide evenly over tp {self.tp} / pp {self.pp}")
+        if self.bug is not None:
+            from ttrace_examples.megatron_gpt.bugs import ZOO
+
+            if self.bug not in ZOO:
+                raise ValueError(f"unknown bug {self.bug!r}; `ttrace bugs` lists the zoo: {', '.join(sorted(ZOO))}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(data: dict) -> MegatronGPTRunConfig:
+        """Also reads configs recorded by older versions (with `out`, `perturbation` fields, now the session's)."""
+        known = {k: v for k, v in data.items() if k in MegatronGPTRunConfig.__dataclass_fields__}
+        return MegatronGPTRunConfig(**{**known, "model": MegatronModelConfig(**data.get("model", {}))})
+
+
+def transformer_config(config: MegatronGPTRunConfig):
+    from megatron.core.transformer import TransformerConfig
+
+    m, dtype = config.model, PRECISIONS[config.precision]
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        use_cpu_initialization=True, tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
+        sequence_parallel=config.sp, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        gated_linear_unit=m.swiglu, activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
+        **_moe_fields(config))
+
+
+def _moe_fields(config: MegatronGPTRunConfig) -> dict:
+    if not config.model.num_experts:
+        return {}
+    # top-2 of 2 experts: every token reaches every expert, so routing is smooth in the weights and
+    # round-off cannot flip a token to another expert. No linear biases: the CPU MoE path lacks them.
+    return dict(num_moe_experts=config.model.num_experts, moe_router_topk=min(2, config.model.num_experts),
+                moe_token_dispatcher_type="allgather", add_bias_linear=False, expert_model_parallel_size=config.ep,
+                expert_tensor_parallel_size=1 if config.ep > 1 else None)
+
+
+def init_weights(model: torch.nn.Module, seed: int, rename: tuple[tuple[str, str], ...],
+                 perturbation: WeightPerturbation | None = None) -> None:
+    """Every parameter from (seed, global name), in full logical shape, sliced by its TP layout."""
+    from megatron.core import parallel_state
+
+    tp_size, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    gated = gated_fc1_modules(model)
+    with torch.no_grad():
+        for fqn, param in model.named_parameters():
+            name = global_fqn(fqn, rename)
+            placement = parameter_placement(param, gated=fqn.rsplit(".", 1)[0] in gated)
+            global_shape = list(param.shape)
+            if placement != "R":
+                global_shape[param.partition_dim] *= tp_size
+            layout = Layout(global_shape=tuple(global_shape), mesh_shape=(tp_size,), coordinate=(tp_rank,), placements=(placement,))
+            full = _logical_weight(seed, name, tuple(global_shape))
+            if perturbation is not None:
+                full = perturbation.apply(seed, name, full)
+            param.copy_(shard(full, layout).to(param.dtype))
+
+
+def _logical_weight(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name and leaf == "weight":
+        return normal_full(seed, name, shape, mean=1.0, std=0.1)
+    std = 0.3 if "embedding" in name else 0.02 if leaf == "bias" else 0.08
+    return normal_full(seed, name, shape, std=std)
+
+
+def micro_batch(config: MegatronGPTRunConfig, global_id: int) -> dict[str, torch.Tensor]:
+    m = config.model
+    tokens = tokens_full(config.seed, f"batch.{global_id}", (config.micro_batch_size, m.seq_len + 1), m.vocab_size)
+    positions = torch.arange(m.seq_len).expand(config.micro_batch_size, m.seq_len)
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "positions": positions}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    per_token_loss = model(batch["tokens"], batch["positions"], None, labels=batch["labels"])
+
+    def loss_func(output: torch.Tensor):
+        loss = output.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    return per_token_loss, loss_func
+
+
+def manifest_for(config: MegatronGPTRunConfig, role: str) -> RunManifest:
+    degrees = {"tp": config.tp, "sp": int(config.sp), "pp": config.pp, "dp": config.dp, "ep": config.ep,
+               "dist_opt": int(config.dist_opt)}
+    # megatron's rank order: tp fastest, then dp, then pp
+    axes, shape = ["pp", "dp", "tp"], [config.pp, config.dp, config.tp]
+    return RunManifest(role=role, world_size=config.world_size, degrees=degrees, precision=config.precision,
+                       seed=config.seed, model={**asdict(config.model), "num_micro_batches": config.num_micro_batches,
+                                                "micro_batch_size": config.micro_batch_size, "lr": config.lr,
+                                                "optimizer": "adam", "adam_eps": config.adam_eps,
+                                                "workload": "megatron-gpt"},
+                       entrypoint={"factory": ENTRYPOINT, "config": config.to_dict()}, mesh_shape=shape, mesh_axis_names=axes,
+                       rank_coordinates=[list(coordinate_from_rank(r, tuple(shape))) for r in range(config.world_size)])
+
+
+def _in_process_group(config: MegatronGPTRunConfig, body) -> None:
+    megatron_cpu.enable()
+    if config.bug is not None:  # the candidate only: the reference runs unpatched
+        from ttrace_examples.megatron_gpt.bugs import apply_bug
+
+        apply_bug(config.bug)
+    dist.init_process_group("gloo")
+    try:
+        body(config)
+        dist.barrier()
+    finally:
+        # No collective here: after a failure on one rank a barrier would wait for the others forever.
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def run(config_dict: dict) -> None:
+    _in_process_group(MegatronGPTRunConfig.from_dict(config_dict), _train)
+
+
+def layer_spec(config: MegatronGPTRunConfig):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    moe = dict(num_experts=config.model.num_experts, moe_grouped_gemm=False) if config.model.num_experts else {}
+    if config.precision != "fp8":
+        return get_gpt_layer_local_spec(**moe)
+    from ttrace_core.integrations.fp8 import Fp8Recipe, fp8_gpt_layer_local_spec
+
+    return fp8_gpt_layer_local_spec(Fp8Recipe(scaling="current", format="hybrid"), **moe)
+
+
+def _build(config: MegatronGPTRunConfig):
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    parallel_state.initialize_model_parallel(config.tp, config.pp, expert_model_parallel_size=config.ep,
+                                             expert_tensor_parallel_size=1 if config.ep > 1 else None)
+    tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+    tconfig = transformer_config(config)
+    model = GPTModel(tconfig, layer_spec(config), vocab_size=config.model.vocab_size,
+                     max_sequence_length=config.model.seq_len, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=config.model.tie_embeddings)
+    if config.precision == "fp64":  # the local spec's torch norms ignore params_dtype
+        model = model.double()
+    rename = megatron_rename(model)
+    init_weights(model, config.seed, rename, ttrace.weight_perturbation())  # ttrace
+    wrapped = Float16Module(tconfig, model) if tconfig.bf16 else model
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.precision != "fp64",
+                                               use_distributed_optimizer=config.dist_opt)
+    ddp = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=wrapped)
+    tconfig.no_sync_func = ddp.no_sync
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=config.lr, adam_eps=config.adam_eps, weight_decay=0.0, clip_grad=0.0, bf16=tconfig.bf16,
+        params_dtype=PRECISIONS[config.precision], use_distributed_optimizer=config.dist_opt), [ddp])
+    return ddp, optimizer, rename
+
+
+def _attach(config: MegatronGPTRunConfig, ddp, optimizer, rename) -> ttrace.Session:
+    """The public API a user's script calls, with Megatron's layouts from the adapter (integrations/megatron.py)."""
+    from megatron.core import parallel_state
+
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    role = "candidate" if config.world_size > 1 else "reference"
+    recorded = None if config.record_steps is None else tuple(range(config.record_steps))
+    session = ttrace.attach(unwrap(ddp), weights="own", manifest=manifest_for(config, role), config=megatron_tracer_config(  # ttrace
+        loss_scale=1 / (config.num_micro_batches // dp_size), rename=rename, data_parallel_rank=dp_rank,  # ttrace
+        data_parallel_size=dp_size, stats_only=config.stats_only, steps=recorded))  # ttrace
+    declare_megatron_layouts(session, ddp, sequence_parallel=config.sp, rename=rename)  # ttrace
+    declare_distributed_optimizer_ranges(session, ddp, optimizer, rename=rename)  # ttrace
+    return session
+
+
+def _train(config: MegatronGPTRunConfig) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp, optimizer, rename = _build(config)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    local_micro_batches = config.num_micro_batches // dp_size
+    session = _attach(config, ddp, optimizer, rename)
+    if session.one_module_replay:  # `ttrace localize --module`: only that module runs, on recorded inputs
+        session.replay_one_module(unwrap(ddp))
+        return
+    forward_backward = get_forward_backward_func()
+    losses = []
+    for step in range(config.steps):
+        batches = [micro_batch(config, local * dp_size + dp_rank) for local in range(local_micro_batches)]
+        with session.step(step):  # ttrace
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            reduced = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
+                                       num_microbatches=local_micro_batches, seq_length=config.model.seq_len,
+                                       micro_batch_size=config.micro_batch_size, forward_only=False)
+            session.record_gradients()  # ttrace
+            optimizer.step()
+            session.record_parameters()  # ttrace
+        losses.append(_global_loss(reduced))
+    session.close()  # ttrace
+    if session.run_dir is not None:
+        _write_losses(session.run_dir, losses)
+
+
+def _global_loss(reduced: list[dict]) -> float | None:
+    """The step's mean loss over all micro-batches of all DP ranks (None off the last stage)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    local = torch.stack([r["loss"] for r in reduced]).double().mean().reshape(1)
+    dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+    return float(local) / parallel_state.get_data_parallel_world_size()
+
+
+def _write_losses(run_dir: Path, losses: list[float | None]) -> None:
+    """losses.json beside the trace: the per-step loss curve (the loss-curve baseline reads it)."""
+    from megatron.core import parallel_state
+
+    first_of_last_stage = (parallel_state.is_pipeline_last_stage() and parallel_state.get_data_parallel_rank() == 0
+                           and parallel_state.get_tensor_model_parallel_rank() == 0)
+    if first_of_last_stage:
+        Path(run_dir, LOSSES_FILE).write_text(json.dumps({"losses": losses}))
