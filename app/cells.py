@@ -9,7 +9,6 @@ its log10(ratio) as colour, or a category of its own when the worst is not a num
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 import pandas as pd

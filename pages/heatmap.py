@@ -4,10 +4,11 @@ from dataclasses import replace
 
 import streamlit as st
 
-from ttrace_dashboard import cells, figures, verdicts
+from ttrace_dashboard import cells, figures
 from ttrace_dashboard.report import report_html
 from ttrace_dashboard.state import ALL_MICRO_BATCHES, ROW_CHOICES, view_from_click
 from ttrace_dashboard.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, view_state
+from ttrace_core import api
 
 # Past this many modules the heatmap opens with one row per layer (a 48-layer GPT has 774 modules).
 # (Comments, not docstrings: Streamlit's magic would print a bare string on the page.)

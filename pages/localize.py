@@ -18,8 +18,8 @@ pair_caption(state)
 frame = load_comparison(reference, candidate).frame
 modules = [WHOLE_MODEL, *cells.module_rows(frame)["module"].tolist()]
 module = state.module if state.module in modules else WHOLE_MODEL
-if state.module and state.module not in modules and state.module.rsplit(".", 1)[0] in modules:
-    module = state.module.rsplit(".", 1)[0]  # a parameter's name: replay the module that owns it
+if state.module and state.module not in modules and api.owner_of(state.module) in modules:
+    module = api.owner_of(state.module)  # a parameter's name: replay the module that owns it
 module = st.selectbox("Replay target", modules, index=modules.index(module),
                       format_func=lambda m: "the whole model" if m == WHOLE_MODEL else m)
 state = replace(state, module=module or None, tensor=None, rank=None)

@@ -4,7 +4,6 @@ import pandas as pd
 import streamlit as st
 
 from ttrace_dashboard import runs as pairing
-from ttrace_dashboard import verdicts
 from ttrace_dashboard.state import ViewState, query_from_state
 from ttrace_dashboard.ui import dashboard_root, load_comparison, page, run_pair, show_in_url, stop_with, view_state
 from ttrace_core import api

@@ -146,4 +146,4 @@ def test_a_pair_whose_evidence_is_incomplete_is_not_shown_as_passing(tmp_path, m
         assert not app.exception and not app.success, page
         (banner,) = [error for error in _errors(app) if error.startswith("FAILED (incomplete)")]
         assert "missing-replica: 1 of 2214 expected copies were not recorded" in banner, banner
-        assert "Evidence: 738/738 tensors compared element-wise, 2213/2214 copies" in banner, banner
+        assert "Evidence: 738/738 tensors compared element-wise; 2213/2214 copies" in banner, banner

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.distributed
 
 LAYOUTS = {"tp2": ["--tp", "2"], "tp2-sp": ["--tp", "2", "--sp"], "pp2": ["--pp", "2"], "dp2": ["--dp", "2"],
            "dp2-dist-opt": ["--dp", "2", "--dist-opt"], "tp2xpp2-sp": ["--tp", "2", "--pp", "2", "--sp"]}
-TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "ttrace_core" / "examples" / "megatron_gpt" / "train.py"
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "ttrace_examples" / "megatron_gpt" / "train.py"
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS), ids=list(LAYOUTS))

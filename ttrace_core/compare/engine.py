@@ -9,7 +9,6 @@ then values promoted to float64.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -17,13 +16,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ttrace_core.canonicalize import placements as pl
-from ttrace_core.format import strict_json
 from ttrace_core.compare.bounded import compare_in_slabs, slab_dims, working_bytes
 from ttrace_core.compare.metrics import metrics_from_sums, value_sums
 from ttrace_core.canonicalize.logical_value import canonical_tensor
 from ttrace_core.compare.exact_inputs import ExactInputs
 from ttrace_core.errors import LayoutError
-from ttrace_core.compare.results import Coverage, RunComparison, TensorComparison, Tolerance
+from ttrace_core.compare.results import RunComparison, TensorComparison, Tolerance
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.evidence import (
     check_comparable, data_mismatch_finding, inconsistency, quantization_only, tally_coverage,

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ttrace_core.format.naming import owner_of
 from ttrace_core.format.schema import global_fqn
 
 # The model root and the decoder block differ per pipeline stage (and duplicate their first and
@@ -191,7 +192,7 @@ def megatron_declarations(model: nn.Module, *, sequence_parallel: bool,
         for slot_glob, placement in (layout or {}).items():
             yield global_fqn(fqn, rename), slot_glob, _resolve(placement, sequence_parallel)
     for fqn, param in model.named_parameters():
-        yield global_fqn(fqn, rename), "*", parameter_placement(param, gated=fqn.rsplit(".", 1)[0] in gated)
+        yield global_fqn(fqn, rename), "*", parameter_placement(param, gated=owner_of(fqn) in gated)
 
 
 def undeclared_modules(model: nn.Module) -> list[str]:

@@ -291,7 +291,3 @@ def can_replay_alone(original: RunComparison, module: str) -> bool:
     in_module = [c for c in original.comparisons if in_subtree(module_of(c.key), module)]
     return any(c.key.fqn == module and c.key.phase == "forward" for c in in_module) and \
         any(not c and c.key.phase in ("forward", "backward") for c in in_module)
-
-
-def module_of(key: TensorKey) -> str:
-    return owner_of(key.fqn) if key.phase in ("grad", "param") else key.fqn

@@ -30,7 +30,7 @@ from typing import Literal
 
 import msgspec
 
-from ttrace_core.record.processes import ProcessRef, process_alive
+from ttrace_core.record.processes import ProcessRef
 
 FINAL_STATES = ("complete", "failed", "timed_out", "cancelled")
 PROGRESS_PREFIX = "[progress] "

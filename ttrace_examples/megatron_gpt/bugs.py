@@ -41,6 +41,7 @@ import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ttrace_core.format.naming import owner_of
 from ttrace_examples.megatron_gpt import bug_patches as patches
 
 BUG_CLASSES = ("gradient-sync", "kernel-backward", "layout", "scaling", "stale-state")
@@ -270,6 +271,6 @@ def first_tensor_points_at(bug_name: str, phase: str, fqn: str) -> bool:
     """Would blaming the first failing tensor's module (or parameter) find the bug?"""
     truth = CULPRITS[bug_name]
     if truth.modules:
-        module = fqn.rsplit(".", 1)[0] if phase in ("grad", "param") else fqn
+        module = owner_of(fqn) if phase in ("grad", "param") else fqn
         return truth.names_module(module)
     return phase in ("grad", "param") and fnmatch.fnmatchcase(fqn, truth.params)

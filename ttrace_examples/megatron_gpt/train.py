@@ -32,6 +32,7 @@ from ttrace_core.integrations.megatron import (
     unwrap,
 )
 from ttrace_core.canonicalize.placements import coordinate_from_rank
+from ttrace_core.format.naming import owner_of
 from ttrace_core.format.schema import Layout, RunManifest, global_fqn
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
@@ -160,7 +161,7 @@ def init_weights(model: torch.nn.Module, seed: int, rename: tuple[tuple[str, str
     with torch.no_grad():
         for fqn, param in model.named_parameters():
             name = global_fqn(fqn, rename)
-            placement = parameter_placement(param, gated=fqn.rsplit(".", 1)[0] in gated)
+            placement = parameter_placement(param, gated=owner_of(fqn) in gated)
             global_shape = list(param.shape)
             if placement != "R":
                 global_shape[param.partition_dim] *= tp_size
