@@ -29,7 +29,7 @@ from ttrace_core.compare.evidence import (
 from ttrace_core.format.schema import TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.tolerances import (
-    DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, exact_inputs_tolerance, select_tolerances,
+    DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, exact_inputs_tolerance, select_tolerances, tolerances_from_settings,
 )
 
 
@@ -108,7 +108,7 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
                    *, ignore_dtype: bool = False, exact_inputs: tuple[float, int] | None = None,
                    max_bytes: int | None = None) -> TensorComparison:
     """`exact_inputs` (k, n): everything this tensor is computed from was exact and it combines at
-    most n partial results, so it is also held to k * sqrt(n) * eps (dataflow.py) when tighter.
+    most n partial results, so it is also held to k * sqrt(n) * eps (exact_inputs.py) when tighter.
     `max_bytes`: compare a tensor whose values would take more, slab by slab (bounded.py)."""
     ref_metas, cand_metas = reference.index[key], candidate.index[key]
     ref_dtype, cand_dtype = ref_metas[0].dtype, cand_metas[0].dtype
@@ -218,7 +218,7 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
                  exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K, partial: bool = False,
                  precomputed: dict[TensorKey, TensorComparison] | None = None, max_bytes: int | None = None) -> RunComparison:
     """`exact_inputs_k` (None or 0: off) tightens derived tolerances (perturbation, theorem) where a
-    tensor's inputs were exact (dataflow.py); the flat dtype table is left as it is. `partial`: a
+    tensor's inputs were exact (exact_inputs.py); the flat dtype table is left as it is. `partial`: a
     verdict on what was recorded, when the evidence is incomplete (RunComparison.partial_allowed).
     `precomputed`: rows already compared without the exact-inputs rule (partition.py's workers); only
     the tensors the rule applies to are compared again, so the result is the same as without them.
@@ -273,7 +273,5 @@ def compare_readers(reference: RunReader, candidate: RunReader, settings: Compar
                     progress: Callable[[int, int], None] | None = None,
                     precomputed: dict[TensorKey, TensorComparison] | None = None) -> RunComparison:
     """Compare two open runs as `settings` say: the one place settings become a comparison."""
-    tolerances = select_tolerances(settings.tolerance, reference, candidate, alpha=settings.alpha, k=settings.theorem_k,
-                                   c=settings.theorem_c)
-    return compare_runs(reference, candidate, tolerances, progress=progress, precomputed=precomputed,
+    return compare_runs(reference, candidate, tolerances_from_settings(settings, reference, candidate), progress=progress, precomputed=precomputed,
                         **settings.engine_options())

@@ -39,8 +39,6 @@ class Tolerance:
     """The numbers the method used, e.g. (("alpha", 4.0), ("r_t", 2e-7), ("samples", 4))."""
 
 
-
-
 @dataclass(kw_only=True, slots=True)
 class Coverage:
     """How much evidence stands behind a verdict. "equivalent" needs `full`: every expected tensor

@@ -25,7 +25,7 @@ import torch
 
 from ttrace_core.compare.results import Tolerance
 from ttrace_core.compare.settings import (  # noqa: F401 (the defaults are part of this module's interface)
-    DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS,
+    DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS, CompareSettings,
 )
 from ttrace_core.compare.estimate_file import PerturbationEstimate, estimate_path, read_estimate
 from ttrace_core.errors import TtraceError
@@ -231,3 +231,9 @@ def select_tolerances(kind: str, reference: RunReader, candidate: RunReader, *, 
                           f"candidate runs {precision}; estimate a {precision} reference, or pass --tolerance theorem|dtype")
     return PerturbationTolerances(estimate=estimate, precision=precision, alpha=alpha,
                                   fallback=DtypeTolerances(precision=precision))
+
+
+def tolerances_from_settings(settings: CompareSettings, reference: RunReader, candidate: RunReader) -> ToleranceProvider:
+    """The provider `settings` name (`--tolerance` and its parameters)."""
+    return select_tolerances(settings.tolerance, reference, candidate, alpha=settings.alpha, k=settings.theorem_k,
+                             c=settings.theorem_c)

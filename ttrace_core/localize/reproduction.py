@@ -1,7 +1,7 @@
 """Does a rewriting replay reproduce the candidate it replays? Checked before localize blames anything.
 
 A replay feeds every module the reference's values. Where the candidate's own recorded values
-were already bitwise the reference's (every source of a tensor exact, the rule of dataflow.py),
+were already bitwise the reference's (every source of a tensor exact, the rule of compare/exact_inputs.py),
 rewriting changes nothing, so the replay must compute exactly what the candidate recorded. If it
 does not, the replay is not running the candidate's code in the candidate's environment (a patch
 left out, another library version, another thread count), and its verdicts would be about some

@@ -22,7 +22,7 @@ from ttrace_core.compare.estimate_file import estimate_files
 from ttrace_core.compare.partition import compare_partitioned
 from ttrace_core.compare.results import RunComparison
 from ttrace_core.compare.settings import CompareSettings
-from ttrace_core.compare.tolerances import select_tolerances
+from ttrace_core.compare.tolerances import tolerances_from_settings
 from ttrace_core.errors import TtraceError
 from ttrace_core.format.reader import MANIFEST_NAME, RunReader, read_manifest
 from ttrace_core.format.records import data_from_record
@@ -104,8 +104,7 @@ def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike,
             pass  # a damaged cache file is rebuilt below
     started = time.perf_counter()
     with RunReader(reference) as ref_reader, RunReader(candidate) as cand_reader:
-        tolerances = select_tolerances(settings.tolerance, ref_reader, cand_reader, alpha=settings.alpha,
-                                       k=settings.theorem_k, c=settings.theorem_c)
+        tolerances = tolerances_from_settings(settings, ref_reader, cand_reader)
         if partitioned:
             result = compare_partitioned(ref_reader, cand_reader, tolerances, **settings.engine_options())
         else:
@@ -122,9 +121,3 @@ def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike,
         pass  # a read-only place: the table is still returned, just not kept
     return ComparisonTable(frame=frame, provenance=provenance, path=path, cached=False)
 
-
-def run_comparison(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings | None = None,
-                   **kwargs) -> RunComparison:
-    """The same comparison as a `RunComparison` (what `ttrace compare` prints and writes as JSON)."""
-    result = comparison_table(reference, candidate, settings, **kwargs)
-    return table.comparison_from_table(result.frame, result.provenance)
