@@ -18,7 +18,8 @@ from ttrace_core.api import KINDS, layer_module
 LOG_RATIO_LIMIT = 4.0
 """The colour scale spans log10(ratio) in [-4, 4]; 0 is the pass line."""
 KIND_LABELS = {"input": "fwd input", "output": "fwd output", "grad_output": "grad output", "grad_input": "grad input",
-               "param_grad": "param grad", "param": "param after step"}
+               "param_grad": "param grad", "param": "param after step", "loss": "loss",
+               "step": "step scalars"}
 CATEGORY_OF_STATUS = {"pass": "ratio", "mismatch": "ratio", "replica_drift": "ratio", "missing": "missing",
                       "extra": "missing", "shape": "structure", "dtype": "structure", "layout": "structure"}
 """Cells whose worst tensor has no ratio get their own colour: nan, inf, missing, structure."""

@@ -15,10 +15,22 @@ from ttrace_core.format.schema import TensorKey
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
 """A transformer layer in a module path: "decoder.layers.3.mlp" is in layer 3 (also "blocks.3", "h.3")."""
 
-KINDS = ("input", "output", "grad_output", "grad_input", "param_grad", "param")
+KINDS = ("input", "output", "grad_output", "grad_input", "param_grad", "param", "loss", "step")
 """Tensor kinds in the order the heatmap shows them."""
 _KIND_OF = {("forward", "input"): "input", ("forward", "output"): "output", ("backward", "grad_output"): "grad_output",
-            ("backward", "grad_input"): "grad_input", ("grad", "grad"): "param_grad", ("param", "value"): "param"}
+            ("backward", "grad_input"): "grad_input", ("grad", "grad"): "param_grad", ("param", "value"): "param",
+            ("forward", "scalar"): "loss", ("step", "scalar"): "step"}
+
+LOSS_FUNCTION = "(loss)"
+"""The pseudo-module of the loss function, between the model's last module and the backward: per
+micro-batch, phase "forward", slots "scalar.loss" (the value backward starts from) and
+"scalar.num_tokens". Module names are Python identifiers or indices in practice, so the
+parentheses keep it apart from every real module."""
+GRADIENT_CLIPPING = "(grad norm / clipping)"
+"""The pseudo-module of the optimizer's step scalars (phase "step"): "scalar.grad_norm",
+"scalar.clip_coef", "scalar.loss_scale", "scalar.lr", "scalar.skipped_steps"."""
+PSEUDO_MODULES = {LOSS_FUNCTION: "the loss function", GRADIENT_CLIPPING: "the gradient norm / clipping"}
+"""Pseudo-module name -> how a verdict names it."""
 
 
 def layer_of(fqn: str) -> int | None:

@@ -18,22 +18,27 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta
 
-FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 """2: stats-only tensors keep their records in one STATS_ONLY_METAS dataset per step file (full traces
-are written as in version 1)."""
+are written as in version 1). 3: the phase "step" and the slot family "scalar" (the step's scalars:
+loss, token count, gradient norm, clip coefficient, loss scale, learning rate, skipped steps), and
+findings (tensors the tracer could not map or record) in each step file."""
 
 # Phases in execution order. `grad` holds parameter gradients after every data-/tensor-parallel
-# reduction and before optimizer.step(); `param` holds parameters after optimizer.step().
-PHASES = ("forward", "backward", "grad", "param")
+# reduction and before optimizer.step(); `step` the scalars the optimizer step computes from them
+# (gradient norm, clip coefficient, loss scale, learning rate, skipped steps); `param` holds
+# parameters after optimizer.step().
+PHASES = ("forward", "backward", "grad", "step", "param")
 PHASE_ORDER = {phase: index for index, phase in enumerate(PHASES)}
 
 # Parameter gradients and post-step parameters belong to no micro-batch.
 NO_MICRO_BATCH = -1
 
 # Slot families a TracerConfig can select. A slot is `<family>.<index>` ("output.0") or
-# `<family>.<kwarg>` for keyword inputs; parameter gradients and values use the slot `grad`/`value`.
-SLOT_FAMILIES = ("input", "output", "grad_output", "grad_input", "grad", "value")
+# `<family>.<kwarg>` for keyword inputs; parameter gradients and values use the slot `grad`/`value`;
+# the step's scalars use `scalar.<name>` ("scalar.loss", "scalar.grad_norm").
+SLOT_FAMILIES = ("input", "output", "grad_output", "grad_input", "grad", "value", "scalar")
 
 # Ranges of the format's numbers. A dimension or count beyond MAX_SIZE (2**48) cannot come from a
 # real recording; a float must be finite (NaN fails every comparison, inf fails `le`).
@@ -45,7 +50,7 @@ Size = Annotated[int, Meta(ge=1, le=MAX_SIZE)]
 Finite = Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
 FiniteNonNegative = Annotated[float, Meta(ge=0.0, le=_FLOAT_MAX)]
 FinitePositive = Annotated[float, Meta(gt=0.0, le=_FLOAT_MAX)]
-Phase = Literal["forward", "backward", "grad", "param"]
+Phase = Literal["forward", "backward", "grad", "step", "param"]
 Name = Annotated[str, Meta(max_length=4096)]
 # Every dtype the store can hold (store.py keeps bf16 and fp8 as raw bits).
 DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
