@@ -80,18 +80,15 @@ def _timed(step) -> float:
 
 
 def _tracer(config, ddp, optimizer, rename, out: Path, mode: str):
-    from ttrace_examples.megatron_gpt.train import manifest_for
-    from ttrace_core.integrations.megatron import (
-        declare_distributed_optimizer_ranges, declare_megatron_layouts, megatron_tracer_config, unwrap,
-    )
+    from ttrace_core.integrations.megatron import declare_megatron_run, megatron_manifest, megatron_tracer_config, unwrap
     from ttrace_core.record.tracer import Tracer
 
-    tracer = Tracer(out, unwrap(ddp), role="candidate", manifest=manifest_for(config, "candidate"),
+    manifest = megatron_manifest(ddp, optimizer, "candidate", dist.get_world_size())
+    tracer = Tracer(out, unwrap(ddp), role="candidate", manifest=manifest,
                     config=megatron_tracer_config(loss_scale=1 / config.num_micro_batches, rename=rename,
                                                   stats_only=mode == "stats-only",
                                                   writer_queue_bytes=WRITER_QUEUE_BYTES if "writer thread" in mode else 0))
-    declare_megatron_layouts(tracer, ddp, sequence_parallel=config.sp, rename=rename)
-    declare_distributed_optimizer_ranges(tracer, ddp, optimizer, rename=rename)
+    declare_megatron_run(tracer, ddp, optimizer)
     return tracer
 
 

@@ -16,7 +16,8 @@ reference, candidate = run_pair(state)
 st.title("Localize")
 pair_caption(state)
 frame = load_comparison(reference, candidate).frame
-modules = [WHOLE_MODEL, *cells.module_rows(frame)["module"].tolist()]
+# The loss and the gradient clipping are no modules: a replay cannot feed them the reference's inputs.
+modules = [WHOLE_MODEL, *(m for m in cells.module_rows(frame)["module"] if m not in api.PSEUDO_MODULES)]
 module = state.module if state.module in modules else WHOLE_MODEL
 if state.module and state.module not in modules and api.owner_of(state.module) in modules:
     module = api.owner_of(state.module)  # a parameter's name: replay the module that owns it

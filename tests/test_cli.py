@@ -37,7 +37,7 @@ def test_clean_layout_matches_the_reference(traces, reference_run, name):
     comparison = load_comparison(report)
     assert comparison.steps_compared == [0, 1]
     phases = {c.key.phase for c in comparison.comparisons}
-    assert phases == {"forward", "backward", "grad", "param"}
+    assert phases == {"forward", "backward", "grad", "step", "param"}
     assert all(comparison.comparisons) and len(comparison.comparisons) > 1500
     assert "PASSED (equivalent) |" in result.stdout
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ttrace_core.format.naming import LOSS_FUNCTION
 from ttrace_core.record.session import SESSION_ENV, SessionSpec
 
 SCRIPTS = Path(__file__).parent / "user_script"
@@ -136,7 +137,24 @@ def test_a_compiled_model_records_parameters_gradients_and_outputs_and_names_its
         keys = {(k.phase, k.fqn, k.slot) for k in reader.index}
         blind = reader.manifest.blind_spots
     assert {("grad", "0.weight", "grad"), ("param", "2.bias", "value"), ("forward", "", "output.0")} <= keys
-    assert not any(phase in ("forward", "backward") and fqn for phase, fqn, _ in keys)  # no hook inside the graph
+    # no hook inside the graph (the loss is recorded where backward starts, outside it)
+    assert not any(phase in ("forward", "backward") and fqn and fqn != LOSS_FUNCTION for phase, fqn, _ in keys)
     assert sorted(blind) == ["0", "1", "2"] and "torch.compile" in blind["0"]
     inspected = _ttrace("inspect", "run", cwd=tmp_path)
     assert "blind spot: 1: inside torch.compile" in inspected.stdout
+
+
+def test_clipping_on_every_step_passes_with_and_without_the_estimate(runs):
+    """clip_grad_norm_ scales every gradient by a coefficient whose round-off grows with the reduction's
+    length: the gradients are recorded before it, the norm and coefficient judged on their own."""
+    _record(runs / "clip-ref", 1, "--clip", "0.05")
+    _record(runs / "clip-dp2", 2, "--dp", "2", "--clip", "0.05")
+    for estimated in (False, True):
+        if estimated:
+            done = _ttrace("estimate", "clip-ref", "--samples", "2", cwd=runs)
+            assert done.returncode == 0, done.stderr[-3000:]
+        report = runs / f"clip-{estimated}.json"
+        done = _ttrace("compare", "clip-ref", "clip-dp2", "--json", str(report), cwd=runs)
+        assert done.returncode == 0, done.stdout[-3000:]
+        rows = json.loads(report.read_text())["comparisons"]
+        assert {"scalar.grad_norm", "scalar.clip_coef", "scalar.loss"} <= {r["key"]["slot"] for r in rows}

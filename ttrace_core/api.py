@@ -27,7 +27,7 @@ import pandas as pd
 from ttrace_core.compare.results import RunComparison, TensorComparison, VerdictSummary
 from ttrace_core.compare.settings import MIN_MAX_MEMORY, TOLERANCE_KINDS, CompareSettings
 from ttrace_core.errors import TraceFormatError, TtraceError
-from ttrace_core.format.naming import KINDS, layer_module, owner_of, tensor_id
+from ttrace_core.format.naming import KINDS, PSEUDO_MODULES, layer_module, owner_of, tensor_id
 from ttrace_core.service.jobs import Job
 from ttrace_core.service.dashboard import ROOT_ENV
 from ttrace_core.service.runs import RunInfo, find_runs, path_under_root, run_info
@@ -37,8 +37,9 @@ if TYPE_CHECKING:
     from ttrace_core.service.comparisons import ComparisonTable
     from ttrace_core.service.tensor_view import TensorView
 
-__all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "ROOT_ENV", "TOLERANCE_KINDS", "CompareSettings", "Job",
-           "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError", "TtraceError", "VerdictSummary",
+__all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PSEUDO_MODULES", "ROOT_ENV", "TOLERANCE_KINDS",
+           "CompareSettings", "Job", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError", "TtraceError",
+           "VerdictSummary",
            "comparison", "comparison_table", "find_runs", "layer_module", "localization", "owner_of", "path_under_root",
            "replay_job", "replay_job_dir", "run_comparison", "run_info", "submit_replay", "tensor_id", "tensor_view",
            "ttrace_version", "verdict_of"]

@@ -12,10 +12,6 @@ class TraceFormatError(TtraceError):
     """A trace directory or file cannot be read: missing, truncated, corrupted or of another format."""
 
 
-class TraceWriteError(TtraceError):
-    """A trace could not be written (a full disk, a file-size limit); the finished steps are kept."""
-
-
 class LayoutError(TtraceError):
     """Layout metadata is inconsistent or names a placement ttrace cannot map back to a full tensor."""
 

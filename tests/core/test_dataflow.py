@@ -4,6 +4,7 @@ from torch import nn
 
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.compare.exact_inputs import ExactInputs, in_subtree, owner_of
+from ttrace_core.format.naming import GRADIENT_CLIPPING, LOSS_FUNCTION
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.tolerances import Tolerance
@@ -83,6 +84,18 @@ def test_an_untraced_module_with_weights_inside_blocks_the_rule():
     rule.mark(mlp_in, True)
     rule.mark(traced, True)
     assert rule.applies(mlp_out)
+
+
+def test_the_loss_and_the_step_scalars_are_no_module_inputs_and_get_no_rule():
+    # By name the root module ("") holds the pseudo-modules: their scalars, which no layout computes
+    # bitwise alike, must neither count as the root's inputs nor be judged by the rule themselves.
+    root_in, root_out = act("forward", "", "input.0"), act("forward", "", "output.0")
+    loss = act("forward", LOSS_FUNCTION, "scalar.loss")
+    grad_norm = TensorKey(step=0, micro_batch=NO_MICRO_BATCH, phase="step", fqn=GRADIENT_CLIPPING, slot="scalar.grad_norm")
+    rule = ExactInputs([root_in, root_out, loss, grad_norm])
+    rule.mark(root_in, True)
+    assert rule.applies(root_out)
+    assert not rule.applies(loss) and not rule.applies(grad_norm)
 
 
 def test_a_trace_that_starts_later_has_no_premise_of_equal_weights():

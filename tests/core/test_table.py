@@ -7,8 +7,12 @@ from tests.synthetic_runs import write_pair
 from ttrace_core.format.records import data_from_record
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.reader import RunReader
-from ttrace_core.compare.table import COLUMNS, comparison_from_table, layer_of, read_table, table_from_comparison, tensor_id, tensor_kind, write_table
-from ttrace_core.format.naming import key_from_tensor_id
+from ttrace_core.compare.results import TensorComparison
+from ttrace_core.compare.table import (
+    COLUMNS, comparison_from_table, layer_of, read_table, row_from_comparison, table_from_comparison, tensor_id,
+    tensor_kind, write_table,
+)
+from ttrace_core.format.naming import GRADIENT_CLIPPING, LOSS_FUNCTION, key_from_tensor_id
 from ttrace_core.format.schema import TensorKey
 
 
@@ -83,6 +87,15 @@ def test_tensor_kinds(key, kind):
                          ids=["megatron", "torch", "none", "gpt2", "not-a-component"])
 def test_layer_of(fqn, layer):
     assert layer_of(fqn) == layer
+
+
+@pytest.mark.parametrize("key, kind", [(TensorKey(0, 0, "forward", LOSS_FUNCTION, "scalar.loss"), "loss"),
+                                       (TensorKey(0, -1, "step", GRADIENT_CLIPPING, "scalar.grad_norm"), "step")],
+                         ids=["loss", "step"])
+def test_a_pseudo_module_is_its_own_row_outside_every_layer(key, kind):
+    row = row_from_comparison(TensorComparison(key=key, status="mismatch", ratio=3.0), order=0, stage=None)
+    assert (row["module"], row["layer"], row["kind"]) == (key.fqn, None, kind)
+    assert key_from_tensor_id(row["tensor"], key.step, key.micro_batch) == key
 
 
 def test_root_module_tensor_id_round_trips():

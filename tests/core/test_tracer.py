@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import numpy as np
 import torch
@@ -146,9 +148,11 @@ def test_stats_only_tensors_share_one_dataset_of_records_per_step_file(tmp_path)
         RunReader(tmp_path / "stats")
 
 
-def test_exception_in_a_step_leaves_it_partial(tmp_path):
+def test_exception_in_a_step_leaves_it_partial_with_its_findings(tmp_path):
     model = _model()
     tracer = Tracer(tmp_path, model, role="candidate")
+    tracer.declare("0", "input.0", ["S(2)"], ((2,), (0,), ("tp",)))  # the 2-D input has no dim 2: a finding per step
+    tracer.add_finding("2", "output.0", "its layout cannot be inferred; declare it")  # outside a step: kept for step 0
     with tracer.step(0):
         model(torch.randn(2, 4))
     with pytest.raises(RuntimeError, match="boom"), tracer.step(1):
@@ -158,38 +162,50 @@ def test_exception_in_a_step_leaves_it_partial(tmp_path):
     with RunReader(tmp_path) as reader:
         assert reader.complete_steps == [0]
         assert reader.partial_steps[1] == "ranks [0] did not finish step 1 (rank 0 stopped on RuntimeError: boom)"
+        assert [(f.step, f.slot) for f in reader.findings] == [(0, "output.0"), (0, "input.0"), (1, "input.0")]
+        assert reader.findings[0].message == "2 output.0: its layout cannot be inferred; declare it"
 
 
 @pytest.mark.parametrize("limit", ["disk", "file-size"])
-def test_a_full_disk_stops_with_one_clear_error_and_keeps_the_finished_steps(tmp_path, monkeypatch, limit):
+def test_a_full_disk_stops_the_recording_not_the_training(tmp_path, monkeypatch, capsys, limit):
     """Past ENOSPC, HDF5 fails inside deallocators and can crash the process (measured: a segfault), so
-    the writer refuses the write that would not fit while the step file can still be closed."""
+    the writer refuses the write that would not fit while the step file can still be closed; the tracer
+    then leaves that step partial, records nothing more, says so in one line, and the training goes on."""
     import os
     import resource
     from types import SimpleNamespace
 
     from ttrace_core.format import writer as trace_writer
-    from ttrace_core.errors import TraceWriteError
 
     model = _model()
-    tracer = Tracer(tmp_path, model, role="candidate")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = Tracer(tmp_path, model, role="candidate", optimizer=optimizer)
     with tracer.step(0):
-        model(torch.randn(2, 4))
+        _train_step(model, optimizer)
     if limit == "disk":
         monkeypatch.setattr(trace_writer.os, "statvfs", lambda path: SimpleNamespace(f_bavail=1, f_frsize=4096))
     else:
         monkeypatch.setattr(trace_writer.resource, "getrlimit", lambda which: (trace_writer.WRITE_HEADROOM, resource.RLIM_INFINITY))
-    with pytest.raises(TraceWriteError) as raised, tracer.step(1):
-        model(torch.randn(2, 4))
+    for step in (1, 2):
+        with tracer.step(step):
+            _train_step(model, optimizer)
     monkeypatch.undo()
+    with tracer.step(3):  # room again: the recording stays stopped for the rest of the run
+        _train_step(model, optimizer)
     tracer.close()
-    (line,) = str(raised.value).splitlines()
+    plain = _model()
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for _ in range(4):
+        _train_step(plain, plain_optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))  # training went on
+    (line,) = capsys.readouterr().err.splitlines()
     reason = "No space left on device" if limit == "disk" else "File too large: the file-size limit is"
-    assert f"cannot write step 1 of rank 0 ({reason}" in line and "steps finished before it are complete and kept" in line
+    assert line.startswith(f"ttrace: {tmp_path}: cannot write step 1 of rank 0 ({reason}")
+    assert "recording stopped for the rest of the run and training goes on" in line and "record again" in line
     with RunReader(tmp_path) as reader:
-        assert reader.complete_steps == [0] and 1 in reader.partial_steps and reader.index
+        assert reader.complete_steps == [0] and list(reader.partial_steps) == [1] and reader.index
         assert f"rank 0 stopped on OSError: [Errno {28 if limit == 'disk' else 27}]" in reader.partial_steps[1]
-    assert os.path.exists(tmp_path / "rank_00000.step_000001.h5.partial")
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json", "rank_00000.step_000000.h5", "rank_00000.step_000001.h5.partial"]
 
 
 def test_config_validation():
@@ -318,3 +334,109 @@ def test_modules_the_trace_cannot_see_into_are_blind_spots_and_their_output_grad
         (head_grad,) = reader.index[next(k for k in reader.index if (k.fqn, k.slot) == ("head", "grad_output.0"))]
         output = model.head(model.encoder(inputs)["hidden"] * 2.0)
         assert torch.allclose(reader.read(head_grad), 2 * output.detach())
+
+
+class _Scaled(nn.Module):
+    def forward(self, hidden: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return hidden * scale
+
+
+class _ScaledModel(nn.Module):
+    """A linear layer, then a module whose second input is a 1-D vector (megatron's masked softmax has one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 4)
+        self.block = _Scaled()
+        self.scale = nn.Parameter(torch.linspace(0.5, 2.0, 4))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.block(self.linear(inputs), self.scale)
+
+
+def _train_scaled(run_dir=None, *, role: str = "reference", declare: bool = False, steps: int = 2) -> list[float]:
+    """The losses of a few steps, traced into `run_dir` (untraced without one)."""
+    model = _ScaledModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = Tracer(run_dir, model, role=role, optimizer=optimizer) if run_dir is not None else None
+    if declare:
+        tracer.declare("block", "input.1", ["S(1)"], ((2,), (0,), ("tp",)))
+    losses = []
+    for step in range(steps):
+        with tracer.step(step) if tracer is not None else contextlib.nullcontext():
+            optimizer.zero_grad()
+            loss = model(torch.randn(3, 4, generator=torch.Generator().manual_seed(step))).square().mean()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    if tracer is not None:
+        tracer.close()
+    return losses
+
+
+def test_a_declared_placement_that_does_not_fit_is_a_finding_and_the_training_goes_on(tmp_path):
+    """A 1-D input declared S(1): recording it cannot map its values, so it is left out with a finding
+    (and so is its gradient, whose layout would be inherited from it); nothing else changes."""
+    import json
+
+    from tests.conftest import run_ttrace
+
+    assert _train_scaled(tmp_path / "ref") == _train_scaled() == \
+        _train_scaled(tmp_path / "cand", role="candidate", declare=True)
+    with RunReader(tmp_path / "cand") as reader:
+        left_out = sorted({(f.step, f.key.slot) for f in reader.findings})
+        assert left_out == [(0, "grad_input.1"), (0, "input.1"), (1, "grad_input.1"), (1, "input.1")]
+        finding = next(f for f in reader.findings if f.key.slot == "input.1")
+        assert finding.message.startswith("block input.1: declared placements ['S(1)'] on mesh [2] do not fit its local "
+                                          "shape [4] (a placement on dim 1 names a dim a 1-dim tensor does not have)")
+        assert finding.message.endswith("declare the layout it has with session.declare(fqn, slot, placements, mesh)")
+        recorded = {k.slot for k in reader.keys() if k.fqn == "block"}
+        assert recorded == {"input.0", "output.0", "grad_output.0", "grad_input.0"}
+    compare = run_ttrace("compare", str(tmp_path / "ref"), str(tmp_path / "cand"), "--json", str(tmp_path / "out.json"))
+    assert compare.returncode == 1, compare.stderr
+    assert f"finding: unrecorded: candidate: {finding.message} (2 times: ranks [0], steps [0, 1])" in compare.stdout
+    assert "FAILED (incomplete)" in compare.stdout
+    coverage = json.loads((tmp_path / "out.json").read_text())["coverage"]
+    assert coverage["unrecorded"] == 4 and coverage["tensors_expected"] == coverage["compared_elementwise"] + 4
+    inspect = run_ttrace("inspect", str(tmp_path / "cand"), check_codes=(0,))
+    assert f"finding: {finding.message} (2 times" in inspect.stdout
+
+
+@pytest.mark.parametrize(("target", "slot"), [("stats_from_tensor", "output.0"), ("_hookable_output", "")],
+                         ids=["inside record", "in a forward hook"])
+def test_an_error_inside_the_tracer_is_a_finding_and_the_training_goes_on(tmp_path, monkeypatch, target, slot):
+    import ttrace_core.record.tracer as tracer_module
+
+    original = getattr(tracer_module, target)
+
+    def failing(value, *args):
+        if target == "_hookable_output" or (value.dim() == 2 and value.shape[1] == 2):  # the last layer's output
+            raise RuntimeError("boom")
+        return original(value, *args)
+
+    monkeypatch.setattr(tracer_module, target, failing)
+    traced = _record(tmp_path)
+    plain = _model()
+    _train_step(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    assert all(torch.equal(a, b) for a, b in zip(traced.parameters(), plain.parameters()))
+    with RunReader(tmp_path) as reader:
+        assert reader.complete_steps == [0] and ("forward", "2", "input.0") in {(k.phase, k.fqn, k.slot) for k in reader.keys()}
+        found = {(f.fqn, f.slot) for f in reader.findings if "the tracer failed (RuntimeError: boom at" in f.message}
+    assert ("2", slot) in found
+
+
+@pytest.mark.parametrize(("placement", "local_shape", "reason"), [
+    ("S(1)", (4,), "a placement on dim 1 names a dim a 1-dim tensor does not have"),
+    ("SB(0,2)", (5, 3), "they would give this rank a block of shape [4, 3]"),
+], ids=["a dim the tensor lacks", "blocks that do not divide"])
+def test_a_declared_placement_that_does_not_fit_names_the_placement_and_the_shape(placement, local_shape, reason):
+    from ttrace_core.record.declarations import Declarations, UnknownLayoutError
+
+    declarations = Declarations()
+    declarations.declare("block", "input.*", [placement], ((2,), (1,), ("tp",)))
+    with pytest.raises(UnknownLayoutError) as raised:
+        declarations.layout("block", "input.1", local_shape)
+    assert str(raised.value) == (
+        f"block input.1: declared placements ['{placement}'] on mesh [2] do not fit its local shape {list(local_shape)} "
+        f"({reason}), so it is not recorded; declare the layout it has with session.declare(fqn, slot, placements, mesh)")

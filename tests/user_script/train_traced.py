@@ -104,6 +104,8 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, step: int, 
         inputs, targets = micro_batch(step, local * args.dp + dp_rank, batch=2, seq=8, vocab=64)
         loss = chunked_loss(model.head, model(inputs), targets) / local_micro_batches
         loss.backward()
+    if args.clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
     optimizer.step()
     return loss.item()
 
@@ -115,6 +117,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--bug", action="store_true", help="layer 0's attention scale from the local width")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm at this value (0: no clipping)")
     parser.add_argument("--micro-batches", type=int, default=2)
     args = parser.parse_args()
     if args.tp * args.dp > 1:

@@ -9,6 +9,8 @@ import sys
 from collections import Counter
 
 from ttrace_core.compare.engine import RunComparison, TensorComparison
+from ttrace_core.format.findings import finding_lines
+from ttrace_core.format.naming import PSEUDO_MODULES
 from ttrace_core.format.reader import RunReader
 
 
@@ -87,6 +89,7 @@ def render_run(reader: RunReader, *, list_tensors: bool) -> str:
              f"model: {m.model}", f"complete steps: {reader.complete_steps}"]
     lines += [f"blind spot: {fqn or '<root>'}: {why}" for fqn, why in sorted(m.blind_spots.items())]
     lines += [f"partial step {s}: {why}" for s, why in sorted(reader.partial_steps.items())]
+    lines += [f"finding: {line}" for line in finding_lines(reader.findings)]
     by_phase = Counter(key.phase for key in reader.index)
     num_shards = sum(len(metas) for metas in reader.index.values())
     lines.append(f"tensors: {len(reader.index)} logical, {num_shards} shards; by phase: {dict(by_phase)}")
@@ -144,8 +147,9 @@ def render_localization(result) -> str:
         lines.append("no culprit found")
     culprits = [m for m in result.modules if m.verdict == "introduces error"]
     for module in culprits:
-        lines += [f"culprit: {module.fqn}  (introduces error in {module.phase})",
-                  "      ratio before -> after rewriting"] + _evidence_lines(module.evidence)
+        lines += [f"culprit: {PSEUDO_MODULES.get(module.fqn, module.fqn)}  (introduces error in {module.phase})"]
+        lines += [f"      {module.detail}"] if module.detail else []
+        lines += ["      ratio before -> after rewriting"] + _evidence_lines(module.evidence)
     for finding in result.sync:
         what = "optimizer step (update or parameter all-gather)" if finding.reduction == "optimizer" \
             else f"{finding.reduction} gradient reduction"

@@ -24,12 +24,13 @@ from ttrace_core.errors import LayoutError
 from ttrace_core.compare.results import RunComparison, TensorComparison, Tolerance
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.evidence import (
-    check_comparable, data_mismatch_finding, inconsistency, quantization_only, tally_coverage,
+    check_comparable, data_mismatch_finding, inconsistency, quantization_only, tally_coverage, unrecorded_keys,
 )
 from ttrace_core.format.schema import TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.tolerances import (
     DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, exact_inputs_tolerance, select_tolerances, tolerances_from_settings,
+    with_step_scalars,
 )
 
 
@@ -176,9 +177,9 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
                     partial: bool = False, max_bytes: int | None = None) -> tuple[RunComparison, ComparePlan]:
     """The comparison's frame (runs, steps, notes) and its plan; `compare_runs` fills the rows in."""
     check_comparable(reference, candidate)
-    tolerances = tolerances or select_tolerances("auto", reference, candidate)
+    tolerances = tolerances or with_step_scalars(select_tolerances("auto", reference, candidate), reference)
     crossed = reference.manifest.precision != candidate.manifest.precision
-    if isinstance(tolerances, DtypeTolerances) or crossed:
+    if isinstance(getattr(tolerances, "base", tolerances), DtypeTolerances) or crossed:
         exact_inputs_k = None  # across precisions exact inputs still give results that differ by the quantization
     result = RunComparison(reference=str(reference.run_dir), candidate=str(candidate.run_dir), partial_allowed=partial)
     steps = sorted(set(reference.complete_steps) & set(candidate.complete_steps))
@@ -189,8 +190,9 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
             if step not in reference.partial_steps and step not in candidate.partial_steps:
                 result.notes.append(f"{name} step {step} has no counterpart in the other run and was not compared")
     result.steps_compared = steps
-    ref_keys = [k for k in reference.index if k.step in steps]
-    cand_keys = [k for k in candidate.index if k.step in steps]
+    unrecorded = unrecorded_keys(reference, candidate)  # counted as not compared by the coverage block
+    ref_keys = [k for k in reference.index if k.step in steps and k not in unrecorded]
+    cand_keys = [k for k in candidate.index if k.step in steps and k not in unrecorded]
     common = set(ref_keys) & set(cand_keys)
     plan = ComparePlan(ordered=sorted(ref_keys, key=lambda k: _execution_order(reference, k)), common=common,
                        extras=sorted(set(cand_keys) - common, key=lambda k: _execution_order(candidate, k)),

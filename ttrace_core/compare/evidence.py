@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ttrace_core.canonicalize import placements as pl
 from ttrace_core.errors import ConfigMismatchError, LayoutError
+from ttrace_core.format.findings import finding_lines
 from ttrace_core.format.schema import RunManifest, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.results import Coverage, RunComparison
@@ -131,14 +132,24 @@ def expected_steps(reference: RunReader, candidate: RunReader) -> list[int]:
     return sorted(own | from_reference)
 
 
+def unrecorded_keys(reference: RunReader, candidate: RunReader) -> set[TensorKey]:
+    """Tensors either run's tracer left out with a finding: compared in neither run, a gap in the
+    evidence rather than a divergence."""
+    return {f.key for reader in (reference, candidate) for f in reader.findings if f.key is not None}
+
+
 def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps_compared: list[int]) -> Coverage:
     """The coverage block of one comparison: `rows` are its TensorComparisons (the noted, not compared
-    quantization scales left out), the readers give every tensor's recorded copies."""
+    quantization scales left out), the readers give every tensor's recorded copies and their findings."""
     replication = {id(reader): replication_by_family(reader.index) for reader in (reference, candidate)}
     steps_expected = expected_steps(reference, candidate)
-    coverage = Coverage(tensors_expected=len(rows), steps_expected=steps_expected, steps_compared=list(steps_compared),
+    unrecorded = len({key for key in unrecorded_keys(reference, candidate) if key.step in steps_compared})
+    coverage = Coverage(tensors_expected=len(rows) + unrecorded, steps_expected=steps_expected,
+                        steps_compared=list(steps_compared),
                         stats_only_run=any(r.manifest.tracer.get("stats_only") is True for r in (reference, candidate)),
-                        inventory_gaps=reference.inventory_gaps + candidate.inventory_gaps)
+                        inventory_gaps=reference.inventory_gaps + candidate.inventory_gaps, unrecorded=unrecorded,
+                        recording_findings=[f"{name}: {line}" for name, reader in (("reference", reference), ("candidate", candidate))
+                                            for line in finding_lines(reader.findings)])
     for row in rows:
         if row.status in ("missing", "extra"):
             coverage.missing_in_candidate += row.status == "missing"
@@ -164,15 +175,28 @@ def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps
 
 
 def check_comparable(reference: RunReader, candidate: RunReader) -> None:
-    ref_model, cand_model = reference.manifest.model, candidate.manifest.model
-    if ref_model != cand_model:
-        names = sorted(set(ref_model) | set(cand_model))
-        differing = [n for n in names if ref_model.get(n) != cand_model.get(n)]
-        detail = ", ".join(f"{n}: {ref_model.get(n)!r} vs {cand_model.get(n)!r}" for n in differing[:3])
+    """Refuse runs whose manifests state different model facts; a fact only one run states (an older
+    trace, or a script that records more) cannot contradict the other."""
+    differing = _differing_facts(reference.manifest.model, candidate.manifest.model)
+    if differing:
         raise ConfigMismatchError(
-            f"{candidate.run_dir}: model configuration differs from the reference {reference.run_dir} ({detail}); "
-            "record both runs from the same model configuration"
-        )
+            f"{candidate.run_dir}: model configuration differs from the reference {reference.run_dir} "
+            f"({'; '.join(differing[:3])}{'; ...' if len(differing) > 3 else ''}); "
+            "record both runs from the same model configuration")
+
+
+def _differing_facts(reference: dict, candidate: dict, prefix: str = "") -> list[str]:
+    """"name: ref vs cand" for each fact both state differently, nested dicts (parameter shapes) entry by entry."""
+    found = []
+    for name in sorted(set(reference) & set(candidate)):
+        ref, cand = reference[name], candidate[name]
+        if isinstance(ref, dict) and isinstance(cand, dict):
+            found += _differing_facts(ref, cand, f"{prefix}{name}.")
+            missing = sorted(set(ref) ^ set(cand))
+            found += [f"{prefix}{name}.{key}: only in the {'reference' if key in ref else 'candidate'}" for key in missing]
+        elif ref != cand:
+            found.append(f"{prefix}{name}: {ref!r} vs {cand!r}")
+    return found
 
 
 # Modules that exist only in a quantized run: the fp8 integration passes each GEMM's inverse scales

@@ -24,7 +24,9 @@ everything it is computed from was exact:
   every one of them recorded after the previous step must have been exact (a trace that starts
   at step 5, or holds no parameter values, gets no rule there).
 
-Post-step parameters are never judged this way: the optimizer state is not recorded.
+Post-step parameters are never judged this way: the optimizer state is not recorded. Nor are the
+pseudo-modules' scalars (format.naming LOSS_FUNCTION, GRADIENT_CLIPPING: slot family "scalar"), and
+they are no module's inputs: only "input" and "grad_output" slots are sources.
 """
 
 from __future__ import annotations

@@ -67,6 +67,12 @@ class Coverage:
     """The first few tensors with copies missing: "KEY: 1 of 2 copies (ranks [0])"."""
     inventory_gaps: list[str] = field(default_factory=list)
     """Step files holding fewer tensors than their writer recorded."""
+    unrecorded: int = 0
+    """Tensors of the compared steps a run's tracer left out with a finding (counted in tensors_expected,
+    compared in neither run)."""
+    recording_findings: list[str] = field(default_factory=list)
+    """What either run's tracer could not record, one line per distinct finding ("candidate: FQN SLOT: what
+    is wrong; what to do (2 times: ranks [0], steps [0])")."""
 
     @property
     def stats_only_tensors_in_full_run(self) -> int:
@@ -77,10 +83,10 @@ class Coverage:
         compared = self.compared_elementwise + (self.compared_by_stats if self.stats_only_run else 0)
         return (compared == self.tensors_expected and self.copies_present >= self.copies_expected
                 and self.steps_compared == self.steps_expected and self.ranks_present == self.ranks_expected
-                and not self.inventory_gaps)
+                and not self.inventory_gaps and not self.recording_findings)
 
     def findings(self) -> list[str]:
-        """Named findings, one line each: `incomplete`, `missing-replica`."""
+        """Named findings, one line each: `incomplete`, `unrecorded` (the tracer's findings), `missing-replica`."""
         found = []
         if missing_steps := [s for s in self.steps_expected if s not in self.steps_compared]:
             found.append(f"incomplete: steps {missing_steps} were not compared (partial or in one run only)")
@@ -94,6 +100,7 @@ class Coverage:
         if self.stats_only_tensors_in_full_run:
             found.append(f"incomplete: {self.compared_by_stats} tensors hold statistics only, in runs recorded in full")
         found += [f"incomplete: {gap}" for gap in self.inventory_gaps]
+        found += [f"unrecorded: {line}" for line in self.recording_findings]
         if self.copies_present < self.copies_expected:
             example = f", e.g. {self.missing_copies[0]}" if self.missing_copies else ""
             found.append(f"missing-replica: {self.copies_expected - self.copies_present} of {self.copies_expected} "

@@ -198,6 +198,58 @@ def exact_inputs_tolerance(tolerance: Tolerance, precision: str, dtype: str, k: 
 
 
 
+EXACT_SCALARS = ("scalar.loss_scale", "scalar.lr", "scalar.skipped_steps", "scalar.num_tokens")
+"""Step scalars that are counts or schedule values: the same arithmetic in every layout, so equal."""
+NORM_SCALARS = ("scalar.grad_norm", "scalar.clip_coef")
+REDUCTION_K = 8.0
+"""Margin on sqrt(n) x u for a norm over n gradient elements accumulated in fp32. Measured here: torch's
+CPU norm of n Gaussian fp32 values is off by 0.03, 0.17 and 1.9 x sqrt(n) x u at n = 1e5, 1e6, 1e7
+(docs/tolerances.md); a perturbation of size u cannot see this round-off, which grows with n."""
+FP32_UNIT_ROUNDOFF = 2.0**-24
+
+
+@dataclass(frozen=True, slots=True)
+class StepScalarTolerances:
+    """The step's scalars (format.naming GRADIENT_CLIPPING, LOSS_FUNCTION) in front of any provider.
+
+    Counts and schedule values must be equal. The gradient norm and the clip coefficient computed from
+    it may differ by what their gradients may differ by (the largest gradient tolerance of the step)
+    plus the round-off of a reduction over every gradient element, REDUCTION_K x sqrt(n) x u_fp32 (n
+    the step's gradient elements), in both runs; the clip factor's round-off is judged here once, since
+    the gradients are recorded before clipping scales them. The loss keeps the provider's tolerance."""
+
+    base: ToleranceProvider
+    gradients: dict[int, list[tuple[TensorKey, str, int]]]
+    """Step -> (key, dtype, logical element count) of each parameter gradient the reference recorded."""
+
+    def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
+        if not key.slot.startswith("scalar."):
+            return self.base.tolerance_for(key, dtype)
+        if key.slot in EXACT_SCALARS:
+            return Tolerance(rel=0.0, abs=0.0, source="exact: a count or a schedule value", method="exact")
+        if key.slot in NORM_SCALARS:
+            return self._norm_tolerance(key.step)
+        return self.base.tolerance_for(key, dtype)
+
+    def _norm_tolerance(self, step: int) -> Tolerance:
+        grads = self.gradients.get(step, [])
+        gradient_rel = max((self.base.tolerance_for(k, d).rel for k, d, _ in grads), default=0.0)
+        n = max(sum(numel for _, _, numel in grads), 1)
+        rounding = REDUCTION_K * math.sqrt(n) * FP32_UNIT_ROUNDOFF
+        return Tolerance(rel=gradient_rel + rounding, abs=0.0, method="reduction",
+                         params=(("gradient_rel", gradient_rel), ("k", REDUCTION_K), ("n", float(n))),
+                         source=f"gradient norm: its gradients' tolerance {gradient_rel:.2g} + {REDUCTION_K:g} x "
+                                f"sqrt({n}) x u_fp32 for the reduction")
+
+
+def with_step_scalars(provider: ToleranceProvider, reference: RunReader) -> StepScalarTolerances:
+    gradients: dict[int, list[tuple[TensorKey, str, int]]] = {}
+    for key, metas in reference.index.items():
+        if key.phase == "grad" and metas:
+            gradients.setdefault(key.step, []).append((key, metas[0].dtype, math.prod(metas[0].layout.global_shape)))
+    return StepScalarTolerances(base=provider, gradients=gradients)
+
+
 def num_layers_of(reader: RunReader) -> int:
     """The model's layer count: its manifest's num_layers, else the highest `layers.<i>` traced."""
     declared = reader.manifest.model.get("num_layers")
@@ -234,6 +286,7 @@ def select_tolerances(kind: str, reference: RunReader, candidate: RunReader, *, 
 
 
 def tolerances_from_settings(settings: CompareSettings, reference: RunReader, candidate: RunReader) -> ToleranceProvider:
-    """The provider `settings` name (`--tolerance` and its parameters)."""
-    return select_tolerances(settings.tolerance, reference, candidate, alpha=settings.alpha, k=settings.theorem_k,
-                             c=settings.theorem_c)
+    """The provider `settings` name (`--tolerance` and its parameters), with the step scalars' own in front."""
+    provider = select_tolerances(settings.tolerance, reference, candidate, alpha=settings.alpha, k=settings.theorem_k,
+                                 c=settings.theorem_c)
+    return with_step_scalars(provider, reference)

@@ -26,7 +26,7 @@ LOSS_FUNCTION = "(loss)"
 micro-batch, phase "forward", slots "scalar.loss" (the value backward starts from) and
 "scalar.num_tokens". Module names are Python identifiers or indices in practice, so the
 parentheses keep it apart from every real module."""
-GRADIENT_CLIPPING = "(grad norm / clipping)"
+GRADIENT_CLIPPING = "(gradient clipping)"
 """The pseudo-module of the optimizer's step scalars (phase "step"): "scalar.grad_norm",
 "scalar.clip_coef", "scalar.loss_scale", "scalar.lr", "scalar.skipped_steps"."""
 PSEUDO_MODULES = {LOSS_FUNCTION: "the loss function", GRADIENT_CLIPPING: "the gradient norm / clipping"}

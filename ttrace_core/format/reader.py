@@ -24,10 +24,11 @@ import torch
 
 from ttrace_core.format.containment import contained, dataset_metas, refuse_external_storage, refuse_links
 from ttrace_core.errors import TraceFormatError
+from ttrace_core.format.findings import FINDINGS, findings_in_file
 from ttrace_core.format.records import data_from_json, meta_from_json, record_from_data
 from ttrace_core.format.schema import (
-    FORMAT_VERSION, NO_MICRO_BATCH, PHASES, READABLE_FORMAT_VERSIONS, REQUIRED_MANIFEST_FIELDS, RunManifest, TensorKey,
-    TensorMeta,
+    FORMAT_VERSION, NO_MICRO_BATCH, PHASES, READABLE_FORMAT_VERSIONS, REQUIRED_MANIFEST_FIELDS, Finding, RunManifest,
+    TensorKey, TensorMeta,
 )
 
 MANIFEST_NAME = "manifest.json"
@@ -156,6 +157,21 @@ def _stopped_word(run_dir: Path, rank: int, step: int) -> str:
     return "stopped on " + " ".join(word.split())[:MAX_STOPPED_CHARS]
 
 
+def _findings_of_unfinished_step(run_dir: Path, step: int, by_rank: dict[int, bool]) -> list[Finding]:
+    """The findings the files of a partial step kept (RunWriter.close writes them into a stopped step's
+    file); a file cut off mid-write is expected here and gives none."""
+    found = []
+    for rank, complete in sorted(by_rank.items()):
+        try:
+            path = contained(run_dir, step_file_name(rank, step) + ("" if complete else PARTIAL_SUFFIX))
+            with h5py.File(path, "r") as handle:
+                refuse_links(handle, str(path))
+                found += findings_in_file(handle, str(path))
+        except (OSError, KeyError, TraceFormatError):
+            continue
+    return found
+
+
 def step_files(run_dir: str | os.PathLike, world_size: int) -> tuple[list[int], list[int]]:
     """(complete steps, partial steps) of a run, from file names alone: no HDF5 file is opened."""
     found = _step_file_states(Path(run_dir))
@@ -275,6 +291,8 @@ class RunReader:
         """Tensors whose metadata names another key or rank than the place they are stored at."""
         self.inventory_gaps: list[str] = []
         """Step files that hold fewer tensors than their writer recorded (INVENTORY_ATTR)."""
+        self.findings: list[Finding] = []
+        """What the tracer could not record, and why (findings.py), from complete and partial steps alike."""
         self._scan()
 
     def _scan(self) -> None:
@@ -290,6 +308,7 @@ class RunReader:
         for step, by_rank in sorted(found.items()):
             if any(not by_rank.get(r, False) for r in range(self.manifest.world_size)):
                 self.partial_steps[step] = _why_partial(self.run_dir, step, by_rank, self.manifest.world_size)
+                self.findings += [f for f in _findings_of_unfinished_step(self.run_dir, step, by_rank) if self._in_subtree(f.fqn)]
                 continue
             for rank in range(self.manifest.world_size):
                 self._index_file(rank, step)
@@ -314,6 +333,8 @@ class RunReader:
         except (OSError, RuntimeError, KeyError, ValueError) as error:
             raise TraceFormatError(f"{path}: corrupted HDF5 structure ({error}); re-record rank {rank}") from error
         stats_only = stats_only_metas(handle, where) if metas.pop(STATS_ONLY_METAS, False) is not False else []
+        if metas.pop(FINDINGS, False) is not False:
+            self.findings += [f for f in findings_in_file(handle, where) if self._in_subtree(f.fqn)]
         for name, text in metas.items():
             if self._wanted(name):
                 self._index_dataset(name, text, rank, step, where)
@@ -349,10 +370,10 @@ class RunReader:
         self.index[placed].append(meta)
 
     def _wanted(self, dataset_path: str) -> bool:
-        if self.subtree is None:
-            return True
-        fqn = dataset_path.rsplit("/", 1)[-1].split("#", 1)[0]
-        return fqn == self.subtree or fqn.startswith(self.subtree + ".")
+        return self._in_subtree(dataset_path.rsplit("/", 1)[-1].split("#", 1)[0])
+
+    def _in_subtree(self, fqn: str) -> bool:
+        return self.subtree is None or fqn == self.subtree or fqn.startswith(self.subtree + ".")
 
     def read(self, meta: TensorMeta, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The recorded local values of one shard, in its recorded dtype; `region` (a slice per leading

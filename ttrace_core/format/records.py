@@ -18,11 +18,12 @@ from typing import TypeVar
 import msgspec
 
 from ttrace_core.errors import TraceFormatError
-from ttrace_core.format.schema import TensorMeta
+from ttrace_core.format.schema import Finding, TensorMeta
 
 Record = TypeVar("Record")
 
 _META_DECODER = msgspec.json.Decoder(TensorMeta)
+_FINDING_DECODER = msgspec.json.Decoder(Finding)
 
 
 def _reason(error: Exception) -> str:
@@ -56,6 +57,14 @@ def meta_from_json(text: str | bytes, where: str) -> TensorMeta:
         return _META_DECODER.decode(text)
     except (msgspec.DecodeError, RecursionError, UnicodeError, TypeError) as error:  # a flipped bit: not UTF-8
         raise TraceFormatError(f"{where}: tensor metadata is malformed ({_reason(error)}); re-record this rank") from error
+
+
+def finding_from_json(text: str | bytes, where: str) -> Finding:
+    """One line of a step file's findings (written by RunWriter.add_finding)."""
+    try:
+        return _FINDING_DECODER.decode(text)
+    except (msgspec.DecodeError, RecursionError, UnicodeError, TypeError) as error:
+        raise TraceFormatError(f"{where}: the finding is malformed ({_reason(error)}); re-record this rank") from error
 
 
 def data_from_record(record: object) -> object:

@@ -175,6 +175,26 @@ class TensorMeta:
     fp8_scale_inv: FinitePositive | None = None
 
 
+MAX_FINDING_CHARS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A tensor the tracer could not record (its layout cannot be mapped, or recording it failed): its
+    values are not in the trace, this record of why is, in the step file of `step`."""
+
+    step: Count
+    rank: Annotated[int, Meta(ge=0, le=MAX_WORLD_SIZE)]
+    fqn: Name
+    """The module (or parameter) the tensor belongs to."""
+    slot: Name
+    """The tensor's slot ("input.2"); empty when the failure hit a module's call, not one of its tensors."""
+    message: Annotated[str, Meta(max_length=MAX_FINDING_CHARS)]
+    """One line naming the tensor, what is wrong and what to do."""
+    key: TensorKey | None = None
+    """The tensor left out; None when the failure came before its key was known."""
+
+
 # Fields every manifest this format version writes holds: reading one without them refuses it rather
 # than filling in a default (a missing precision must not read as fp32). Later additions (entrypoint,
 # tracer, environment, blind_spots) stay optional, so older traces still open.

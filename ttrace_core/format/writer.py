@@ -22,8 +22,9 @@ import msgspec
 import numpy as np
 import torch
 
-from ttrace_core.errors import TraceFormatError, TraceWriteError
-from ttrace_core.format.schema import FORMAT_VERSION, RunManifest, TensorMeta, TensorStats
+from ttrace_core.errors import TraceFormatError
+from ttrace_core.format.findings import FINDINGS
+from ttrace_core.format.schema import FORMAT_VERSION, Finding, RunManifest, TensorMeta, TensorStats
 from ttrace_core.format.reader import (
     INVENTORY_ATTR, MANIFEST_NAME, MAX_STOPPED_CHARS, NATIVE_DTYPES, PARTIAL_SUFFIX, RAW_BITS, STATS_ONLY_METAS, STEP_FILE, STOPPED_ATTR,
     dataset_path, dtype_name, step_file_name,
@@ -82,8 +83,9 @@ def _min_max(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _META_ENCODER = msgspec.json.Encoder()
 
 
-def _meta_to_json(meta: TensorMeta) -> bytes:
-    """The dataset's `meta` attribute (records.meta_from_json reads it back): every field, finite numbers."""
+def _meta_to_json(meta: TensorMeta | Finding) -> bytes:
+    """The dataset's `meta` attribute (records.meta_from_json reads it back), or one line of FINDINGS: every
+    field, finite numbers."""
     return _META_ENCODER.encode(meta)
 
 
@@ -135,6 +137,12 @@ class RunWriter:
         self._step_bytes = 0
         self._unchecked_allowance = 0  # every step starts with a fresh look at the free space
         self._stats_only: list[bytes] = []
+        self._findings: list[bytes] = []
+
+    def add_finding(self, finding: Finding) -> None:
+        """A tensor this step leaves out, and why; stored with the step (FINDINGS), even when it stays partial."""
+        assert self._file is not None, "a finding outside a step"
+        self._findings.append(_meta_to_json(finding))
 
     def write(self, meta: TensorMeta, value: torch.Tensor | None) -> None:
         """A tensor's values and metadata; a stats-only one (no `value`) joins the step's STATS_ONLY_METAS."""
@@ -174,6 +182,7 @@ class RunWriter:
             text = b"\n".join(self._stats_only)
             self._check_room(len(text))
             self._file.create_dataset(STATS_ONLY_METAS, data=np.frombuffer(text, dtype=np.uint8))
+        self._write_findings()
         if blind_spots:
             self._file.attrs["blind_spots"] = json.dumps(blind_spots, sort_keys=True)
         self._file.attrs[INVENTORY_ATTR] = self._num_tensors
@@ -184,13 +193,20 @@ class RunWriter:
         os.replace(str(final) + PARTIAL_SUFFIX, final)
         self._file, self._step = None, None
 
+    def _write_findings(self) -> None:
+        if self._findings:
+            text = b"\n".join(self._findings)
+            self._check_room(len(text))
+            self._file.create_dataset(FINDINGS, data=np.frombuffer(text, dtype=np.uint8))
+
     def close(self, why: str = "") -> None:
         """Close without completing an open step: it stays marked partial, with `why` (the exception
-        that stopped the step) in its STOPPED_ATTR when the file still takes it."""
+        that stopped the step) in its STOPPED_ATTR and its findings so far, when the file still takes them."""
         if self._file is not None:
             try:
                 if why:
                     self._file.attrs[STOPPED_ATTR] = why[:MAX_STOPPED_CHARS]
+                self._write_findings()
             except Exception:  # best effort: a full disk may refuse the word, never the close
                 pass
             finally:
@@ -224,11 +240,13 @@ def refuse_existing_trace(run_dir: str | os.PathLike, *, manifest_only: bool = F
         raise TraceFormatError(f"{path}: already holds a trace; record into a new directory, or delete this one first")
 
 
-def write_error(run_dir: Path, rank: int, step: int, error: OSError) -> TraceWriteError:
+def write_failure(run_dir: Path, rank: int, step: int, error: Exception) -> str:
     """The one line a recording stops with when a step cannot be written (a full disk, a file-size limit)."""
     # HDF5 reports "... errno = 28, error message = 'No space left on device', ..." over several lines
-    reason = error.strerror or next(iter(re.findall(r"error message = '([^']*)'", str(error))), None) \
-        or str(error).splitlines()[0][:200]
-    return TraceWriteError(
-        f"{run_dir}: cannot write step {step} of rank {rank} ({reason}); the steps finished before it are complete "
-        "and kept, this one is left partial. Free space (or raise the file-size limit) and record again")
+    reason = getattr(error, "strerror", None) or next(iter(re.findall(r"error message = '([^']*)'", str(error))), None) \
+        or (str(error).splitlines() or [type(error).__name__])[0][:200]
+    remedy = "Free space (or raise the file-size limit) and record again" if isinstance(error, OSError) else \
+        f"A ttrace bug ({type(error).__name__}): report it with this line"
+    return (f"ttrace: {run_dir}: cannot write step {step} of rank {rank} ({reason}); recording stopped for the rest of "
+            "the run and training goes on. The steps finished before it are complete and kept, this one is left "
+            f"partial. {remedy}")

@@ -22,13 +22,15 @@ keeps the tracer's default (whole tensor, replicated) and is listed by `undeclar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from ttrace_core.canonicalize.placements import global_shape_from_local
 from ttrace_core.format.naming import owner_of
-from ttrace_core.format.schema import global_fqn
+from ttrace_core.format.schema import Layout, RunManifest, global_fqn
 
 # The model root and the decoder block differ per pipeline stage (and duplicate their first and
 # last children). The masked softmax fills its input in place and the vocab-parallel cross entropy
@@ -40,10 +42,22 @@ TRACER_EXCLUDE_ACTIVATIONS = ("*.mlp.experts", "*.mlp.experts.*")
 TRACER_FORWARD_ONLY = ("*.scale_mask_softmax", "output_layer", "*.fp8_scale_inv")
 
 HIDDEN = "hidden"
-"""Placeholder resolved to S(0) under sequence parallelism and R otherwise."""
+"""Placeholder for hidden states [s, b, h] (or tokens [s * b, h]): S(0) under sequence parallelism,
+R otherwise. Under sequence parallelism a tensor of another rank at such a boundary has no known
+layout: it is left unrecorded with a finding rather than given a wrong one."""
+BATCH_BY_SEQUENCE = "batch-by-sequence"
+"""Placeholder for [b, s] tensors (padding_mask): S(1) under sequence parallelism (GPTModel scatters
+it along s with the hidden states), R otherwise."""
+SCORES_EXTRA = "scores-extra"
+"""The masked softmax's inputs after the scores: the attention mask ([b, 1, s, s], whole on every TP
+rank) or the learnable sinks ([heads], this rank's heads): told apart by their rank."""
 BIAS_GRAD = "bias-grad"
 """The gradient of a replicated bias added to hidden states: under sequence parallelism each rank
 sums it over its own sequence shard only, so it is P(sum) over TP; otherwise R."""
+
+# Keyword inputs megatron passes by name to the layers, attention and MoE modules.
+_AUXILIARY_INPUTS = {"input.attention_mask": "R", "input.rotary_pos_emb": "R", "input.rotary_pos_cos": "R",
+                     "input.rotary_pos_sin": "R", "input.attention_bias": "R", "input.padding_mask": BATCH_BY_SEQUENCE}
 
 # class name -> {slot glob: placement}; "*" matches every slot of that kind not listed.
 _BOUNDARY_LAYOUTS: dict[str, dict[str, str]] = {
@@ -59,11 +73,12 @@ _BOUNDARY_LAYOUTS: dict[str, dict[str, str]] = {
     "MLP": {"input.*": HIDDEN, "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
     "ColumnParallelLinear": {"input.*": HIDDEN, "output.0": "S(-1)", "output.1": "S(0)"},
     "RowParallelLinear": {"input.*": "S(-1)", "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
-    "DotProductAttention": {"input.*": "S(2)", "output.*": "S(-1)"},
-    "FusedScaleMaskSoftmax": {"*": "S(1)"},
+    # query, key, value [s, b, heads, d] come first; an attention mask after them is whole.
+    "DotProductAttention": {"input.*": "R", "input.0": "S(2)", "input.1": "S(2)", "input.2": "S(2)", "output.*": "S(-1)"},
+    "FusedScaleMaskSoftmax": {"*": "S(1)", "input.*": SCORES_EXTRA, "input.0": "S(1)"},
     # Router outputs are [tokens, experts] with tokens = s * b flattened sequence-major, so a
     # sequence shard is a contiguous token shard.
-    "TopKRouter": {"*": HIDDEN},
+    "TopKRouter": {"*": HIDDEN, "input.padding_mask": BATCH_BY_SEQUENCE},
     "MoELayer": {"input.*": HIDDEN, "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
     # The fp8 scales a linear cast with: one per logical tensor, so the same on every TP rank.
     "Fp8ScaleInv": {"*": "R"},
@@ -79,11 +94,11 @@ _BY_NAME_SUFFIX: dict[str, dict[str, str]] = {
 }
 
 
-def megatron_tracer_config(**fields):
-    """A TracerConfig for megatron-core: main_grad, and the exclusions above, plus `fields`."""
+def megatron_tracer_config(*, extra_exclude: tuple[str, ...] = (), **fields):
+    """A TracerConfig for megatron-core: main_grad, and the exclusions above (plus `extra_exclude`), plus `fields`."""
     from ttrace_core.format.tracer_config import TracerConfig
 
-    return TracerConfig(exclude=TRACER_EXCLUDE, exclude_activations=TRACER_EXCLUDE_ACTIVATIONS,
+    return TracerConfig(exclude=TRACER_EXCLUDE + tuple(extra_exclude), exclude_activations=TRACER_EXCLUDE_ACTIVATIONS,
                         forward_only=TRACER_FORWARD_ONLY, grad_attr="main_grad", **fields)
 
 
@@ -153,11 +168,46 @@ def _is_gated_mlp(module: nn.Module) -> bool:
         and hasattr(module, "linear_fc1")
 
 
-def parameter_placement(param: torch.Tensor, *, gated: bool = False) -> str:
-    """S(partition_dim) for TP-sharded params (SB(0,2) for a gated fc1's), else R."""
+# Parameters megatron shards over TP without marking them `tensor_model_parallel`: learnable attention
+# sinks (DotProductAttention.softmax_offset, softmax_type="learnable") hold this rank's heads.
+HEAD_SHARDED_PARAMETERS = ("softmax_offset",)
+
+
+def parameter_placement(param: torch.Tensor, *, gated: bool = False, name: str = "") -> str:
+    """S(partition_dim) for TP-sharded params (SB(0,2) for a gated fc1's), S(0) for the head-sharded
+    ones megatron leaves unmarked, else R."""
     if getattr(param, "tensor_model_parallel", False):
         return "SB(0,2)" if gated and param.partition_dim == 0 else f"S({param.partition_dim})"
+    if name.rsplit(".", 1)[-1] in HEAD_SHARDED_PARAMETERS:
+        return "S(0)"
     return "R"
+
+
+def is_expert_parameter(name: str) -> bool:
+    return ".experts." in f".{name}"
+
+
+def parameter_mesh(name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+    """The TP mesh a parameter is sharded over: the expert TP group for MoE experts, else the TP group."""
+    from megatron.core import parallel_state as ps
+
+    if is_expert_parameter(name):
+        return (ps.get_expert_tensor_parallel_world_size(),), (ps.get_expert_tensor_parallel_rank(),), ("tp",)
+    return _tp_mesh()
+
+
+def parameter_layouts(model: nn.Module) -> dict[str, Layout]:
+    """Local parameter name -> its layout over the TP mesh, with its full logical shape."""
+    model = unwrap(model)
+    gated = gated_fc1_modules(model)
+    layouts = {}
+    for fqn, param in model.named_parameters():
+        placement = parameter_placement(param, gated=owner_of(fqn) in gated, name=fqn)
+        mesh_shape, coordinate, names = parameter_mesh(fqn)
+        shape = global_shape_from_local(tuple(param.shape), mesh_shape, (placement,))
+        layouts[fqn] = Layout(global_shape=shape, mesh_shape=mesh_shape, coordinate=coordinate, placements=(placement,),
+                              mesh_axis_names=names)
+    return layouts
 
 
 def _boundary_layout(fqn: str, module: nn.Module) -> dict[str, str] | None:
@@ -172,27 +222,43 @@ def _boundary_layout(fqn: str, module: nn.Module) -> dict[str, str] | None:
     return layout
 
 
-def _resolve(placement: str, sequence_parallel: bool) -> str:
+def _hidden_sequence_shard(local_shape: tuple[int, ...]) -> str | None:
+    return "S(0)" if len(local_shape) in (2, 3) else None
+
+
+def _sinks_or_mask(local_shape: tuple[int, ...]) -> str:
+    return "S(0)" if len(local_shape) == 1 else "R"
+
+
+def _resolve(placement: str, sequence_parallel: bool):
+    """A placement string, or a rule of the local shape (record/declarations.py) where it depends on it."""
     if placement == HIDDEN:
-        return "S(0)" if sequence_parallel else "R"
+        return _hidden_sequence_shard if sequence_parallel else "R"
     if placement == BIAS_GRAD:
         return "P(sum)" if sequence_parallel else "R"
+    if placement == BATCH_BY_SEQUENCE:
+        return "S(1)" if sequence_parallel else "R"
+    if placement == SCORES_EXTRA:
+        return _sinks_or_mask
     return placement
 
 
 def megatron_declarations(model: nn.Module, *, sequence_parallel: bool,
-                          rename: tuple[tuple[str, str], ...] = ()) -> Iterator[tuple[str, str, str]]:
-    """(global fqn, slot glob, placement) for every parameter and known module boundary."""
+                          rename: tuple[tuple[str, str], ...] = ()) -> Iterator[tuple[str, str, object, tuple]]:
+    """(global fqn, slot glob, placement or rule, mesh) for every parameter and known module boundary."""
     model = unwrap(model)
+    mesh = _tp_mesh()
     gated = gated_fc1_modules(model)
     for fqn, module in model.named_modules():
         layout = _boundary_layout(fqn, module)
         if fqn in gated and layout is not None:
             layout = {**layout, "output.0": "SB(-1,2)", "output.1": "SB(0,2)"}
+        if layout is not None and any(glob.startswith("input.") or glob == "*" for glob in layout):
+            layout = {**layout, **{slot: p for slot, p in _AUXILIARY_INPUTS.items() if slot not in layout}}
         for slot_glob, placement in (layout or {}).items():
-            yield global_fqn(fqn, rename), slot_glob, _resolve(placement, sequence_parallel)
-    for fqn, param in model.named_parameters():
-        yield global_fqn(fqn, rename), "*", parameter_placement(param, gated=owner_of(fqn) in gated)
+            yield global_fqn(fqn, rename), slot_glob, _resolve(placement, sequence_parallel), mesh
+    for fqn, layout in parameter_layouts(model).items():
+        yield global_fqn(fqn, rename), "*", layout.placements[0], (layout.mesh_shape, layout.coordinate, layout.mesh_axis_names)
 
 
 def undeclared_modules(model: nn.Module) -> list[str]:
@@ -204,11 +270,10 @@ def undeclared_modules(model: nn.Module) -> list[str]:
 def declare_megatron_layouts(tracer, model: nn.Module, *, sequence_parallel: bool,
                              rename: tuple[tuple[str, str], ...] = ()) -> None:
     """Declare on `tracer` the TP layout of every megatron parameter and module boundary."""
-    mesh = _tp_mesh()
     # Specific slot globs ("output.0") are declared after the catch-all ones ("*") so they win.
     declarations = sorted(megatron_declarations(model, sequence_parallel=sequence_parallel, rename=rename),
                           key=lambda d: d[1] != "*" and "*" not in d[1])
-    for fqn, slot_glob, placement in declarations:
+    for fqn, slot_glob, placement, mesh in declarations:
         tracer.declare(fqn, slot_glob, [placement], mesh)
 
 
@@ -232,3 +297,75 @@ def declare_distributed_optimizer_ranges(tracer, model: nn.Module, optimizer, *,
             owned = owner._get_model_param_range_map(param)["param"]
             start, end = owned.start, owned.end
         tracer.declare_flat_range(global_fqn(fqn, rename), "grad", start, end)
+
+
+# ---- what `attach` infers from a megatron-core model ------------------------------------------
+
+def is_megatron_model(model: nn.Module) -> bool:
+    """Any module of the model (inside megatron's DDP / Float16Module) comes from megatron.core."""
+    return any(type(module).__module__.startswith("megatron.core") for module in model.modules())
+
+
+def megatron_precision(model: nn.Module) -> str:
+    """fp8 (TransformerEngine's recipe, or ttrace's emulation of it), bf16, fp16, or the params' dtype."""
+    config = getattr(unwrap(model), "config", None)
+    emulated = any(type(m).__module__ == "ttrace_core.integrations.fp8" for m in model.modules())
+    if emulated or getattr(config, "fp8", None):
+        return "fp8"
+    if getattr(config, "bf16", False):
+        return "bf16"
+    if getattr(config, "fp16", False):
+        return "fp16"
+    dtype = getattr(config, "params_dtype", torch.float32)
+    return {torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def megatron_data_parallel() -> tuple[int, int]:
+    """(rank, size) among data-parallel replicas: local micro-batch k is global k * size + rank."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def megatron_manifest(model: nn.Module, optimizer, role: str, world_size: int) -> RunManifest:
+    """The logical run: degrees and the (pp, dp, cp, tp) mesh from megatron's parallel state, each rank's
+    coordinate in it, and every parameter's full logical shape under its global name (gathered from
+    every rank: pipeline stages hold different layers), so TP1 and TP2 of one model describe one model."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    inner = unwrap(model)
+    config = getattr(inner, "config", None)
+    sizes = {"pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
+             "cp": ps.get_context_parallel_world_size(), "tp": ps.get_tensor_model_parallel_world_size()}
+    coordinate = [ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(), ps.get_context_parallel_rank(),
+                  ps.get_tensor_model_parallel_rank()]
+    rename = megatron_rename(inner)
+    shapes = {global_fqn(fqn, rename): list(layout.global_shape) for fqn, layout in parameter_layouts(inner).items()}
+    coordinates = [coordinate]
+    if dist.is_initialized() and world_size > 1:
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, (coordinate, shapes))
+        coordinates = [c for c, _ in gathered]
+        shapes = {name: shape for _, by_rank in gathered for name, shape in by_rank.items()}
+    degrees = {**sizes, "sp": int(bool(getattr(config, "sequence_parallel", False))),
+               "ep": ps.get_expert_model_parallel_world_size(), "dist_opt": int(bool(_distributed_optimizers(optimizer)))}
+    describes_world = math.prod(sizes.values()) == world_size
+    model_facts = {"parameters": dict(sorted(shapes.items()))}
+    if isinstance(getattr(config, "num_layers", None), int):
+        model_facts["num_layers"] = config.num_layers
+    return RunManifest(role=role, world_size=world_size, degrees=degrees, precision=megatron_precision(model),
+                       mesh_shape=list(sizes.values()) if describes_world else [],
+                       mesh_axis_names=list(sizes) if describes_world else [],
+                       rank_coordinates=coordinates if describes_world else [], model=model_facts)
+
+
+def declare_megatron_run(tracer, model: nn.Module, optimizer) -> None:
+    """Every layout `attach` declares for a megatron model: TP layouts of parameters and module
+    boundaries, and the distributed optimizer's gradient ranges."""
+    config = getattr(unwrap(model), "config", None)
+    rename = megatron_rename(model)
+    declare_megatron_layouts(tracer, model, sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+                             rename=rename)
+    if optimizer is not None:
+        declare_distributed_optimizer_ranges(tracer, model, optimizer, rename=rename)

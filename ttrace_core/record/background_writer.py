@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from ttrace_core.format.schema import TensorMeta
+from ttrace_core.format.schema import Finding, TensorMeta
 from ttrace_core.format.writer import RunWriter
 
 
@@ -61,6 +61,9 @@ class BackgroundWriter:
             return
         copy = value.detach().clone()  # the step goes on and may change `value` in place
         self._put(lambda: self._writer.write(meta, copy), copy.numel() * copy.element_size())
+
+    def add_finding(self, finding: Finding) -> None:
+        self._put(lambda: self._writer.add_finding(finding), 0)
 
     def end_step(self, blind_spots: dict[str, str] | None = None) -> None:
         self._put(lambda: self._writer.end_step(blind_spots), 0)

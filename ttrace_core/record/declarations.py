@@ -1,7 +1,10 @@
 """Layouts declared for plain (non-DTensor) tensors: `Tracer.declare` and `Tracer.declare_flat_range`.
 
 A declaration says which placements, on which mesh, the tensors at matching (fqn glob, slot glob)
-hold; later declarations win. The layout of a (module, slot, local shape) is resolved once and kept:
+hold; later declarations win. A placement may also be a rule: a function of the local shape that
+returns the placement, or None when no layout is known for that shape (a framework adapter's
+"S(0) for a 3-D hidden state, unknown otherwise"); the tensor is then not recorded and the tracer
+keeps a finding instead (UnknownLayoutError). The layout of a (module, slot, local shape) is resolved once and kept:
 a Megatron model has hundreds of declarations, and globbing them all on every recorded tensor cost
 more than recording it.
 """
@@ -9,19 +12,30 @@ more than recording it.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ttrace_core.errors import LayoutError, TtraceError
+
 from ttrace_core.integrations.dtensor import mesh_description, placement_str
-from ttrace_core.canonicalize.placements import global_shape_from_local
+from ttrace_core.canonicalize.placements import global_shape_from_local, local_shape as shape_held
 from ttrace_core.format.schema import Layout
+
+
+PlacementRule = Callable[[tuple[int, ...]], "str | None"]
+"""Local shape -> placement string, or None: no layout is known for a tensor of that shape."""
+
+
+class UnknownLayoutError(TtraceError):
+    """A declared rule has no layout for this tensor, or the declared placements do not fit it: it must
+    not be recorded under a wrong one. The message names the tensor first (it is the tracer's finding)."""
 
 
 @dataclass(slots=True)
 class Declaration:
     fqn_glob: str
     slot_glob: str
-    placements: tuple[str, ...]
+    placements: tuple[str | PlacementRule, ...]
     mesh_shape: tuple[int, ...]
     coordinate: tuple[int, ...]
     mesh_axis_names: tuple[str, ...]
@@ -36,7 +50,7 @@ class Declarations:
 
     def declare(self, fqn_glob: str, slot_glob: str, placements: Sequence, mesh) -> None:
         mesh_shape, coordinate, names = mesh_description(mesh)
-        specs = tuple(placement_str(p) for p in placements)
+        specs = tuple(p if callable(p) else placement_str(p) for p in placements)
         if len(specs) != len(mesh_shape):
             raise ValueError(f"declare({fqn_glob!r}, {slot_glob!r}): {len(specs)} placements for a {len(mesh_shape)}-D mesh")
         self.declared.append(Declaration(fqn_glob, slot_glob, specs, mesh_shape, coordinate, names))
@@ -57,7 +71,36 @@ class Declarations:
     def _match(self, fqn: str, slot: str, local_shape: tuple[int, ...]) -> Layout | None:
         for d in reversed(self.declared):
             if fnmatch.fnmatchcase(fqn, d.fqn_glob) and fnmatch.fnmatchcase(slot, d.slot_glob):
-                shape = global_shape_from_local(local_shape, d.mesh_shape, d.placements)
-                return Layout(global_shape=shape, mesh_shape=d.mesh_shape, coordinate=d.coordinate,
-                              placements=d.placements, mesh_axis_names=d.mesh_axis_names)
+                placements = tuple(_applied(p, fqn, slot, local_shape) for p in d.placements)
+                return _fitted(fqn, slot, local_shape, d, placements)
         return None
+
+
+def _fitted(fqn: str, slot: str, local_shape: tuple[int, ...], declared: Declaration, placements: tuple[str, ...]) -> Layout:
+    """The declared layout of a local tensor, checked to give back its local shape: a placement on a dim
+    the tensor lacks, or a blocked dim its blocks do not divide, is an UnknownLayoutError naming both."""
+    try:
+        shape = global_shape_from_local(local_shape, declared.mesh_shape, placements)
+        layout = Layout(global_shape=shape, mesh_shape=declared.mesh_shape, coordinate=declared.coordinate,
+                        placements=placements, mesh_axis_names=declared.mesh_axis_names)
+        held = shape_held(layout)
+        reason = "" if held == local_shape else f"they would give this rank a block of shape {list(held)}"
+    except (LayoutError, ValueError) as error:
+        reason = str(error)
+    if reason:
+        raise UnknownLayoutError(
+            f"{fqn} {slot}: declared placements {list(placements)} on mesh {list(declared.mesh_shape)} do not fit its "
+            f"local shape {list(local_shape)} ({reason}), so it is not recorded; declare the layout it has with "
+            "session.declare(fqn, slot, placements, mesh)")
+    return layout
+
+
+def _applied(placement: str | PlacementRule, fqn: str, slot: str, local_shape: tuple[int, ...]) -> str:
+    if not callable(placement):
+        return placement
+    resolved = placement(local_shape)
+    if resolved is None:
+        raise UnknownLayoutError(
+            f"{fqn} {slot}: no layout is known for a {len(local_shape)}-D tensor of shape {list(local_shape)} at this "
+            "module boundary, so it is not recorded; declare it with session.declare(fqn, slot, placements, mesh)")
+    return resolved

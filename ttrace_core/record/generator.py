@@ -86,19 +86,25 @@ def _constant_value(local: torch.Tensor) -> float | None:
 
 
 def initialize_weights(model: nn.Module, *, seed: int, reinit: bool, perturbation: WeightPerturbation | None,
-                       rename: Callable[[str], str]) -> None:
+                       rename: Callable[[str], str],
+                       layout_of: Callable[[str, torch.Tensor], Layout | None] | None = None) -> None:
     """With reinit, give every parameter its logical value from (seed, canonical name), drawn in full
-    logical shape (constants kept), perturbed there and cast, then sliced by the parameter's own DTensor
-    layout. Without, keep the loaded values and perturb them in place, in their own dtype (a bf16
-    weight then keeps its value wherever the perturbation is under half an ulp)."""
+    logical shape (constants kept), perturbed there and cast, then sliced by the parameter's layout:
+    its own DTensor layout, or `layout_of(local name, param)` for plain tensors that are shards
+    (Megatron's). Without, keep the loaded values and perturb them in place, in their own dtype (a
+    bf16 weight then keeps its value wherever the perturbation is under half an ulp)."""
     from torch.distributed.tensor import DTensor
 
     from ttrace_core.integrations.dtensor import layout_from_dtensor, local_value
 
     with torch.no_grad():
         for local_fqn, param in model.named_parameters():
-            name, local, shape = rename(local_fqn), local_value(param), tuple(param.shape)
-            layout = layout_from_dtensor(param) if isinstance(param, DTensor) else None
+            name, local = rename(local_fqn), local_value(param)
+            if isinstance(param, DTensor):
+                layout = layout_from_dtensor(param)
+            else:
+                layout = layout_of(local_fqn, param) if layout_of is not None else None
+            shape = tuple(param.shape) if layout is None else tuple(layout.global_shape)
             if reinit:
                 constant = _constant_value(local)
                 full = default_init(name, shape, seed) if constant is None else torch.full(shape, constant)

@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -34,7 +33,6 @@ from ttrace_core.errors import TtraceError
 from ttrace_core.format.fingerprint import environment_fingerprint
 from ttrace_core.record.generator import WeightPerturbation, initialize_weights
 from ttrace_core.record.processes import process_alive
-from ttrace_core.integrations.torch_native import compiled_modules, data_parallel_of, manifest_from_model
 from ttrace_core.format.schema import RunManifest, global_fqn, strip_wrappers
 
 if TYPE_CHECKING:
@@ -186,54 +184,75 @@ class Session:
             self.tracer = None
 
 
-def attach(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, loss_scale: float = 1.0,
+def attach(model: nn.Module, optimizer=None, *, loss_scale: float = 1.0,
            data_parallel: tuple[int, int] | None = None, weights: str = "reinit", include: tuple[str, ...] = ("*",),
            exclude: tuple[str, ...] = (), config: TracerConfig | None = None,
            manifest: RunManifest | None = None) -> Session:
-    """Trace `model` (after parallelize_module / fully_shard / DDP) when launched by a ttrace command.
+    """Trace `model` (after parallelize_module / fully_shard / DDP, or Megatron's DDP) when launched by a
+    ttrace command.
 
+    A megatron-core model is recognized by itself: its layouts, degrees, mesh and logical parameter
+    shapes come from megatron's own attributes and parallel state, the loss scale from its schedule,
+    and `optimizer` may be the Megatron optimizer (its step is wrapped: it has no step hooks).
+
+    optimizer: a torch.optim.Optimizer, or any optimizer whose step() the tracer may wrap.
     loss_scale: the factor each micro-batch loss is multiplied by before backward (1 / local
-        micro-batches under gradient accumulation), so that activation gradients compare across layouts.
-    data_parallel: (rank, size) among data-parallel replicas when it cannot be inferred (DDP, or mesh
-        axes named dp/fsdp/...). Local micro-batch k of DP rank r is global micro-batch k * size + r.
-    weights: "reinit" draws every non-constant weight from (seed, canonical name); "keep" when the run
-        loads a checkpoint (both runs must load the same one); "own" when the script drew identical
-        logical weights itself (applying `weight_perturbation()`), as the bundled examples do.
-    config, manifest: a full TracerConfig and the run's description, for frameworks whose layouts and
-        degrees need an adapter (the Megatron example); they replace what attach infers.
+        micro-batches under gradient accumulation), so that activation gradients compare across layouts;
+        megatron's schedule says it by itself.
+    data_parallel: (rank, size) among data-parallel replicas when it cannot be inferred (DDP, megatron,
+        or mesh axes named dp/fsdp/...). Local micro-batch k of DP rank r is global micro-batch k * size + r.
+    weights: "reinit" draws every non-constant weight from (seed, canonical name) in its full logical
+        shape and slices it by the parameter's layout; "keep" when the run loads a checkpoint (both runs
+        must load the same one); "own" when the script drew identical logical weights itself (applying
+        `weight_perturbation()`).
+    config, manifest: a full TracerConfig and the run's description; they replace what attach infers.
     """
     if weights not in ("reinit", "keep", "own"):
         raise ValueError(f"attach(weights={weights!r}): choose reinit, keep or own")
     spec = active_spec()
     if spec is None:
         return Session()
+    from ttrace_core.record.adapters import TracerSelection
     from ttrace_core.record.rewrite import rewriter_from_config
-    from ttrace_core.record.tracer import Tracer, TracerConfig
+    from ttrace_core.record.tracer import Tracer
 
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    compiled = compiled_modules(inner)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     role = spec.role or ("reference" if world_size == 1 else "candidate")
-    if config is None:
-        dp_rank, dp_size = data_parallel_of(model, data_parallel)
-        config = TracerConfig(include=include, exclude=exclude, loss_scale=loss_scale, data_parallel_rank=dp_rank,
-                              data_parallel_size=dp_size, exclude_activations=("?*",) if compiled else ())
-    config = dataclasses.replace(config, stats_only=config.stats_only or spec.stats_only)
-    if spec.value_steps is not None:
-        config = dataclasses.replace(config, stats_only=False, steps=tuple(spec.value_steps))
+    adapter = _adapter_for(model, optimizer, role, world_size, TracerSelection(include, exclude, loss_scale, data_parallel))
+    config = _configured(config or adapter.config, spec)
     if weights != "own":
-        initialize_weights(inner, seed=spec.seed, reinit=weights == "reinit",
+        initialize_weights(adapter.traced, seed=spec.seed, reinit=weights == "reinit",
                            perturbation=WeightPerturbation.from_dict(spec.perturbation),
-                           rename=lambda name: global_fqn(strip_wrappers(name), config.rename))
+                           rename=lambda name: global_fqn(strip_wrappers(name), config.rename),
+                           layout_of=adapter.parameter_layout)
+        adapter.after_weights(optimizer)
     if manifest is None:
-        manifest = manifest_from_model(inner, role, world_size)
+        manifest = adapter.manifest()
         manifest.seed = spec.seed
-    manifest = _described(manifest, spec, role, world_size, compiled)
-    tracer = Tracer(spec.out, inner, role=role, optimizer=optimizer, config=config, manifest=manifest,
-                    rewriter=rewriter_from_config(spec.rewrite))
+    manifest = _described(manifest, spec, role, world_size, adapter.compiled)
+    tracer = Tracer(spec.out, adapter.traced, role=role, optimizer=optimizer, config=config, manifest=manifest,
+                    rewriter=rewriter_from_config(spec.rewrite), captures=adapter.captures)
+    adapter.declare(tracer, optimizer)
     session = Session(tracer, spec)
     atexit.register(session.close)
     return session
+
+
+def _configured(config: TracerConfig, spec: SessionSpec) -> TracerConfig:
+    """The session's part of the tracer configuration: stats-only, and adaptive capture's value steps."""
+    config = dataclasses.replace(config, stats_only=config.stats_only or spec.stats_only)
+    if spec.value_steps is not None:
+        config = dataclasses.replace(config, stats_only=False, steps=tuple(spec.value_steps))
+    return config
+
+
+def _adapter_for(model: nn.Module, optimizer, role: str, world_size: int, selection):
+    from ttrace_core.integrations.megatron import is_megatron_model
+    from ttrace_core.record.adapters import MegatronAdapter, TorchAdapter
+
+    if is_megatron_model(model):
+        return MegatronAdapter(model, optimizer, role, world_size, selection)
+    return TorchAdapter(model, role, world_size, selection)
 
 
 def _described(manifest: RunManifest, spec: SessionSpec, role: str, world_size: int, compiled: list[str]) -> RunManifest:

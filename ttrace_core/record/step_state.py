@@ -24,11 +24,16 @@ class StepState:
     step: int
     seq: int = 0
     root_calls: int = 0
+    losses: int = 0
+    """Losses recorded so far: the next one is this local micro-batch's."""
+    gradients_recorded: bool = False
     forward_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls_in_micro_batch: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
     pending_forward: dict[str, list[tuple[int, int] | None]] = field(default_factory=lambda: defaultdict(list))
     pending_backward: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
     forward_layouts: dict[tuple[str, int, int, str], Layout] = field(default_factory=dict)
+    unmapped_forward: set[tuple[str, int, int, str]] = field(default_factory=set)
+    """Forward tensors left out with a finding (their layout is unknown): their gradients are left out too."""
     converted_outputs: dict[str, list[Any]] = field(default_factory=dict)
     """Per module, its outputs as DTensors before a parallel style turned them into local tensors."""
 

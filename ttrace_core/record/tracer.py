@@ -19,17 +19,26 @@ Integration:
 
 Attach the tracer after parallelize_module / fully_shard / DDP, so that its hooks see what the
 module really receives and returns. Hooks only read: they return None and never change outputs.
+
+A debugging tool must never take down the run it observes: no hook or recording call raises into
+the training. A tensor that cannot be recorded (a declared placement that does not fit it, a layout
+no one can infer, an error of the tracer's own) is left out and its step keeps a finding instead
+(format/findings.py); a step that cannot be written (a full disk) stops the recording, not the training.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import os
+import sys
+import traceback
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -42,17 +51,17 @@ from ttrace_core.integrations.dtensor import (
     layout_from_dtensor, layout_of_converted_output, local_value,
 )
 from ttrace_core.format.fingerprint import environment_fingerprint
-from ttrace_core.format.naming import owner_of, slot_family
+from ttrace_core.format.naming import LOSS_FUNCTION, owner_of, slot_family
 from ttrace_core.format.schema import (
-    NO_MICRO_BATCH, WRAPPER_COMPONENTS, Layout, RunManifest, TensorKey, TensorMeta, global_fqn,
-    strip_wrappers,
+    MAX_FINDING_CHARS, NO_MICRO_BATCH, WRAPPER_COMPONENTS, Finding, Layout, RunManifest, TensorKey, TensorMeta,
+    global_fqn, strip_wrappers,
 )
 from ttrace_core.record.background_writer import BackgroundWriter
-from ttrace_core.record.declarations import Declarations
+from ttrace_core.record.declarations import Declarations, UnknownLayoutError
 from ttrace_core.record.step_state import StepState
 from ttrace_core.format.tracer_config import TracerConfig
-from ttrace_core.format.reader import dtype_name
-from ttrace_core.format.writer import RunWriter, refuse_existing_trace, stats_from_tensor, write_error, write_manifest
+from ttrace_core.format.reader import NATIVE_DTYPES, RAW_BITS, dtype_name
+from ttrace_core.format.writer import RunWriter, refuse_existing_trace, stats_from_tensor, write_failure, write_manifest
 
 
 def _quiet_hook_warnings() -> None:
@@ -103,12 +112,35 @@ def _tensors_of(values: object) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
+def _failure_message(fqn: str, slot: str, error: Exception) -> str:
+    """A failure of the tracer's own code in one line: what it left out, and where in ttrace it failed."""
+    where = f"{fqn or '<root>'} {slot}".rstrip() if fqn or slot else "ttrace"
+    frames = traceback.extract_tb(error.__traceback__)
+    origin = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return (f"{where}: the tracer failed ({_one_sentence(error)}{origin}) and left {'it' if slot else 'what it was recording'} "
+            "out; the training went on. A ttrace bug: report it with this line")
+
+
+def _never_raises(method):
+    """A recording entry point the training code calls: its error is the trace's finding (Tracer.record_error),
+    never the training's exception."""
+    @functools.wraps(method)
+    def guarded(self: Tracer, *args, **kwargs) -> None:
+        try:
+            method(self, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - the run must go on; the error is recorded
+            self.record_error(error)
+    return guarded
+
+
 class Tracer:
     def __init__(self, run_dir: str | os.PathLike, model: nn.Module, *, role: str,
                  optimizer: torch.optim.Optimizer | None = None, config: TracerConfig | None = None,
-                 manifest: RunManifest | None = None, rewriter: InputRewriting | None = None) -> None:
+                 manifest: RunManifest | None = None, rewriter: InputRewriting | None = None,
+                 captures: Sequence[Callable[[Tracer], Callable[[], None]]] = ()) -> None:
         """`rewriter` (localize's input rewriting, rewrite.py) is the one way to change what traced modules
-        compute; without it the hooks only read."""
+        compute; without it the hooks only read. `captures` (step_scalars.py) wrap the functions that
+        compute the step's scalars (the loss, clipping); each returns its undo, called at close."""
         if role not in ("reference", "candidate"):
             raise ValueError(f"role must be 'reference' or 'candidate', got {role!r}")
         self.config = config or TracerConfig()
@@ -121,6 +153,14 @@ class Tracer:
         self._state: StepState | None = None
         self._handles: list = []
         self._rewriter = rewriter
+        self._recording_stopped = False
+        """A step could not be written (a full disk): nothing more is recorded in this run."""
+        self._held_findings: list[tuple[str, str, str, TensorKey | None]] = []
+        """Findings made outside a step, written with the next one."""
+        self.num_findings = 0
+        """Tensors (or module calls) this run left out with a finding so far."""
+        self.skipped_steps = 0
+        """Steps the optimizer skipped so far (a non-finite gradient under loss scaling)."""
         if self.rank == 0:
             refuse_existing_trace(run_dir, manifest_only=True)
             manifest = manifest or RunManifest(role=role, world_size=world_size)
@@ -130,7 +170,7 @@ class Tracer:
             if rewriter is not None:
                 manifest.tracer |= rewriter.describe()
             write_manifest(run_dir, manifest)
-        self._handles.append(model.register_forward_pre_hook(self._root_pre_hook))
+        self._handles.append(model.register_forward_pre_hook(self._guarded_hook("", self._root_pre_hook)))
         self.blind_spots: dict[str, str] = self.untraced_modules(model)
         """Module -> what the trace of it misses: the configuration's exclusions, and modules whose
         backward hooks cannot fire (found during the run); written with every step file."""
@@ -138,9 +178,23 @@ class Tracer:
         self._attach_modules(model)
         if rewriter is not None:
             rewriter.attach(self, model, self._handles)
+        self._undo = [capture(self) for capture in captures]
         if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.record_gradients()))
-            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.record_parameters()))
+            self._hook_optimizer(optimizer)
+
+    def _hook_optimizer(self, optimizer) -> None:
+        """A torch optimizer through its step hooks; any other (Megatron's) by wrapping its step."""
+        from ttrace_core.record.step_scalars import capture_optimizer_step, learning_rate, record_step_scalars
+
+        if not hasattr(optimizer, "register_step_pre_hook"):
+            self._undo.append(capture_optimizer_step(self, optimizer))
+            return
+
+        def after_step(*_) -> None:
+            self.guarded(lambda: record_step_scalars(self, lr=learning_rate(optimizer)))
+            self.guarded(self.record_parameters)
+        self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.guarded(self.record_gradients)))
+        self._handles.append(optimizer.register_step_post_hook(after_step))
 
     # ---- selection and layout resolution ----------------------------------------------------
 
@@ -199,7 +253,8 @@ class Tracer:
         "output.0", [Shard(1)], tp_mesh)` says each rank holds its sequence shard of a block output.
         `mesh` is a DeviceMesh or (mesh_shape, coordinate, axis_names); placements are DTensor
         placements or their strings ("S(0)", "R", "P(sum)"). Globs match the recorded (global) fqn.
-        Later declarations win over earlier ones.
+        Later declarations win over earlier ones. A tensor a declaration does not fit (a placement on a
+        dim it lacks) is left out with a finding naming both.
         """
         self._declarations.declare(fqn_glob, slot_glob, placements, mesh)
 
@@ -221,6 +276,9 @@ class Tracer:
         if key.slot.startswith("grad_") and self._state is not None:
             # The gradient of a tensor is laid out like the tensor itself.
             forward_slot = key.slot.removeprefix("grad_")
+            if (key.fqn, key.micro_batch, key.call, forward_slot) in self._state.unmapped_forward:
+                raise UnknownLayoutError(f"{key.fqn} {key.slot}: not recorded, it is the gradient of {forward_slot}, "
+                                         "whose layout is unknown (see that tensor's finding)")
             inherited = self._state.forward_layouts.get((key.fqn, key.micro_batch, key.call, forward_slot))
             if inherited is not None and inherited.global_shape and len(inherited.global_shape) == local.dim():
                 return inherited
@@ -242,9 +300,23 @@ class Tracer:
     def key(self, phase: str, fqn: str, slot: str, micro_batch: int, call: int = 0) -> TensorKey:
         return TensorKey(step=self._state.step, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot, call=call)
 
-    def record(self, key: TensorKey, value: torch.Tensor) -> None:
-        """Store one tensor of the current step under `key` (skipped when its slot kind is not selected)."""
-        if slot_family(key.slot) not in self.config.slots:
+    def record(self, key: TensorKey, value: torch.Tensor, *, scale: float | None = None) -> None:
+        """Store one tensor of the current step under `key` (skipped when its slot kind is not selected).
+        `scale`: what the values are multiplied by (default: the loss scale for activation gradients).
+        A tensor that cannot be recorded (its layout cannot be mapped, or recording it fails) is left out
+        and the step keeps a finding instead: the training goes on."""
+        try:
+            self._record(key, value, scale)
+        except UnknownLayoutError as error:
+            self._left_out(key, str(error))
+        except Exception as error:  # noqa: BLE001 - the run must go on; the error is recorded
+            self.record_error(error, key.fqn, key.slot, key)
+
+    def _record(self, key: TensorKey, value: torch.Tensor, scale: float | None) -> None:
+        if self._recording_stopped or slot_family(key.slot) not in self.config.slots:
+            return
+        if (name := dtype_name(value.dtype)) not in NATIVE_DTYPES and name not in RAW_BITS:
+            self._left_out(key, f"{key.fqn} {key.slot}: not recorded, ttrace cannot store dtype {name}")
             return
         state = self._state
         local = local_value(value)
@@ -258,11 +330,14 @@ class Tracer:
         stats_only = self.config.stats_only and not any(p.startswith("P(") for p in layout.placements)
         meta = TensorMeta(
             key=key, rank=self.rank, dtype=dtype_name(local.dtype), local_shape=tuple(local.shape), layout=layout,
-            seq=state.seq, scale=self.config.loss_scale if key.phase == "backward" else 1.0,
+            seq=state.seq, scale=scale or (self.config.loss_scale if key.phase == "backward" else 1.0),
             stats=stats_from_tensor(local), stats_only=stats_only,
         )
         state.seq += 1
-        self._writer.write(meta, None if stats_only else local)
+        try:
+            self._writer.write(meta, None if stats_only else local)
+        except OSError as error:  # a full disk: the writer's own failure stops the recording
+            self._stop_recording(key.step, error)
 
     def _global_micro_batch(self, local_index: int) -> int:
         return local_index * self.config.data_parallel_size + self.config.data_parallel_rank
@@ -283,12 +358,23 @@ class Tracer:
 
     def _attach_modules(self, model: nn.Module) -> None:
         for fqn, module, backward in self.traced_modules(model):
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._forward_hook(fqn, backward)))
+            self._handles.append(module.register_forward_pre_hook(self._guarded_hook(fqn, self._pre_hook(fqn)),
+                                                                  with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._guarded_hook(fqn, self._forward_hook(fqn, backward))))
             # Before a parallel style's own output hook: the DTensor it is about to make local.
-            self._handles.append(module.register_forward_hook(self._see_output_dtensors(fqn), prepend=True))
+            self._handles.append(module.register_forward_hook(self._guarded_hook(fqn, self._see_output_dtensors(fqn)),
+                                                              prepend=True))
             if backward:
-                self._handles.append(module.register_full_backward_hook(self._backward_hook(fqn)))
+                self._handles.append(module.register_full_backward_hook(self._guarded_hook(fqn, self._backward_hook(fqn))))
+
+    def _guarded_hook(self, fqn: str, hook: Callable[..., None]) -> Callable[..., None]:
+        """`hook`, which only reads, made never to raise into the training: its error is a finding on `fqn`."""
+        def guarded(*args, **kwargs) -> None:
+            try:
+                hook(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - the run must go on; the error is recorded
+                self.record_error(error, fqn)
+        return guarded
 
     def _root_pre_hook(self, module: nn.Module, args: tuple) -> None:
         if self._recording() and not any(t.is_meta for t in _tensors_of(args)):
@@ -358,7 +444,7 @@ class Tracer:
             return hook
         for index, value in enumerate(outputs):
             if value.requires_grad:
-                value.register_hook(recorder(index))
+                value.register_hook(self._guarded_hook(fqn, recorder(index)))
 
     def _backward_hook(self, fqn: str):
         def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
@@ -384,15 +470,51 @@ class Tracer:
             if self.is_selected(owner_of(name)):
                 yield self.global_fqn(local_fqn), param
 
-    def record_gradients(self) -> None:
-        """Record every parameter's reduced gradient; call after backward, before optimizer.step()."""
+    @_never_raises
+    def record_scalar(self, phase: str, fqn: str, name: str, value: torch.Tensor, micro_batch: int = NO_MICRO_BATCH,
+                      scale: float | None = None) -> None:
+        """One of the step's scalars (step_scalars.py) under the pseudo-module `fqn`, slot "scalar.<name>"."""
+        if self._recording():
+            self.record(self.key(phase, fqn, f"scalar.{name}", micro_batch), value, scale=scale)
+
+    @_never_raises
+    def record_loss(self, loss: torch.Tensor, num_tokens: torch.Tensor | None = None) -> None:
+        """The loss a backward starts from, as the next local micro-batch's (with the loss scale, like the
+        activation gradients it starts), and its token count when the loss function returns one."""
         if not self._recording():
             return
+        micro_batch = self._global_micro_batch(self._state.losses)
+        self._state.losses += 1
+        self.record_scalar("forward", LOSS_FUNCTION, "loss", loss.detach().reshape(()), micro_batch,
+                           scale=self.config.loss_scale)
+        if num_tokens is not None:
+            self.record_scalar("forward", LOSS_FUNCTION, "num_tokens", num_tokens.detach().reshape(()), micro_batch)
+
+    def set_loss_scale(self, loss_scale: float) -> None:
+        """What each micro-batch loss is multiplied by before backward, once the schedule says it."""
+        self.config.loss_scale = loss_scale
+
+    def guarded(self, action: Callable[[], object]) -> None:
+        """Run a recording action from inside the user's training code: an error in it is the trace's
+        finding, never the training run's exception."""
+        try:
+            action()
+        except Exception as error:  # noqa: BLE001 (the run must go on; the error is recorded)
+            self.record_error(error)
+
+    @_never_raises
+    def record_gradients(self) -> None:
+        """Record every parameter's reduced gradient; call after backward, before optimizer.step().
+        Once per step: clipping records them before it scales them (step_scalars.py)."""
+        if not self._recording() or self._state.gradients_recorded:
+            return
+        self._state.gradients_recorded = True
         for fqn, param in self._named_parameters():
             grad = getattr(param, self.config.grad_attr, None)
             if grad is not None:
                 self.record(self.key("grad", fqn, "grad", NO_MICRO_BATCH), grad)
 
+    @_never_raises
     def record_parameters(self) -> None:
         """Record every parameter's value; call after optimizer.step()."""
         if not self._recording():
@@ -400,36 +522,85 @@ class Tracer:
         for fqn, param in self._named_parameters():
             self.record(self.key("param", fqn, "value", NO_MICRO_BATCH), param)
 
+    # ---- findings: what is left out, and why ----------------------------------------------------
+
+    def add_finding(self, key_or_fqn: TensorKey | str, slot: str = "", message: str = "") -> None:
+        """Keep a finding instead of a tensor, for code that knows it cannot be recorded rightly (its layout
+        cannot be inferred): `message` says in one line what is wrong and what to do; the tensor's name is put
+        before it. Made outside a step, it is written with the next recorded step."""
+        key = key_or_fqn if isinstance(key_or_fqn, TensorKey) else None
+        fqn, slot = (key.fqn, key.slot) if key is not None else (key_or_fqn, slot)
+        self._keep_finding(fqn, slot, f"{fqn or '<root>'} {slot}".rstrip() + f": {message}", key)
+
+    def record_error(self, error: Exception, fqn: str = "", slot: str = "", key: TensorKey | None = None) -> None:
+        """An error of the tracer's own code, met while recording `key` (or a call of module `fqn`): a finding,
+        never the training's exception."""
+        self._keep_finding(fqn, slot, _failure_message(fqn, slot, error), key)
+
+    def _left_out(self, key: TensorKey, message: str) -> None:
+        """A tensor not recorded because its values cannot be mapped: its gradient cannot inherit its layout."""
+        if key.phase == "forward" and self._state is not None:
+            self._state.unmapped_forward.add((key.fqn, key.micro_batch, key.call, key.slot))
+        self._keep_finding(key.fqn, key.slot, message, key)
+
+    def _keep_finding(self, fqn: str, slot: str, message: str, key: TensorKey | None) -> None:
+        if self._recording_stopped:
+            return
+        if self._state is None:
+            self._held_findings.append((fqn, slot, message, key))
+            return
+        step = self._state.step
+        finding = Finding(step=step, rank=self.rank, fqn=fqn, slot=slot, message=message[:MAX_FINDING_CHARS], key=key)
+        self._to_writer(step, lambda: self._writer.add_finding(finding))
+        if not self.num_findings:
+            print(f"ttrace: rank {self.rank}: {finding.message} (the first finding of this run; `ttrace inspect "
+                  f"{self._writer.run_dir}` lists them all)", file=sys.stderr, flush=True)
+        self.num_findings += 1
+
+    def _to_writer(self, step: int, action: Callable[[], None]) -> None:
+        """A call of the writer outside a tensor's write: its failure stops the recording, not the training."""
+        try:
+            action()
+        except Exception as error:  # noqa: BLE001 - the run must go on; the step says why it is partial
+            self._stop_recording(step, error)
+
+    def _stop_recording(self, step: int, error: Exception) -> None:
+        """A step that cannot be written (a full disk, a file-size limit) stops the recording for the rest
+        of the run, never the training: the step is left partial with the reason, and one line says so."""
+        self._abandon_step(_one_sentence(error))
+        self._recording_stopped = True
+        print(write_failure(self._writer.run_dir, self.rank, step, error), file=sys.stderr, flush=True)
+
     # ---- steps --------------------------------------------------------------------------------
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
-        """Record one iteration. The step file is completed only if the block finishes."""
-        if self.config.steps is not None and step not in self.config.steps:
+        """Record one iteration. The step file is completed only if the block finishes; a step that cannot be
+        written stops the recording, never the training (`_stop_recording`)."""
+        if self._recording_stopped or (self.config.steps is not None and step not in self.config.steps):
             yield
             return
-        self._writer.begin_step(step)
-        self._state = StepState(step=step)
+        self._to_writer(step, lambda: self._writer.begin_step(step))
+        if not self._recording_stopped:
+            self._state = StepState(step=step)
+            held, self._held_findings = self._held_findings, []
+            for finding in held:
+                self._keep_finding(*finding)
         try:
             yield
         except BaseException as error:
             self._abandon_step(_one_sentence(error))
-            if isinstance(error, OSError):  # the disk is full, a file-size limit, an I/O error: say so plainly
-                raise write_error(self._writer.run_dir, self.rank, step, error) from error
             raise
-        self._state = None
-        try:
-            self._writer.end_step(self.blind_spots)
-        except OSError as error:
-            self._abandon_step(_one_sentence(error))
-            raise write_error(self._writer.run_dir, self.rank, step, error) from error
+        if not self._recording_stopped:
+            self._state = None
+            self._to_writer(step, lambda: self._writer.end_step(self.blind_spots))
 
     def _abandon_step(self, why: str = "") -> None:
         """Leave the open step file partial, saying `why` in it; a failing close (a full disk) must not hide why."""
         self._state = None
         try:
             self._writer.close(why)
-        except OSError:
+        except Exception:  # noqa: BLE001 - the close is best effort: the training goes on
             pass
 
     @property
@@ -437,6 +608,8 @@ class Tracer:
         return self._writer.num_bytes_written
 
     def close(self) -> None:
+        while self._undo:
+            self._undo.pop()()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -18,7 +18,7 @@ from ttrace_core.compare.results import RunComparison
 from ttrace_core.compare.engine import compare_readers
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.errors import LaunchError, TtraceError
-from ttrace_core.format.naming import in_subtree, module_of
+from ttrace_core.format.naming import PSEUDO_MODULES, in_subtree, module_of
 from ttrace_core.format.reader import RunReader, read_manifest
 from ttrace_core.localize.reproduction import check_reproduction
 from ttrace_core.localize.verdicts import Localization, analyze, can_replay_alone
@@ -98,6 +98,9 @@ def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike,
     computed); `reuse_replay` judges a complete replay already in `replay_dir` instead of relaunching.
     `progress` hears about each of the three stages (compare, replay, judge). `settings` judge the
     original and the replay alike (those of `ttrace compare`)."""
+    if module in PSEUDO_MODULES:
+        raise TtraceError(f"--module {module}: {PSEUDO_MODULES[module]} is no module a replay can feed the reference's "
+                          "inputs; localize the whole model (without --module), whose comparison names it")
     progress = progress or (lambda message: None)
     settings = settings or CompareSettings()
     reference_dir, candidate_dir = Path(reference_dir), Path(candidate_dir)

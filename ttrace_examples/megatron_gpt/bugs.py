@@ -41,7 +41,7 @@ import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ttrace_core.format.naming import owner_of
+from ttrace_core.format.naming import LOSS_FUNCTION, owner_of
 from ttrace_examples.megatron_gpt import bug_patches as patches
 
 BUG_CLASSES = ("gradient-sync", "kernel-backward", "layout", "scaling", "stale-state")
@@ -222,8 +222,9 @@ class CulpritTruth:
     """What a localizer must name for a bug, in matchable form (the `culprit` text, as globs)."""
 
     modules: tuple[str, ...] = ()
-    """fnmatch globs of modules, for bugs inside a module; naming a descendant counts. Code outside
-    every traced module (the loss, the schedule) is named by its neighbours: "between A (...) and B (...)"."""
+    """fnmatch globs of modules, for bugs inside a module; naming a descendant counts. The loss function
+    is the pseudo-module LOSS_FUNCTION; other code outside every traced module (the schedule) is named
+    by its neighbours: "between A (...) and B (...)"."""
     params: str = ""
     """fnmatch glob of the parameters, for bugs outside modules (gradient sync, scaling, optimizer)."""
     reduction: str = ""
@@ -253,7 +254,7 @@ CULPRITS: dict[str, CulpritTruth] = {
     "fp8-amax-wrong-group": CulpritTruth(modules=("decoder.layers.*.linear_qkv", "decoder.layers.*.linear_proj",
                                                   "decoder.layers.*.linear_fc1", "decoder.layers.*.linear_fc2")),
     "expert-grad-scale": CulpritTruth(params="decoder.layers.*.mlp.experts.*", reduction="EP"),
-    "loss-scale-dp-cp": CulpritTruth(modules=("between output_layer (forward output.*) and output_layer (backward grad_output.*)",)),
+    "loss-scale-dp-cp": CulpritTruth(modules=(LOSS_FUNCTION,)),
     "dp-grad-avg-twice": CulpritTruth(params="*", reduction="DP"),
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,18 +23,8 @@ import ttrace_core as ttrace
 from ttrace_core.record.generator import WeightPerturbation, normal_full, tokens_full
 from ttrace_core.canonicalize.shards import shard
 from ttrace_core.integrations import megatron_cpu
-from ttrace_core.integrations.megatron import (
-    declare_distributed_optimizer_ranges,
-    declare_megatron_layouts,
-    gated_fc1_modules,
-    parameter_placement,
-    megatron_rename,
-    megatron_tracer_config,
-    unwrap,
-)
-from ttrace_core.canonicalize.placements import coordinate_from_rank
-from ttrace_core.format.naming import owner_of
-from ttrace_core.format.schema import Layout, RunManifest, global_fqn
+from ttrace_core.integrations.megatron import megatron_rename, parameter_layouts, unwrap
+from ttrace_core.format.schema import global_fqn
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
@@ -154,19 +145,10 @@ def _moe_fields(config: MegatronGPTRunConfig) -> dict:
 def init_weights(model: torch.nn.Module, seed: int, rename: tuple[tuple[str, str], ...],
                  perturbation: WeightPerturbation | None = None) -> None:
     """Every parameter from (seed, global name), in full logical shape, sliced by its TP layout."""
-    from megatron.core import parallel_state
-
-    tp_size, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    gated = gated_fc1_modules(model)
     with torch.no_grad():
-        for fqn, param in model.named_parameters():
-            name = global_fqn(fqn, rename)
-            placement = parameter_placement(param, gated=owner_of(fqn) in gated)
-            global_shape = list(param.shape)
-            if placement != "R":
-                global_shape[param.partition_dim] *= tp_size
-            layout = Layout(global_shape=tuple(global_shape), mesh_shape=(tp_size,), coordinate=(tp_rank,), placements=(placement,))
-            full = _logical_weight(seed, name, tuple(global_shape))
+        for fqn, layout in parameter_layouts(model).items():
+            param, name = model.get_parameter(fqn), global_fqn(fqn, rename)
+            full = _logical_weight(seed, name, layout.global_shape)
             if perturbation is not None:
                 full = perturbation.apply(seed, name, full)
             param.copy_(shard(full, layout).to(param.dtype))
@@ -196,20 +178,6 @@ def forward_step(data_iterator, model):
         return loss, {"loss": loss.detach()}
 
     return per_token_loss, loss_func
-
-
-def manifest_for(config: MegatronGPTRunConfig, role: str) -> RunManifest:
-    degrees = {"tp": config.tp, "sp": int(config.sp), "pp": config.pp, "dp": config.dp, "ep": config.ep,
-               "dist_opt": int(config.dist_opt)}
-    # megatron's rank order: tp fastest, then dp, then pp
-    axes, shape = ["pp", "dp", "tp"], [config.pp, config.dp, config.tp]
-    return RunManifest(role=role, world_size=config.world_size, degrees=degrees, precision=config.precision,
-                       seed=config.seed, model={**asdict(config.model), "num_micro_batches": config.num_micro_batches,
-                                                "micro_batch_size": config.micro_batch_size, "lr": config.lr,
-                                                "optimizer": "adam", "adam_eps": config.adam_eps,
-                                                "workload": "megatron-gpt"},
-                       entrypoint={"factory": ENTRYPOINT, "config": config.to_dict()}, mesh_shape=shape, mesh_axis_names=axes,
-                       rank_coordinates=[list(coordinate_from_rank(r, tuple(shape))) for r in range(config.world_size)])
 
 
 def _in_process_group(config: MegatronGPTRunConfig, body) -> None:
@@ -276,21 +244,6 @@ def _build(config: MegatronGPTRunConfig):
     return ddp, optimizer, rename
 
 
-def _attach(config: MegatronGPTRunConfig, ddp, optimizer, rename) -> ttrace.Session:
-    """The public API a user's script calls, with Megatron's layouts from the adapter (integrations/megatron.py)."""
-    from megatron.core import parallel_state
-
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    role = "candidate" if config.world_size > 1 else "reference"
-    recorded = None if config.record_steps is None else tuple(range(config.record_steps))
-    session = ttrace.attach(unwrap(ddp), weights="own", manifest=manifest_for(config, role), config=megatron_tracer_config(  # ttrace
-        loss_scale=1 / (config.num_micro_batches // dp_size), rename=rename, data_parallel_rank=dp_rank,  # ttrace
-        data_parallel_size=dp_size, stats_only=config.stats_only, steps=recorded))  # ttrace
-    declare_megatron_layouts(session, ddp, sequence_parallel=config.sp, rename=rename)  # ttrace
-    declare_distributed_optimizer_ranges(session, ddp, optimizer, rename=rename)  # ttrace
-    return session
-
-
 def _train(config: MegatronGPTRunConfig) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -298,7 +251,7 @@ def _train(config: MegatronGPTRunConfig) -> None:
     ddp, optimizer, rename = _build(config)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     local_micro_batches = config.num_micro_batches // dp_size
-    session = _attach(config, ddp, optimizer, rename)
+    session = ttrace.attach(ddp, optimizer, weights="own")  # ttrace
     if session.one_module_replay:  # `ttrace localize --module`: only that module runs, on recorded inputs
         session.replay_one_module(unwrap(ddp))
         return
@@ -306,15 +259,14 @@ def _train(config: MegatronGPTRunConfig) -> None:
     losses = []
     for step in range(config.steps):
         batches = [micro_batch(config, local * dp_size + dp_rank) for local in range(local_micro_batches)]
-        with session.step(step):  # ttrace
+        recorded = config.record_steps is None or step < config.record_steps
+        with session.step(step) if recorded else nullcontext():  # ttrace
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             reduced = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
                                        num_microbatches=local_micro_batches, seq_length=config.model.seq_len,
                                        micro_batch_size=config.micro_batch_size, forward_only=False)
-            session.record_gradients()  # ttrace
             optimizer.step()
-            session.record_parameters()  # ttrace
         losses.append(_global_loss(reduced))
     session.close()  # ttrace
     if session.run_dir is not None:

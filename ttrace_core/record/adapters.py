@@ -1,0 +1,113 @@
+"""Part of stage 1 (record): what `attach` needs to know of the framework a model comes from.
+
+An adapter answers, for one model: which module to trace, the tracer configuration and the run's
+manifest it implies, each parameter's layout (to draw weights in full logical shape), which of the
+step's scalars to capture (step_scalars.py), and what to declare once the tracer exists. Two
+frameworks: PyTorch-native (DTensor / FSDP2 / DDP / torch.compile; layouts travel with the tensors)
+and megatron-core (plain local tensors; layouts from megatron's attributes and parallel state,
+integrations/megatron.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from ttrace_core.format.schema import Layout, RunManifest
+from ttrace_core.format.tracer_config import TracerConfig
+from ttrace_core.integrations import megatron
+from ttrace_core.integrations.torch_native import compiled_modules, data_parallel_of, manifest_from_model
+from ttrace_core.record.step_scalars import (
+    capture_backward_losses, capture_megatron_losses, capture_torch_clipping,
+)
+
+
+
+@dataclass(frozen=True, slots=True)
+class TracerSelection:
+    """What the user's attach() call says about tracing, whatever the framework."""
+
+    include: tuple[str, ...]
+    exclude: tuple[str, ...]
+    loss_scale: float
+    data_parallel: tuple[int, int] | None
+
+
+def _context_parallel(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    names = {name for p in model.parameters() if isinstance(p, DTensor) for name in (p.device_mesh.mesh_dim_names or ())}
+    return any("cp" in name.split("_") or name == "context_parallel" for name in names)
+
+
+class TorchAdapter:
+    """A PyTorch-native model: layouts are DTensors' own, the loss is what backward starts from."""
+
+    def __init__(self, model: nn.Module, role: str, world_size: int, selection: TracerSelection) -> None:
+        self.model, self.role, self.world_size, self.selection = model, role, world_size, selection
+        self.traced = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        self.compiled = compiled_modules(self.traced)
+        # Under context parallelism each rank's loss covers its own sequence shard: its layout is not
+        # known, so the loss is not recorded rather than recorded as if whole.
+        self.captures = (capture_torch_clipping,) if _context_parallel(self.traced) else \
+            (capture_backward_losses, capture_torch_clipping)
+
+    @cached_property
+    def config(self) -> TracerConfig:
+        dp_rank, dp_size = data_parallel_of(self.model, self.selection.data_parallel)
+        return TracerConfig(include=self.selection.include, exclude=self.selection.exclude,
+                            loss_scale=self.selection.loss_scale, data_parallel_rank=dp_rank, data_parallel_size=dp_size,
+                            exclude_activations=("?*",) if self.compiled else ())
+
+    def manifest(self) -> RunManifest:
+        return manifest_from_model(self.traced, self.role, self.world_size)
+
+    def parameter_layout(self, name: str, param: torch.Tensor) -> Layout | None:
+        return None  # a DTensor carries its own; a plain tensor is whole
+
+    def after_weights(self, optimizer) -> None:
+        """Nothing to refresh: a torch optimizer holds the parameters themselves."""
+
+    def declare(self, tracer, optimizer) -> None:
+        """Nothing to declare: DTensors say their layouts."""
+
+
+class MegatronAdapter:
+    """A megatron-core model (inside Megatron's DDP / Float16Module): layouts, degrees and the loss scale
+    come from megatron itself; the Megatron optimizer's step is wrapped (it has no step hooks)."""
+
+    captures = (capture_megatron_losses, capture_torch_clipping)
+    compiled: list[str] = []
+
+    def __init__(self, model: nn.Module, optimizer, role: str, world_size: int, selection: TracerSelection) -> None:
+        self.model, self.optimizer, self.role, self.world_size, self.selection = model, optimizer, role, world_size, selection
+        self.traced = megatron.unwrap(model)
+
+    @cached_property
+    def config(self) -> TracerConfig:
+        dp_rank, dp_size = self.selection.data_parallel or megatron.megatron_data_parallel()
+        return megatron.megatron_tracer_config(
+            include=self.selection.include, loss_scale=self.selection.loss_scale, rename=megatron.megatron_rename(self.traced),
+            data_parallel_rank=dp_rank, data_parallel_size=dp_size, extra_exclude=self.selection.exclude)
+
+    def manifest(self) -> RunManifest:
+        return megatron.megatron_manifest(self.model, self.optimizer, self.role, self.world_size)
+
+    @cached_property
+    def _layouts(self) -> dict[str, Layout]:
+        return megatron.parameter_layouts(self.traced)
+
+    def parameter_layout(self, name: str, param: torch.Tensor) -> Layout | None:
+        return self._layouts.get(name)
+
+    def after_weights(self, optimizer) -> None:
+        """A mixed-precision Megatron optimizer keeps fp32 copies of the parameters it was built from:
+        refresh them from the weights just drawn, or its first step would bring the old ones back."""
+        if hasattr(optimizer, "reload_model_params"):
+            optimizer.reload_model_params()
+
+    def declare(self, tracer, optimizer) -> None:
+        megatron.declare_megatron_run(tracer, self.model, optimizer)
