@@ -6,12 +6,12 @@ nothing from ttrace's examples; `ttrace record` runs it under torchrun, and `ttr
 
 import difflib
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cli_support import record_script, ttrace_command
 
 SCRIPTS = Path(__file__).parent / "user_script"
 PLAIN, TRACED = SCRIPTS / "megatron_train.py", SCRIPTS / "megatron_train_traced.py"
@@ -19,15 +19,11 @@ pytestmark = pytest.mark.distributed
 
 
 def _ttrace(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "ttrace_core", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return ttrace_command(*args, cwd=cwd, timeout=timeout)
 
 
 def _record(out: Path, nproc: int, *flags: str) -> None:
-    command = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), str(TRACED), *flags]
-    done = _ttrace("record", "--out", str(out), "--timeout", "240", "--", *command, cwd=out.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
+    record_script(TRACED, out, nproc, *flags)
 
 
 def _compare(root: Path, candidate: str, *flags: str, reference: str = "ref") -> tuple[int, dict]:
@@ -108,10 +104,14 @@ def test_a_module_bug_fails_and_localize_names_the_module(runs):
     assert "culprit: decoder.layers.1.mlp.linear_fc2" in done.stdout, done.stdout[-3000:]
 
 
-def test_a_grad_norm_bug_fails_at_the_gradient_norm(runs):
+def test_a_grad_norm_bug_fails_at_the_gradient_norm_and_is_localized_there(runs):
     _record(runs / "norm-bug", 2, "--tp", "2", "--bug", "grad-norm")
     code, report = _compare(runs, "norm-bug")
     assert code == 1
     failing = [c for c in _failing(report) if c["key"]["step"] == 0]  # step 1 inherits the clipped update
     assert failing and all(c["key"]["phase"] in ("step", "param") for c in failing), failing[:3]
     assert any(c["key"]["slot"] == "scalar.grad_norm" for c in failing)
+    done = _ttrace("localize", "ref", "norm-bug", cwd=runs, timeout=600)
+    assert done.returncode in (0, 1), done.stderr[-3000:]
+    culprits = [line for line in done.stdout.splitlines() if line.startswith("culprit:")]
+    assert culprits == ["culprit: the gradient norm / clipping  (introduces error in step)"], done.stdout[-3000:]

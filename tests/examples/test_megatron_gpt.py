@@ -22,7 +22,7 @@ def test_clean_megatron_layout_matches_the_reference(traces, megatron_reference,
     assert result.returncode == 0, result.stdout + result.stderr
     comparison = load_comparison(report)
     assert comparison.steps_compared == [0, 1] and all(comparison.comparisons)
-    assert {c.key.phase for c in comparison.comparisons} == {"forward", "backward", "grad", "param"}
+    assert {c.key.phase for c in comparison.comparisons} == {"forward", "backward", "grad", "step", "param"}
     assert len(comparison.comparisons) > 1200
     if name == "tp2":  # a clean candidate: localization names no culprit
         localized = run_ttrace("localize", str(megatron_reference), str(out), check_codes=(0,))
@@ -31,7 +31,7 @@ def test_clean_megatron_layout_matches_the_reference(traces, megatron_reference,
 
 def test_integration_takes_at_most_10_lines():
     marked = [line for line in TRAIN_SCRIPT.read_text().splitlines() if line.rstrip().endswith("# ttrace")]
-    assert 5 <= len(marked) <= 10, marked
+    assert 0 < len(marked) <= 10 and any("ttrace.attach(ddp, optimizer" in line for line in marked), marked
 
 
 def test_moe_under_expert_parallelism_matches_the_reference(traces, megatron_moe_reference):

@@ -20,9 +20,7 @@ from ttrace_core.format.schema import Layout, RunManifest
 from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.integrations import megatron
 from ttrace_core.integrations.torch_native import compiled_modules, data_parallel_of, manifest_from_model
-from ttrace_core.record.step_scalars import (
-    capture_backward_losses, capture_megatron_losses, capture_torch_clipping,
-)
+from ttrace_core.record.step_scalars import TORCH_CAPTURES, capture_megatron_losses, capture_torch_clipping
 
 
 
@@ -36,13 +34,6 @@ class TracerSelection:
     data_parallel: tuple[int, int] | None
 
 
-def _context_parallel(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    names = {name for p in model.parameters() if isinstance(p, DTensor) for name in (p.device_mesh.mesh_dim_names or ())}
-    return any("cp" in name.split("_") or name == "context_parallel" for name in names)
-
-
 class TorchAdapter:
     """A PyTorch-native model: layouts are DTensors' own, the loss is what backward starts from."""
 
@@ -50,10 +41,7 @@ class TorchAdapter:
         self.model, self.role, self.world_size, self.selection = model, role, world_size, selection
         self.traced = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         self.compiled = compiled_modules(self.traced)
-        # Under context parallelism each rank's loss covers its own sequence shard: its layout is not
-        # known, so the loss is not recorded rather than recorded as if whole.
-        self.captures = (capture_torch_clipping,) if _context_parallel(self.traced) else \
-            (capture_backward_losses, capture_torch_clipping)
+        self.captures = TORCH_CAPTURES
 
     @cached_property
     def config(self) -> TracerConfig:

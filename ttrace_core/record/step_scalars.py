@@ -94,10 +94,13 @@ def capture_backward_losses(tracer: Tracer) -> Undo:
     step is local micro-batch k: schedules run backwards in the order of their forwards)."""
     original = torch.autograd.backward
 
-    def backward(tensors, grad_tensors=None, *args, **kwargs):
+    def record_if_loss(tensors, grad_tensors) -> None:
         loss = _is_loss(tensors, grad_tensors)
         if loss is not None:
             tracer.record_loss(loss)
+
+    def backward(tensors, grad_tensors=None, *args, **kwargs):
+        tracer.guarded(lambda: record_if_loss(tensors, grad_tensors))
         return original(tensors, grad_tensors, *args, **kwargs)
 
     return patch_attribute(torch.autograd, "backward", backward)
@@ -142,7 +145,7 @@ def capture_torch_clipping(tracer: Tracer) -> Undo:
 
     def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        tracer.guarded(lambda: tracer.record_gradients())
+        tracer.record_gradients()
         tracer.guarded(lambda: record_step_scalars(tracer, grad_norm=total_norm, max_norm=float(max_norm)))
         return original(parameters, max_norm, total_norm, foreach)
 
@@ -162,10 +165,10 @@ def capture_optimizer_step(tracer: Tracer, optimizer: Any) -> Undo:
     original = optimizer.step
 
     def step(*args, **kwargs):
-        tracer.guarded(tracer.record_gradients)
+        tracer.record_gradients()
         result = original(*args, **kwargs)
         tracer.guarded(lambda: _record_step_result(tracer, optimizer, result))
-        tracer.guarded(tracer.record_parameters)
+        tracer.record_parameters()
         return result
 
     return patch_attribute(optimizer, "step", step)
@@ -178,3 +181,7 @@ def _record_step_result(tracer: Tracer, optimizer: Any, result: Any) -> None:
     scale = optimizer.get_loss_scale() if hasattr(optimizer, "get_loss_scale") else None
     record_step_scalars(tracer, grad_norm=grad_norm, max_norm=max_norm, loss_scale=scale,
                         lr=learning_rate(optimizer), skipped=not succeeded if isinstance(succeeded, bool) else None)
+
+
+TORCH_CAPTURES = (capture_backward_losses, capture_torch_clipping)
+"""What a PyTorch-native run computes its step's scalars with; the Tracer's default."""

@@ -59,6 +59,9 @@ from ttrace_core.format.schema import (
 from ttrace_core.record.background_writer import BackgroundWriter
 from ttrace_core.record.declarations import Declarations, UnknownLayoutError
 from ttrace_core.record.step_state import StepState
+from ttrace_core.record.step_scalars import (
+    TORCH_CAPTURES, capture_optimizer_step, learning_rate, record_step_scalars,
+)
 from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.format.reader import NATIVE_DTYPES, RAW_BITS, dtype_name
 from ttrace_core.format.writer import RunWriter, refuse_existing_trace, stats_from_tensor, write_failure, write_manifest
@@ -137,10 +140,11 @@ class Tracer:
     def __init__(self, run_dir: str | os.PathLike, model: nn.Module, *, role: str,
                  optimizer: torch.optim.Optimizer | None = None, config: TracerConfig | None = None,
                  manifest: RunManifest | None = None, rewriter: InputRewriting | None = None,
-                 captures: Sequence[Callable[[Tracer], Callable[[], None]]] = ()) -> None:
+                 captures: Sequence[Callable[[Tracer], Callable[[], None]]] | None = None) -> None:
         """`rewriter` (localize's input rewriting, rewrite.py) is the one way to change what traced modules
         compute; without it the hooks only read. `captures` (step_scalars.py) wrap the functions that
-        compute the step's scalars (the loss, clipping); each returns its undo, called at close."""
+        compute the step's scalars (the loss, clipping); each returns its undo, called at close. None:
+        PyTorch's (the loss backward starts from, torch's clipping)."""
         if role not in ("reference", "candidate"):
             raise ValueError(f"role must be 'reference' or 'candidate', got {role!r}")
         self.config = config or TracerConfig()
@@ -178,22 +182,20 @@ class Tracer:
         self._attach_modules(model)
         if rewriter is not None:
             rewriter.attach(self, model, self._handles)
-        self._undo = [capture(self) for capture in captures]
+        self._undo = [capture(self) for capture in (TORCH_CAPTURES if captures is None else captures)]
         if optimizer is not None:
             self._hook_optimizer(optimizer)
 
     def _hook_optimizer(self, optimizer) -> None:
         """A torch optimizer through its step hooks; any other (Megatron's) by wrapping its step."""
-        from ttrace_core.record.step_scalars import capture_optimizer_step, learning_rate, record_step_scalars
-
         if not hasattr(optimizer, "register_step_pre_hook"):
             self._undo.append(capture_optimizer_step(self, optimizer))
             return
 
         def after_step(*_) -> None:
             self.guarded(lambda: record_step_scalars(self, lr=learning_rate(optimizer)))
-            self.guarded(self.record_parameters)
-        self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.guarded(self.record_gradients)))
+            self.record_parameters()
+        self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.record_gradients()))
         self._handles.append(optimizer.register_step_post_hook(after_step))
 
     # ---- selection and layout resolution ----------------------------------------------------
@@ -495,8 +497,8 @@ class Tracer:
         self.config.loss_scale = loss_scale
 
     def guarded(self, action: Callable[[], object]) -> None:
-        """Run a recording action from inside the user's training code: an error in it is the trace's
-        finding, never the training run's exception."""
+        """Run a recording action from inside the user's training code that is not itself one of the
+        never-raising entry points: an error in it is the trace's finding, never the run's exception."""
         try:
             action()
         except Exception as error:  # noqa: BLE001 (the run must go on; the error is recorded)

@@ -22,6 +22,7 @@ from ttrace_examples.torch_gpt.context_parallel import apply_context_parallel, s
 from ttrace_examples.torch_gpt.model import GPT, GPTConfig, loss_fn
 from ttrace_examples.torch_gpt.parallelize import TORCH_GPT_BUGS, apply_ddp, apply_fsdp, apply_tensor_parallel
 import ttrace_core as ttrace
+from ttrace_core.format.naming import LOSS_FUNCTION
 from ttrace_core.record.generator import WeightPerturbation, local_from_full, normal_full, tokens_full
 from ttrace_core.integrations.dtensor import declare_parallelize_plan, layout_from_dtensor
 from ttrace_core.canonicalize.placements import coordinate_from_rank
@@ -194,6 +195,8 @@ def _train(config: TorchGPTRunConfig) -> None:
     if config.cp > 1:  # every module boundary is a sequence chunk; gradients follow their tensors
         for slots in ("input.*", "output.*"):
             session.declare("*", slots, [Shard(1)], mesh)  # ttrace
+        # Each rank's loss averages its own chunk; with loss_scale's factor cp the chunks' values sum to the loss.
+        session.declare(LOSS_FUNCTION, "scalar.loss", ["P(sum)"], mesh)  # ttrace
     step_fn = _pipeline_step_fn(config, model, mesh) if config.pp > 1 else None
     for step in range(config.steps):
         with session.step(step):  # ttrace
