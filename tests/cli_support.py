@@ -51,3 +51,21 @@ def write_finished_replay(reference: Path, candidate: Path, module: str | None, 
     (directory / "log.txt").write_text("[progress] done\n")
     (directory / "result.json").write_text(localization.to_json())
     return directory
+
+
+def ttrace_command(*args: str, cwd: Path, timeout: float = 400):
+    """`python -m ttrace_core ARGS` in `cwd`, one thread per process, output captured."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "ttrace_core", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def record_script(script: Path, out: Path, nproc: int, *flags: str) -> None:
+    """`ttrace record` of `torchrun --nproc-per-node NPROC SCRIPT FLAGS` into `out`."""
+    command = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), str(script), *flags]
+    done = ttrace_command("record", "--out", str(out), "--timeout", "240", "--", *command, cwd=out.parent)
+    assert done.returncode == 0, done.stderr[-3000:]

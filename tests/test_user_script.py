@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_support import record_script, ttrace_command
+
 from ttrace_core.format.naming import LOSS_FUNCTION
 from ttrace_core.record.session import SESSION_ENV, SessionSpec
 
@@ -20,16 +22,12 @@ PLAIN, TRACED = SCRIPTS / "train.py", SCRIPTS / "train_traced.py"
 pytestmark = pytest.mark.distributed
 
 
-def _ttrace(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "ttrace_core", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+def _ttrace(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
+    return ttrace_command(*args, cwd=cwd, timeout=timeout)
 
 
 def _record(out: Path, nproc: int, *flags: str) -> None:
-    command = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), str(TRACED), *flags]
-    done = _ttrace("record", "--out", str(out), "--timeout", "240", "--", *command, cwd=out.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
+    record_script(TRACED, out, nproc, *flags)
 
 
 @pytest.fixture(scope="module")
