@@ -60,7 +60,10 @@ class Split:
 
 
 SPLITS = {"in-sample": Split(seed=0, num_layers=4, width=64, seq_len=16, micro_batches=4),
-          "held-out": Split(seed=1, num_layers=8, width=128, seq_len=32, micro_batches=2)}
+          "held-out": Split(seed=1, num_layers=8, width=128, seq_len=32, micro_batches=2),
+          "held-out-2": Split(seed=2, num_layers=6, width=96, seq_len=24, micro_batches=3)}
+CLEAN_ONLY_SPLITS = {"held-out-2"}
+"""Splits that only add clean runs: a second model size and seed for the false-alarm population."""
 
 
 @dataclass(kw_only=True)
@@ -169,7 +172,7 @@ def estimate(reference: Path, samples: int, log: Path, *, for_precision: str | N
     if estimate_path(reference, for_precision).exists():
         return
     with log.open("a") as handle:
-        subprocess.run(["ttrace", "estimate", str(reference), "--samples", str(samples), *extra], stdout=handle,
+        subprocess.run(["ttrace", "estimate", str(reference), "--samples", str(samples), "--keep-samples", *extra], stdout=handle,
                        stderr=subprocess.STDOUT, check=True)
 
 
@@ -272,9 +275,11 @@ def prepare_references(runs: list[Run], work: Path, args: argparse.Namespace, lo
         failure = record(reference, work, args.loss_steps, log)
         if failure:
             raise SystemExit(f"{reference.directory(work)}: {failure}")
-        if precision != "fp64":
+        if getattr(args, "skip_estimates", False):
+            pass
+        elif precision != "fp64":
             estimate(reference.directory(work), args.samples, log)
-        if precision == "bf16" and (workload, "fp8", variant, split) in needed:
+        if precision == "bf16" and (workload, "fp8", variant, split) in needed and not getattr(args, "skip_estimates", False):
             estimate(reference.directory(work), args.samples, log, for_precision="fp8")
         print(f"reference ready: {workload} {precision} {variant}", flush=True)
 
@@ -612,6 +617,7 @@ def main() -> None:
                         help="in-sample: the model ttrace's settings were chosen on; held-out: a model, data and seed "
                              "they never saw (ttrace's columns only, no baselines)")
     parser.add_argument("--record-only", action="store_true", help="record references, estimates and runs, then stop")
+    parser.add_argument("--skip-estimates", action="store_true", help="with --record-only: record, but do not estimate")
     parser.add_argument("--render", default=None, metavar="PROVENANCE",
                         help="only rewrite detection.md from the CSVs, saying PROVENANCE of the in-sample rows")
     args = parser.parse_args()
@@ -623,6 +629,8 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     log = args.work / "detection.log"
     cleans, bugs = clean_runs(args.precisions, args.split), bug_runs(args.precisions, args.split)
+    if args.split in CLEAN_ONLY_SPLITS:
+        bugs = []
     if args.only:
         wanted = set(args.only.split(","))
         cleans = cleans if "clean" in wanted else []

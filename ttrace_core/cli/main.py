@@ -106,6 +106,8 @@ def _build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--for-precision", default=None, choices=["fp32", "bf16", "fp8"],
                           help="re-run the reference in this precision (fp8 on a bf16 reference), for candidates that "
                                "compute in it: their tolerances then include its quantization")
+    estimate.add_argument("--keep-samples", action="store_true",
+                          help="keep the re-runs under REFERENCE/.estimate/ and reuse complete ones (re-measure without re-running)")
     localize = commands.add_parser("localize", help="relaunch the candidate with module inputs rewritten to the reference's, name the culprit")
     localize.add_argument("reference")
     localize.add_argument("candidate")
@@ -229,7 +231,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
     from ttrace_core.workflows.estimate import estimate_reference
 
     estimate = estimate_reference(args.reference, num_samples=args.samples, relative=args.relative, timeout_s=args.timeout,
-                                  for_precision=args.for_precision)
+                                  for_precision=args.for_precision, keep_samples=args.keep_samples)
     path = write_estimate(args.reference, estimate)
     relatives = sorted(d.relative for d in estimate.tensors.values() if math.isfinite(d.relative))
     median = relatives[len(relatives) // 2] if relatives else float("nan")

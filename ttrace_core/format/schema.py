@@ -35,6 +35,11 @@ PHASE_ORDER = {phase: index for index, phase in enumerate(PHASES)}
 # Parameter gradients and post-step parameters belong to no micro-batch.
 NO_MICRO_BATCH = -1
 
+PRE_STEP_SLOT = "value.initial"
+"""The slot of a parameter's value before the step, recorded (phase "param") at the first step of a
+recorded range, whose previous step left no post-step value: with it a post-step value is judged as
+an update, and the two runs' starting weights are checked. It comes first in execution order."""
+
 # Slot families a TracerConfig can select. A slot is `<family>.<index>` ("output.0") or
 # `<family>.<kwarg>` for keyword inputs; parameter gradients and values use the slot `grad`/`value`;
 # the step's scalars use `scalar.<name>` ("scalar.loss", "scalar.grad_norm").
@@ -100,6 +105,8 @@ class TensorKey:
         return f"step {self.step}{mb} / {self.phase} / {self.fqn or '<root>'}{call} / {self.slot}"
 
     def execution_order(self) -> tuple[int, int, int]:
+        if self.phase == "param" and self.slot == PRE_STEP_SLOT:
+            return (self.step, -1, self.micro_batch)
         return (self.step, PHASE_ORDER[self.phase], self.micro_batch)
 
     def with_call(self, call: int) -> TensorKey:

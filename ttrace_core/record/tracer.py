@@ -53,7 +53,7 @@ from ttrace_core.integrations.dtensor import (
 from ttrace_core.format.fingerprint import environment_fingerprint
 from ttrace_core.format.naming import LOSS_FUNCTION, owner_of, slot_family
 from ttrace_core.format.schema import (
-    MAX_FINDING_CHARS, NO_MICRO_BATCH, WRAPPER_COMPONENTS, Finding, Layout, RunManifest, TensorKey, TensorMeta,
+    MAX_FINDING_CHARS, NO_MICRO_BATCH, PRE_STEP_SLOT, WRAPPER_COMPONENTS, Finding, Layout, RunManifest, TensorKey, TensorMeta,
     global_fqn, strip_wrappers,
 )
 from ttrace_core.record.background_writer import BackgroundWriter
@@ -159,6 +159,7 @@ class Tracer:
         self._rewriter = rewriter
         self._recording_stopped = False
         """A step could not be written (a full disk): nothing more is recorded in this run."""
+        self._last_recorded_step: int | None = None
         self._held_findings: list[tuple[str, str, str, TensorKey | None]] = []
         """Findings made outside a step, written with the next one."""
         self.num_findings = 0
@@ -517,12 +518,13 @@ class Tracer:
                 self.record(self.key("grad", fqn, "grad", NO_MICRO_BATCH), grad)
 
     @_never_raises
-    def record_parameters(self) -> None:
-        """Record every parameter's value; call after optimizer.step()."""
+    def record_parameters(self, slot: str = "value") -> None:
+        """Record every parameter's value; call after optimizer.step(). The step context records them
+        before the step too (PRE_STEP_SLOT) when the previous step's values are not in the trace."""
         if not self._recording():
             return
         for fqn, param in self._named_parameters():
-            self.record(self.key("param", fqn, "value", NO_MICRO_BATCH), param)
+            self.record(self.key("param", fqn, slot, NO_MICRO_BATCH), param)
 
     # ---- findings: what is left out, and why ----------------------------------------------------
 
@@ -588,6 +590,8 @@ class Tracer:
             held, self._held_findings = self._held_findings, []
             for finding in held:
                 self._keep_finding(*finding)
+            if self._last_recorded_step != step - 1:
+                self.record_parameters(PRE_STEP_SLOT)
         try:
             yield
         except BaseException as error:
@@ -596,6 +600,7 @@ class Tracer:
         if not self._recording_stopped:
             self._state = None
             self._to_writer(step, lambda: self._writer.end_step(self.blind_spots))
+            self._last_recorded_step = step
 
     def _abandon_step(self, why: str = "") -> None:
         """Leave the open step file partial, saying `why` in it; a failing close (a full disk) must not hide why."""

@@ -48,13 +48,16 @@ def deviations(reference: RunReader, perturbed: RunReader) -> dict[TensorKey, tu
 
 def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, relative: float | None = None,
                        timeout_s: float = 600.0, num_workers: int | None = None,
-                       for_precision: str | None = None) -> PerturbationEstimate:
+                       for_precision: str | None = None, keep_samples: bool = False) -> PerturbationEstimate:
     """Re-run the reference `num_samples` times with perturbed weights and measure every tensor's deviation.
 
     `for_precision` (e.g. "fp8" on a bf16 reference): the re-runs compute in that precision, so each
     deviation is the quantization plus the round-off, the tolerance an fp8 candidate needs when it
     is judged against the bf16 run (the triangle inequality again: candidate vs an fp8 reference, plus
-    that fp8 reference vs this one, each about one such deviation)."""
+    that fp8 reference vs this one, each about one such deviation).
+
+    `keep_samples`: leave the re-runs under `.estimate/<precision>/` and reuse the complete ones found
+    there, so that a changed statistic can be measured again without re-running (benchmarks)."""
     if num_samples < 1:
         raise TtraceError(f"--samples {num_samples}: need at least 1 perturbed re-run")
     run_dir = Path(run_dir)
@@ -68,13 +71,17 @@ def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, rela
     for_precision = None if for_precision in (None, manifest.precision) else for_precision
     relative = relative if relative is not None else machine_epsilon(manifest.precision) / 2  # unit round-off
     work = run_dir / ".estimate"
-    shutil.rmtree(work, ignore_errors=True)
+    if keep_samples:
+        work = work / (for_precision or manifest.precision)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     outs = [work / f"sample_{i}" for i in range(num_samples)]
+    missing = [(i, out) for i, out in enumerate(outs) if not (keep_samples and _complete(out))]
     workers = num_workers or max(1, (os.cpu_count() or 1) // manifest.world_size)
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=min(workers, num_samples)) as pool:
         futures = [pool.submit(relaunch, run_dir, manifest, out.resolve(), timeout_s=timeout_s, precision=for_precision,
-                               perturbation={"sample": i, "relative": relative}) for i, out in enumerate(outs)]
+                               perturbation={"sample": i, "relative": relative}) for i, out in missing]
         for future in futures:
             future.result()
     if for_precision is not None:
@@ -86,8 +93,13 @@ def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, rela
             with RunReader(out) as perturbed:
                 _merge(estimate, deviations(reference, perturbed))
     estimate.seconds = time.monotonic() - started
-    shutil.rmtree(work, ignore_errors=True)
+    if not keep_samples:
+        shutil.rmtree(work, ignore_errors=True)
     return estimate
+
+
+def _complete(run_dir: Path) -> bool:
+    return (run_dir / "manifest.json").is_file() and any(run_dir.glob("rank_*.h5")) and not any(run_dir.glob("*.partial"))
 
 
 def _check_precision_honoured(run_dir: Path, outs: list[Path], precision: str) -> None:
