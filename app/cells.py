@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from ttrace_core.api import KINDS, layer_module
+from ttrace_core.api import KINDS, detectable_errors, layer_module
 
 LOG_RATIO_LIMIT = 4.0
 """The colour scale spans log10(ratio) in [-4, 4]; 0 is the pass line."""
@@ -72,15 +72,28 @@ def _formatted(values: pd.Series) -> pd.Series:
 
 
 def hover_texts(rows: pd.DataFrame, counts: pd.Series | None = None) -> pd.Series:
-    """The hover text of each row: tensor, verdict, error, tolerance with its source, ratio, shape."""
+    """The hover text of each row: tensor, verdict, error, tolerance with its source, ratio, the smallest
+    error the comparison catches on it, shape."""
     micro_batch = rows["micro_batch"].map(lambda m: "" if m < 0 else f" mb {m}")
     tolerance = _formatted(rows["tolerance_rel"]) + " (" + rows["tolerance_source"].fillna("none") + ")"
+    catches = detectable_errors(rows).map(lambda v: "" if math.isnan(v) else f"<br>catches errors above {v:.3g}")
     text = ("<b>" + rows["tensor"] + "</b><br>step " + rows["step"].astype(str) + micro_batch + ": " + rows["status"]
             + "<br>error " + _formatted(rows["error"]) + "<br>tolerance " + tolerance + "<br>ratio "
-            + _formatted(rows["ratio"]) + "<br>shape " + rows["shape"].fillna("-") + " " + rows["dtype"].fillna(""))
+            + _formatted(rows["ratio"]) + catches + "<br>shape " + rows["shape"].fillna("-") + " " + rows["dtype"].fillna(""))
     if counts is not None:
         text = text + counts.map(lambda n: f"<br>worst of {n} tensors" if n > 1 else "")
     return text
+
+
+def detectable_text(row: pd.Series) -> str | None:
+    """The tensor page's line on the smallest error this comparison catches on the tensor, naming the test
+    (the row's `decided_by`, the norm test where no other test set the figure); None when not compared by value."""
+    detectable = detectable_errors(row.to_frame().T).iloc[0]
+    if math.isnan(detectable):
+        return None
+    decided_by = row.get("decided_by")
+    own = pd.notna(row.get("detectable")) and isinstance(decided_by, str) and decided_by
+    return f"smallest error this comparison catches on this tensor: {detectable:.3g} (test: {decided_by if own else 'norm'})"
 
 
 def heatmap_cells(frame: pd.DataFrame, step: int, micro_batch: int | str) -> pd.DataFrame:

@@ -1,8 +1,9 @@
 """The shareable report: one self-contained HTML file of a comparison (render stage, beside the pages).
 
-Heatmap, timeline, first divergence, localization verdicts (when a whole-model replay has finished),
-the worst tensors, tolerance provenance and both runs' metadata. Plotly's JavaScript is embedded
-once; the file references nothing outside itself, so it opens from disk, offline, with no Python.
+Verdict, headroom by tensor family, heatmap, timeline, first divergence, localization verdicts (when a
+whole-model replay has finished), the worst tensors, tolerance provenance and both runs' metadata.
+Plotly's JavaScript is embedded once; the file references nothing outside itself, so it opens from
+disk, offline, with no Python.
 `ttrace report REF CAND -o report.html` and the dashboard's "Export report" button both call
 `report_html`.
 """
@@ -40,6 +41,18 @@ def _verdict_section(provenance: dict) -> str:
     return f'<p class="{ {"success": "pass", "error": "fail"}.get(level, "warn") }">{html.escape(text)}</p>'
 
 
+def _headroom_section(provenance: dict) -> str:
+    """Per tensor kind, the smallest relative error the verdict could have caught (the CLI prints the same table)."""
+    headroom = api.verdict_of(provenance).headroom
+    if not headroom:
+        return "<p>No tensor was compared element-wise, so no error size is bounded.</p>"
+    rows = pd.DataFrame([{"kind": h.kind, "tensors": h.num_tensors, "median": h.median, "largest": h.largest}
+                         for h in headroom])
+    return ("<p>The smallest relative error ||actual - expected|| / ||expected|| the verdict catches on each tensor "
+            "family: the median over its tensors, and the largest (an error up to it could pass on one of them).</p>"
+            + _table(rows))
+
+
 def _localization_section(reference: Path, candidate: Path, settings: api.CompareSettings) -> str:
     job = api.replay_job(reference, candidate, settings=settings)
     result = api.localization(job) if job is not None else None
@@ -72,6 +85,7 @@ def report_html(reference: str | Path, candidate: str | Path, settings: api.Comp
     body = [
         f"<h1>ttrace report</h1><p>reference <code>{html.escape(str(reference))}</code><br>"
         f"candidate <code>{html.escape(str(candidate))}</code></p>", _verdict_section(provenance),
+        "<h2>Headroom by tensor family</h2>", _headroom_section(provenance),
         f"<h2>Error heatmap (step {step}, worst over micro-batches)</h2>",
         "<p>Colour: log10(error / tolerance); 0 is the pass line; the yellow outline is the first divergence.</p>",
         _figure(heatmap), "<h2>Timeline</h2>", _figure(timeline),

@@ -61,7 +61,7 @@ class Split:
 
 SPLITS = {"in-sample": Split(seed=0, num_layers=4, width=64, seq_len=16, micro_batches=4),
           "held-out": Split(seed=1, num_layers=8, width=128, seq_len=32, micro_batches=2),
-          "held-out-2": Split(seed=2, num_layers=6, width=96, seq_len=24, micro_batches=3)}
+          "held-out-2": Split(seed=2, num_layers=6, width=96, seq_len=24, micro_batches=4)}
 CLEAN_ONLY_SPLITS = {"held-out-2"}
 """Splits that only add clean runs: a second model size and seed for the false-alarm population."""
 
@@ -123,6 +123,17 @@ class Row:
     first_tolerance: float | None = None
     first_method: str = ""
     """How that tolerance was derived: perturbation, perturbation-floor, exact-inputs."""
+    split: str = ""
+    """Held-out rows: which held-out split ("held-out", or "held-out-2", the second size's clean runs)."""
+    first_decided_by: str = ""
+    """Which test gave the first divergence's ratio: mismatch (the norm), replica drift, scale, offset, update."""
+    first_finding: str = ""
+    """The transform that test read off the error ("scaled by 0.500 ..."), when a structure test decided."""
+    max_norm: float | None = None
+    """The largest ratio of each test over the run (clean runs: how close round-off came to each line)."""
+    max_scale: float | None = None
+    max_offset: float | None = None
+    max_update: float | None = None
 
 
 def bug_runs(precisions: list[str], split: str = "in-sample") -> list[Run]:
@@ -227,7 +238,7 @@ def evaluate_ttrace_only(run: Run, work: Path, *, reference_precision: str | Non
             result = compare_runs(reference, candidate, select_tolerances("perturbation", reference, candidate))
     except Exception as error:  # one broken run must not lose the table
         return failed_row(run, f"evaluation failed: {type(error).__name__}: {error}".replace("|", "/")[:200], label)
-    row = Row(precision=label, run=run.bug or "clean", variant=run.variant, layout=run.layout, detected=not result.passed,
+    row = Row(split=run.split, precision=label, run=run.bug or "clean", variant=run.variant, layout=run.layout, detected=not result.passed,
               first_divergence="", first_ratio=None, max_ratio=None, ground_truth=ZOO[run.bug].first_divergence if run.bug else "",
               theorem=None, megatron_l0=None, assert_close=None, dynamo=None, loss_step="n/a")
     fill_verdict(row, result)
@@ -245,6 +256,11 @@ def fill_verdict(row: Row, result) -> None:
     row.first_tolerance = first.tolerance.rel if first is not None and first.tolerance else None
     row.first_method = first.tolerance.method if first is not None and first.tolerance else ""
     row.max_ratio = max((c.ratio for c in result.comparisons if c.ratio is not None), default=None)
+    row.first_decided_by = first.decided_by if first is not None else ""
+    row.first_finding = next((t.finding for t in (first.structure if first is not None else []) if t.name == first.decided_by), "")
+    row.max_norm = max((max(c.value_ratio, c.drift_ratio or 0.0) for c in result.comparisons if c.value_ratio is not None), default=None)
+    for name in ("scale", "offset", "update"):
+        setattr(row, f"max_{name}", max((t.ratio for c in result.comparisons for t in c.structure if t.name == name), default=None))
 
 
 def compare_from_errors(result, tolerances) -> bool:
@@ -448,7 +464,11 @@ LOUD_CLEAN = {
 
 
 def write_held_out(rows: list[Row], seconds: float) -> None:
+    """Rows of this invocation's split replace that split's rows in detection_heldout.csv; the others stay."""
     RESULTS.mkdir(exist_ok=True)
+    splits = {r.split for r in rows}
+    kept = [r for r in _read_rows(HELD_OUT_CSV) if (r.split or "held-out") not in splits] if HELD_OUT_CSV.exists() else []
+    rows = kept + rows
     with HELD_OUT_CSV.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(asdict(rows[0])))
         writer.writeheader()
@@ -485,9 +505,15 @@ def held_out_sections(seconds: float | None = None) -> list[str]:
         "| precision | bug runs detected | false alarms | smallest first-divergence ratio | bug runs >= 3 | largest clean ratio | clean runs <= 0.5 |",
         "|---|---|---|---|---|---|---|",
     ]
-    for precision in sorted({r.precision for r in held}):
-        cells = [_precision_figures([r for r in rows if r.precision == precision]) for rows in (inside, held)]
+    for precision in sorted({r.precision for r in held}) + sorted({r.precision for r in crossed}):
+        cells = [_precision_figures([r for r in rows if r.precision == precision]) for rows in (inside, held + crossed)]
         lines.append(f"| {precision} | " + " | ".join(f"{a} \\| {b}" for a, b in zip(*cells)) + " |")
+    cleans = [r for r in held + crossed if r.run == "clean" and r.detected is not None]
+    lines += ["", f"Held-out clean runs: {len(cleans)}, {sum((r.split or 'held-out') == 'held-out' for r in cleans)} at the "
+              f"held-out size and {sum(r.split == 'held-out-2' for r in cleans)} at a second size and seed "
+              f"({SPLITS['held-out-2'].describe()}; `--split held-out-2`, clean runs only).", ""]
+    lines += structure_section(held + crossed)
+    held = [r for r in held if (r.split or "held-out") == "held-out"]
     lines += ["", "### By bug class (leave-one-bug-class-out): smallest first-divergence ratio, in-sample | held-out", "",
               "| bug class | " + " | ".join(sorted({r.precision for r in held})) + " |", "|---|" + "---|" * len({r.precision for r in held})]
     for bug_class in sorted({ZOO[r.run].bug_class for r in held if r.run != "clean"}):
@@ -532,6 +558,26 @@ def held_out_sections(seconds: float | None = None) -> list[str]:
     lines += [f"- {split}, {r.precision} clean {r.variant} ({r.layout}): largest ratio {_fmt(r.max_ratio)}. "
               f"{LOUD_CLEAN.get((r.precision, r.variant), '')}" for split, r in loud]
     return lines + [""]
+
+
+def structure_section(rows: list[Row]) -> list[str]:
+    """Each test's largest ratio over the clean runs (how close round-off came to each line), and which test
+    decided each bug run's first divergence."""
+    lines = ["### Each test's largest ratio on the held-out clean runs, and what decided the bug runs", "",
+             "Next to the norm test (`norm`, with replica drift), each tensor gets the structure tests of "
+             "docs/tolerances.md: `scale` (the error's projection on the reference), `offset` (its part constant "
+             "along the tokens) and `update` (a post-step parameter's change against the change's own noise).", "",
+             "| precision | clean runs | norm | scale | offset | update | bug runs decided by norm / scale / offset / update |",
+             "|---|---|---|---|---|---|---|"]
+    for precision in sorted({r.precision for r in rows}, key=lambda p: (" vs " in p, p)):
+        cleans = [r for r in rows if r.precision == precision and r.run == "clean" and r.detected is not None]
+        bugs = [r for r in rows if r.precision == precision and r.run != "clean" and r.detected]
+        largest = [_fmt(max((getattr(r, f"max_{name}") for r in cleans if getattr(r, f"max_{name}") is not None), default=None))
+                   for name in ("norm", "scale", "offset", "update")]
+        decided = " / ".join(str(sum(r.first_decided_by in names for r in bugs))
+                             for names in (("mismatch", "replica drift"), ("scale",), ("offset",), ("update",)))
+        lines.append(f"| {precision} | {len(cleans)} | " + " | ".join(largest) + f" | {decided} |")
+    return lines
 
 
 def _precision_figures(rows: list[Row]) -> list[str]:
@@ -585,12 +631,15 @@ def merged_rows(new_rows: list[Row]) -> list[Row]:
 def _row_from_csv(data: dict) -> Row:
     def value(name: str, text: str):
         if text == "":
-            return None if name in ("detected", "first_ratio", "max_ratio", "theorem", "megatron_l0", "assert_close", "dynamo",
-                                    "first_error", "first_tolerance") else ""
+            return None if name in ("detected", "theorem", "megatron_l0", "assert_close", "dynamo", *FLOAT_COLUMNS) else ""
         if text in ("True", "False"):
             return text == "True"
-        return float(text) if name in ("first_ratio", "max_ratio", "first_error", "first_tolerance") else text
+        return float(text) if name in FLOAT_COLUMNS else text
     return Row(**{name: value(name, text) for name, text in data.items()})
+
+
+FLOAT_COLUMNS = ("first_ratio", "max_ratio", "first_error", "first_tolerance", "max_norm", "max_scale", "max_offset",
+                 "max_update")
 
 
 def _cpu_count() -> int:

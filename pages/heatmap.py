@@ -15,6 +15,7 @@ from ttrace_core import api
 MODULE_ROWS_BY_DEFAULT = 200
 # The "Go to a tensor" box lists failures first; past this many options it only grows the page.
 MAX_CHOICES = 3000
+BANNER_ICONS = {"success": ":material/check_circle:", "warning": ":material/warning:", "error": ":material/cancel:"}
 
 state = view_state()
 reference, candidate = run_pair(state)
@@ -40,9 +41,10 @@ rows_choice = rows_box.selectbox("Rows", ROW_CHOICES, index=ROW_CHOICES.index(ro
 state = replace(state, step=int(step), mb=mb, tensor=None, rank=None, rows=rows_choice)
 show_in_url(state)
 
-if first is None:
-    level, text = api.verdict_of(result.provenance).banner()  # passing rows, yet the evidence may be incomplete
-    getattr(st, level)(text, icon=":material/check_circle:" if level == "success" else ":material/warning:")
+summary = api.verdict_of(result.provenance)
+if first is None or summary.verdict == "refused":  # passing rows, yet the evidence may be incomplete or refused
+    level, text = summary.banner()
+    getattr(st, level)(text, icon=BANNER_ICONS[level])
 else:
     mb_text = "" if first["micro_batch"] < 0 else f" mb {first['micro_batch']}"
     st.error(f"First divergence: `{first['tensor']}` (step {first['step']}{mb_text}): {first['message']}",

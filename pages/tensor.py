@@ -41,6 +41,8 @@ verdict = f"**{row['status']}** · error {row['error']:.3g} · tolerance {row['t
 if pd.notna(row["drift_ratio"]) and row["drift_ratio"] > 0:
     verdict += f" · replica drift ratio {row['drift_ratio']:.3g}"
 (st.success if row["passed"] else st.error)(verdict + (f" · {row['message']}" if row["message"] else ""))
+if (catches := cells.detectable_text(row)) is not None:
+    st.caption(catches)
 
 try:
     view = api.tensor_view(reference, candidate, state.tensor, state.step, state.mb)

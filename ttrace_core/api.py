@@ -4,7 +4,8 @@
 - `comparison_table(ref, cand, settings)`: the comparison table (compare/table.py), computed once and
   cached as Parquet under the candidate until one of its inputs changes (service/comparisons.py);
   `run_comparison` is the same as a `RunComparison`, which the CLI renders; `verdict_of` reads the
-  verdict back from a table's provenance;
+  verdict back from a table's provenance (with its headroom by tensor kind); `detectable_errors` gives
+  each row's smallest detectable error, the figure that headroom summarizes;
 - `tensor_view(ref, cand, tensor, step, micro_batch)`: one tensor's canonical arrays, their
   difference and the per-rank shard map, read from the few datasets that hold it;
 - `submit_replay(ref, cand, module, settings=...)`: a localization replay as a job (service/jobs.py),
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from ttrace_core.compare.results import RunComparison, TensorComparison, VerdictSummary
+from ttrace_core.compare.results import RunComparison, TensorComparison, VerdictSummary, detectable_of
 from ttrace_core.compare.settings import MIN_MAX_MEMORY, TOLERANCE_KINDS, CompareSettings
 from ttrace_core.errors import TraceFormatError, TtraceError
 from ttrace_core.format.naming import KINDS, PSEUDO_MODULES, layer_module, owner_of, tensor_id
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PSEUDO_MODULES", "ROOT_ENV", "TOLERANCE_KINDS",
            "CompareSettings", "Job", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError", "TtraceError",
            "VerdictSummary",
-           "comparison", "comparison_table", "find_runs", "layer_module", "localization", "owner_of", "path_under_root",
+           "comparison", "comparison_table", "detectable_errors", "find_runs", "layer_module", "localization", "owner_of",
+           "path_under_root",
            "replay_job", "replay_job_dir", "run_comparison", "run_info", "submit_replay", "tensor_id", "tensor_view",
            "ttrace_version", "verdict_of"]
 
@@ -82,6 +84,19 @@ def run_comparison(reference: str | os.PathLike, candidate: str | os.PathLike, s
 def verdict_of(provenance: dict) -> VerdictSummary:
     """The verdict a comparison table's provenance records, with its first divergence and coverage."""
     return VerdictSummary.from_provenance(provenance)
+
+
+def detectable_errors(frame: pd.DataFrame) -> pd.Series:
+    """Per row of a comparison table, the smallest relative error its tests catch: the `detectable` column,
+    else the norm test's tolerance; NaN where the row was not compared element-wise (results.detectable_of,
+    the rule `RunComparison.headroom` sums up, so a hover and the headroom table agree)."""
+    def known(value) -> float | None:
+        return None if pd.isna(value) else float(value)
+
+    compared = frame["value_ratio"].notna() & ~frame["stats_only"].fillna(False).astype(bool)
+    values = [detectable_of(known(own), known(rel), bool(elementwise))
+              for own, rel, elementwise in zip(frame["detectable"], frame["tolerance_rel"], compared)]
+    return pd.Series([float("nan") if v is None else v for v in values], index=frame.index, dtype=float)
 
 
 def tensor_view(reference: str | os.PathLike, candidate: str | os.PathLike, tensor: str, step: int, micro_batch: int,

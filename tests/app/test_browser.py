@@ -73,9 +73,13 @@ def test_click_the_first_divergence_then_share_the_link(dashboard, browser):
     marked = page.locator(".js-plotly-plot").first.locator(".scatterlayer .trace").last.locator("path.point")
     assert marked.count() == 1, "the first divergence is not marked on the heatmap"
     box = marked.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.locator(".hoverlayer .hovertext").first.wait_for(timeout=30_000)
+    assert "catches errors above" in page.locator(".hoverlayer .hovertext").first.text_content()
     page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
     page.wait_for_function("() => location.pathname.endsWith('/tensor')", timeout=60_000)
     page.get_by_text("Shard map").wait_for(timeout=60_000)
+    assert page.get_by_text("smallest error this comparison catches on this tensor: ").count() == 1
     shared = page.url
     assert urllib.parse.parse_qs(urllib.parse.urlparse(shared).query)["tensor"] == [_first_divergence_id()]
     assert page.locator("[data-testid=stException]").count() == 0

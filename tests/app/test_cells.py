@@ -64,3 +64,30 @@ def test_the_timeline_has_one_point_per_module_and_kind_where_it_first_ran(frame
     assert len(points) == 6 and list(points["order"]) == sorted(points["order"])
     act = points[points["module"] == "layers.0.act"].iloc[0]
     assert act["micro_batch"] == 1 and act["order"] == 1  # worst micro-batch, drawn at its first appearance
+
+
+def _float32_rel() -> float:
+    from ttrace_core.compare.tolerances import DTYPE_TOLERANCES
+
+    return DTYPE_TOLERANCES["float32"][0]
+
+
+def test_the_hover_says_which_error_the_comparison_catches_on_the_cells_tensor(frame):
+    edited = frame.copy()
+    edited.loc[(edited["fqn"] == "layers.0.act") & (edited["micro_batch"] == 1), "detectable"] = 3e-4
+    edited.loc[edited["fqn"] == "layers.0.lin", "detectable"] = float("nan")  # no test set it: the norm test's
+    view = cells.heatmap_cells(edited, 0, "all").set_index(["module", "kind"])
+    assert "<br>catches errors above 0.0003<br>" in view.loc[("layers.0.act", "output"), "hover"]  # the worst, mb 1
+    assert f"<br>catches errors above {_float32_rel():.3g}<br>" in view.loc[("layers.0.lin", "output"), "hover"]
+    assert "catches" not in view.loc[("layers.1.out", "output"), "hover"]  # missing: not compared by value
+
+
+def test_the_tensor_pages_line_names_the_smallest_error_caught_and_its_test(frame):
+    row = frame[(frame["fqn"] == "layers.0.act") & (frame["micro_batch"] == 0)].iloc[0].copy()
+    row["detectable"], row["decided_by"] = 2e-4, "scale"
+    assert cells.detectable_text(row) == "smallest error this comparison catches on this tensor: 0.0002 (test: scale)"
+    row["detectable"] = float("nan")
+    assert cells.detectable_text(row) == \
+        f"smallest error this comparison catches on this tensor: {_float32_rel():.3g} (test: norm)"
+    missing = frame[frame["status"] == "missing"].iloc[0]
+    assert cells.detectable_text(missing) is None

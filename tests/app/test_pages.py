@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from tests.core.test_liveness import _pair as record_pair
 from tests.synthetic_runs import write_pair, write_run
+from ttrace_core.compare.tolerances import DTYPE_TOLERANCES
 from ttrace_core.service.dashboard import ROOT_ENV
 
 MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
@@ -102,6 +104,8 @@ def test_tensor_page_shows_the_shard_map_and_the_rank_that_carries_the_error(roo
     worst = app.dataframe[1].value
     assert int(worst["index"][0].strip("()").split(",")[0]) >= 4 and abs(worst["abs_diff"][0] - 1.0) < 1e-6  # in rank 1's rows
     assert _url(app) == {**PAIR, "tensor": FIRST, "step": "0", "mb": "0", "rank": "1"}
+    rel = DTYPE_TOLERANCES["float32"][0]  # judged by the float32 dtype tolerance, by the norm test alone
+    assert f"smallest error this comparison catches on this tensor: {rel:.3g} (test: norm)" in [c.value for c in app.caption]
 
 
 @pytest.mark.parametrize("page", ["heatmap", "tensor"])
@@ -147,3 +151,15 @@ def test_a_pair_whose_evidence_is_incomplete_is_not_shown_as_passing(tmp_path, m
         (banner,) = [error for error in _errors(app) if error.startswith("FAILED (incomplete)")]
         assert "missing-replica: 1 of 2214 expected copies were not recorded" in banner, banner
         assert "Evidence: 738/738 tensors compared element-wise; 2213/2214 copies" in banner, banner
+
+
+def test_a_pair_whose_reference_did_not_train_is_refused_on_the_page(tmp_path, monkeypatch):
+    """Both runs zeroed their loss: every tensor agrees, yet the Runs page and the heatmap say FAILED (refused)."""
+    record_pair(tmp_path, loss_factor=0.0)
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    for page in ("runs", "heatmap"):
+        app = _open(page, **PAIR)
+        assert not app.exception and not app.success, page
+        (banner,) = [error for error in _errors(app) if error.startswith("FAILED (refused)")]
+        assert banner.startswith("FAILED (refused): the reference did not train: every one of its 4 parameter "
+                                 "gradients is zero at step 0; check that the reference's loss reaches backward"), banner

@@ -59,7 +59,7 @@ def test_records_every_kind_in_execution_order(tmp_path):
 def test_recorded_gradient_is_the_accumulated_one(tmp_path):
     model = _record(tmp_path, TracerConfig(slots=("grad", "value")))
     with RunReader(tmp_path) as reader:
-        (meta,) = [m for k, ms in reader.index.items() if k.fqn == "0.weight" and k.phase == "param" for m in ms]
+        (meta,) = [m for k, ms in reader.index.items() if k.fqn == "0.weight" and k.phase == "param" and k.slot == "value" for m in ms]
         assert torch.equal(reader.read(meta), model[0].weight.detach())
 
 

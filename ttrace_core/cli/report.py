@@ -9,6 +9,7 @@ import sys
 from collections import Counter
 
 from ttrace_core.compare.engine import RunComparison, TensorComparison
+from ttrace_core.compare.results import KindHeadroom
 from ttrace_core.format.findings import finding_lines
 from ttrace_core.format.naming import PSEUDO_MODULES
 from ttrace_core.format.reader import RunReader
@@ -45,6 +46,16 @@ def ratios_text(c: TensorComparison) -> str:
 COMPARISON_HEADER = f"{'verdict':<22} {'rel.err':>9} {'tol':>9} {'mismatch':>9} {'drift':>9}  tensor"
 
 
+def headroom_lines(headroom: list[KindHeadroom]) -> list[str]:
+    """Per tensor kind, the smallest relative error the verdict could have caught: the median over the kind's
+    tensors and the largest (an error up to it could have passed on one of them)."""
+    if not headroom:
+        return ["headroom by tensor family: none (no tensor was compared element-wise, so no error size is bounded)"]
+    lines = ["headroom by tensor family (the smallest relative error the verdict catches):",
+             f"  {'kind':<12} {'tensors':>8} {'median':>9} {'largest':>9}"]
+    return lines + [f"  {h.kind:<12} {h.num_tensors:>8} {_number(h.median):>9} {_number(h.largest):>9}" for h in headroom]
+
+
 def render_comparison(result: RunComparison, *, num_worst: int = 10) -> str:
     header = COMPARISON_HEADER
     lines = [f"reference: {result.reference}", f"candidate: {result.candidate}", ""]
@@ -63,6 +74,8 @@ def render_comparison(result: RunComparison, *, num_worst: int = 10) -> str:
     lines += [comparison_row(c) for c in result.worst(num_worst)]
     lines.append("")
     lines += [f"note: {note}" for note in result.notes]
+    summary = result.summary()
+    lines += headroom_lines(summary.headroom)
     if result.coverage is not None:
         lines.append(f"coverage: {result.coverage.summary()}")
     lines += [f"finding: {finding}" for finding in result.findings]
@@ -70,7 +83,7 @@ def render_comparison(result: RunComparison, *, num_worst: int = 10) -> str:
     passed = statuses.pop("pass", 0)
     detail = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
     total = len(result.comparisons)
-    lines.append(f"{result.summary().headline()} | {passed}/{total} tensors pass over steps {result.steps_compared}"
+    lines.append(f"{summary.headline()} | {passed}/{total} tensors pass over steps {result.steps_compared}"
                  + (f"; {detail}" if detail else ""))
     return "\n".join(lines)
 

@@ -21,13 +21,14 @@ from ttrace_core.compare.metrics import metrics_from_sums, value_sums
 from ttrace_core.canonicalize.logical_value import canonical_tensor
 from ttrace_core.compare.exact_inputs import ExactInputs
 from ttrace_core.errors import LayoutError
-from ttrace_core.compare.results import RunComparison, TensorComparison, Tolerance
+from ttrace_core.compare.results import RunComparison, StructureTest, TensorComparison, Tolerance
+from ttrace_core.compare.structure import detectable_error, statistics, structure_tests, with_exact_inputs
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.evidence import (
     check_comparable, data_mismatch_finding, inconsistency, quantization_only, tally_coverage, unrecorded_keys,
 )
 from ttrace_core.format.schema import TensorKey, TensorMeta
-from ttrace_core.format.reader import RunReader
+from ttrace_core.format.reader import RunReader, pre_step_key
 from ttrace_core.compare.tolerances import (
     DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, exact_inputs_tolerance, select_tolerances, tolerances_from_settings,
     with_step_scalars,
@@ -100,7 +101,7 @@ def _compare_stats(key: TensorKey, reference: RunReader, candidate: RunReader, t
     return TensorComparison(
         key=key, status=status, dtype=cand[0].dtype, shape=ref[0].layout.global_shape, numel=numel,
         error=abs_error / expected if expected > 0 else math.inf, abs_error=abs_error, reference_norm=expected,
-        tolerance=tolerance, ratio=ratio, value_ratio=ratio, stats_only=True,
+        tolerance=tolerance, ratio=ratio, value_ratio=ratio, stats_only=True, decided_by="mismatch",
         message="stats-only: compares norms, a lower bound of the error" + ("" if status == "pass" else " (exceeds tolerance)"),
     )
 
@@ -123,6 +124,7 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
         return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=cand_metas[0].layout.global_shape,
                                 message=f"global shape {cand_metas[0].layout.global_shape} in the candidate, "
                                         f"{ref_metas[0].layout.global_shape} in the reference")
+    dims, structure, update_to_value = None, [], None
     try:
         if ref_metas[0].stats_only or cand_metas[0].stats_only:
             return _compare_stats(key, reference, candidate, tolerance)
@@ -136,14 +138,75 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
                 return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=tuple(actual.shape),
                                         message=f"shape {tuple(actual.shape)} in the candidate, {tuple(expected.shape)} in the reference")
             metrics, replica_drift = compare_values(actual, expected, tolerance), cand_full.replica_drift
+            structure, update_to_value = _structure(key, actual, expected, reference, candidate, tolerances, cand_dtype,
+                                                    tolerance)
     except LayoutError as error:
         return TensorComparison(key=key, status="layout", dtype=cand_dtype, message=str(error))
     drift = asdict(replica_drift) if replica_drift else None
     status, message = _verdict(metrics, drift, tolerance)
     value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(drift, tolerance)
-    return TensorComparison(key=key, status=status, message=message, dtype=cand_dtype, tolerance=tolerance,
-                            replica_drift=drift, ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio,
-                            drift_ratio=drift_ratio, **metrics)
+    comparison = TensorComparison(key=key, status=status, message=message, dtype=cand_dtype, tolerance=tolerance,
+                                  replica_drift=drift, ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio,
+                                  drift_ratio=drift_ratio, decided_by="replica drift" if drift_ratio > value_ratio else "mismatch",
+                                  **metrics)
+    _judge_structure(comparison, structure, update_to_value)  # (none on slabs: bounded.py reads no whole tensor)
+    return comparison
+
+
+def _structure(key: TensorKey, actual: torch.Tensor, expected: torch.Tensor, reference: RunReader, candidate: RunReader,
+               tolerances: ToleranceProvider, dtype: str, tolerance: Tolerance) -> tuple[list[StructureTest], float | None]:
+    """The structure tests of one tensor (compare/structure.py) and, for a post-step parameter, the ratio
+    ||E - E_before|| / ||E|| that turns an update error into a relative error of the value. `tolerance`:
+    the norm test's, whose exact-inputs bound (when it applies) tightens the structure tests too."""
+    derive = getattr(tolerances, "structure_tolerances", None)
+    allowed = derive(key, dtype, tuple(expected.shape)) if derive is not None else {}
+    if allowed and tolerance.method == "exact-inputs":
+        allowed = with_exact_inputs(allowed, tolerance.rel, tuple(expected.shape))
+    if not allowed or not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
+        return [], None
+    before, update_to_value = _values_before_step(key, reference, candidate), None
+    diff = actual - expected
+    measured = statistics(diff, expected, None if before is None else (before[0] - before[1], before[1]))
+    if before is not None and (norm := float(torch.linalg.vector_norm(expected))) > 0:
+        update_to_value = float(torch.linalg.vector_norm(expected - before[1])) / norm
+    return structure_tests(measured, allowed), update_to_value
+
+
+def _values_before_step(key: TensorKey, reference: RunReader, candidate: RunReader
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(candidate, reference) values of a post-step parameter before its step, when both runs hold them."""
+    ref_key, cand_key = pre_step_key(reference, key), pre_step_key(candidate, key)
+    if ref_key is None or cand_key is None:
+        return None
+    values = []
+    for reader, before in ((candidate, cand_key), (reference, ref_key)):
+        metas = reader.index[before]
+        if metas[0].stats_only:
+            return None
+        values.append(canonical_tensor(reader, metas, before).full.double() / metas[0].scale)
+    if not all(torch.isfinite(v).all() for v in values):
+        return None
+    return values[0], values[1]
+
+
+def _judge_structure(comparison: TensorComparison, tests: list[StructureTest], update_to_value: float | None) -> None:
+    """Fold the structure tests into the row: the largest ratio decides, the message names the test and
+    states the transform it found; `detectable` is the smallest error any test catches."""
+    comparison.structure = tests
+    if comparison.error is not None and comparison.tolerance is not None:
+        comparison.detectable = detectable_error(comparison.tolerance.rel, tests, update_to_value)
+    failing = [t for t in tests if t.ratio > 1]
+    if not failing or comparison.status not in ("pass", "mismatch", "replica_drift"):
+        return
+    worst = max(failing, key=lambda t: t.ratio)
+    said = f"{worst.name} ratio {worst.ratio:.3g}: {worst.finding}"
+    if worst.ratio > (comparison.ratio or 0.0):
+        before = comparison.message.split("; decided by ")[0]
+        comparison.ratio, comparison.decided_by, comparison.status = worst.ratio, worst.name, "mismatch"
+        comparison.message = f"{said}; {before or 'norm ratio ' + format(comparison.value_ratio, '.3g')}; decided by {worst.name}"
+    else:
+        comparison.message = f"{comparison.message}; {said}"
+        comparison.status = "mismatch" if comparison.status == "pass" else comparison.status
 
 
 def _execution_order(reader: RunReader, key: TensorKey) -> tuple:

@@ -25,11 +25,13 @@ from msgspec import Meta
 from ttrace_core.format.containment import contained
 from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.records import data_from_json, record_from_data
-from ttrace_core.format.schema import Count, FiniteNonNegative, FinitePositive, TensorKey
+from ttrace_core.format.schema import Count, Finite, FiniteNonNegative, FinitePositive, TensorKey
 from ttrace_core.format.reader import read_manifest
 
 ESTIMATE_FILE = "tolerance_estimate.json"
-ESTIMATE_FORMAT = "ttrace-perturbation-estimate/1"
+ESTIMATE_FORMAT = "ttrace-perturbation-estimate/2"
+READABLE_ESTIMATE_FORMATS = ("ttrace-perturbation-estimate/1", ESTIMATE_FORMAT)
+"""/2: each tensor's structure statistics per sample; a /1 estimate gives the norm test only."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +43,8 @@ class TensorDeviation:
     numel: Count
     per_sample: list[Annotated[float, Meta(ge=0.0)]] = field(default_factory=list)
     """||perturbed - reference||_F / ||reference||_F of each sample (inf where the norm is 0)."""
+    structure: dict[Literal["scale", "offset", "update"], list[Finite]] = field(default_factory=dict)
+    """Each structure statistic (compare/structure.py) of each sample: how large round-off alone made it."""
 
     @property
     def relative(self) -> float:
@@ -72,7 +76,7 @@ class PerturbationEstimate:
     def from_json(text: str, where: str) -> PerturbationEstimate:
         remedy = "delete it and run `ttrace estimate` again"
         data = data_from_json(text, where, "tolerance estimate", remedy)
-        if not isinstance(data, dict) or data.get("format") != ESTIMATE_FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in READABLE_ESTIMATE_FORMATS:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise TraceFormatError(f"{where}: not a tolerance estimate (format {found!r}, expected {ESTIMATE_FORMAT!r}); {remedy}")
         stored = record_from_data(data, _EstimateFile, where, "tolerance estimate", remedy)

@@ -4,8 +4,9 @@ Part of stage 3 (compare), run on the runs' indexes before any value is read (st
 values, as torch.testing does). Input: the `TensorMeta` of every shard of a tensor and the run's
 manifest. Output, per tensor: the disagreement among its shards, if any (`inconsistency`), and how
 many copies were recorded against how many the layout and the run's structure call for
-(`count_copies`). Per run: a `Coverage` block, which says how much evidence stands behind the verdict
-and names what is missing (`Coverage.findings`). Also here: the run-level checks that come before
+(`count_copies`). Per run: a `Coverage` block, which says how much evidence stands behind the verdict,
+names what is missing (`Coverage.findings`) and whether the reference trained at all (liveness.py:
+a reference that did not train refuses any pass). Also here: the run-level checks that come before
 values (`check_comparable`, the tensors only a quantized run holds) and the data-mismatch finding.
 
 Copies. A tensor's layout gives one block per mesh coordinate, and ranks outside the tensor's mesh
@@ -27,6 +28,7 @@ from ttrace_core.errors import ConfigMismatchError, LayoutError
 from ttrace_core.format.findings import finding_lines
 from ttrace_core.format.schema import RunManifest, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader
+from ttrace_core.compare.liveness import reference_liveness
 from ttrace_core.compare.results import Coverage, RunComparison
 
 
@@ -140,16 +142,19 @@ def unrecorded_keys(reference: RunReader, candidate: RunReader) -> set[TensorKey
 
 def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps_compared: list[int]) -> Coverage:
     """The coverage block of one comparison: `rows` are its TensorComparisons (the noted, not compared
-    quantization scales left out), the readers give every tensor's recorded copies and their findings."""
+    quantization scales left out), the readers give every tensor's recorded copies and their findings,
+    and whether the reference trained (liveness.py), once per comparison."""
     replication = {id(reader): replication_by_family(reader.index) for reader in (reference, candidate)}
     steps_expected = expected_steps(reference, candidate)
     unrecorded = len({key for key in unrecorded_keys(reference, candidate) if key.step in steps_compared})
+    liveness = reference_liveness(reference, steps_compared)
     coverage = Coverage(tensors_expected=len(rows) + unrecorded, steps_expected=steps_expected,
                         steps_compared=list(steps_compared),
                         stats_only_run=any(r.manifest.tracer.get("stats_only") is True for r in (reference, candidate)),
                         inventory_gaps=reference.inventory_gaps + candidate.inventory_gaps, unrecorded=unrecorded,
                         recording_findings=[f"{name}: {line}" for name, reader in (("reference", reference), ("candidate", candidate))
-                                            for line in finding_lines(reader.findings)])
+                                            for line in finding_lines(reader.findings)],
+                        reference_trained=liveness.trained, dead_reference=liveness.why_not)
     for row in rows:
         if row.status in ("missing", "extra"):
             coverage.missing_in_candidate += row.status == "missing"

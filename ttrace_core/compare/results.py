@@ -2,9 +2,9 @@
 
 Every later stage reads these: the table (compare/table.py), localize, the report, the dashboard.
 `Tolerance` is the bound a tensor was judged against, `TensorComparison` one row of a comparison,
-`Coverage` how much evidence a verdict rests on, `RunComparison` the whole comparison and
-`VerdictSummary` the verdict with its first divergence, which both the terminal and the dashboard
-put into words here, once.
+`Coverage` how much evidence a verdict rests on, `KindHeadroom` the smallest error it could have
+caught on a tensor kind, `RunComparison` the whole comparison and `VerdictSummary` the verdict with
+its first divergence, which both the terminal and the dashboard put into words here, once.
 
 Serialized form: `format.records.data_from_record` (msgspec's builtins) writes each record as plain
 JSON data and `record_from_data` reads it back, type-checked. The `--json` output, a partitioned
@@ -17,10 +17,11 @@ Imports no torch: `ttrace_core.api` hands these to the dashboard without loading
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from ttrace_core.format import strict_json
-from ttrace_core.format.naming import tensor_id
+from ttrace_core.format.naming import KINDS, tensor_id, tensor_kind
 from ttrace_core.format.records import data_from_json, data_from_record, record_from_data
 from ttrace_core.format.schema import TensorKey
 
@@ -73,6 +74,11 @@ class Coverage:
     recording_findings: list[str] = field(default_factory=list)
     """What either run's tracer could not record, one line per distinct finding ("candidate: FQN SLOT: what
     is wrong; what to do (2 times: ranks [0], steps [0])")."""
+    reference_trained: bool | None = None
+    """The negative control (liveness.py): False when the reference did not train in the compared steps
+    (every gradient zero, or no parameter moved), which refuses any pass; None when its trace cannot tell."""
+    dead_reference: str = ""
+    """What shows that the reference did not train: "every one of its 4 parameter gradients is zero at step 0"."""
 
     @property
     def stats_only_tensors_in_full_run(self) -> int:
@@ -85,9 +91,17 @@ class Coverage:
                 and self.steps_compared == self.steps_expected and self.ranks_present == self.ranks_expected
                 and not self.inventory_gaps and not self.recording_findings)
 
+    def refusal(self) -> str | None:
+        """Why no pass can be given, whatever the tensors say (the reference did not train); None when one can."""
+        if self.reference_trained is not False:
+            return None
+        return (f"the reference did not train: {self.dead_reference}; check that the reference's loss reaches "
+                "backward (a detached loss or lr 0 makes a pass meaningless)")
+
     def findings(self) -> list[str]:
-        """Named findings, one line each: `incomplete`, `unrecorded` (the tracer's findings), `missing-replica`."""
-        found = []
+        """Named findings, one line each: `refused` (the reference did not train), `incomplete`, `unrecorded`
+        (the tracer's findings), `missing-replica`."""
+        found = [f"refused: {refusal}"] if (refusal := self.refusal()) is not None else []
         if missing_steps := [s for s in self.steps_expected if s not in self.steps_compared]:
             found.append(f"incomplete: steps {missing_steps} were not compared (partial or in one run only)")
         if self.ranks_present < self.ranks_expected:
@@ -115,6 +129,24 @@ class Coverage:
 
 
 
+
+
+@dataclass(kw_only=True, slots=True)
+class StructureTest:
+    """One test of the error's structure (compare/structure.py), next to the norm test: its statistic,
+    the noise level the perturbation estimate gives that statistic, and their ratio (<= 1 passes)."""
+
+    name: str
+    """"scale" (projection of the error on the reference), "offset" (the part of the error constant
+    along the token dims), "shard" (the worst shard's error against that shard's noise), "update"
+    (a post-step parameter's change against the update's noise)."""
+    value: float
+    """The statistic: a relative scale (-0.5 for a halved tensor), a relative norm, ..."""
+    tolerance: float
+    """alpha x the largest |statistic| over the perturbed re-runs (floored)."""
+    ratio: float
+    finding: str = ""
+    """The transform it reads off the error, in words: "scaled by 0.500 (x0.5 +/- 0.004 under round-off)"."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -154,17 +186,22 @@ class TensorComparison:
     replica_drift: dict | None = None
     """Candidate replicas that differ: {"ranks", "max_abs_diff", "relative_diff"}."""
     stats_only: bool = False
+    structure: list[StructureTest] = field(default_factory=list)
+    """The structure tests run on this tensor (empty without a perturbation estimate that measured them)."""
+    decided_by: str | None = None
+    """Which test gave `ratio`: "mismatch" (the norm test), "replica drift", or a structure test's name
+    ("scale", "offset", "update"); None for a row not compared by value."""
+    detectable: float | None = None
+    """The smallest relative error ||actual - expected|| / ||expected|| that one of this row's tests
+    would catch: the headroom of a pass (a tensor scaled by 1 + s fails the scale test once |s| is above it)."""
 
     @property
     def passed(self) -> bool:
         return self.status == "pass"
 
-    @property
-    def decided_by(self) -> str | None:
-        """"mismatch" or "replica drift": which of the two ratios is `ratio` (None without a ratio)."""
-        if self.value_ratio is None:
-            return None
-        return "replica drift" if (self.drift_ratio or 0.0) > self.value_ratio else "mismatch"
+    def __post_init__(self) -> None:
+        if self.decided_by is None and self.value_ratio is not None:  # a row judged by the norm test alone
+            self.decided_by = "replica drift" if (self.drift_ratio or 0.0) > self.value_ratio else "mismatch"
 
     @property
     def exact(self) -> bool:
@@ -177,11 +214,49 @@ class TensorComparison:
 
     def to_dict(self) -> dict:
         """The serialized form (`data_from_record`), with `decided_by` for readers of the JSON."""
-        return {**data_from_record(self), "decided_by": self.decided_by}
+        return data_from_record(self)
 
     @staticmethod
     def from_dict(data: dict, where: str = "comparison row") -> TensorComparison:
         return record_from_data(data, TensorComparison, where, "comparison row", "compare the runs again")
+
+
+def detectable_of(detectable: float | None, tolerance_rel: float | None, compared_elementwise: bool) -> float | None:
+    """The smallest relative error a row's tests catch: its own `detectable`, else the norm test's, which fails
+    a tensor once its relative error exceeds about `tolerance_rel`. None for a row not compared element-wise: a
+    comparison of norms (statistics only) misses an error of any size that keeps the norm."""
+    if not compared_elementwise:
+        return None
+    return detectable if detectable is not None else tolerance_rel
+
+
+def row_detectable(c: TensorComparison) -> float | None:
+    return detectable_of(c.detectable, c.tolerance.rel if c.tolerance else None,
+                         c.value_ratio is not None and not c.stats_only)
+
+
+@dataclass(kw_only=True, slots=True)
+class KindHeadroom:
+    """The smallest relative error ||actual - expected|| / ||expected|| a verdict could have caught on one tensor
+    kind (format.naming.KINDS), over its rows compared element-wise."""
+
+    kind: str
+    num_tensors: int
+    """Rows (tensor instances over steps and micro-batches) of the kind."""
+    median: float
+    largest: float
+    """The honest figure: an error up to this size on some tensor of the kind could have passed."""
+
+
+def headroom_by_kind(rows: list[TensorComparison]) -> list[KindHeadroom]:
+    """Per tensor kind, in heatmap order, the median and the largest of its rows' detectable errors."""
+    by_kind: dict[str, list[float]] = {}
+    for row in rows:
+        if (detectable := row_detectable(row)) is not None and not math.isnan(detectable):
+            by_kind.setdefault(tensor_kind(row.key), []).append(detectable)
+    order = {kind: index for index, kind in enumerate(KINDS)}
+    return [KindHeadroom(kind=kind, num_tensors=len(values), median=statistics.median(values), largest=max(values))
+            for kind, values in sorted(by_kind.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -200,7 +275,10 @@ class RunComparison:
 
     @property
     def verdict(self) -> str:
-        """"equivalent", "equivalent by statistics", "partial" (pass); "incomplete", "not equivalent" (fail)."""
+        """"equivalent", "equivalent by statistics", "partial" (pass); "refused", "incomplete", "not equivalent"
+        (fail). "refused" comes first: against a reference that did not train, agreeing or not says nothing."""
+        if self.coverage is not None and self.coverage.refusal() is not None:
+            return "refused"
         if not self.comparisons or not all(self.comparisons):
             return "not equivalent"
         if self.coverage is None or self.coverage.full:
@@ -213,8 +291,14 @@ class RunComparison:
         return self.verdict in ("equivalent", "equivalent by statistics", "partial")
 
     @property
+    def headroom(self) -> list[KindHeadroom]:
+        """The smallest error this verdict could have caught, per tensor kind (the headroom of a pass)."""
+        return headroom_by_kind(self.comparisons)
+
+    @property
     def findings(self) -> list[str]:
-        """What the evidence lacks, one named line each (`incomplete: ...`, `missing-replica: ...`)."""
+        """Why the verdict is refused, and what the evidence lacks, one named line each (`refused: ...`,
+        `incomplete: ...`, `missing-replica: ...`)."""
         return self.coverage.findings() if self.coverage is not None else []
 
     def __bool__(self) -> bool:
@@ -249,7 +333,7 @@ class RunComparison:
     def summary(self) -> VerdictSummary:
         first = self.first_divergence
         return VerdictSummary(
-            verdict=self.verdict, passed=self.passed, findings=self.findings, coverage=self.coverage,
+            verdict=self.verdict, passed=self.passed, findings=self.findings, coverage=self.coverage, headroom=self.headroom,
             first_divergence=None if first is None else FirstDivergence(
                 tensor=tensor_id(first.key), step=first.key.step, micro_batch=first.key.micro_batch))
 
@@ -271,6 +355,8 @@ class VerdictSummary:
     findings: list[str] = field(default_factory=list)
     coverage: Coverage | None = None
     first_divergence: FirstDivergence | None = None
+    headroom: list[KindHeadroom] = field(default_factory=list)
+    """Per tensor kind, the smallest relative error the verdict could have caught (RunComparison.headroom)."""
 
     def headline(self) -> str:
         """"PASSED (equivalent)", "PASSED (partial: ...)", "FAILED (incomplete)", "FAILED (not equivalent)"."""
@@ -285,6 +371,8 @@ class VerdictSummary:
         evidence = f"Evidence: {self.coverage.summary()}." if self.coverage is not None else ""
         if self.verdict in ("equivalent", "equivalent by statistics"):
             return "success", f"PASSED ({self.verdict}): the candidate matches the reference. {evidence}"
+        if self.verdict == "refused" and self.coverage is not None:
+            return "error", f"FAILED (refused): {self.coverage.refusal()}. {evidence}"
         findings = "; ".join(self.findings)
         if self.verdict == "partial":
             return "warning", f"PASSED (partial): what was recorded matches, but {findings}. {evidence}"
@@ -295,8 +383,9 @@ class VerdictSummary:
         return "error", f"FAILED ({self.verdict}): first divergence at `{first.tensor}` (step {first.step}{mb}). {evidence}"
 
     def header(self) -> dict:
-        """The fields `--json` writes before the comparison's own: passed, verdict, findings."""
-        return {"passed": self.passed, "verdict": self.verdict, "findings": self.findings}
+        """The fields `--json` writes before the comparison's own: passed, verdict, findings, headroom."""
+        return {"passed": self.passed, "verdict": self.verdict, "findings": self.findings,
+                "headroom": [data_from_record(kind) for kind in self.headroom]}
 
     @staticmethod
     def from_provenance(provenance: dict, where: str = "comparison table") -> VerdictSummary:

@@ -30,7 +30,8 @@ from ttrace_core.format.reader import RunReader
 from ttrace_core.format.records import data_from_record, record_from_data
 from ttrace_core.format.schema import TensorKey
 
-TABLE_FORMAT_VERSION = 3  # 2: the "call" column; 3: the coverage block in the provenance
+TABLE_FORMAT_VERSION = 5  # 2: the "call" column; 3: the coverage block in the provenance; 4: structure tests;
+# 5: whether the reference trained (coverage) and the headroom by tensor kind (provenance)
 METADATA_KEY = b"ttrace"
 
 _INT_COLUMNS = ("layer", "stage", "numel", "num_mismatched")
@@ -54,7 +55,7 @@ ROW_PATHS: dict[str, tuple] = {
 field of TensorComparison becomes a column by itself; the other columns are derived from the key."""
 _PRESENCE = {"tolerance": "tolerance_method", "replica_drift": "drift_ranks"}
 """A nested record is absent (None) when this column of it is."""
-_JSON_COLUMNS = ("shape", "max_abs_index", "max_rel_index", "tolerance_params", "drift_ranks")
+_JSON_COLUMNS = ("shape", "max_abs_index", "max_rel_index", "tolerance_params", "drift_ranks", "structure")
 _DERIVED = ("tensor", "module", "layer", "stage", "kind", "order", "passed")
 _ORDER = (
     "tensor", "step", "micro_batch", "phase", "fqn", "slot", "call", "module", "layer", "stage", "kind", "order", "status",
@@ -101,6 +102,7 @@ def table_from_comparison(result: RunComparison, candidate: RunReader) -> pd.Dat
     frame = pd.DataFrame(rows, columns=COLUMNS)
     for name in _JSON_COLUMNS:
         frame[name] = [None if v is None else json.dumps(list(v) if not isinstance(v, dict) else v) for v in frame[name]]
+    frame["structure"] = [None if not v or v == "[]" else v for v in frame["structure"]]
     for name in _INT_COLUMNS:
         frame[name] = frame[name].astype("Int64")
     return frame
@@ -135,6 +137,8 @@ def comparison_from_row(row: dict) -> TensorComparison:
     if data["tolerance"] is not None:
         data["tolerance"]["params"] = list((data["tolerance"]["params"] or {}).items())
     data["message"] = data["message"] or ""
+    data["structure"] = data["structure"] or []
+    data["decided_by"] = data["decided_by"] or None
     data["key"]["call"] = data["key"]["call"] or 0
     return record_from_data(data, TensorComparison, "comparison table", "comparison row", "compare the runs again")
 

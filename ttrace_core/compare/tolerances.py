@@ -28,6 +28,7 @@ from ttrace_core.compare.settings import (  # noqa: F401 (the defaults are part 
     DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS, CompareSettings,
 )
 from ttrace_core.compare.estimate_file import PerturbationEstimate, estimate_path, read_estimate
+from ttrace_core.compare.structure import uncorrelated_noise
 from ttrace_core.errors import TtraceError
 from ttrace_core.format.naming import layer_of
 from ttrace_core.format.reader import RunReader
@@ -37,6 +38,10 @@ from ttrace_core.format.schema import TensorKey
 
 class ToleranceProvider(Protocol):
     def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance: ...
+
+    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> dict[str, float]:
+        """Tolerance of each structure statistic (compare/structure.py) the provider can derive; {} for none."""
+        ...
 
 
 # (rel, abs) per compute dtype. fp32: TP/SP/FSDP reorderings measured here stay below 5e-7
@@ -90,6 +95,9 @@ class DtypeTolerances:
             rel, abs_, source = compute_rel, max(abs_, compute_abs), f"dtype default ({dtype}, computed in {compute})"
         return Tolerance(rel=rel, abs=abs_, source=source, method="dtype")
 
+    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> dict[str, float]:
+        return {}  # a flat table has no noise model for the error's structure
+
 
 # Floor, in units of eps: a tensor the perturbation does not move may still differ by one rounding.
 DEFAULT_FLOOR_EPS = 1.0
@@ -111,11 +119,35 @@ class PerturbationTolerances:
     floor_eps: float = DEFAULT_FLOOR_EPS
     fallback: DtypeTolerances = field(default_factory=DtypeTolerances)
     _pooled: dict[tuple, float] = field(default_factory=dict, init=False, repr=False)
+    _pooled_structure: dict[tuple, dict[str, float]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for key, deviation in self.estimate.tensors.items():
             group = _micro_batch_group(key)
             self._pooled[group] = max(self._pooled.get(group, 0.0), deviation.relative)
+            pooled = self._pooled_structure.setdefault(group, {})
+            for name, values in deviation.structure.items():
+                if values:
+                    pooled[name] = max(pooled.get(name, 0.0), max(abs(v) for v in values))
+                if values and len(values) == len(deviation.per_sample):  # each sample's statistic per unit of its norm
+                    share = max((abs(v) / r for v, r in zip(values, deviation.per_sample) if r > 0), default=0.0)
+                    pooled[name + "/norm"] = max(pooled.get(name + "/norm", 0.0), share)
+
+    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> dict[str, float]:
+        """alpha x the largest |statistic| over the samples and the tensor's micro-batches (the norm's rule,
+        on each statistic's own draws), and at least alpha x what noise of the norm's size r_t makes of
+        the statistic when it is uncorrelated with the values (structure.uncorrelated_noise): a signed
+        statistic of a few draws can come out near 0 by chance, its model cannot. At least the norm's floor."""
+        deviation = self.estimate.tensors.get(key)
+        if deviation is None or deviation.reference_norm == 0:
+            return {}
+        group = _micro_batch_group(key)
+        floor = self.floor_eps * max(machine_epsilon(self.precision), _storage_epsilon(dtype))
+        relative = self._pooled[group]
+        modelled = uncorrelated_noise(relative, shape, machine_epsilon(self.precision))
+        pooled = self._pooled_structure.get(group, {})
+        return {name: max(self.alpha * max(noise, modelled.get(name, 0.0), relative * pooled.get(name + "/norm", 0.0)), floor)
+                for name, noise in pooled.items() if "/" not in name}
 
     def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
         deviation = self.estimate.tensors.get(key)
@@ -182,6 +214,9 @@ class TheoremTolerances:
         return Tolerance(rel=rel, abs=0.0, source=f"theorem: {self.k:g} x {self.c:g}^{depth} x eps", method="theorem",
                          params=(("k", self.k), ("C", self.c), ("depth", depth), ("eps", machine_epsilon(self.precision))))
 
+    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> dict[str, float]:
+        return {}  # the theorem bounds the error's norm only
+
 
 
 
@@ -230,6 +265,9 @@ class StepScalarTolerances:
         if key.slot in NORM_SCALARS:
             return self._norm_tolerance(key.step)
         return self.base.tolerance_for(key, dtype)
+
+    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> dict[str, float]:
+        return {} if key.slot.startswith("scalar.") else self.base.structure_tolerances(key, dtype, shape)
 
     def _norm_tolerance(self, step: int) -> Tolerance:
         grads = self.gradients.get(step, [])

@@ -27,7 +27,7 @@ from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.findings import FINDINGS, findings_in_file
 from ttrace_core.format.records import data_from_json, meta_from_json, record_from_data
 from ttrace_core.format.schema import (
-    FORMAT_VERSION, NO_MICRO_BATCH, PHASES, READABLE_FORMAT_VERSIONS, REQUIRED_MANIFEST_FIELDS, Finding, RunManifest,
+    FORMAT_VERSION, NO_MICRO_BATCH, PHASES, PRE_STEP_SLOT, READABLE_FORMAT_VERSIONS, REQUIRED_MANIFEST_FIELDS, Finding, RunManifest,
     TensorKey, TensorMeta,
 )
 
@@ -94,6 +94,17 @@ def key_fromdataset_path(path: str, step: int) -> TensorKey | None:
         return None
     return TensorKey(step=step, micro_batch=micro_batch, phase=parts[0], fqn="" if fqn == "<root>" else fqn, slot=slot,
                      call=int(call or 0))
+
+
+def pre_step_key(reader: RunReader, key: TensorKey) -> TensorKey | None:
+    """Where a post-step parameter's value before the step is in `reader`: the same step's PRE_STEP_SLOT,
+    else the previous step's post-step value; None for other tensors, or when neither was recorded."""
+    if key.phase != "param" or key.slot != "value":
+        return None
+    for candidate in (dataclasses.replace(key, slot=PRE_STEP_SLOT), dataclasses.replace(key, step=key.step - 1)):
+        if candidate.step >= 0 and candidate in reader.index:
+            return candidate
+    return None
 
 
 def read_manifest(run_dir: str | os.PathLike) -> RunManifest:

@@ -19,31 +19,56 @@ import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ttrace_core.canonicalize.logical_value import logical_value
 from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation
+from ttrace_core.compare.structure import statistics
 from ttrace_core.compare.tolerances import machine_epsilon
 from ttrace_core.errors import TtraceError
-from ttrace_core.format.reader import RunReader, read_manifest
+from ttrace_core.format.reader import RunReader, pre_step_key, read_manifest
 from ttrace_core.format.schema import TensorKey
 from ttrace_core.record.command import relaunch
 
 
-def deviations(reference: RunReader, perturbed: RunReader) -> dict[TensorKey, tuple[float, float, int]]:
-    """(||perturbed - reference||_F, ||reference||_F, numel) of every tensor both runs hold."""
+@dataclass(frozen=True, slots=True)
+class SampleDeviation:
+    """How far one perturbed re-run moved one tensor."""
+
+    deviation: float
+    """||perturbed - reference||_F."""
+    reference_norm: float
+    numel: int
+    structure: dict[str, float]
+    """compare/structure.py's statistics of (perturbed - reference) on the reference."""
+
+
+def deviations(reference: RunReader, perturbed: RunReader) -> dict[TensorKey, SampleDeviation]:
+    """Every tensor both runs hold: its deviation and its structure statistics."""
     result = {}
     for key in reference.index:
         if key not in perturbed.index or reference.index[key][0].stats_only:
             continue
-        expected, actual = logical_value(reference, key), logical_value(perturbed, key)
-        finite = torch.isfinite(expected) & torch.isfinite(actual)
-        diff = torch.where(finite, actual - expected, torch.zeros((), dtype=torch.float64))
-        norm = torch.where(finite, expected, torch.zeros((), dtype=torch.float64))
-        result[key] = (float(torch.linalg.vector_norm(diff)), float(torch.linalg.vector_norm(norm)), expected.numel())
+        diff, expected = _finite_difference(reference, perturbed, key)
+        before_key = pre_step_key(reference, key)
+        before = None
+        if before_key is not None and before_key in perturbed.index:
+            before = _finite_difference(reference, perturbed, before_key)
+        result[key] = SampleDeviation(deviation=float(torch.linalg.vector_norm(diff)),
+                                      reference_norm=float(torch.linalg.vector_norm(expected)), numel=expected.numel(),
+                                      structure=statistics(diff, expected, before))
     return result
+
+
+def _finite_difference(reference: RunReader, perturbed: RunReader, key: TensorKey) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perturbed - reference, reference) in float64, zero where either is not finite."""
+    expected, actual = logical_value(reference, key), logical_value(perturbed, key)
+    finite = torch.isfinite(expected) & torch.isfinite(actual)
+    zero = torch.zeros((), dtype=torch.float64)
+    return torch.where(finite, actual - expected, zero), torch.where(finite, expected, zero)
 
 
 def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, relative: float | None = None,
@@ -111,8 +136,12 @@ def _check_precision_honoured(run_dir: Path, outs: list[Path], precision: str) -
                               "script must apply ttrace_core.requested_precision() to its config (the bundled examples do)")
 
 
-def _merge(estimate: PerturbationEstimate, sample: dict[TensorKey, tuple[float, float, int]]) -> None:
-    for key, (deviation, norm, numel) in sample.items():
-        entry = estimate.tensors.setdefault(key, TensorDeviation(key=key, deviation=0.0, reference_norm=norm, numel=numel))
-        entry.deviation = max(entry.deviation, deviation)
-        entry.per_sample.append(deviation / norm if norm > 0 else (0.0 if deviation == 0 else math.inf))
+def _merge(estimate: PerturbationEstimate, sample: dict[TensorKey, SampleDeviation]) -> None:
+    for key, found in sample.items():
+        norm = found.reference_norm
+        entry = estimate.tensors.setdefault(key, TensorDeviation(key=key, deviation=0.0, reference_norm=norm, numel=found.numel))
+        entry.deviation = max(entry.deviation, found.deviation)
+        entry.per_sample.append(found.deviation / norm if norm > 0 else (0.0 if found.deviation == 0 else math.inf))
+        for name, value in found.structure.items():
+            if math.isfinite(value):
+                entry.structure.setdefault(name, []).append(value)

@@ -115,8 +115,9 @@ def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike,
     if not original.comparisons:
         raise TtraceError(f"{candidate_dir}: no step was completed in both runs, nothing to localize")
     if original.first_divergence is None:  # every compared tensor passes, whether or not the evidence is complete
+        lacking = "the reference did not train" if original.verdict == "refused" else "the evidence is incomplete"
         notes = ["the candidate matches the reference: nothing to localize"] if original.passed else \
-            ["no compared tensor diverged: nothing to localize; but the evidence is incomplete", *original.findings]
+            [f"no compared tensor diverged: nothing to localize; but {lacking}", *original.findings]
         return Localization(reference=str(reference_dir), candidate=str(candidate_dir), replay=None, diverged=False,
                             command=command, notes=notes)
     replay_dir = Path(replay_dir) if replay_dir else candidate_dir / ".localize" / ("replay" + (f"-{module}" if module else ""))

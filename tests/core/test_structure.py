@@ -1,0 +1,119 @@
+"""Structure statistics (compare/structure.py): each one fires on the transform it is built for, and noise
+of the estimate's own size stays at ratio <= 0.5, through the same path as a real comparison: the
+estimate's per-sample statistics -> PerturbationTolerances.structure_tolerances -> structure_tests."""
+
+import math
+
+import pytest
+import torch
+
+from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation
+from ttrace_core.compare.structure import statistics, structure_tests
+from ttrace_core.compare.tolerances import PerturbationTolerances
+from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
+
+NOISE = 0.02
+"""Relative round-off noise per element, about bf16's with a few roundings."""
+SHAPE = (64, 2, 128)
+"""An activation: sequence x batch x hidden."""
+KEY = TensorKey(step=0, micro_batch=0, phase="forward", fqn="layers.0.mlp", slot="output.0")
+PARAM = TensorKey(step=0, micro_batch=NO_MICRO_BATCH, phase="param", fqn="layers.0.mlp.weight", slot="value")
+
+
+def _noisy(values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return values * (1 + NOISE * torch.randn(values.shape, generator=generator, dtype=torch.float64))
+
+
+def _estimate(key: TensorKey, expected: torch.Tensor, samples: list[dict[str, float]], relatives: list[float]
+              ) -> PerturbationTolerances:
+    deviation = TensorDeviation(key=key, deviation=max(relatives) * float(expected.norm()), reference_norm=float(expected.norm()),
+                                numel=expected.numel(), per_sample=relatives,
+                                structure={name: [s[name] for s in samples] for name in samples[0]})
+    estimate = PerturbationEstimate(precision="bf16", num_samples=len(samples), relative=2.0**-8, tensors={key: deviation})
+    return PerturbationTolerances(estimate=estimate, precision="bf16")
+
+
+def _ratios(candidate: torch.Tensor, expected: torch.Tensor, *, seed: int = 0) -> dict[str, float]:
+    """Each statistic's ratio for `candidate` against `expected`, its tolerance from 4 noisy re-runs."""
+    generator = torch.Generator().manual_seed(seed)
+    perturbed = [_noisy(expected, generator) for _ in range(4)]
+    samples = [statistics(p - expected, expected) for p in perturbed]
+    relatives = [float((p - expected).norm() / expected.norm()) for p in perturbed]
+    tolerances = _estimate(KEY, expected, samples, relatives).structure_tolerances(KEY, "bfloat16", tuple(expected.shape))
+    return {t.name: t.ratio for t in structure_tests(statistics(candidate - expected, expected), tolerances)}
+
+
+@pytest.fixture
+def activation() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(SHAPE, generator=generator, dtype=torch.float64) + 0.3
+
+
+def test_noise_alone_stays_at_half_the_line(activation):
+    for seed in range(20):
+        generator = torch.Generator().manual_seed(100 + seed)
+        ratios = _ratios(_noisy(activation, generator), activation, seed=seed)
+        assert set(ratios) == {"scale", "offset"}
+        assert max(ratios.values()) <= 0.5, (seed, ratios)
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0, -1.0, 0.9])
+def test_a_scale_or_a_sign_fires_the_scale_test(activation, factor):
+    generator = torch.Generator().manual_seed(7)
+    candidate = _noisy(activation * factor, generator)
+    ratios = _ratios(candidate, activation)
+    assert ratios["scale"] >= 3
+    found = structure_tests(statistics(candidate - activation, activation), {"scale": 0.01})[0]
+    stated = float(found.finding.removeprefix("scaled by ").split()[0])
+    assert abs(stated - factor) <= 3 * NOISE / math.sqrt(activation.numel()) * abs(factor) + 5e-4
+    assert ("sign flipped" in found.finding) == (factor < 0)
+
+
+def test_a_bias_added_on_one_rank_fires_the_offset_test(activation):
+    generator = torch.Generator().manual_seed(8)
+    bias = 0.075 * torch.randn(SHAPE[-1], generator=generator, dtype=torch.float64)
+    candidate = _noisy(activation + bias, generator)
+    norm_relative = float((candidate - activation).norm() / activation.norm())
+    assert norm_relative < 4 * NOISE  # under the norm test's tolerance: it passes there
+    assert _ratios(candidate, activation)["offset"] >= 3
+
+
+@pytest.mark.parametrize("transform", ["stale shard", "shifted slice"])
+def test_a_stale_shard_or_a_shifted_slice_fires_the_scale_test(activation, transform):
+    candidate = activation.clone()
+    if transform == "stale shard":  # rank 1's half of the hidden dim holds another micro-batch's values
+        candidate[..., 64:] = torch.randn(SHAPE[0], SHAPE[1], 64, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    else:  # the sequence shifted by one token
+        candidate = torch.roll(activation, 1, dims=0)
+    assert _ratios(candidate, activation)["scale"] >= 3
+
+
+def test_a_missing_update_fires_the_update_test():
+    """A post-step parameter whose shard kept its old value: a small error next to the weight, all of the update."""
+    generator = torch.Generator().manual_seed(3)
+    before = torch.randn(256, 64, generator=generator, dtype=torch.float64)
+    update = 0.01 * torch.sign(torch.randn(256, 64, generator=generator, dtype=torch.float64))
+    after = before + update
+
+    def noisy_run() -> tuple[torch.Tensor, torch.Tensor]:
+        start = before * (1 + 2.0**-9 * (2 * torch.rand(before.shape, generator=generator, dtype=torch.float64) - 1))
+        return start, start + update * (1 + NOISE * torch.randn(update.shape, generator=generator, dtype=torch.float64))
+
+    runs = [noisy_run() for _ in range(4)]
+    samples = [statistics(a - after, after, (b - before, before)) for b, a in runs]
+    relatives = [float((a - after).norm() / after.norm()) for _, a in runs]
+    tolerances = _estimate(PARAM, after, samples, relatives).structure_tolerances(PARAM, "bfloat16", tuple(after.shape))
+    stale = after.clone()
+    stale[128:] = before[128:]  # the distributed optimizer's second shard never refreshed
+    tests = {t.name: t for t in structure_tests(statistics(stale - after, after, (before - before, before)), tolerances)}
+    assert tests["update"].ratio >= 3
+    assert math.isclose(tests["update"].value, math.sqrt(0.5), rel_tol=1e-9)
+    clean_start, clean_after = noisy_run()
+    clean = {t.name: t.ratio for t in structure_tests(statistics(clean_after - after, after, (clean_start - before, before)),
+                                                       tolerances)}
+    assert clean["update"] <= 0.5
+
+
+def test_a_tensor_of_one_element_has_no_structure_test():
+    one = torch.tensor([2.0], dtype=torch.float64)
+    assert statistics(one * 0.5 - one, one) == {}

@@ -1,0 +1,162 @@
+"""Part of stage 3 (compare): the structure of an error, next to its size.
+
+The norm test asks whether ||A - E|| / ||E|| is under the round-off noise. In bf16 and fp8 that
+noise is wide, and a bug that is a systematic transform of the values hides under it. Round-off
+and bugs differ in shape: round-off is nearly uncorrelated with the values, while a bug is often a
+scale (x2, x0.5, a sign), a constant added along the token dims (a bias added per rank), or a
+parameter update that went missing. Each statistic below measures one such shape; the perturbation
+estimate (workflows/estimate.py) measures the same statistic on its re-runs, so each one gets its
+own noise level and tolerance, exactly as the norm does (docs/tolerances.md):
+
+- scale: s in the least-squares fit A - E = s * E + c, c constant along every dim but the last
+  (the error's projection on the reference, after its per-feature constant). A halved tensor gives
+  s = -0.5 whatever its noise; noise uncorrelated with E gives s ~ r / sqrt(n).
+- offset: ||c|| (broadcast) / ||E||, the part of the error that is the same on every token.
+- update: for a post-step parameter, ||(A - A_before) - (E - E_before)|| / ||E - E_before||: the
+  step's change judged against the change's own noise, not against the weight's value.
+
+Every statistic is computed in float64 from the full logical tensors, by this module alone, at
+estimate time (on each perturbed re-run) and at compare time (on the candidate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ttrace_core.compare.results import StructureTest
+
+STRUCTURE_STATISTICS = ("scale", "offset", "update")
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """The least-squares fit error = scale * expected + offset (offset constant along the leading dims)."""
+
+    scale: float
+    offset: float | None
+    """||offset broadcast||_F / ||expected||_F; None for a tensor with one row (nothing to be constant along)."""
+
+
+def fit_error(diff: torch.Tensor, expected: torch.Tensor) -> Fit | None:
+    """The fit of `diff` (actual - expected) on `expected`, both float64 and finite; None when the
+    reference is zero or the tensor has fewer than 2 elements (its one number is the norm test's)."""
+    if expected.numel() < 2:
+        return None
+    reference_sq = float(torch.dot(expected.flatten(), expected.flatten()))
+    if reference_sq == 0.0:
+        return None
+    if expected.dim() < 2 or expected.numel() == expected.shape[-1]:
+        return Fit(scale=float(torch.dot(diff.flatten(), expected.flatten())) / reference_sq, offset=None)
+    rows = expected.reshape(-1, expected.shape[-1])
+    errors = diff.reshape(-1, expected.shape[-1])
+    row_mean, error_mean = rows.mean(dim=0), errors.mean(dim=0)
+    centered = rows - row_mean
+    centered_sq = float(torch.dot(centered.flatten(), centered.flatten()))
+    scale = float(torch.dot((errors - error_mean).flatten(), centered.flatten())) / centered_sq if centered_sq else 0.0
+    offset = error_mean - scale * row_mean
+    return Fit(scale=scale, offset=math.sqrt(rows.shape[0]) * float(torch.linalg.vector_norm(offset)) / math.sqrt(reference_sq))
+
+
+def update_error(diff: torch.Tensor, diff_before: torch.Tensor, expected: torch.Tensor,
+                 expected_before: torch.Tensor) -> float | None:
+    """||diff - diff_before|| / ||expected - expected_before||: how far the step's change differs,
+    relative to the change; None when the reference did not change."""
+    change = float(torch.linalg.vector_norm(expected - expected_before))
+    if change == 0.0:
+        return None
+    return float(torch.linalg.vector_norm(diff - diff_before)) / change
+
+
+def statistics(diff: torch.Tensor, expected: torch.Tensor, before: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> dict[str, float]:
+    """Every statistic this tensor has: {"scale", "offset", "update"} (signed scale; the others >= 0).
+    `before`: (diff, expected) of the parameter before the step, for a post-step parameter."""
+    found: dict[str, float] = {}
+    fit = fit_error(diff, expected)
+    if fit is not None:
+        found["scale"] = fit.scale
+        if fit.offset is not None:
+            found["offset"] = fit.offset
+    if before is not None and before[1].shape == expected.shape:
+        update = update_error(diff, before[0], expected, before[1])
+        if update is not None:
+            found["update"] = update
+    return found
+
+
+NOISE_SIGMAS = 3.0
+"""How many standard deviations of a statistic's uncorrelated-noise model its tolerance covers (before
+alpha): a Gaussian statistic passes this bound by chance with probability 0.3%, and alpha 4 on top
+makes that 12 sigma for noise as large as the estimate's."""
+
+
+def uncorrelated_noise(relative_noise: float, shape: tuple[int, ...], eps: float) -> dict[str, float]:
+    """What round-off of relative norm `relative_noise` makes of each statistic, where the perturbation may
+    not show it: noise uncorrelated with the values projects on them with std r / sqrt(n), and its part
+    constant along the rows averages R rows, std r / sqrt(R) (NOISE_SIGMAS of each); and one rounding of a
+    scalar that multiplies the whole tensor (a loss scale, 1 / num_tokens, a norm's reciprocal, kept in the
+    compute dtype) scales it by up to `eps`, which no weight perturbation moves. Never more than r itself
+    (Cauchy-Schwarz: |scale| <= ||error|| / ||reference||)."""
+    numel = math.prod(shape)
+    if numel < 2:
+        return {}
+    rows = numel // shape[-1] if shape else 1
+    found = {"scale": min(relative_noise, max(relative_noise * NOISE_SIGMAS / math.sqrt(numel), eps))}
+    if rows > 1:
+        found["offset"] = relative_noise * min(1.0, NOISE_SIGMAS / math.sqrt(rows))
+    return found
+
+
+def with_exact_inputs(allowed: dict[str, float], exact_rel: float, shape: tuple[int, ...]) -> dict[str, float]:
+    """Tighten the scale and offset tolerances of a tensor whose inputs were all exact (exact_inputs.py): its
+    two runs then differ only by the rounding of its last few partial sums, elementwise and uncorrelated
+    with the values, of relative norm at most `exact_rel` (k sqrt(n) eps); no scalar multiplies the
+    difference, so what is left is the uncorrelated model with r = exact_rel."""
+    modelled = uncorrelated_noise(exact_rel, shape, eps=0.0)
+    return {name: min(tolerance, modelled[name]) if name in modelled else tolerance for name, tolerance in allowed.items()}
+
+
+def structure_tests(measured: dict[str, float], tolerances: dict[str, float]) -> list[StructureTest]:
+    """The tests of the statistics both measured on the candidate and given a tolerance by the estimate."""
+    tests = []
+    for name in STRUCTURE_STATISTICS:
+        if name not in measured or name not in tolerances:
+            continue
+        value, tolerance = measured[name], tolerances[name]
+        if name == "update" and tolerance >= 1.0:
+            continue  # round-off moves this update as much as the step does (a key bias, a frozen weight): no signal
+        ratio = abs(value) / tolerance if tolerance > 0 else (0.0 if value == 0 else math.inf)
+        tests.append(StructureTest(name=name, value=value, tolerance=tolerance, ratio=ratio,
+                                   finding=_finding(name, value, tolerance) if ratio > 1 else ""))
+    return tests
+
+
+def _finding(name: str, value: float, tolerance: float) -> str:
+    if name == "scale":
+        factor = 1.0 + value
+        if abs(factor) <= tolerance:
+            return (f"does not follow the reference: scaled by {factor:.3f} (x0 within +/- {tolerance:.2g}), what is "
+                    "left is unrelated to it")
+        sign = ", its sign flipped" if factor < 0 else ""
+        return f"scaled by {factor:.3f} (x{factor:.3g} +/- {tolerance:.2g} under round-off){sign}"
+    if name == "offset":
+        return (f"offset by the same amount on every token ({value:.3g} of the tensor's norm; round-off allows "
+                f"{tolerance:.2g})")
+    return f"its update differs from the reference's by {value:.0%} of that update (round-off allows {tolerance:.0%})"
+
+
+def detectable_error(norm_rel: float, tests: list[StructureTest], update_to_value: float | None = None) -> float:
+    """The smallest relative error ||A - E|| / ||E|| one of the tests catches: the norm test's rel, a
+    scale or offset of its tolerance, or an update error of its tolerance (in units of the update,
+    so times ||E - E_before|| / ||E||, `update_to_value`)."""
+    caught = [norm_rel]
+    for test in tests:
+        if test.name == "update":
+            if update_to_value is not None:
+                caught.append(test.tolerance * update_to_value)
+        else:
+            caught.append(test.tolerance)
+    return min(caught)
