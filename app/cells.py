@@ -8,6 +8,7 @@ its log10(ratio) as colour, or a category of its own when the worst is not a num
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -91,9 +92,15 @@ def detectable_text(row: pd.Series) -> str | None:
     detectable = detectable_errors(row.to_frame().T).iloc[0]
     if math.isnan(detectable):
         return None
-    decided_by = row.get("decided_by")
-    own = pd.notna(row.get("detectable")) and isinstance(decided_by, str) and decided_by
-    return f"smallest error this comparison catches on this tensor: {detectable:.3g} (test: {decided_by if own else 'norm'})"
+    return f"smallest error this comparison catches on this tensor: {detectable:.3g} (test: {_catching_test(row, detectable)})"
+
+
+def _catching_test(row: pd.Series, detectable: float) -> str:
+    """The test whose tolerance is the row's `detectable`: a scale or offset test's, else the norm's (an update
+    test's figure is in units of the update, so it never equals the value's)."""
+    structure = row.get("structure")
+    tests = json.loads(structure) if isinstance(structure, str) else []
+    return next((t["name"] for t in tests if math.isclose(t["tolerance"], detectable, rel_tol=1e-9)), "norm")
 
 
 def heatmap_cells(frame: pd.DataFrame, step: int, micro_batch: int | str) -> pd.DataFrame:

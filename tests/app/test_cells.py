@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -84,8 +85,11 @@ def test_the_hover_says_which_error_the_comparison_catches_on_the_cells_tensor(f
 
 def test_the_tensor_pages_line_names_the_smallest_error_caught_and_its_test(frame):
     row = frame[(frame["fqn"] == "layers.0.act") & (frame["micro_batch"] == 0)].iloc[0].copy()
-    row["detectable"], row["decided_by"] = 2e-4, "scale"
+    row["detectable"] = 2e-4
+    row["structure"] = json.dumps([{"name": "offset", "value": 0.0, "tolerance": 3e-4, "ratio": 0.0, "finding": ""},
+                                   {"name": "scale", "value": 0.0, "tolerance": 2e-4, "ratio": 0.0, "finding": ""}])
     assert cells.detectable_text(row) == "smallest error this comparison catches on this tensor: 0.0002 (test: scale)"
+    row["structure"] = None
     row["detectable"] = float("nan")
     assert cells.detectable_text(row) == \
         f"smallest error this comparison catches on this tensor: {_float32_rel():.3g} (test: norm)"
