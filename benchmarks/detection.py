@@ -291,12 +291,11 @@ def prepare_references(runs: list[Run], work: Path, args: argparse.Namespace, lo
         failure = record(reference, work, args.loss_steps, log)
         if failure:
             raise SystemExit(f"{reference.directory(work)}: {failure}")
-        if getattr(args, "skip_estimates", False):
-            pass
-        elif precision != "fp64":
-            estimate(reference.directory(work), args.samples, log)
-        if precision == "bf16" and (workload, "fp8", variant, split) in needed and not getattr(args, "skip_estimates", False):
-            estimate(reference.directory(work), args.samples, log, for_precision="fp8")
+        if not getattr(args, "skip_estimates", False):
+            if precision != "fp64":
+                estimate(reference.directory(work), args.samples, log)
+            if precision == "bf16" and (workload, "fp8", variant, split) in needed:
+                estimate(reference.directory(work), args.samples, log, for_precision="fp8")
         print(f"reference ready: {workload} {precision} {variant}", flush=True)
 
 

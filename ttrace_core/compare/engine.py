@@ -164,9 +164,9 @@ def _structure(key: TensorKey, actual: torch.Tensor, expected: torch.Tensor, ref
         allowed = with_exact_inputs(allowed, tolerance.rel, tuple(expected.shape))
     if not allowed or not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
         return [], None
-    before, update_to_value = _values_before_step(key, reference, candidate), None
-    diff = actual - expected
-    measured = statistics(diff, expected, None if before is None else (before[0] - before[1], before[1]))
+    before = _values_before_step(key, reference, candidate)
+    measured = statistics(actual - expected, expected, None if before is None else (before[0] - before[1], before[1]))
+    update_to_value = None
     if before is not None and (norm := float(torch.linalg.vector_norm(expected))) > 0:
         update_to_value = float(torch.linalg.vector_norm(expected - before[1])) / norm
     return structure_tests(measured, allowed), update_to_value

@@ -119,7 +119,7 @@ class PerturbationTolerances:
     floor_eps: float = DEFAULT_FLOOR_EPS
     fallback: DtypeTolerances = field(default_factory=DtypeTolerances)
     _pooled: dict[tuple, float] = field(default_factory=dict, init=False, repr=False)
-    _pooled_structure: dict[tuple, dict[str, float]] = field(default_factory=dict, init=False, repr=False)
+    _pooled_structure: dict[tuple, dict[str, StatisticNoise]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for key, deviation in self.estimate.tensors.items():
@@ -128,16 +128,14 @@ class PerturbationTolerances:
             pooled = self._pooled_structure.setdefault(group, {})
             for name, values in deviation.structure.items():
                 if values:
-                    pooled[name] = max(pooled.get(name, 0.0), max(abs(v) for v in values))
-                if values and len(values) == len(deviation.per_sample):  # each sample's statistic per unit of its norm
-                    share = max((abs(v) / r for v, r in zip(values, deviation.per_sample) if r > 0), default=0.0)
-                    pooled[name + "/norm"] = max(pooled.get(name + "/norm", 0.0), share)
+                    pooled.setdefault(name, StatisticNoise()).add(values, deviation.per_sample)
 
     def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> dict[str, float]:
         """alpha x the largest |statistic| over the samples and the tensor's micro-batches (the norm's rule,
-        on each statistic's own draws), and at least alpha x what noise of the norm's size r_t makes of
-        the statistic when it is uncorrelated with the values (structure.uncorrelated_noise): a signed
-        statistic of a few draws can come out near 0 by chance, its model cannot. At least the norm's floor."""
+        on each statistic's own draws), or x r_t times the statistic per unit of each sample's noise, and at
+        least alpha x what noise of the norm's size r_t makes of the statistic when it is uncorrelated with
+        the values (structure.uncorrelated_noise): a signed statistic of a few draws can come out near 0 by
+        chance, its model cannot. At least the norm's floor."""
         deviation = self.estimate.tensors.get(key)
         if deviation is None or deviation.reference_norm == 0:
             return {}
@@ -145,9 +143,8 @@ class PerturbationTolerances:
         floor = self.floor_eps * max(machine_epsilon(self.precision), _storage_epsilon(dtype))
         relative = self._pooled[group]
         modelled = uncorrelated_noise(relative, shape, machine_epsilon(self.precision))
-        pooled = self._pooled_structure.get(group, {})
-        return {name: max(self.alpha * max(noise, modelled.get(name, 0.0), relative * pooled.get(name + "/norm", 0.0)), floor)
-                for name, noise in pooled.items() if "/" not in name}
+        return {name: max(self.alpha * max(noise.largest, modelled.get(name, 0.0), relative * noise.per_unit_norm), floor)
+                for name, noise in self._pooled_structure.get(group, {}).items()}
 
     def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
         deviation = self.estimate.tensors.get(key)
@@ -172,6 +169,22 @@ class PerturbationTolerances:
         return Tolerance(rel=self.alpha * relative, abs=0.0, drift_rel=floor, method="perturbation",
                          params=(("alpha", self.alpha), ("r_t", relative), ("samples", self.estimate.num_samples)),
                          source=f"perturbation: alpha {self.alpha:g} x r_t {relative:.2g} ({self.estimate.num_samples} samples)")
+
+
+@dataclass(slots=True)
+class StatisticNoise:
+    """What round-off made of one structure statistic, pooled over samples and micro-batches."""
+
+    largest: float = 0.0
+    """The largest |statistic| of any sample."""
+    per_unit_norm: float = 0.0
+    """The largest |statistic| / (that sample's relative noise norm)."""
+
+    def add(self, values: list[float], relative_norms: list[float]) -> None:
+        self.largest = max(self.largest, max(abs(v) for v in values))
+        if len(values) == len(relative_norms):  # one statistic per sample, in the samples' order
+            self.per_unit_norm = max(self.per_unit_norm, max((abs(v) / r for v, r in zip(values, relative_norms) if r > 0),
+                                                             default=0.0))
 
 
 def _micro_batch_group(key: TensorKey) -> tuple:
