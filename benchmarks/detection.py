@@ -28,7 +28,7 @@ from ttrace_core.compare.estimate_file import estimate_path
 from ttrace_examples.megatron_gpt.bugs import ZOO, first_tensor_points_at, localized_correctly
 from ttrace_core.workflows.localize import localize
 from ttrace_core.format.reader import RunReader
-from ttrace_core.compare.tolerances import num_layers_of, select_tolerances
+from ttrace_core.compare.tolerances import num_layers_of, select_tolerances, with_step_scalars
 
 RESULTS = Path(__file__).parent / "results"
 VARIANT_FLAGS = {"base": [], "swiglu": ["--swiglu"], "tied": ["--tie-embeddings"], "moe": ["--moe"]}
@@ -192,12 +192,17 @@ def losses(run_dir: Path) -> list[float] | None:
     return json.loads(path.read_text())["losses"] if path.exists() else None
 
 
+def perturbation_tolerances(reference: RunReader, candidate: RunReader):
+    """What `ttrace compare --tolerance perturbation` judges with: the estimate, the step scalars' own in front."""
+    return with_step_scalars(select_tolerances("perturbation", reference, candidate), reference)
+
+
 def evaluate(run: Run, work: Path, spread: float | None) -> Row:
     reference_run, oracle_run = run.reference(), run.reference("fp64")
     truth = ZOO[run.bug].first_divergence if run.bug else ""
     with RunReader(reference_run.directory(work)) as reference, RunReader(run.directory(work)) as candidate, \
             RunReader(oracle_run.directory(work)) as oracle:
-        result = compare_runs(reference, candidate, select_tolerances("perturbation", reference, candidate))
+        result = compare_runs(reference, candidate, perturbation_tolerances(reference, candidate))
         num_layers = num_layers_of(reference)
         theorem = compare_from_errors(result, select_tolerances("theorem", reference, candidate))
         l0 = baselines.megatron_l0_first_failure(result, num_layers, run.precision)
@@ -235,7 +240,7 @@ def evaluate_ttrace_only(run: Run, work: Path, *, reference_precision: str | Non
     label = run.precision if reference_precision is None else f"{run.precision} vs {reference_precision}"
     try:
         with RunReader(reference_run.directory(work)) as reference, RunReader(run.directory(work)) as candidate:
-            result = compare_runs(reference, candidate, select_tolerances("perturbation", reference, candidate))
+            result = compare_runs(reference, candidate, perturbation_tolerances(reference, candidate))
     except Exception as error:  # one broken run must not lose the table
         return failed_row(run, f"evaluation failed: {type(error).__name__}: {error}".replace("|", "/")[:200], label)
     row = Row(split=run.split, precision=label, run=run.bug or "clean", variant=run.variant, layout=run.layout, detected=not result.passed,
@@ -611,7 +616,7 @@ def rescored_rows(runs: list[Run], work: Path) -> list[Row]:
             continue
         reference_run = run.reference()
         with RunReader(reference_run.directory(work)) as reference, RunReader(run.directory(work)) as candidate:
-            result = compare_runs(reference, candidate, select_tolerances("perturbation", reference, candidate))
+            result = compare_runs(reference, candidate, perturbation_tolerances(reference, candidate))
         row.localized_rewrite, row.localized_first_tensor = localization_columns(run, work, reference_run, result)
         fill_verdict(row, result)
         print(f"rescored {row.precision} {row.run} {row.layout}: first {_fmt(row.first_ratio)} max {_fmt(row.max_ratio)}", flush=True)

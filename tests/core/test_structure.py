@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation
-from ttrace_core.compare.structure import statistics, structure_tests
+from ttrace_core.compare.structure import statistics, structure_tests, with_value_rounding
 from ttrace_core.compare.tolerances import PerturbationTolerances
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
 
@@ -24,13 +24,13 @@ def _noisy(values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return values * (1 + NOISE * torch.randn(values.shape, generator=generator, dtype=torch.float64))
 
 
-def _estimate(key: TensorKey, expected: torch.Tensor, samples: list[dict[str, float]], relatives: list[float]
-              ) -> PerturbationTolerances:
+def _estimate(key: TensorKey, expected: torch.Tensor, samples: list[dict[str, float]], relatives: list[float],
+              precision: str = "bf16") -> PerturbationTolerances:
     deviation = TensorDeviation(key=key, deviation=max(relatives) * float(expected.norm()), reference_norm=float(expected.norm()),
                                 numel=expected.numel(), per_sample=relatives,
                                 structure={name: [s[name] for s in samples] for name in samples[0]})
-    estimate = PerturbationEstimate(precision="bf16", num_samples=len(samples), relative=2.0**-8, tensors={key: deviation})
-    return PerturbationTolerances(estimate=estimate, precision="bf16")
+    estimate = PerturbationEstimate(precision=precision, num_samples=len(samples), relative=2.0**-8, tensors={key: deviation})
+    return PerturbationTolerances(estimate=estimate, precision=precision)
 
 
 def _ratios(candidate: torch.Tensor, expected: torch.Tensor, *, seed: int = 0) -> dict[str, float]:
@@ -112,6 +112,32 @@ def test_a_missing_update_fires_the_update_test():
     clean = {t.name: t.ratio for t in structure_tests(statistics(clean_after - after, after, (clean_start - before, before)),
                                                        tolerances)}
     assert clean["update"] <= 0.5
+
+
+def test_an_update_rounded_otherwise_into_its_storage_passes_and_a_stale_one_does_not():
+    """fp32 weights near 1 moved by about 1e-3 (an AdamW step): the estimate's re-runs computed the update
+    bit for bit alike (statistic 0), a correct candidate applied it with other roundings (a fused or
+    sharded optimizer). Rounding the new value to fp32 moves it by eps, which is eps / 1e-3 of the update."""
+    generator = torch.Generator().manual_seed(5)
+    before = (1 + 0.01 * torch.randn(4096, generator=generator)).float()
+    update = (1e-3 * torch.randn(4096, generator=generator)).float()
+    after = (before + update).double()
+    otherwise = (before + update * (1 + 2.0**-23 * torch.randn(4096, generator=generator)).float()).double()
+    before = before.double()
+    measured = statistics(after - after, after, (before - before, before))
+    tolerances = _estimate(PARAM, after, [measured] * 4, [0.0] * 4, "fp32").structure_tolerances(PARAM, "float32", (4096,))
+    update_to_value = float((after - before).norm() / after.norm())
+    loosened = with_value_rounding(tolerances, torch.finfo(torch.float32).eps, update_to_value)
+
+    def update_ratio(candidate: torch.Tensor, allowed: dict[str, float]) -> float:
+        tests = structure_tests(statistics(candidate - after, after, (before - before, before)), allowed)
+        return next(t.ratio for t in tests if t.name == "update")
+
+    assert update_ratio(otherwise, tolerances) > 1  # without the storage's rounding: a false alarm
+    assert update_ratio(otherwise, loosened) <= 0.5
+    stale = after.clone()
+    stale[2048:] = before[2048:]
+    assert update_ratio(stale, loosened) >= 3
 
 
 def test_a_tensor_of_one_element_has_no_structure_test():

@@ -1,5 +1,6 @@
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,11 +10,14 @@ from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviat
 from ttrace_core.record.generator import WeightPerturbation
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
 from ttrace_core.compare.tolerances import (
+    FP32_UNIT_ROUNDOFF,
+    REDUCTION_K,
     PerturbationTolerances,
     TheoremTolerances,
     layer_position,
     machine_epsilon,
     theorem_depth,
+    with_step_scalars,
 )
 
 BF16_EPS = 2.0 ** -7
@@ -117,3 +121,23 @@ def test_replicas_may_differ_by_one_rounding_not_by_the_layout_tolerance():
 
     drift = {"ranks": (0, 1), "max_abs_diff": 0.1, "relative_diff": 0.02}
     assert _drift_ratio(drift, tolerance) == pytest.approx(0.02 / BF16_EPS)
+
+
+def test_a_loss_the_perturbation_did_not_move_may_still_differ_by_its_reductions_round_off():
+    """A mean over 64 tokens of a log-sum-exp over 128 logits, in fp32: weights perturbed by round-off leave
+    it bit-identical (deviation 0, so the floor of 1 eps), but a vocab-parallel loss sums in another order."""
+    loss = TensorKey(step=1, micro_batch=0, phase="forward", fqn="(loss)", slot="scalar.loss")
+    logits = TensorKey(step=1, micro_batch=0, phase="forward", fqn="output_layer", slot="output.0")
+    other_batch = TensorKey(step=1, micro_batch=1, phase="forward", fqn="output_layer", slot="output.0")
+
+    def meta(shape):
+        return [SimpleNamespace(dtype="float32", layout=SimpleNamespace(global_shape=shape))]
+
+    reference = SimpleNamespace(index={loss: meta(()), logits: meta((32, 2, 128)), other_batch: meta((64, 2, 128))})
+    estimate = PerturbationEstimate(precision="fp32", num_samples=4, relative=2.0**-24,
+                                    tensors={loss: TensorDeviation(key=loss, deviation=0.0, reference_norm=4.2, numel=1)})
+    provider = PerturbationTolerances(estimate=estimate, precision="fp32")
+    assert provider.tolerance_for(loss, "float32").rel == torch.finfo(torch.float32).eps
+    judged = with_step_scalars(provider, reference).tolerance_for(loss, "float32")
+    assert judged.rel == pytest.approx(REDUCTION_K * math.sqrt(32 * 2 * 128) * FP32_UNIT_ROUNDOFF)
+    assert judged.method == "reduction" and "loss" in judged.source

@@ -22,7 +22,8 @@ from ttrace_core.canonicalize.logical_value import canonical_tensor
 from ttrace_core.compare.exact_inputs import ExactInputs
 from ttrace_core.errors import LayoutError
 from ttrace_core.compare.results import RunComparison, StructureTest, TensorComparison, Tolerance
-from ttrace_core.compare.structure import detectable_error, statistics, structure_tests, with_exact_inputs
+from ttrace_core.compare.structure import (detectable_error, statistics, structure_tests, with_exact_inputs,
+                                          with_value_rounding)
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.evidence import (
     check_comparable, data_mismatch_finding, inconsistency, quantization_only, tally_coverage, unrecorded_keys,
@@ -30,7 +31,8 @@ from ttrace_core.compare.evidence import (
 from ttrace_core.format.schema import TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, pre_step_key
 from ttrace_core.compare.tolerances import (
-    DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, exact_inputs_tolerance, select_tolerances, tolerances_from_settings,
+    DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, exact_inputs_tolerance, machine_epsilon, select_tolerances,
+    storage_epsilon, tolerances_from_settings,
     with_step_scalars,
 )
 
@@ -169,6 +171,8 @@ def _structure(key: TensorKey, actual: torch.Tensor, expected: torch.Tensor, ref
     update_to_value = None
     if before is not None and (norm := float(torch.linalg.vector_norm(expected))) > 0:
         update_to_value = float(torch.linalg.vector_norm(expected - before[1])) / norm
+        allowed = with_value_rounding(allowed, storage_epsilon(dtype) or machine_epsilon(candidate.manifest.precision),
+                                      update_to_value)
     return structure_tests(measured, allowed), update_to_value
 
 

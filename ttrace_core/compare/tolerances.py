@@ -68,7 +68,7 @@ def machine_epsilon(precision: str) -> float:
     return torch.finfo(getattr(torch, COMPUTE_DTYPES[precision])).eps
 
 
-def _storage_epsilon(dtype: str) -> float:
+def storage_epsilon(dtype: str) -> float:
     torch_dtype = getattr(torch, dtype, None)
     return torch.finfo(torch_dtype).eps if isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point else 0.0
 
@@ -140,7 +140,7 @@ class PerturbationTolerances:
         if deviation is None or deviation.reference_norm == 0:
             return {}
         group = _micro_batch_group(key)
-        floor = self.floor_eps * max(machine_epsilon(self.precision), _storage_epsilon(dtype))
+        floor = self.floor_eps * max(machine_epsilon(self.precision), storage_epsilon(dtype))
         relative = self._pooled[group]
         modelled = uncorrelated_noise(relative, shape, machine_epsilon(self.precision))
         return {name: max(self.alpha * max(noise.largest, modelled.get(name, 0.0), relative * noise.per_unit_norm), floor)
@@ -152,7 +152,7 @@ class PerturbationTolerances:
             fallback = self.fallback.tolerance_for(key, dtype)
             return Tolerance(fallback.rel, fallback.abs, f"{fallback.source}; not in the perturbation estimate",
                              method="dtype")
-        floor = self.floor_eps * max(machine_epsilon(self.precision), _storage_epsilon(dtype))
+        floor = self.floor_eps * max(machine_epsilon(self.precision), storage_epsilon(dtype))
         if deviation.reference_norm == 0:  # an all-zero reference: only an absolute bound means anything
             rms = self.alpha * deviation.deviation / math.sqrt(max(deviation.numel, 1))
             return Tolerance(rel=floor, abs=rms, drift_rel=floor, method="perturbation",
@@ -235,7 +235,7 @@ class TheoremTolerances:
 
 def exact_inputs_tolerance(tolerance: Tolerance, precision: str, dtype: str, k: float, num_terms: int) -> Tolerance:
     """The tighter of `tolerance` and k * sqrt(num_terms) * eps, for a tensor whose inputs were all exact."""
-    rel = k * math.sqrt(num_terms) * max(machine_epsilon(precision), _storage_epsilon(dtype))
+    rel = k * math.sqrt(num_terms) * max(machine_epsilon(precision), storage_epsilon(dtype))
     if rel >= tolerance.rel:
         return tolerance
     drift_rel = min(rel, tolerance.rel if tolerance.drift_rel is None else tolerance.drift_rel)
@@ -249,6 +249,7 @@ def exact_inputs_tolerance(tolerance: Tolerance, precision: str, dtype: str, k: 
 EXACT_SCALARS = ("scalar.loss_scale", "scalar.lr", "scalar.skipped_steps", "scalar.num_tokens")
 """Step scalars that are counts or schedule values: the same arithmetic in every layout, so equal."""
 NORM_SCALARS = ("scalar.grad_norm", "scalar.clip_coef")
+LOSS_SLOT = "scalar.loss"
 REDUCTION_K = 8.0
 """Margin on sqrt(n) x u for a norm over n gradient elements accumulated in fp32. Measured here: torch's
 CPU norm of n Gaussian fp32 values is off by 0.03, 0.17 and 1.9 x sqrt(n) x u at n = 1e5, 1e6, 1e7
@@ -264,11 +265,17 @@ class StepScalarTolerances:
     it may differ by what their gradients may differ by (the largest gradient tolerance of the step)
     plus the round-off of a reduction over every gradient element, REDUCTION_K x sqrt(n) x u_fp32 (n
     the step's gradient elements), in both runs; the clip factor's round-off is judged here once, since
-    the gradients are recorded before clipping scales them. The loss keeps the provider's tolerance."""
+    the gradients are recorded before clipping scales them. The loss keeps the provider's tolerance, and
+    at least the round-off of the reduction it is (a log-sum-exp over the vocabulary, a mean over the
+    tokens), REDUCTION_K x sqrt(n) x u_fp32 with n the micro-batch's largest activation: a perturbation
+    of the weights by round-off moves a mean of thousands of terms by less than one of its ulps, while
+    a vocab-parallel or sequence-parallel loss sums them in another order."""
 
     base: ToleranceProvider
     gradients: dict[int, list[tuple[TensorKey, str, int]]]
     """Step -> (key, dtype, logical element count) of each parameter gradient the reference recorded."""
+    largest_activation: dict[tuple[int, int | None], int] = field(default_factory=dict)
+    """(step, micro-batch) -> element count of the largest forward output the reference recorded."""
 
     def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
         if not key.slot.startswith("scalar."):
@@ -277,10 +284,23 @@ class StepScalarTolerances:
             return Tolerance(rel=0.0, abs=0.0, source="exact: a count or a schedule value", method="exact")
         if key.slot in NORM_SCALARS:
             return self._norm_tolerance(key.step)
+        if key.slot == LOSS_SLOT:
+            return self._loss_tolerance(key, dtype)
         return self.base.tolerance_for(key, dtype)
 
     def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> dict[str, float]:
         return {} if key.slot.startswith("scalar.") else self.base.structure_tolerances(key, dtype, shape)
+
+    def _loss_tolerance(self, key: TensorKey, dtype: str) -> Tolerance:
+        provided = self.base.tolerance_for(key, dtype)
+        n = self.largest_activation.get((key.step, key.micro_batch), 0)
+        rounding = REDUCTION_K * math.sqrt(n) * FP32_UNIT_ROUNDOFF
+        if rounding <= provided.rel:
+            return provided
+        return Tolerance(rel=rounding, abs=provided.abs, method="reduction",
+                         params=(("k", REDUCTION_K), ("n", float(n))),
+                         source=f"loss: {REDUCTION_K:g} x sqrt({n}) x u_fp32 for its reduction (the largest activation), "
+                                f"looser than {provided.source}")
 
     def _norm_tolerance(self, step: int) -> Tolerance:
         grads = self.gradients.get(step, [])
@@ -295,10 +315,16 @@ class StepScalarTolerances:
 
 def with_step_scalars(provider: ToleranceProvider, reference: RunReader) -> StepScalarTolerances:
     gradients: dict[int, list[tuple[TensorKey, str, int]]] = {}
+    largest: dict[tuple[int, int | None], int] = {}
     for key, metas in reference.index.items():
-        if key.phase == "grad" and metas:
-            gradients.setdefault(key.step, []).append((key, metas[0].dtype, math.prod(metas[0].layout.global_shape)))
-    return StepScalarTolerances(base=provider, gradients=gradients)
+        if not metas:
+            continue
+        numel = math.prod(metas[0].layout.global_shape)
+        if key.phase == "grad":
+            gradients.setdefault(key.step, []).append((key, metas[0].dtype, numel))
+        elif key.phase == "forward" and key.slot.startswith("output"):
+            largest[key.step, key.micro_batch] = max(largest.get((key.step, key.micro_batch), 0), numel)
+    return StepScalarTolerances(base=provider, gradients=gradients, largest_activation=largest)
 
 
 def num_layers_of(reader: RunReader) -> int:

@@ -61,7 +61,7 @@ def drive_module(tracer, model: nn.Module, candidate_dir: str | Path, fqn: str, 
     """Call the module once per recorded micro-batch of this rank, forward and backward; returns the call count."""
     target = find_module(tracer, model, fqn)
     calls = recorded_calls(candidate_dir, tracer.rank, step, fqn) if target is not None else []
-    with tracer.step(step):
+    with tracer.step(step, parameters_before=False):
         for _, inputs in calls:
             args, kwargs = call_arguments(inputs)
             outputs = _output_tensors(target(*args, **kwargs))

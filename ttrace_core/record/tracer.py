@@ -578,9 +578,10 @@ class Tracer:
     # ---- steps --------------------------------------------------------------------------------
 
     @contextmanager
-    def step(self, step: int) -> Iterator[None]:
+    def step(self, step: int, *, parameters_before: bool = True) -> Iterator[None]:
         """Record one iteration. The step file is completed only if the block finishes; a step that cannot be
-        written stops the recording, never the training (`_stop_recording`)."""
+        written stops the recording, never the training (`_stop_recording`). `parameters_before`: False for
+        a block that runs no optimizer step (a module replayed alone), whose parameters are not updated."""
         if self._recording_stopped or (self.config.steps is not None and step not in self.config.steps):
             yield
             return
@@ -590,7 +591,7 @@ class Tracer:
             held, self._held_findings = self._held_findings, []
             for finding in held:
                 self._keep_finding(*finding)
-            if self._last_recorded_step != step - 1:
+            if parameters_before and self._last_recorded_step != step - 1:
                 self.record_parameters(PRE_STEP_SLOT)
         try:
             yield
