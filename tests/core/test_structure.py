@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation
-from ttrace_core.compare.structure import statistics, structure_tests, with_value_rounding
+from ttrace_core.compare.structure import replica_update_test, statistics, structure_tests
 from ttrace_core.compare.tolerances import PerturbationTolerances
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
 
@@ -117,27 +117,50 @@ def test_a_missing_update_fires_the_update_test():
 def test_an_update_rounded_otherwise_into_its_storage_passes_and_a_stale_one_does_not():
     """fp32 weights near 1 moved by about 1e-3 (an AdamW step): the estimate's re-runs computed the update
     bit for bit alike (statistic 0), a correct candidate applied it with other roundings (a fused or
-    sharded optimizer). Rounding the new value to fp32 moves it by eps, which is eps / 1e-3 of the update."""
+    sharded optimizer), so a few elements round to the neighbouring fp32 value."""
     generator = torch.Generator().manual_seed(5)
     before = (1 + 0.01 * torch.randn(4096, generator=generator)).float()
     update = (1e-3 * torch.randn(4096, generator=generator)).float()
     after = (before + update).double()
-    otherwise = (before + update * (1 + 2.0**-23 * torch.randn(4096, generator=generator)).float()).double()
+    otherwise = (before + update * (1 + 2.0**-22 * torch.randn(4096, generator=generator)).float()).double()
     before = before.double()
+    assert 0 < int((otherwise != after).sum()) < 100
     measured = statistics(after - after, after, (before - before, before))
-    tolerances = _estimate(PARAM, after, [measured] * 4, [0.0] * 4, "fp32").structure_tolerances(PARAM, "float32", (4096,))
+    provider = _estimate(PARAM, after, [measured] * 4, [0.0] * 4, "fp32")
     update_to_value = float((after - before).norm() / after.norm())
-    loosened = with_value_rounding(tolerances, torch.finfo(torch.float32).eps, update_to_value)
 
-    def update_ratio(candidate: torch.Tensor, allowed: dict[str, float]) -> float:
+    def update_ratio(candidate: torch.Tensor, modelled: bool) -> float:
+        allowed = provider.structure_tolerances(PARAM, "float32", (4096,), update_to_value if modelled else None)
         tests = structure_tests(statistics(candidate - after, after, (before - before, before)), allowed)
         return next(t.ratio for t in tests if t.name == "update")
 
-    assert update_ratio(otherwise, tolerances) > 1  # without the storage's rounding: a false alarm
-    assert update_ratio(otherwise, loosened) <= 0.5
+    assert update_ratio(otherwise, modelled=False) > 1  # the re-runs alone: a false alarm
+    assert update_ratio(otherwise, modelled=True) <= 0.5
     stale = after.clone()
     stale[2048:] = before[2048:]
-    assert update_ratio(stale, loosened) >= 3
+    assert update_ratio(stale, modelled=True) >= 3
+
+
+def test_a_replica_that_missed_its_step_fails_in_units_of_the_update():
+    """bf16 weights moved by 1.5% (about 2 ulps): rank 1's replica kept half of its old values, which is 1.5%
+    of the value, 2 eps, yet all of the update; replicas apart by a few roundings stay under the line."""
+    generator = torch.Generator().manual_seed(6)
+    before = torch.randn(16384, generator=generator).bfloat16()
+    after = (before.float() * (1 + 0.015 * torch.randn(16384, generator=generator))).bfloat16()
+    update_to_value = float((after.double() - before.double()).norm() / after.double().norm())
+    eps = torch.finfo(torch.bfloat16).eps
+
+    def replica_ratio(replica: torch.Tensor) -> float:
+        drift = float((replica.double() - after.double()).norm() / after.double().norm())
+        test = replica_update_test(drift, (0, 1), update_to_value, after.numel(), eps)
+        return 0.0 if test is None else test.ratio
+
+    stale = after.clone()
+    stale[8192:] = before[8192:]
+    assert replica_ratio(stale) >= 3
+    rounded_apart = after.clone()
+    rounded_apart[:2] = (after[:2].float() * (1 + eps)).bfloat16()  # two elements one ulp apart
+    assert 0 < replica_ratio(rounded_apart) <= 0.5
 
 
 def test_a_tensor_of_one_element_has_no_structure_test():

@@ -19,11 +19,12 @@ from ttrace_core.canonicalize import placements as pl
 from ttrace_core.compare.bounded import compare_in_slabs, slab_dims, working_bytes
 from ttrace_core.compare.metrics import metrics_from_sums, value_sums
 from ttrace_core.canonicalize.logical_value import canonical_tensor
+from ttrace_core.canonicalize.shards import ReplicaDrift
 from ttrace_core.compare.exact_inputs import ExactInputs
 from ttrace_core.errors import LayoutError
 from ttrace_core.compare.results import RunComparison, StructureTest, TensorComparison, Tolerance
-from ttrace_core.compare.structure import (detectable_error, statistics, structure_tests, with_exact_inputs,
-                                          with_value_rounding)
+from ttrace_core.compare.structure import (REPLICA_UPDATE, detectable_error, replica_update_test, statistics, structure_tests,
+                                          with_exact_inputs)
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.evidence import (
     check_comparable, data_mismatch_finding, inconsistency, quantization_only, tally_coverage, unrecorded_keys,
@@ -31,8 +32,8 @@ from ttrace_core.compare.evidence import (
 from ttrace_core.format.schema import TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, pre_step_key
 from ttrace_core.compare.tolerances import (
-    DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, exact_inputs_tolerance, machine_epsilon, select_tolerances,
-    storage_epsilon, tolerances_from_settings,
+    DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, exact_inputs_tolerance, select_tolerances, storage_epsilon,
+    tolerances_from_settings,
     with_step_scalars,
 )
 
@@ -141,7 +142,7 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
                                         message=f"shape {tuple(actual.shape)} in the candidate, {tuple(expected.shape)} in the reference")
             metrics, replica_drift = compare_values(actual, expected, tolerance), cand_full.replica_drift
             structure, update_to_value = _structure(key, actual, expected, reference, candidate, tolerances, cand_dtype,
-                                                    tolerance)
+                                                    tolerance, replica_drift)
     except LayoutError as error:
         return TensorComparison(key=key, status="layout", dtype=cand_dtype, message=str(error))
     drift = asdict(replica_drift) if replica_drift else None
@@ -156,24 +157,30 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
 
 
 def _structure(key: TensorKey, actual: torch.Tensor, expected: torch.Tensor, reference: RunReader, candidate: RunReader,
-               tolerances: ToleranceProvider, dtype: str, tolerance: Tolerance) -> tuple[list[StructureTest], float | None]:
+               tolerances: ToleranceProvider, dtype: str, tolerance: Tolerance, replica_drift: ReplicaDrift | None
+               ) -> tuple[list[StructureTest], float | None]:
     """The structure tests of one tensor (compare/structure.py) and, for a post-step parameter, the ratio
     ||E - E_before|| / ||E|| that turns an update error into a relative error of the value. `tolerance`:
-    the norm test's, whose exact-inputs bound (when it applies) tightens the structure tests too."""
+    the norm test's, whose exact-inputs bound (when it applies) tightens the structure tests too; a
+    post-step parameter's `replica_drift` is also judged in units of its update."""
     derive = getattr(tolerances, "structure_tolerances", None)
-    allowed = derive(key, dtype, tuple(expected.shape)) if derive is not None else {}
-    if allowed and tolerance.method == "exact-inputs":
-        allowed = with_exact_inputs(allowed, tolerance.rel, tuple(expected.shape))
+    shape = tuple(expected.shape)
+    allowed = derive(key, dtype, shape) if derive is not None else {}
     if not allowed or not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
         return [], None
     before = _values_before_step(key, reference, candidate)
-    measured = statistics(actual - expected, expected, None if before is None else (before[0] - before[1], before[1]))
     update_to_value = None
     if before is not None and (norm := float(torch.linalg.vector_norm(expected))) > 0:
         update_to_value = float(torch.linalg.vector_norm(expected - before[1])) / norm
-        allowed = with_value_rounding(allowed, storage_epsilon(dtype) or machine_epsilon(candidate.manifest.precision),
-                                      update_to_value)
-    return structure_tests(measured, allowed), update_to_value
+        allowed = derive(key, dtype, shape, update_to_value)
+    if tolerance.method == "exact-inputs":
+        allowed = with_exact_inputs(allowed, tolerance.rel, shape)
+    measured = statistics(actual - expected, expected, None if before is None else (before[0] - before[1], before[1]))
+    tests = structure_tests(measured, allowed)
+    if update_to_value and replica_drift is not None and (replicas := replica_update_test(
+            replica_drift.relative_diff, replica_drift.ranks, update_to_value, expected.numel(), storage_epsilon(dtype))):
+        tests.append(replicas)
+    return tests, update_to_value
 
 
 def _values_before_step(key: TensorKey, reference: RunReader, candidate: RunReader
@@ -206,11 +213,13 @@ def _judge_structure(comparison: TensorComparison, tests: list[StructureTest], u
     said = f"{worst.name} ratio {worst.ratio:.3g}: {worst.finding}"
     if worst.ratio > (comparison.ratio or 0.0):
         before = comparison.message.split("; decided by ")[0]
-        comparison.ratio, comparison.decided_by, comparison.status = worst.ratio, worst.name, "mismatch"
+        comparison.ratio, comparison.decided_by = worst.ratio, worst.name
+        comparison.status = "replica_drift" if worst.name == REPLICA_UPDATE else "mismatch"
         comparison.message = f"{said}; {before or 'norm ratio ' + format(comparison.value_ratio, '.3g')}; decided by {worst.name}"
     else:
         comparison.message = f"{comparison.message}; {said}"
-        comparison.status = "mismatch" if comparison.status == "pass" else comparison.status
+        if comparison.status == "pass":
+            comparison.status = "replica_drift" if worst.name == REPLICA_UPDATE else "mismatch"
 
 
 def _execution_order(reader: RunReader, key: TensorKey) -> tuple:

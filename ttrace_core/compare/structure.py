@@ -119,21 +119,26 @@ def with_exact_inputs(allowed: dict[str, float], exact_rel: float, shape: tuple[
     return {name: min(tolerance, modelled[name]) if name in modelled else tolerance for name, tolerance in allowed.items()}
 
 
-UPDATE_ROUNDINGS = 4.0
-"""Roundings of the optimizer's own arithmetic on an update (a moment, a square root, a division, the
-learning rate), each relative to the update, that two correct implementations (foreach, fused, sharded)
-may order differently."""
+OPTIMIZER_ROUNDINGS = 4.0
+"""Roundings of the optimizer's own arithmetic on an update (a moment, a square root, a division, the learning
+rate), each of one fp32 unit relative to the update, that two correct implementations (foreach, fused,
+sharded) may order differently. Mixed-precision optimizers keep fp32 state; one computing in a narrower
+dtype shows its noise in the estimate's own draws."""
+FP32_UNIT = 2.0**-24
 
 
-def with_value_rounding(allowed: dict[str, float], storage_eps: float, update_to_value: float | None
-                        ) -> dict[str, float]:
-    """Loosen the update tolerance to what rounding alone allows: the new value is rounded to its storage
-    dtype, by up to eps of each element in one run against the other, which is eps / (||dE|| / ||E||)
-    of the update, and the update itself is computed with a few roundings of its own. A perturbation
-    that leaves the optimizer's arithmetic bit-identical shows neither."""
-    if "update" not in allowed or not update_to_value:
-        return allowed
-    return {**allowed, "update": max(allowed["update"], storage_eps * (1.0 / update_to_value + UPDATE_ROUNDINGS))}
+def storage_rounding_noise(update_to_value: float, numel: int, storage_eps: float) -> float:
+    """What rounding the new value into its storage dtype makes of the update statistic, where the estimate's
+    re-runs computed the update bit for bit alike. Two runs whose unrounded values differ by d round to
+    values one ulp (eps |E_i|) apart with probability d / ulp, so they differ on a Poisson number of
+    elements, mean lam = OPTIMIZER_ROUNDINGS u_fp32 n (||dE|| / ||E||) / eps; allowing lam + 3 sqrt(lam) + 1
+    of them, each an ulp of the rms value, the statistic is sqrt(k / n) eps / (||dE|| / ||E||), and never
+    more than every element rounded apart, eps / (||dE|| / ||E||)."""
+    if update_to_value <= 0 or numel < 1:
+        return 0.0
+    mean = OPTIMIZER_ROUNDINGS * FP32_UNIT * numel * update_to_value / storage_eps
+    rounded_apart = min(mean + NOISE_SIGMAS * math.sqrt(mean) + 1.0, numel)
+    return math.sqrt(rounded_apart / numel) * storage_eps / update_to_value
 
 
 def structure_tests(measured: dict[str, float], tolerances: dict[str, float]) -> list[StructureTest]:
@@ -149,6 +154,30 @@ def structure_tests(measured: dict[str, float], tolerances: dict[str, float]) ->
         tests.append(StructureTest(name=name, value=value, tolerance=tolerance, ratio=ratio,
                                    finding=_finding(name, value, tolerance) if ratio > 1 else ""))
     return tests
+
+
+REPLICA_UPDATE = "replica update"
+REPLICA_MARGIN = 4.0
+"""The margin on the rounding model of replicas (the estimate's alpha, for a model instead of draws): it
+counts straddles at the rms value, and the elements that round apart may be the largest."""
+
+
+def replica_update_test(drift_relative: float, ranks: tuple[int, ...], update_to_value: float, numel: int,
+                        storage_eps: float) -> StructureTest | None:
+    """Replicas of a post-step parameter judged in units of the update, not of the value: replicas that
+    held the same value before the step and took the same step differ by rounding alone
+    (storage_rounding_noise); one that missed its step (a stale shard of the distributed optimizer)
+    differs by all of the update, which next to the value is only an ulp or two in bf16."""
+    if update_to_value <= 0 or drift_relative <= 0:
+        return None
+    value = drift_relative / update_to_value
+    tolerance = REPLICA_MARGIN * storage_rounding_noise(update_to_value, numel, storage_eps)
+    if tolerance >= 1.0:
+        return None  # the step is below one rounding of the value: replicas cannot show it
+    ratio = value / tolerance
+    finding = (f"its replicas on ranks {', '.join(map(str, ranks))} differ by {value:.0%} of the update (rounding "
+               f"allows {tolerance:.2%}): one of them did not take the same step") if ratio > 1 else ""
+    return StructureTest(name=REPLICA_UPDATE, value=value, tolerance=tolerance, ratio=ratio, finding=finding)
 
 
 def _finding(name: str, value: float, tolerance: float) -> str:
@@ -171,6 +200,8 @@ def detectable_error(norm_rel: float, tests: list[StructureTest], update_to_valu
     so times ||E - E_before|| / ||E||, `update_to_value`)."""
     caught = [norm_rel]
     for test in tests:
+        if test.name == REPLICA_UPDATE:
+            continue  # replicas against each other, not the candidate against the reference
         if test.name == "update":
             if update_to_value is not None:
                 caught.append(test.tolerance * update_to_value)

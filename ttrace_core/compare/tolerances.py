@@ -28,7 +28,7 @@ from ttrace_core.compare.settings import (  # noqa: F401 (the defaults are part 
     DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS, CompareSettings,
 )
 from ttrace_core.compare.estimate_file import PerturbationEstimate, estimate_path, read_estimate
-from ttrace_core.compare.structure import uncorrelated_noise
+from ttrace_core.compare.structure import storage_rounding_noise, uncorrelated_noise
 from ttrace_core.errors import TtraceError
 from ttrace_core.format.naming import layer_of
 from ttrace_core.format.reader import RunReader
@@ -39,8 +39,10 @@ from ttrace_core.format.schema import TensorKey
 class ToleranceProvider(Protocol):
     def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance: ...
 
-    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> dict[str, float]:
-        """Tolerance of each structure statistic (compare/structure.py) the provider can derive; {} for none."""
+    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...],
+                             update_to_value: float | None = None) -> dict[str, float]:
+        """Tolerance of each structure statistic (compare/structure.py) the provider can derive; {} for none.
+        `update_to_value`: ||E - E_before|| / ||E|| of a post-step parameter (the update's size)."""
         ...
 
 
@@ -95,7 +97,8 @@ class DtypeTolerances:
             rel, abs_, source = compute_rel, max(abs_, compute_abs), f"dtype default ({dtype}, computed in {compute})"
         return Tolerance(rel=rel, abs=abs_, source=source, method="dtype")
 
-    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> dict[str, float]:
+    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...],
+                             update_to_value: float | None = None) -> dict[str, float]:
         return {}  # a flat table has no noise model for the error's structure
 
 
@@ -130,7 +133,8 @@ class PerturbationTolerances:
                 if values:
                     pooled.setdefault(name, StatisticNoise()).add(values, deviation.per_sample)
 
-    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> dict[str, float]:
+    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...],
+                             update_to_value: float | None = None) -> dict[str, float]:
         """alpha x the largest |statistic| over the samples and the tensor's micro-batches (the norm's rule,
         on each statistic's own draws), or x r_t times the statistic per unit of each sample's noise, and at
         least alpha x what noise of the norm's size r_t makes of the statistic when it is uncorrelated with
@@ -143,6 +147,8 @@ class PerturbationTolerances:
         floor = self.floor_eps * max(machine_epsilon(self.precision), storage_epsilon(dtype))
         relative = self._pooled[group]
         modelled = uncorrelated_noise(relative, shape, machine_epsilon(self.precision))
+        if update_to_value:
+            modelled["update"] = storage_rounding_noise(update_to_value, math.prod(shape), storage_epsilon(dtype))
         return {name: max(self.alpha * max(noise.largest, modelled.get(name, 0.0), relative * noise.per_unit_norm), floor)
                 for name, noise in self._pooled_structure.get(group, {}).items()}
 
@@ -227,7 +233,8 @@ class TheoremTolerances:
         return Tolerance(rel=rel, abs=0.0, source=f"theorem: {self.k:g} x {self.c:g}^{depth} x eps", method="theorem",
                          params=(("k", self.k), ("C", self.c), ("depth", depth), ("eps", machine_epsilon(self.precision))))
 
-    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> dict[str, float]:
+    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...],
+                             update_to_value: float | None = None) -> dict[str, float]:
         return {}  # the theorem bounds the error's norm only
 
 
@@ -288,8 +295,9 @@ class StepScalarTolerances:
             return self._loss_tolerance(key, dtype)
         return self.base.tolerance_for(key, dtype)
 
-    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> dict[str, float]:
-        return {} if key.slot.startswith("scalar.") else self.base.structure_tolerances(key, dtype, shape)
+    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...],
+                             update_to_value: float | None = None) -> dict[str, float]:
+        return {} if key.slot.startswith("scalar.") else self.base.structure_tolerances(key, dtype, shape, update_to_value)
 
     def _loss_tolerance(self, key: TensorKey, dtype: str) -> Tolerance:
         provided = self.base.tolerance_for(key, dtype)
