@@ -72,8 +72,8 @@ def test_structure_tests_lift_bugs_the_norm_leaves_under_3(tmp_path):
     _, stale = _compare(reference16, _record(tmp_path / "stale", "bf16", "--dp", "2", "--dist-opt", "--bug",
                                              "distopt-stale-params"), tmp_path / "stale.json")
     first, where = _first(stale)
-    assert "/ param /" in where and first.decided_by == "update" and first.ratio >= 3, (where, first.message)
-    assert max(first.value_ratio, first.drift_ratio) < 3 and "update differs" in first.message
+    assert "/ param /" in where and first.decided_by in ("update", "replica update") and first.ratio >= 3, (where, first.message)
+    assert max(first.value_ratio, first.drift_ratio) < 3 and ("update differs" in first.message or "differ by 100% of the update" in first.message)
 
     # fp8 against its own reference: the attention backward's dq no longer follows the reference
     _, dq = _compare(reference8, _record(tmp_path / "dq", "fp8", "--tp", "2", "--bug", "attn-dq-wrong"), tmp_path / "dq.json")
