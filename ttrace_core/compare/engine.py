@@ -211,15 +211,15 @@ def _judge_structure(comparison: TensorComparison, tests: list[StructureTest], u
         return
     worst = max(failing, key=lambda t: t.ratio)
     said = f"{worst.name} ratio {worst.ratio:.3g}: {worst.finding}"
+    failed_as = "replica_drift" if worst.name == REPLICA_UPDATE else "mismatch"
     if worst.ratio > (comparison.ratio or 0.0):
         before = comparison.message.split("; decided by ")[0]
-        comparison.ratio, comparison.decided_by = worst.ratio, worst.name
-        comparison.status = "replica_drift" if worst.name == REPLICA_UPDATE else "mismatch"
+        comparison.ratio, comparison.decided_by, comparison.status = worst.ratio, worst.name, failed_as
         comparison.message = f"{said}; {before or 'norm ratio ' + format(comparison.value_ratio, '.3g')}; decided by {worst.name}"
     else:
         comparison.message = f"{comparison.message}; {said}"
         if comparison.status == "pass":
-            comparison.status = "replica_drift" if worst.name == REPLICA_UPDATE else "mismatch"
+            comparison.status = failed_as
 
 
 def _execution_order(reader: RunReader, key: TensorKey) -> tuple:

@@ -124,7 +124,7 @@ OPTIMIZER_ROUNDINGS = 4.0
 rate), each of one fp32 unit relative to the update, that two correct implementations (foreach, fused,
 sharded) may order differently. Mixed-precision optimizers keep fp32 state; one computing in a narrower
 dtype shows its noise in the estimate's own draws."""
-FP32_UNIT = 2.0**-24
+FP32_UNIT_ROUNDOFF = 2.0**-24
 
 
 def storage_rounding_noise(update_to_value: float, numel: int, storage_eps: float) -> float:
@@ -136,7 +136,7 @@ def storage_rounding_noise(update_to_value: float, numel: int, storage_eps: floa
     more than every element rounded apart, eps / (||dE|| / ||E||)."""
     if update_to_value <= 0 or numel < 1:
         return 0.0
-    mean = OPTIMIZER_ROUNDINGS * FP32_UNIT * numel * update_to_value / storage_eps
+    mean = OPTIMIZER_ROUNDINGS * FP32_UNIT_ROUNDOFF * numel * update_to_value / storage_eps
     rounded_apart = min(mean + NOISE_SIGMAS * math.sqrt(mean) + 1.0, numel)
     return math.sqrt(rounded_apart / numel) * storage_eps / update_to_value
 

@@ -28,7 +28,7 @@ from ttrace_core.compare.settings import (  # noqa: F401 (the defaults are part 
     DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS, CompareSettings,
 )
 from ttrace_core.compare.estimate_file import PerturbationEstimate, estimate_path, read_estimate
-from ttrace_core.compare.structure import storage_rounding_noise, uncorrelated_noise
+from ttrace_core.compare.structure import FP32_UNIT_ROUNDOFF, storage_rounding_noise, uncorrelated_noise
 from ttrace_core.errors import TtraceError
 from ttrace_core.format.naming import layer_of
 from ttrace_core.format.reader import RunReader
@@ -261,7 +261,11 @@ REDUCTION_K = 8.0
 """Margin on sqrt(n) x u for a norm over n gradient elements accumulated in fp32. Measured here: torch's
 CPU norm of n Gaussian fp32 values is off by 0.03, 0.17 and 1.9 x sqrt(n) x u at n = 1e5, 1e6, 1e7
 (docs/tolerances.md); a perturbation of size u cannot see this round-off, which grows with n."""
-FP32_UNIT_ROUNDOFF = 2.0**-24
+
+
+def reduction_rounding(n: int) -> float:
+    """The relative round-off of an fp32 reduction over n terms summed in another order, with margin."""
+    return REDUCTION_K * math.sqrt(n) * FP32_UNIT_ROUNDOFF
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +306,7 @@ class StepScalarTolerances:
     def _loss_tolerance(self, key: TensorKey, dtype: str) -> Tolerance:
         provided = self.base.tolerance_for(key, dtype)
         n = self.largest_activation.get((key.step, key.micro_batch), 0)
-        rounding = REDUCTION_K * math.sqrt(n) * FP32_UNIT_ROUNDOFF
+        rounding = reduction_rounding(n)
         if rounding <= provided.rel:
             return provided
         return Tolerance(rel=rounding, abs=provided.abs, method="reduction",
@@ -314,7 +318,7 @@ class StepScalarTolerances:
         grads = self.gradients.get(step, [])
         gradient_rel = max((self.base.tolerance_for(k, d).rel for k, d, _ in grads), default=0.0)
         n = max(sum(numel for _, _, numel in grads), 1)
-        rounding = REDUCTION_K * math.sqrt(n) * FP32_UNIT_ROUNDOFF
+        rounding = reduction_rounding(n)
         return Tolerance(rel=gradient_rel + rounding, abs=0.0, method="reduction",
                          params=(("gradient_rel", gradient_rel), ("k", REDUCTION_K), ("n", float(n))),
                          source=f"gradient norm: its gradients' tolerance {gradient_rel:.2g} + {REDUCTION_K:g} x "
