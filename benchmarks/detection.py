@@ -194,7 +194,7 @@ def losses(run_dir: Path) -> list[float] | None:
 
 def perturbation_tolerances(reference: RunReader, candidate: RunReader):
     """What `ttrace compare --tolerance perturbation` judges with: the estimate, the step scalars' own in front."""
-    return with_step_scalars(select_tolerances("perturbation", reference, candidate), reference)
+    return with_step_scalars(select_tolerances("perturbation", reference, candidate), reference, candidate)
 
 
 def evaluate(run: Run, work: Path, spread: float | None) -> Row:

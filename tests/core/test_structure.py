@@ -166,3 +166,28 @@ def test_a_replica_that_missed_its_step_fails_in_units_of_the_update():
 def test_a_tensor_of_one_element_has_no_structure_test():
     one = torch.tensor([2.0], dtype=torch.float64)
     assert statistics(one * 0.5 - one, one) == {}
+
+
+def test_a_scale_tolerance_learns_how_round_off_aligns_with_values_from_every_layer():
+    """Round-off that shrinks values (an fp8 underflow, a sign-biased update) lies along them: a draw's scale is
+    then a large part of its norm. Layer 0's 4 draws happened to lie across its values (scale 1% of the noise);
+    the same tensor of layer 1 shows the alignment (scale 40% of the noise). Each layer's scale tolerance uses
+    the largest alignment of that tensor over the layers times its own noise, so a candidate whose round-off
+    lies along its values (scale 0.3 x noise) stays within half the line; another tensor keeps its own."""
+    key_b = TensorKey(step=0, micro_batch=0, phase="forward", fqn="layers.1.mlp", slot="output.0")
+    key_other_phase = TensorKey(step=0, micro_batch=0, phase="backward", fqn="layers.1.mlp", slot="grad_input.0")
+    noise = 0.2  # fp8-sized, well above bf16's scalar rounding model (alpha x eps)
+    relatives = [noise] * 4
+
+    def deviation(key, scale_per_unit):
+        return TensorDeviation(key=key, deviation=noise, reference_norm=1.0, numel=8192, per_sample=relatives,
+                               structure={"scale": [scale_per_unit * noise * s for s in (1, -1, 1, -1)]})
+
+    tensors = {KEY: deviation(KEY, 0.01), key_b: deviation(key_b, 0.4), key_other_phase: deviation(key_other_phase, 0.01)}
+    provider = PerturbationTolerances(estimate=PerturbationEstimate(precision="bf16", num_samples=4, relative=2.0**-8,
+                                                                    tensors=tensors), precision="bf16")
+    aligned = provider.structure_tolerances(KEY, "bfloat16", (64, 128))["scale"]
+    assert aligned == pytest.approx(provider.alpha * 0.4 * noise)
+    assert 0.3 * noise / aligned <= 0.5
+    own = provider.structure_tolerances(key_other_phase, "bfloat16", (64, 128))["scale"]
+    assert own < aligned / 4

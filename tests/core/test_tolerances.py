@@ -141,3 +141,59 @@ def test_a_loss_the_perturbation_did_not_move_may_still_differ_by_its_reductions
     judged = with_step_scalars(provider, reference).tolerance_for(loss, "float32")
     assert judged.rel == pytest.approx(REDUCTION_K * math.sqrt(32 * 2 * 128) * FP32_UNIT_ROUNDOFF)
     assert judged.method == "reduction" and "loss" in judged.source
+
+
+def _fp8_pair(input_amaxes: list[tuple[float, float]]):
+    """Reference and candidate readers (as far as fp8_scales reads them) of one fp8 linear called on one
+    micro-batch per step: its input's (reference, candidate) amax per step, and its scale keys."""
+    from ttrace_core.format.schema import TensorStats
+
+    def metas(amax: float, placements=("R",)):
+        stats = TensorStats(numel=8, sum=0.0, sumsq=1.0, min=-amax, max=amax / 2, num_nan=0, num_inf=0)
+        return [SimpleNamespace(stats=stats, scale=1.0, layout=SimpleNamespace(placements=placements, global_shape=(1,)),
+                                dtype="float32")]
+
+    reference, candidate = SimpleNamespace(index={}), SimpleNamespace(index={})
+    for step, (ref_amax, cand_amax) in enumerate(input_amaxes):
+        linear_input = TensorKey(step=step, micro_batch=0, phase="forward", fqn="layers.0.fc1", slot="input.0")
+        scale = TensorKey(step=step, micro_batch=0, phase="forward", fqn="layers.0.fc1.fp8_scale_inv", slot="input.0")
+        for reader, amax in ((reference, ref_amax), (candidate, cand_amax)):
+            reader.index[linear_input] = metas(amax)
+            reader.index[scale] = metas(amax / 448.0)
+    return reference, candidate
+
+
+def _tight_estimate(keys: list[TensorKey]) -> PerturbationTolerances:
+    """An estimate whose draws moved each key by 2% only (a scale's few draws can come out that small)."""
+    tensors = {k: TensorDeviation(key=k, deviation=0.02, reference_norm=1.0, numel=1) for k in keys}
+    return PerturbationTolerances(estimate=PerturbationEstimate(precision="fp8", num_samples=4, relative=2.0**-8,
+                                                                tensors=tensors), precision="fp8")
+
+
+def test_an_fp8_scale_may_move_as_far_as_the_amax_it_follows_and_no_further():
+    """Step 1's input amax differs by 41% between two correct runs (the step moved the weights): its scale
+    follows, and is judged against alpha x 41%, not against the estimate's few draws (2%). A scale at step 0,
+    whose input amaxes agree, keeps the estimate's tolerance; at step 2 a delayed scale may still come from
+    step 1's amax, so the bound keeps the largest difference so far."""
+    reference, candidate = _fp8_pair([(10.0, 10.0), (10.0, 14.1), (10.0, 10.2)])
+    scales = [k for k in reference.index if k.fqn.endswith("fp8_scale_inv")]
+    provider = _tight_estimate(scales)
+    judged = with_step_scalars(provider, reference, candidate)
+    by_step = {k.step: judged.tolerance_for(k, "float32") for k in scales}
+    assert by_step[0].rel == pytest.approx(provider.alpha * 0.02) and by_step[0].method == "perturbation"
+    assert by_step[1].rel == pytest.approx(provider.alpha * 0.41) and by_step[1].method == "amax"
+    assert by_step[2].rel == pytest.approx(provider.alpha * 0.41)
+    assert "amax" in by_step[1].source
+
+
+def test_an_fp8_scale_that_does_not_follow_its_amax_still_fails():
+    """A scale computed from a rank's own shard (fp8-amax-wrong-group) is 2x off while the logical input's
+    amax is the same in both runs: the amax bound adds nothing and the scale fails its norm test."""
+    from ttrace_core.compare.engine import compare_values
+
+    reference, candidate = _fp8_pair([(10.0, 10.0)])
+    scale = next(k for k in reference.index if k.fqn.endswith("fp8_scale_inv"))
+    tolerance = with_step_scalars(_tight_estimate([scale]), reference, candidate).tolerance_for(scale, "float32")
+    metrics = compare_values(torch.tensor([10.0 / 448 / 2], dtype=torch.float64),
+                             torch.tensor([10.0 / 448], dtype=torch.float64), tolerance)
+    assert metrics["ratio"] > 3

@@ -206,10 +206,13 @@ def _judge_structure(comparison: TensorComparison, tests: list[StructureTest], u
     comparison.structure = tests
     if comparison.error is not None and comparison.tolerance is not None:
         comparison.detectable = detectable_error(comparison.tolerance.rel, tests, update_to_value)
-    failing = [t for t in tests if t.ratio > 1]
-    if not failing or comparison.status not in ("pass", "mismatch", "replica_drift"):
+    if not tests or comparison.status not in ("pass", "mismatch", "replica_drift"):
         return
-    worst = max(failing, key=lambda t: t.ratio)
+    worst = max(tests, key=lambda t: t.ratio)
+    if worst.ratio <= 1:
+        if worst.ratio > (comparison.ratio or 0.0):  # a pass's headroom is that of its closest test
+            comparison.ratio, comparison.decided_by = worst.ratio, worst.name
+        return
     said = f"{worst.name} ratio {worst.ratio:.3g}: {worst.finding}"
     failed_as = "replica_drift" if worst.name == REPLICA_UPDATE else "mismatch"
     if worst.ratio > (comparison.ratio or 0.0):
@@ -253,7 +256,7 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
                     partial: bool = False, max_bytes: int | None = None) -> tuple[RunComparison, ComparePlan]:
     """The comparison's frame (runs, steps, notes) and its plan; `compare_runs` fills the rows in."""
     check_comparable(reference, candidate)
-    tolerances = tolerances or with_step_scalars(select_tolerances("auto", reference, candidate), reference)
+    tolerances = tolerances or with_step_scalars(select_tolerances("auto", reference, candidate), reference, candidate)
     crossed = reference.manifest.precision != candidate.manifest.precision
     if isinstance(getattr(tolerances, "base", tolerances), DtypeTolerances) or crossed:
         exact_inputs_k = None  # across precisions exact inputs still give results that differ by the quantization
