@@ -43,7 +43,7 @@ def datasets_of(path: Path) -> list[str]:
     return found
 
 
-def _step_files(run: Path) -> list[Path]:
+def step_files(run: Path) -> list[Path]:
     return sorted(run.glob("rank_*.step_*.h5"))
 
 
@@ -75,7 +75,7 @@ def _rewrite_values(path: Path, dataset: str, change: Callable[[np.ndarray], np.
 # -- file bytes ------------------------------------------------------------------------------------
 
 def bit_flips(pair: tuple[Path, Path], count: int, rng: random.Random) -> list[Corruption]:
-    files = [(role, p.name, p.stat().st_size) for role, run in zip(("reference", "candidate"), pair) for p in _step_files(run)]
+    files = [(role, p.name, p.stat().st_size) for role, run in zip(("reference", "candidate"), pair) for p in step_files(run)]
     cases = []
     for index in range(count):
         role, name, size = rng.choice(files)
@@ -95,7 +95,7 @@ def bit_flips(pair: tuple[Path, Path], count: int, rng: random.Random) -> list[C
 def truncations(pair: tuple[Path, Path], rng: random.Random, count: int) -> list[Corruption]:
     """At every structural boundary of one candidate file: the start and end of each dataset's data
     (HDF5 stores contiguous data at a known offset), the header, and random points."""
-    path = _step_files(pair[1])[0]
+    path = step_files(pair[1])[0]
     size = path.stat().st_size
     boundaries = {0, 8, 48, 96, 512, 1024, size // 2, size - 1}
     with h5py.File(path, "r") as handle:
@@ -159,7 +159,7 @@ def _random_dataset_cases(pair: tuple[Path, Path], rng: random.Random, kind: str
     """`per_change` cases of each (name, change): a random dataset of a random candidate file, damaged by
     apply(file, dataset, change). Whether it matters is decided by the diff (material None): a lie that
     happens to tell the truth (transposing a square shape) is no lie."""
-    files = _step_files(pair[1])
+    files = step_files(pair[1])
     cases = []
     for change_name, change in changes:
         for _ in range(per_change):
@@ -177,7 +177,7 @@ def metadata_lies(pair: tuple[Path, Path], rng: random.Random, per_lie: int) -> 
 
 
 def attribute_damage(pair: tuple[Path, Path], rng: random.Random, count: int) -> list[Corruption]:
-    files = _step_files(pair[1])
+    files = step_files(pair[1])
     variants = [
         ("meta deleted", lambda d: d.attrs.__delitem__("meta")),
         ("meta not JSON", lambda d: d.attrs.__setitem__("meta", "{not json")),
@@ -233,7 +233,7 @@ def value_damage(pair: tuple[Path, Path], rng: random.Random, per_change: int) -
 
 def duplicated_tensors(pair: tuple[Path, Path], rng: random.Random, count: int) -> list[Corruption]:
     """A dataset copied to a second place in its file, its metadata unchanged (it names the first place)."""
-    files = _step_files(pair[1])
+    files = step_files(pair[1])
     cases = []
     for _ in range(count):
         path = rng.choice(files)
@@ -254,7 +254,7 @@ def duplicated_tensors(pair: tuple[Path, Path], rng: random.Random, count: int) 
 def missing_files(pair: tuple[Path, Path]) -> list[Corruption]:
     cases = []
     for role_index, role in enumerate(("reference", "candidate")):
-        for path in _step_files(pair[role_index]):
+        for path in step_files(pair[role_index]):
             def delete(reference: Path, candidate: Path, role=role, name=path.name) -> None:
                 ((reference if role == "reference" else candidate) / name).unlink()
 
@@ -428,7 +428,7 @@ def ways_out(pair: tuple[Path, Path]) -> list[Corruption]:
     """One case per plant and per candidate step file's first forward output. Not material (the data
     outside is an exact copy): what counts is the refusal, and that the file outside stays unread."""
     cases = []
-    for path in _step_files(pair[1]):
+    for path in step_files(pair[1]):
         dataset = next(name for name in datasets_of(path) if name.startswith("forward/") and "#output" in name)
         for name, plant in PLANTS.items():
             def damage(reference: Path, candidate: Path, plant=plant, dataset=dataset, file=path.name) -> None:

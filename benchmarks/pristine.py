@@ -3,8 +3,11 @@
 Material: a recorded value moved by more than the tolerance its tensor was judged with in the
 pristine comparison (NaN or Inf introduced counts), a dataset or file missing or unreadable, or
 metadata whose meaning changed in a field the comparison depends on (everything but `stats` and `seq`), or a
-manifest field that says how the run was laid out. Read with plain h5py and json, independently of
-ttrace's reader, so that the oracle does not share ttrace's blind spots.
+manifest field that says how the run was laid out, or a model fact stated with another value (a
+fact removed contradicts nothing). Read with plain h5py and json, independently of
+ttrace's reader, so that the oracle does not share ttrace's blind spots; only a file whose global
+heap would make HDF5 loop forever is found with ttrace's own check (global_heap.py), since h5py
+cannot read it either.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 
 from ttrace_core import api
 from ttrace_core.format.schema import TensorKey
+from ttrace_core.format.global_heap import refuse_looping_heaps
 from ttrace_core.format.reader import MANIFEST_NAME, tensor_from_array
 
 # Manifest fields that say how the run was laid out or what it computed.
@@ -50,11 +54,15 @@ class Pristine:
         except (OSError, ValueError, RecursionError):
             return True
         before = self.manifests[role]
-        return not isinstance(now, dict) or any(now.get(f) != before.get(f) for f in JUDGED_MANIFEST)
+        if not isinstance(now, dict) or not isinstance(now.get("model"), dict):
+            return True
+        layout_changed = any(now.get(f) != before.get(f) for f in JUDGED_MANIFEST if f != "model")
+        return layout_changed or _contradicts(before["model"], now["model"])
 
     def _file_changed(self, path: Path, datasets: dict[str, tuple[dict, np.ndarray]]) -> bool:
         try:
             with h5py.File(path, "r") as handle:
+                refuse_looping_heaps(handle, path, "")  # HDF5 itself would hang on such a file: it cannot be read
                 names: list[str] = []
                 handle.visititems(lambda name, node: names.append(name) if isinstance(node, h5py.Dataset) else None)
                 if set(names) != set(datasets):
@@ -78,6 +86,13 @@ class Pristine:
             return True
         key = TensorKey(**meta["key"])
         return float((after - before).norm()) > self.allowed.get(key, 0.0)
+
+
+def _contradicts(before: dict, now: dict) -> bool:
+    """Whether the damaged `model` states a fact otherwise: a fact it no longer states contradicts
+    nothing (a trace recorded by a bare Tracer states none, and two runs are comparable on the facts
+    both state), one it states with another value does."""
+    return any(now[name] != before[name] for name in set(before) & set(now))
 
 
 # The format's fields and the value an absent one means (docs/trace-format.md).

@@ -5,7 +5,7 @@ candidate, 1 layer, 1 step), then for each corruption of corruptions.py damages 
 `ttrace inspect`, `ttrace compare` and the dashboard's API (`api.find_runs`, `api.comparison_table`)
 on it, each in a forked process with a time limit. Every answer is counted as one of:
 
-- crash: a traceback, or exit 3;
+- crash: a traceback, exit 3, or the answering process killed by a signal (a segmentation fault in HDF5);
 - hang: no answer within the time limit;
 - error: exit 2 with one line that names the file or the tensor ("unclear error" when it does not);
 - finding: exit 1 (compare: a divergence or incomplete evidence, named);
@@ -29,6 +29,7 @@ import io
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import subprocess
@@ -37,15 +38,22 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import byte_damage
 import corruptions
 import fault_summary
+import size_lies
+import special_files
 from pristine import Pristine
 
 RESULTS = Path(__file__).parent / "results"
 BASE_FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--seq-len", "8", "--micro-batches", "1", "--steps", "1"]
 COMMANDS = ("inspect", "compare", "api")
 TIME_LIMIT_S = 60.0
+ORACLE_TIME_LIMIT_S = 30.0
 REPLAYED_MODULE = "decoder.layers.0"
+CHILD_MEMORY_BYTES = 8 * 2**30
+"""Address space of the process answering a case: a damaged trace that makes ttrace allocate more fails
+there (and counts as a crash) instead of waking the kernel's OOM killer on a shared machine."""
 
 
 def record_base(work: Path) -> tuple[Path, Path]:
@@ -76,6 +84,7 @@ def replay_base(reference: Path, candidate: Path) -> None:
 
 def catalogue(pair: tuple[Path, Path], seed: int, scale: int) -> list[corruptions.Corruption]:
     rng = random.Random(seed)
+    has_estimate = (pair[0] / "tolerance_estimate.json").is_file()
     return [
         *corruptions.bit_flips(pair, 450 * scale, rng),
         *corruptions.truncations(pair, rng, 60 * scale),
@@ -85,9 +94,19 @@ def catalogue(pair: tuple[Path, Path], seed: int, scale: int) -> list[corruption
         *corruptions.duplicated_tensors(pair, rng, 20 * scale),
         *corruptions.missing_files(pair),
         *corruptions.hostile_manifests(),
-        *corruptions.estimate_damage((pair[0] / "tolerance_estimate.json").is_file()),
+        *corruptions.estimate_damage(has_estimate),
         *corruptions.ways_out(pair),
         *corruptions.job_file_damage(),
+        *byte_damage.byte_ranges(pair, rng, 600 * scale, zeroed=True),
+        *byte_damage.byte_ranges(pair, rng, 600 * scale, zeroed=False),
+        *byte_damage.heap_damage(pair, rng, 300 * scale),
+        *byte_damage.header_flips(pair, rng, 600 * scale),
+        *(case for message in byte_damage.MESSAGE_TYPES for case in byte_damage.message_flips(pair, rng, 300 * scale, message)),
+        *byte_damage.group_structure_flips(pair, rng, 300 * scale),
+        *size_lies.unallocated_shapes(pair, rng, per_lie=8 * scale),
+        *size_lies.huge_metadata(pair, rng, per_lie=8 * scale),
+        *special_files.special_files(pair),
+        *special_files.unreadable_estimates(has_estimate),
     ]
 
 
@@ -158,7 +177,7 @@ def run_case(case: corruptions.Corruption, base: tuple[Path, Path], work: Path, 
     shutil.copytree(base[0], reference)
     shutil.copytree(base[1], candidate)
     case.damage(reference, candidate)
-    material = case.material if case.material is not None else pristine.material_change(reference, candidate)
+    material = case.material if case.material is not None else _material_in_child(pristine, reference, candidate)
     outside = corruptions.outside_of(candidate)
     sentinels = sorted(outside.iterdir()) if outside.is_dir() else []
     for sentinel in sentinels:  # files a way out of the trace leads to: any read moves their access time
@@ -176,10 +195,44 @@ def run_case(case: corruptions.Corruption, base: tuple[Path, Path], work: Path, 
     result_path.write_text(json.dumps(result))
 
 
+def _material_in_child(pristine: Pristine, reference: Path, candidate: Path) -> bool:
+    """The oracle's answer, from a process of its own: a file h5py crashes on (a segmentation fault) or
+    never finishes reading cannot be read at all, which is material."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write_end, b"1" if pristine.material_change(reference, candidate) else b"0")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    deadline = time.monotonic() + ORACLE_TIME_LIMIT_S
+    while os.waitpid(pid, os.WNOHANG)[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.01)
+    answer = os.read(read_end, 1)
+    os.close(read_end)
+    return answer != b"0"
+
+
+def _reaped(running: dict) -> tuple[int, int] | None:
+    """(pid, wait status) of a child of `running` that has ended; only our own children (waitpid(-1)
+    would also reap other children of this process)."""
+    for child in running:
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid == child:
+            return pid, status
+    return None
+
+
 def run_all(cases: list[corruptions.Corruption], base: tuple[Path, Path], work: Path, jobs: int) -> list[dict]:
     pristine = Pristine(*base)
     (work / "results").mkdir(parents=True, exist_ok=True)
     running: dict[int, tuple[int, float, Path, corruptions.Corruption]] = {}
+    timed_out: set[int] = set()
     results: list[dict] = []
     pending = list(enumerate(cases))
     while pending or running:
@@ -189,35 +242,48 @@ def run_all(cases: list[corruptions.Corruption], base: tuple[Path, Path], work: 
             pid = os.fork()
             if pid == 0:  # the child answers one case and leaves without running the parent's cleanup
                 try:
+                    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
                     run_case(case, base, work / "cases" / f"{index:05d}", pristine, result_path)
                 finally:
                     os._exit(0)
             running[pid] = (index, time.monotonic(), result_path, case)
-        pid = next((child for child in running if os.waitpid(child, os.WNOHANG)[0] == child), 0)
-        if pid == 0:  # (only our own children: waitpid(-1) would also reap other children of this process)
+        if (ended := _reaped(running)) is None:
             for child, (index, started, result_path, case) in list(running.items()):
-                if time.monotonic() - started > TIME_LIMIT_S:
+                if time.monotonic() - started > TIME_LIMIT_S and child not in timed_out:
                     os.kill(child, signal.SIGKILL)
+                    timed_out.add(child)
             time.sleep(0.02)
             continue
+        pid, status = ended
         index, started, result_path, case = running.pop(pid)
-        results.append(_finished(result_path, case, time.monotonic() - started))
+        results.append(_finished(result_path, case, time.monotonic() - started, _death_of(status, pid in timed_out)))
         shutil.rmtree(work / "cases" / f"{index:05d}", ignore_errors=True)
         if len(results) % 100 == 0:
             print(f"{len(results)}/{len(cases)} cases", file=sys.stderr)
     return results
 
 
-def _finished(result_path: Path, case: corruptions.Corruption, seconds: float) -> dict:
+def _death_of(status: int, timed_out: bool) -> str | None:
+    """How a case's process ended, when it did not end by itself: None (it did), "" (killed at the time
+    limit: a hang), or what killed it (a crash)."""
+    if timed_out:
+        return ""
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return None if os.WEXITSTATUS(status) == 0 else f"exited {os.WEXITSTATUS(status)}"
+
+
+def _finished(result_path: Path, case: corruptions.Corruption, seconds: float, death: str | None) -> dict:
     try:
         result = json.loads(result_path.read_text())
     except (OSError, ValueError):
         result = {"kind": case.kind, "name": case.name, "material": case.material, "read_outside": False,
                   "running": COMMANDS[0]}
-    hung = result.pop("running", None)
-    if hung is not None:  # killed at the time limit (or died) inside this command
-        for command in COMMANDS[COMMANDS.index(hung):]:
-            result[command] = {"outcome": "hang" if command == hung else "not run", "line": ""}
+    stopped_in = result.pop("running", None)
+    if stopped_in is not None:  # killed at the time limit (a hang), or died (a crash), inside this command
+        outcome = {"outcome": "hang", "line": ""} if death == "" else {"outcome": "crash", "line": death or "died"}
+        for command in COMMANDS[COMMANDS.index(stopped_in):]:
+            result[command] = outcome if command == stopped_in else {"outcome": "not run", "line": ""}
     result["seconds"] = round(seconds, 2)
     result["silent"] = bool(result["material"]) and any(result[c]["outcome"] == "pass" for c in ("compare", "api"))
     return result
@@ -259,6 +325,21 @@ def render(results: list[dict], seconds: float, base: tuple[Path, Path]) -> str:
              "(an HDF5 external or soft link, a virtual dataset, external raw storage, a step file or manifest "
              "symlinked outside) leads to an exact copy of the data on tmpfs whose access time is set before its "
              "modification time: a read by any of the three answers moves it, and counts as a read outside.", "",
+             "Byte-level classes overwrite ranges (1 byte to 4 KiB) with zeros or random bytes at uniformly random "
+             "offsets, or flip bits inside the HDF5 structures a reader walks: object headers and, inside a dataset's, "
+             "its datatype, dataspace, layout and attribute messages; the global heap collections holding every "
+             "dataset's `meta`; the superblock, group B-trees, symbol-table nodes and local heaps. *Lying shape over "
+             "unallocated storage* declares 2**31 to 2**40 elements the file never wrote; *huge sizes in metadata* "
+             "claims flat ranges of 10**12 elements, meshes of 10**9 ranks, split or block factors of 10**12, told "
+             "alike by every shard of the tensor in both runs. The special-file classes put a FIFO, a socket, a device "
+             "(a /dev/zero or /dev/null node, a link to /dev/zero or /dev/urandom), a directory or a broken symlink "
+             "(to itself, a loop of two, to nothing) in place of every file of the pair but the estimate; *unreadable "
+             "estimate* does the same to `tolerance_estimate.json`, empties it, cuts it in half or fills it with "
+             "binary. Each case's process may take at most "
+             f"{CHILD_MEMORY_BYTES // 2**30} GiB of address space: a runaway allocation fails there as a crash, and so "
+             "does a process killed by a signal (a segmentation fault in HDF5). The oracle that decides whether a case "
+             "is material reads the damaged files with plain h5py in a process of its own: a file that crashes or "
+             "hangs h5py is material.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(row[name]) for name in header) + " |" for row in rows]
     bad = [r for r in results if r["silent"] or r["read_outside"]

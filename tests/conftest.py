@@ -28,6 +28,17 @@ def load_comparison(path: Path):
 
 
 @pytest.fixture(scope="session")
+def robustness_base(tmp_path_factory) -> tuple[Path, Path]:
+    """The robustness benchmark's own base (benchmarks/robustness.py): a 1-layer megatron-core pair, a
+    1-rank reference with its tolerance estimate and a TP2 + SP candidate with a finished replay job
+    (about 30 s), small enough to damage a few hundred copies of in CI."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import robustness
+
+    return robustness.record_base(tmp_path_factory.mktemp("robustness"))
+
+
+@pytest.fixture(scope="session")
 def traces(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("traces")
 

@@ -121,6 +121,38 @@ def test_flat_ranges_that_leave_a_hole_are_rejected():
         canonicalize([RecordedShard(0, layout, torch.zeros(4))])
 
 
+ENORMOUS_LAYOUTS = {
+    "Partial over 10**9 ranks": (Layout(global_shape=(2,), mesh_shape=(10**9,), coordinate=(0,), placements=("P(sum)",)),
+                                 r"no rank holds mesh coordinate \(1,\) .*mesh \(1000000000,\)"),
+    "a flat range in a block of 10**12": (Layout(global_shape=(10**12,), flat_range=(0, 2)),
+                                          r"no rank holds flat element 2 of block \(\(0, 1000000000000\),\)"),
+    "a flat range past its block": (Layout(global_shape=(2,), flat_range=(10**12 - 2, 10**12)),
+                                    r"holds flat range \[999999999998, 1000000000000\) of block \(\(0, 2\),\), which has 2"),
+}
+
+
+@pytest.mark.parametrize("layout, message", list(ENORMOUS_LAYOUTS.values()), ids=list(ENORMOUS_LAYOUTS))
+def test_metadata_claiming_enormous_sizes_is_refused_before_anything_is_allocated(layout, message):
+    """Found from the metadata alone: a mesh is not enumerated and a block not allocated to see that
+    two recorded elements cannot make up 10**9 coordinates or 10**12 elements."""
+    with pytest.raises(LayoutError, match=message):
+        canonicalize([RecordedShard(0, layout, torch.zeros(2))], key="w")
+
+
+def test_a_split_factor_beyond_any_mesh_is_refused_before_its_pieces_are_walked():
+    with pytest.raises(LayoutError, match=r"'SS\(0,1000000000000\)': a split factor above 1048576"):
+        pl.local_shape(Layout(global_shape=(4,), mesh_shape=(2,), coordinate=(0,), placements=(f"SS(0,{10**12})",)))
+
+
+def test_a_tensor_larger_than_the_machine_is_refused_with_one_line(monkeypatch):
+    from ttrace_core.canonicalize import shards
+
+    monkeypatch.setattr(shards, "machine_memory_bytes", lambda: 15)
+    with pytest.raises(LayoutError, match=r"w: assembling it takes 0.0 GiB, more than this machine's 0.0 GiB; compare it "
+                                          r"with --max-memory"):
+        canonicalize([RecordedShard(0, Layout.replicated((4,)), torch.zeros(4))], key="w")
+
+
 def test_blocked_shard_holds_its_chunk_of_every_block():
     # SwiGLU fc1: rows [gate 0:4; up 4:8] over 2 TP ranks; rank 1 holds [gate 2:4; up 6:8].
     full = torch.arange(8.0).reshape(8, 1)

@@ -9,6 +9,8 @@ set before its modification time: any read would move it.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -56,3 +58,25 @@ def test_a_symlink_inside_the_run_directory_is_still_read(tmp_path):
     (run / "manifest.json").rename(run / "manifest.kept.json")
     (run / "manifest.json").symlink_to(run / "manifest.kept.json")
     assert read_manifest(run).world_size == json.loads((run / "manifest.kept.json").read_text())["world_size"] == 2
+
+
+SPECIAL_FILES = {
+    "FIFO": (os.mkfifo, "a FIFO (named pipe), not a regular file"),
+    "directory": (Path.mkdir, "a directory, not a regular file"),
+    "link to /dev/null, inside the run": (lambda path: path.symlink_to("null"), "a character device, not a regular file"),
+    "symlink to itself": (lambda path: path.symlink_to(path.name), "a symlink loop (it leads back to itself"),
+    "dangling symlink": (lambda path: path.symlink_to("gone.json"), "a symlink to gone.json, which does not exist"),
+}
+
+
+@pytest.mark.parametrize("make, message", list(SPECIAL_FILES.values()), ids=list(SPECIAL_FILES))
+def test_only_regular_files_are_opened(tmp_path, make, message):
+    """`contained` looks (os.stat) before anything opens the file: a FIFO would block its reader, a
+    device read without end, a loop never resolve."""
+    from ttrace_core.errors import TraceFormatError
+    from ttrace_core.format.containment import contained
+
+    (tmp_path / "null").symlink_to("/dev/null")
+    make(tmp_path / "manifest.json")
+    with pytest.raises(TraceFormatError, match=f"manifest.json: {re.escape(message)}.*copy the recorded file here again"):
+        contained(tmp_path, "manifest.json")

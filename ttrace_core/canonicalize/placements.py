@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass
 
 from ttrace_core.errors import LayoutError
-from ttrace_core.format.schema import Layout
+from ttrace_core.format.schema import MAX_WORLD_SIZE, Layout
 
 _SHARD = re.compile(r"^S\((-?\d+)\)$")
 _STRIDED = re.compile(r"^SS\((-?\d+),(\d+)\)$")
@@ -75,6 +75,8 @@ def placement_from_str(text: str) -> PlacementSpec:
     if match := _PARTIAL.match(text):
         return PlacementSpec("partial", reduce_op=match.group(1))
     if match := _STRIDED.match(text):
+        if int(match.group(2)) > MAX_WORLD_SIZE:  # the factor is a product of mesh sizes; a larger one is damage
+            raise LayoutError(f"placement {text!r}: a split factor above {MAX_WORLD_SIZE}, the most ranks a run has")
         return PlacementSpec("strided", dim=int(match.group(1)), split_factor=int(match.group(2)))
     if match := _BLOCKED.match(text):
         return PlacementSpec("blocked", dim=int(match.group(1)), split_factor=int(match.group(2)))

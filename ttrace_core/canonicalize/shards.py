@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ttrace_core.canonicalize import placements as pl
+from ttrace_core.canonicalize.memory import machine_memory_bytes
 from ttrace_core.errors import LayoutError
 from ttrace_core.format.schema import Layout, TensorKey
 
@@ -160,13 +161,26 @@ def _check_coverage(key: TensorKey | None, layout: Layout, shards: list[Recorded
     kept_axes = [axis for axis in range(len(layout.mesh_shape)) if axis not in replicate_axes]
     held = {tuple(s.layout.coordinate[axis] for axis in kept_axes) for s in shards}
     needed_shape = tuple(layout.mesh_shape[axis] for axis in kept_axes)
-    missing = [coord for coord in pl.all_coordinates(needed_shape) if coord not in held]
-    if missing:
+    # the first missing coordinate, found lazily: at most one past the coordinates held (a damaged mesh may claim 10**9)
+    coordinates = (pl.coordinate_from_rank(index, needed_shape) for index in range(math.prod(needed_shape)))
+    missing = next((coord for coord in coordinates if coord not in held), None)
+    if missing is not None:
         raise LayoutError(
-            f"{key}: no rank holds mesh coordinate {missing[0]} (non-replicated axes) of mesh {layout.mesh_shape} "
+            f"{key}: no rank holds mesh coordinate {missing} (non-replicated axes) of mesh {layout.mesh_shape} "
             f"with placements {layout.placements}; ranks present: {sorted(s.rank for s in shards)}. "
             "Re-record with every rank, or check that no rank file is missing"
         )
+
+
+def _check_fits_in_memory(key: TensorKey | None, layout: Layout, shards: list[RecordedShard]) -> None:
+    """Before the full tensor is allocated (after its coverage is checked: every element is held by a
+    recorded shard, so its size is not a claim of the metadata alone)."""
+    numel = math.prod(layout.global_shape)
+    itemsize = 8 if pl.axes_of_kind(layout, "partial") else shards[0].value.element_size()
+    if numel * itemsize > machine_memory_bytes():
+        raise LayoutError(f"{key}: assembling it takes {numel * itemsize / 2**30:.1f} GiB, more than this machine's "
+                          f"{machine_memory_bytes() / 2**30:.1f} GiB; compare it with --max-memory (slab by slab) "
+                          "or on a larger machine")
 
 
 def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None, *,
@@ -190,6 +204,7 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None, *,
     if any(s.layout.flat_range is not None for s in shards):
         return _canonicalize_flat_ranges(shards, key)
     _check_coverage(key, layout, shards)
+    _check_fits_in_memory(key, layout, shards)
     dtype = shards[0].value.dtype
     blocks: dict[tuple, dict[tuple[int, ...], list[RecordedShard]]] = defaultdict(lambda: defaultdict(list))
     for shard_ in sorted(shards, key=lambda s: s.rank):
@@ -220,6 +235,8 @@ def _canonicalize_flat_ranges(shards: list[RecordedShard], key: TensorKey | None
     layout = shards[0].layout
     if pl.axes_of_kind(layout, "partial"):
         raise LayoutError(f"{key}: flat ranges over partial placements are not supported")
+    _check_flat_coverage(key, shards)
+    _check_fits_in_memory(key, layout, shards)
     full = torch.empty(layout.global_shape, dtype=shards[0].value.dtype)
     by_region: dict[tuple, list[RecordedShard]] = defaultdict(list)
     for shard_ in shards:
@@ -239,13 +256,30 @@ def _canonicalize_flat_ranges(shards: list[RecordedShard], key: TensorKey | None
                                               RecordedShard(piece.rank, piece.layout, piece.value[held])]))
             flat[start:end] = torch.where(held, flat[start:end], piece.value)
             owner[start:end] = torch.where(held, owner[start:end], torch.full_like(owner[start:end], piece.rank))
-        if (owner < 0).any():
-            missing = int((owner < 0).nonzero()[0])
-            raise LayoutError(f"{key}: no rank holds flat element {missing} of block {region}; ranks present: "
-                              f"{sorted(p.rank for p in pieces)}. Re-record with every rank")
         full[_region_slices(region)] = flat.view(tuple(length for _, length in region))
     worst = max((d for d in drifts if d is not None), key=lambda d: d.relative_diff, default=None)
     return CanonicalTensor(full=full, replica_drift=worst, num_shards=len(shards))
+
+
+def _check_flat_coverage(key: TensorKey | None, shards: list[RecordedShard]) -> None:
+    """Every element of every block is in some rank's flat range, and no range runs past its block:
+    found from the ranges alone, before anything is allocated (a damaged block may claim 10**12 elements)."""
+    by_region: dict[tuple, list[RecordedShard]] = defaultdict(list)
+    for shard_ in shards:
+        by_region[pl.local_region(shard_.layout)].append(shard_)
+    for region, pieces in by_region.items():
+        numel, covered = math.prod(length for _, length in region), 0
+        for piece in sorted(pieces, key=lambda p: (p.layout.flat_range or (0, numel))[0]):
+            start, end = piece.layout.flat_range or (0, numel)
+            if end > numel:
+                raise LayoutError(f"{key}: rank {piece.rank} holds flat range [{start}, {end}) of block {region}, "
+                                  f"which has {numel} elements; its metadata is damaged, re-record this tensor")
+            if start > covered:
+                break
+            covered = max(covered, end)
+        if covered < numel:
+            raise LayoutError(f"{key}: no rank holds flat element {covered} of block {region}; ranks present: "
+                              f"{sorted(p.rank for p in pieces)}. Re-record with every rank (if every rank is there, its metadata is damaged)")
 
 
 def shard(full: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Annotated, Literal
 from msgspec import Meta
 
 from ttrace_core.format.containment import contained
+from ttrace_core.format.regular_files import regular_file_bytes
 from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.records import data_from_json, record_from_data
 from ttrace_core.format.schema import Count, Finite, FiniteNonNegative, FinitePositive, TensorKey
@@ -112,19 +113,28 @@ def estimate_path(run_dir: str | os.PathLike, for_precision: str | None = None) 
 
 
 def estimate_files(run_dir: str | os.PathLike) -> dict[str | None, Path]:
-    """Every estimate stored in a reference: None -> its own precision's, "fp8" -> the one for fp8 candidates."""
+    """Every estimate stored in a reference: None -> its own precision's, "fp8" -> the one for fp8 candidates
+    (present, readable or not: `read_estimate` says what is wrong with one)."""
     run_dir = Path(run_dir)
-    found: dict[str | None, Path] = {None: run_dir / ESTIMATE_FILE} if (run_dir / ESTIMATE_FILE).is_file() else {}
+    found: dict[str | None, Path] = {None: run_dir / ESTIMATE_FILE} if os.path.lexists(run_dir / ESTIMATE_FILE) else {}
     for path in sorted(run_dir.glob(_crossed_name("*"))):
         found[path.name.removeprefix(ESTIMATE_FILE.removesuffix(".json") + ".").removesuffix(".json")] = path
     return found
 
 
 def read_estimate(run_dir: str | os.PathLike, for_precision: str | None = None) -> PerturbationEstimate | None:
+    """The estimate, or None only when there is none: one that is present but cannot be read (a
+    directory, a FIFO, a symlink loop, damaged JSON) is an error, never a quiet fall back to the dtype table."""
     path = estimate_path(run_dir, for_precision)
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
-    return PerturbationEstimate.from_json(contained(path.parent, path.name).read_text(), str(path))
+    remedy = (f"the tolerance estimate cannot be read, and an unreadable estimate is never replaced by the dtype "
+              f"table in silence: delete it and run `ttrace estimate {os.fspath(run_dir)}` again")
+    try:
+        text = regular_file_bytes(contained(path.parent, path.name, remedy=remedy))
+    except OSError as error:
+        raise TraceFormatError(f"{path}: {error.strerror or error}; {remedy}") from error
+    return PerturbationEstimate.from_json(text, str(path))
 
 
 def write_estimate(run_dir: str | os.PathLike, estimate: PerturbationEstimate) -> Path:

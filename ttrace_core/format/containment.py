@@ -6,23 +6,51 @@ external raw storage would each lead a reader to another file (`/etc/...` or ano
 which would then be judged as this run's). ttrace writes none of them, so each is refused before
 anything is read through it, with one line naming the file. `dataset_metas` lists a step file's
 datasets and their metadata through HDF5's low-level API with those checks built in.
+
+Only regular files are opened (regular_files.py): `contained` also refuses, before anything is
+opened, a symlink loop, a dangling symlink, and a FIFO, socket, device or directory where a file belongs.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 import h5py
-import numpy as np
 
 from ttrace_core.errors import TraceFormatError
+from ttrace_core.format.datasets import STRING, damaged_file_errors, scalar_attribute
+from ttrace_core.format.regular_files import kind_of
 
 
-def contained(run_dir: str | os.PathLike, name: str) -> Path:
-    """run_dir / name, refused when it is a symlink that leads out of the run directory: a shared
-    trace is read from its own directory only (a link to another run's file would be judged as this one's)."""
+ONLY_REGULAR = "ttrace opens only regular files: copy the recorded file here again"
+
+
+def _refuse_unopenable(path: Path, remedy: str) -> None:
+    """Refuses a symlink loop, a dangling symlink and anything but a regular file; a plain missing
+    file is left to the caller, which says what it meant to find."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise TraceFormatError(f"{path}: a symlink loop (it leads back to itself, never to a file); {remedy}") from None
+        if error.errno == errno.ENOENT and os.path.islink(path):
+            raise TraceFormatError(f"{path}: a symlink to {os.readlink(path)}, which does not exist; {remedy}") from None
+        if error.errno in (errno.ENOENT, errno.ENOTDIR):
+            return
+        raise
+    if (kind := kind_of(mode)) is not None:
+        raise TraceFormatError(f"{path}: {kind}, not a regular file; {remedy}")
+
+
+def contained(run_dir: str | os.PathLike, name: str, *, remedy: str = ONLY_REGULAR) -> Path:
+    """run_dir / name, refused when it is a symlink that leads out of the run directory (a shared
+    trace is read from its own directory only: a link to another run's file would be judged as this
+    one's), a symlink loop, or not a regular file (a FIFO, socket, device or directory); `remedy` ends
+    the refusal's line."""
     path = Path(run_dir) / name
+    _refuse_unopenable(path, remedy)
     if path.is_symlink():
         target = path.resolve()
         if not target.is_relative_to(Path(run_dir).resolve()):
@@ -76,7 +104,7 @@ def dataset_metas(handle: h5py.File, where: str = "") -> dict[str, bytes | None]
             if _keeps_values_elsewhere(h5py.h5d.open(handle.id, name)):
                 stopped.append((name, None))
                 return True
-            found[name.decode("utf-8", "backslashreplace")] = _meta_attribute(handle, name)
+            found[name.decode("utf-8", "backslashreplace")] = _meta_attribute(handle, name, where)
         except Exception as error:  # noqa: BLE001 - re-raised below, outside the callback
             stopped.append((name, error))
             return True
@@ -86,16 +114,13 @@ def dataset_metas(handle: h5py.File, where: str = "") -> dict[str, bytes | None]
     if stopped:
         name, error = stopped[0]
         if error is not None:
-            raise error
+            with damaged_file_errors(f"{where}:{name.decode('utf-8', 'backslashreplace')}", "re-record this rank"):
+                raise error
         refuse_external_storage(h5py.h5d.open(handle.id, name), f"{where}:{name.decode('utf-8', 'backslashreplace')}")
     return found
 
 
-def _meta_attribute(handle: h5py.File, name: bytes) -> bytes | None:
-    try:
-        attribute = h5py.h5a.open(handle.id, b"meta", obj_name=name)
-    except KeyError:
-        return None
-    value = np.empty(attribute.shape, dtype=attribute.dtype)
-    attribute.read(value)
-    return value[()]
+def _meta_attribute(handle: h5py.File, name: bytes, where: str) -> bytes | None:
+    dataset = h5py.h5o.open(handle.id, name)
+    return scalar_attribute(dataset, "meta", STRING, f"{where}:{name.decode('utf-8', 'backslashreplace')}",
+                            "re-record this rank")

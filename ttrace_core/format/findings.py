@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import h5py
 
-from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.containment import refuse_external_storage
+from ttrace_core.format.datasets import read_bytes_dataset
 from ttrace_core.format.records import finding_from_json
 from ttrace_core.format.schema import Finding
 
@@ -27,10 +27,7 @@ def findings_in_file(handle: h5py.File, where: str) -> list[Finding]:
         return []
     dataset = handle[FINDINGS]
     refuse_external_storage(dataset.id, f"{where}:{FINDINGS}")
-    try:
-        text = bytes(dataset[()])
-    except (OSError, TypeError, ValueError) as error:
-        raise TraceFormatError(f"{where}:{FINDINGS}: cannot be read ({error}); re-record this rank") from error
+    text = read_bytes_dataset(dataset, f"{where}:{FINDINGS}", "re-record this rank")
     return [finding_from_json(line, f"{where}:{FINDINGS} line {number}")
             for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
 

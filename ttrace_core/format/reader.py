@@ -23,8 +23,14 @@ import numpy as np
 import torch
 
 from ttrace_core.format.containment import contained, dataset_metas, refuse_external_storage, refuse_links
-from ttrace_core.errors import TraceFormatError
+from ttrace_core.format.regular_files import regular_file_bytes
+from ttrace_core.errors import TraceFormatError, TtraceError
+from ttrace_core.format.datasets import (
+    INTEGER, READ_ERRORS, STRING, damaged_file_errors, read_bytes_dataset, read_values, scalar_attribute, stored_dtype,
+    tensor_from_array,
+)
 from ttrace_core.format.findings import FINDINGS, findings_in_file
+from ttrace_core.format.global_heap import refuse_looping_heaps
 from ttrace_core.format.records import data_from_json, meta_from_json, record_from_data
 from ttrace_core.format.schema import (
     FORMAT_VERSION, NO_MICRO_BATCH, PHASES, PRE_STEP_SLOT, READABLE_FORMAT_VERSIONS, REQUIRED_MANIFEST_FIELDS, Finding, RunManifest,
@@ -43,31 +49,12 @@ STOPPED_ATTR = "stopped"
 MAX_STOPPED_CHARS = 300
 STEP_FILE = re.compile(r"^rank_(\d{5})\.step_(\d{6})\.h5(\.partial)?$")
 
-# Dtypes stored as raw bits of an integer dtype of the same width.
-RAW_BITS = {
-    "bfloat16": torch.int16,
-    "float8_e4m3fn": torch.uint8,
-    "float8_e5m2": torch.uint8,
-    "float8_e4m3fnuz": torch.uint8,
-    "float8_e5m2fnuz": torch.uint8,
-}
-NATIVE_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
-
-
 def step_file_name(rank: int, step: int) -> str:
     return f"rank_{rank:05d}.step_{step:06d}.h5"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def tensor_from_array(array: np.ndarray, name: str, where: str) -> torch.Tensor:
-    if name in RAW_BITS:
-        return torch.from_numpy(np.asarray(array, order="C")).view(getattr(torch, name))
-    if name in NATIVE_DTYPES:
-        return torch.from_numpy(np.asarray(array, order="C"))
-    raise TraceFormatError(f"{where}: unknown dtype {name!r} in the trace; it was written by another ttrace version")
 
 
 def dataset_path(key: TensorKey) -> str:
@@ -111,9 +98,9 @@ def read_manifest(run_dir: str | os.PathLike) -> RunManifest:
     path = Path(run_dir) / MANIFEST_NAME
     if not Path(run_dir).is_dir():
         raise TraceFormatError(f"{run_dir}: no such run directory; pass the --out directory of `ttrace example` or a Tracer")
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise TraceFormatError(f"{path}: missing; this directory is not a ttrace run (or its recording never started)")
-    data = data_from_json(contained(run_dir, MANIFEST_NAME).read_bytes(), str(path), "manifest", "re-record the run")
+    data = data_from_json(regular_file_bytes(contained(run_dir, MANIFEST_NAME)), str(path), "manifest", "re-record the run")
     version = data.get("format_version", FORMAT_VERSION) if isinstance(data, dict) else FORMAT_VERSION
     if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
         raise TraceFormatError(
@@ -152,14 +139,36 @@ def _why_partial(run_dir: Path, step: int, by_rank: dict[int, bool], world_size:
     return "; ".join(reasons)
 
 
+def open_step_file(path: Path, rank: int) -> h5py.File:
+    """A step file opened read-only (after `contained` checked what `path` is) whose global heap HDF5 can
+    read without looping (global_heap.py), or one line saying why not."""
+    try:
+        handle = h5py.File(path, "r")
+    except READ_ERRORS as error:
+        reason = str(error).split("(")[0].strip() or "unreadable"
+        raise TraceFormatError(f"{path}: not a readable HDF5 file ({reason}); it is truncated or corrupted, "
+                               f"{remedy_of(rank)}") from error
+    try:
+        with damaged_file_errors(str(path), remedy_of(rank)):
+            refuse_looping_heaps(handle, path, remedy_of(rank))
+    except TraceFormatError:
+        handle.close()
+        raise
+    return handle
+
+
+def remedy_of(rank: int) -> str:
+    return f"re-record rank {rank} (or copy its file again)"
+
+
 def _stopped_word(run_dir: Path, rank: int, step: int) -> str:
     """What a rank's partial step file says stopped it; a file without a word was killed or lost its machine."""
     silent = "left no word: killed, or its machine died"
+    path = Path(run_dir) / (step_file_name(rank, step) + PARTIAL_SUFFIX)
     try:
-        path = contained(run_dir, step_file_name(rank, step) + PARTIAL_SUFFIX)
-        with h5py.File(path, "r") as handle:
-            word = handle.attrs.get(STOPPED_ATTR)
-    except (OSError, TraceFormatError):  # a file cut off mid-write is expected here: the step was interrupted
+        with open_step_file(contained(run_dir, path.name), rank) as handle, damaged_file_errors(str(path), remedy_of(rank)):
+            word = scalar_attribute(handle, STOPPED_ATTR, STRING, str(path), remedy_of(rank))
+    except TtraceError:  # a file cut off mid-write is expected here: the step was interrupted
         return silent
     if isinstance(word, bytes):
         word = word.decode(errors="replace")
@@ -173,12 +182,12 @@ def _findings_of_unfinished_step(run_dir: Path, step: int, by_rank: dict[int, bo
     file); a file cut off mid-write is expected here and gives none."""
     found = []
     for rank, complete in sorted(by_rank.items()):
+        path = Path(run_dir) / (step_file_name(rank, step) + ("" if complete else PARTIAL_SUFFIX))
         try:
-            path = contained(run_dir, step_file_name(rank, step) + ("" if complete else PARTIAL_SUFFIX))
-            with h5py.File(path, "r") as handle:
+            with open_step_file(contained(run_dir, path.name), rank) as handle, damaged_file_errors(str(path), remedy_of(rank)):
                 refuse_links(handle, str(path))
                 found += findings_in_file(handle, str(path))
-        except (OSError, KeyError, TraceFormatError):
+        except TtraceError:
             continue
     return found
 
@@ -192,10 +201,7 @@ def step_files(run_dir: str | os.PathLike, world_size: int) -> tuple[list[int], 
 
 def stats_only_metas(handle: h5py.File, where: str) -> list[TensorMeta]:
     """The step file's stats-only records (STATS_ONLY_METAS), each checked like a dataset's metadata."""
-    try:
-        text = bytes(handle[STATS_ONLY_METAS][()])
-    except (OSError, KeyError, TypeError, ValueError) as error:
-        raise TraceFormatError(f"{where}:{STATS_ONLY_METAS}: cannot be read ({error}); re-record this rank") from error
+    text = read_bytes_dataset(handle[STATS_ONLY_METAS], f"{where}:{STATS_ONLY_METAS}", "re-record this rank")
     return [meta_from_json(line, f"{where}:{STATS_ONLY_METAS} line {number}")
             for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
 
@@ -210,30 +216,26 @@ def read_shards(run_dir: str | os.PathLike, key: TensorKey, world_size: int) -> 
     shards = []
     for rank in range(world_size):
         file_path = contained(run_dir, step_file_name(rank, key.step))
-        where = f"{file_path}:{path}"
-        try:
-            with h5py.File(file_path, "r") as handle:
-                refuse_links(handle, str(file_path))
-                if path not in handle:
-                    if STATS_ONLY_METAS in handle:
-                        refuse_external_storage(handle[STATS_ONLY_METAS].id, f"{file_path}:{STATS_ONLY_METAS}")
-                        shards += [(m, None) for m in stats_only_metas(handle, str(file_path))
-                                   if m.key == key and m.rank == rank]
-                    continue
-                dataset = handle[path]
-                refuse_external_storage(dataset.id, where)
-                meta = meta_from_json(dataset.attrs["meta"], where)
-                array = None if meta.stats_only else dataset[()]
-        except (OSError, KeyError) as error:
-            raise TraceFormatError(f"{where}: cannot read the dataset ({error}); the file is truncated or corrupted, "
-                                   f"re-record rank {rank}") from error
-        value = None if array is None else tensor_from_array(array, meta.dtype, where)
-        if value is not None and tuple(value.shape) != meta.local_shape:
-            raise TraceFormatError(f"{where}: stored shape {tuple(value.shape)} differs from its metadata {meta.local_shape}")
-        shards.append((meta, value))
+        with open_step_file(file_path, rank) as handle, damaged_file_errors(f"{file_path}:{path}", remedy_of(rank)):
+            refuse_links(handle, str(file_path))
+            if path in handle:
+                shards.append(_shard_of(handle[path], f"{file_path}:{path}", rank))
+            elif STATS_ONLY_METAS in handle:
+                refuse_external_storage(handle[STATS_ONLY_METAS].id, f"{file_path}:{STATS_ONLY_METAS}")
+                shards += [(m, None) for m in stats_only_metas(handle, str(file_path)) if m.key == key and m.rank == rank]
     if not shards:
         raise TraceFormatError(f"{run_dir}: no rank recorded {key}; pick a tensor the run holds (`ttrace inspect --tensors`)")
     return shards
+
+
+def _shard_of(dataset: h5py.Dataset, where: str, rank: int) -> tuple[TensorMeta, torch.Tensor | None]:
+    """One dataset's metadata and values (None for a stats-only shard), its storage checked first."""
+    refuse_external_storage(dataset.id, where)
+    meta = meta_from_json(scalar_attribute(dataset, "meta", STRING, where, remedy_of(rank)) or b"", where)
+    if meta.stats_only:
+        return meta, None
+    array = read_values(dataset, stored_dtype(meta.dtype), meta.local_shape, where, remedy_of(rank))
+    return meta, tensor_from_array(array, meta.dtype, where)
 
 
 def forward_inputs(run_dir: str | os.PathLike, rank: int, step: int, fqn: str) -> dict[int, dict[str, torch.Tensor]]:
@@ -242,27 +244,25 @@ def forward_inputs(run_dir: str | os.PathLike, rank: int, step: int, fqn: str) -
     path = contained(run_dir, step_file_name(rank, step))
     prefix = f"{fqn or '<root>'}#input."
     calls: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
-    try:
-        with h5py.File(path, "r") as handle:
-            refuse_links(handle, str(path))
-            forward = handle.get("forward")
-            for group_name in (sorted(forward) if forward is not None else []):
-                group = forward[group_name]
-                for name in group:
-                    if name.startswith(prefix):
-                        refuse_external_storage(group[name].id, f"{path}:forward/{group_name}/{name}")
-                        meta = meta_from_json(group[name].attrs["meta"], f"{path}:forward/{group_name}/{name}")
-                        calls[meta.key.micro_batch][meta.key.slot] = tensor_from_array(group[name][()], meta.dtype, str(path))
-    except OSError as error:
-        raise TraceFormatError(f"{path}: not a readable HDF5 file ({error}); it is truncated or corrupted, "
-                               f"re-record rank {rank}") from error
+    with open_step_file(path, rank) as handle, damaged_file_errors(f"{path}:forward", remedy_of(rank)):
+        refuse_links(handle, str(path))
+        forward = handle.get("forward")
+        for group_name in (sorted(forward) if forward is not None else []):
+            group = forward[group_name]
+            for name in group:
+                if name.startswith(prefix):
+                    meta, value = _shard_of(group[name], f"{path}:forward/{group_name}/{name}", rank)
+                    if value is None:
+                        raise TraceFormatError(f"{path}:forward/{group_name}/{name}: recorded in stats-only mode; it "
+                                               "holds no values to replay with, record its inputs with values")
+                    calls[meta.key.micro_batch][meta.key.slot] = value
     return dict(calls)
 
 
 def _blind_spots_of(handle: h5py.File, path: Path, rank: int) -> dict[str, str]:
     """The modules one rank's trace could not see into (Tracer.blind_spots), from its step file."""
     try:
-        blind_spots = json.loads(handle.attrs.get("blind_spots", "{}"))
+        blind_spots = json.loads(scalar_attribute(handle, "blind_spots", STRING, str(path), remedy_of(rank)) or "{}")
     except (TypeError, ValueError) as error:
         raise TraceFormatError(f"{path}: attribute blind_spots is not JSON ({error}); re-record rank {rank}") from error
     if not isinstance(blind_spots, dict) or not all(isinstance(v, str) for v in blind_spots.values()):
@@ -275,12 +275,9 @@ def read_blind_spots(run_dir: str | os.PathLike, manifest: RunManifest, step: in
     found = dict(manifest.blind_spots)
     for rank in range(manifest.world_size):
         path = contained(run_dir, step_file_name(rank, step))
-        try:
-            with h5py.File(path, "r") as handle:
-                for fqn, why in _blind_spots_of(handle, path, rank).items():
-                    found.setdefault(fqn, why)
-        except OSError as error:
-            raise TraceFormatError(f"{path}: not a readable HDF5 file ({error}); re-record rank {rank}") from error
+        with open_step_file(path, rank) as handle:
+            for fqn, why in _blind_spots_of(handle, path, rank).items():
+                found.setdefault(fqn, why)
     return found
 
 
@@ -327,22 +324,15 @@ class RunReader:
 
     def _index_file(self, rank: int, step: int) -> None:
         path = contained(self.run_dir, step_file_name(rank, step))
-        try:
-            handle = h5py.File(path, "r")
-        except OSError as error:
-            reason = str(error).split("(")[0].strip() or "unreadable"
-            raise TraceFormatError(
-                f"{path}: not a readable HDF5 file ({reason}); it is truncated or corrupted, re-record rank {rank}"
-            ) from error
-        self._files[(rank, step)] = handle
+        handle = self._files[(rank, step)] = open_step_file(path, rank)
+        with damaged_file_errors(str(path), remedy_of(rank)):
+            self._index_open_file(handle, path, rank, step)
+
+    def _index_open_file(self, handle: h5py.File, path: Path, rank: int, step: int) -> None:
         where = f"{path}"
         for fqn, why in _blind_spots_of(handle, path, rank).items():
             self.manifest.blind_spots.setdefault(fqn, why)
-
-        try:
-            metas = dataset_metas(handle, where)
-        except (OSError, RuntimeError, KeyError, ValueError) as error:
-            raise TraceFormatError(f"{path}: corrupted HDF5 structure ({error}); re-record rank {rank}") from error
+        metas = dataset_metas(handle, where)
         stats_only = stats_only_metas(handle, where) if metas.pop(STATS_ONLY_METAS, False) is not False else []
         if metas.pop(FINDINGS, False) is not False:
             self.findings += [f for f in findings_in_file(handle, where) if self._in_subtree(f.fqn)]
@@ -353,7 +343,7 @@ class RunReader:
             if self._wanted(dataset_path(meta.key)):
                 self._index_stats_only(meta, rank, step)
         held = len(metas) + len(stats_only)
-        written = handle.attrs.get(INVENTORY_ATTR)
+        written = scalar_attribute(handle, INVENTORY_ATTR, INTEGER, str(path), remedy_of(rank))
         if written is None:
             return
         written = int(written) if isinstance(written, (int, np.integer)) else repr(written)
@@ -393,14 +383,10 @@ class RunReader:
         where = f"{self.run_dir / step_file_name(meta.rank, meta.key.step)}:{path}"
         if meta.stats_only:
             raise TraceFormatError(f"{where}: recorded in stats-only mode; it holds no values")
-        try:
+        with damaged_file_errors(where, remedy_of(meta.rank)):
             dataset = self._files[(meta.rank, meta.key.step)][path]
-            if dataset.shape != meta.local_shape:
-                raise TraceFormatError(f"{where}: stored shape {dataset.shape} differs from its metadata {meta.local_shape}")
-            array = dataset[()] if region is None else dataset[region]
-        except (OSError, KeyError) as error:
-            raise TraceFormatError(f"{where}: cannot read the dataset ({error}); the file is corrupted, re-record it") from error
-        return tensor_from_array(array, meta.dtype, where)
+            array = read_values(dataset, stored_dtype(meta.dtype), meta.local_shape, where, remedy_of(meta.rank), region)
+            return tensor_from_array(array, meta.dtype, where)
 
     def keys(self) -> list[TensorKey]:
         return list(self.index)

@@ -25,8 +25,9 @@ import torch
 from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.findings import FINDINGS
 from ttrace_core.format.schema import FORMAT_VERSION, Finding, RunManifest, TensorMeta, TensorStats
+from ttrace_core.format.datasets import NATIVE_DTYPES, RAW_BITS
 from ttrace_core.format.reader import (
-    INVENTORY_ATTR, MANIFEST_NAME, MAX_STOPPED_CHARS, NATIVE_DTYPES, PARTIAL_SUFFIX, RAW_BITS, STATS_ONLY_METAS, STEP_FILE, STOPPED_ATTR,
+    INVENTORY_ATTR, MANIFEST_NAME, MAX_STOPPED_CHARS, PARTIAL_SUFFIX, STATS_ONLY_METAS, STEP_FILE, STOPPED_ATTR,
     dataset_path, dtype_name, step_file_name,
 )
 

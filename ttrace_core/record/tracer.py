@@ -63,7 +63,8 @@ from ttrace_core.record.step_scalars import (
     TORCH_CAPTURES, capture_optimizer_step, learning_rate, record_step_scalars,
 )
 from ttrace_core.format.tracer_config import TracerConfig
-from ttrace_core.format.reader import NATIVE_DTYPES, RAW_BITS, dtype_name
+from ttrace_core.format.datasets import NATIVE_DTYPES, RAW_BITS
+from ttrace_core.format.reader import dtype_name
 from ttrace_core.format.writer import RunWriter, refuse_existing_trace, stats_from_tensor, write_failure, write_manifest
 
 

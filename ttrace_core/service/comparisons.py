@@ -24,6 +24,8 @@ from ttrace_core.compare.results import RunComparison
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.tolerances import tolerances_from_settings
 from ttrace_core.errors import TtraceError
+from ttrace_core.format.containment import contained
+from ttrace_core.format.regular_files import regular_file_bytes
 from ttrace_core.format.reader import MANIFEST_NAME, RunReader, read_manifest
 from ttrace_core.format.records import data_from_record
 from ttrace_core.format.schema import FORMAT_VERSION
@@ -40,11 +42,21 @@ def ttrace_version() -> str:
 
 def run_fingerprint(run_dir: Path) -> list:
     """What a comparison depends on in a run directory: its manifest's bytes and its data files' stats."""
-    manifest = (run_dir / MANIFEST_NAME).read_bytes()
+    manifest = regular_file_bytes(contained(run_dir, MANIFEST_NAME))
     estimates = {path.name for path in estimate_files(run_dir).values()}
     names = sorted(p for p in os.listdir(run_dir) if p.endswith((".h5", ".partial")) or p in estimates)
-    stats = [(name, (run_dir / name).stat().st_size, (run_dir / name).stat().st_mtime_ns) for name in names]
+    stats = [(name, *_size_and_mtime(run_dir / name)) for name in names]
     return [hashlib.sha256(manifest).hexdigest(), stats]
+
+
+def _size_and_mtime(path: Path) -> tuple[int, int]:
+    """Of the file a name leads to; of the link itself when it leads nowhere (a loop, a dangling link:
+    the reader refuses those with one line, the fingerprint must not fail first)."""
+    try:
+        info = path.stat()
+    except OSError:
+        info = path.lstat()
+    return info.st_size, info.st_mtime_ns
 
 
 def _cache_path(reference: Path, candidate: Path, settings: CompareSettings) -> tuple[Path, dict]:

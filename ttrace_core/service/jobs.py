@@ -30,6 +30,7 @@ from typing import Literal
 
 import msgspec
 
+from ttrace_core.format.regular_files import regular_file_bytes
 from ttrace_core.record.processes import ProcessRef
 
 FINAL_STATES = ("complete", "failed", "timed_out", "cancelled")
@@ -89,7 +90,7 @@ def _record_from_file(path: Path, record: type[JobSpec] | type[JobStatus], what:
     """A JobSpec or JobStatus from its JSON file, every field's type checked: the directory may come
     from a shared trace, and nothing in it is trusted."""
     try:
-        return msgspec.convert(json.loads(path.read_text()), type=record, strict=True)
+        return msgspec.convert(json.loads(regular_file_bytes(path)), type=record, strict=True)
     except (OSError, ValueError, RecursionError, msgspec.ValidationError) as error:
         raise JobFileError(f"{path}: not a valid job {what} ({str(error)[:160]})") from error
 
@@ -168,7 +169,7 @@ class Job:
 
 def _result_of(path: Path) -> dict:
     try:
-        result = json.loads(path.read_text())
+        result = json.loads(regular_file_bytes(path))
     except (OSError, ValueError, RecursionError) as error:
         raise JobFileError(f"{path}: not a readable job result ({str(error)[:120]}); run the job again") from error
     if not isinstance(result, dict):
@@ -182,7 +183,7 @@ STALE_LOCK_S = 30.0
 
 def _lock_holder(directory: Path) -> ProcessRef | None:
     try:
-        return ProcessRef.decode((directory / "lock").read_text())
+        return ProcessRef.decode(regular_file_bytes(directory / "lock").decode(errors="replace"))
     except OSError:
         return None
 
@@ -190,9 +191,12 @@ def _lock_holder(directory: Path) -> ProcessRef | None:
 def _lock_is_stale(directory: Path) -> bool:
     """The lock's holder is gone: dead, of another boot or machine, or never named (and not just being written)."""
     try:
-        text, age = (directory / "lock").read_text(), time.time() - (directory / "lock").stat().st_mtime
+        text = regular_file_bytes(directory / "lock").decode(errors="replace")
+        age = time.time() - (directory / "lock").stat().st_mtime
     except FileNotFoundError:
         return False
+    except OSError:  # not a regular file (a FIFO, a directory, a symlink loop): it names no holder
+        return True
     holder = ProcessRef.decode(text)
     if holder is None:
         return bool(text.strip()) or age > STALE_LOCK_S

@@ -1,0 +1,141 @@
+"""Reading one HDF5 object of a step file: what the file declares is checked before anything is
+allocated, and whatever HDF5, numpy or torch raise on a damaged file becomes one line.
+
+Part of stage 0, the trace format; reader.py and findings.py read every dataset and attribute
+through here. This is the boundary between HDF5 and ttrace: a damaged file fails deep below h5py
+(a zeroed global heap: "bad global heap collection signature"; a flipped bit in a datatype message:
+a float of 128 bits numpy holds as longdouble and torch cannot take), and each failure becomes a
+`TraceFormatError` that names the file and the dataset, says what is wrong and what to do.
+
+Before a dataset's values are read, its stored dtype and shape must be the ones its metadata
+declares, and the file must hold storage for all of them: a dataspace claiming 2**40 elements over
+storage that was never written would otherwise be read as terabytes of fill values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import h5py
+import numpy as np
+import torch
+
+from ttrace_core.errors import TraceFormatError, TtraceError
+
+# Dtypes stored as raw bits of an integer dtype of the same width.
+RAW_BITS = {
+    "bfloat16": torch.int16,
+    "float8_e4m3fn": torch.uint8,
+    "float8_e5m2": torch.uint8,
+    "float8_e4m3fnuz": torch.uint8,
+    "float8_e5m2fnuz": torch.uint8,
+}
+NATIVE_DTYPES = {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+
+READ_ERRORS = (OSError, KeyError, ValueError, TypeError, RuntimeError, OverflowError, IndexError, MemoryError)
+"""What reading a damaged file raises below ttrace: HDF5's errors arrive through h5py as OSError,
+KeyError, ValueError or RuntimeError; a datatype numpy has no type for, or one torch cannot take, as
+TypeError; a size beyond memory as MemoryError (numpy's _ArrayMemoryError among them)."""
+
+
+@contextmanager
+def damaged_file_errors(where: str, remedy: str) -> Iterator[None]:
+    """Inside: every READ_ERRORS raised while reading `where` (file:dataset) becomes one TraceFormatError line."""
+    try:
+        yield
+    except TtraceError:
+        raise
+    except READ_ERRORS as error:
+        raise TraceFormatError(f"{where}: {_what_is_wrong(error)}; {remedy}") from error
+
+
+def _what_is_wrong(error: BaseException) -> str:
+    if isinstance(error, MemoryError):
+        return "reading it would take more memory than this machine has, more than the file holds: it is damaged"
+    text = " ".join(str(error).split())[:240] or type(error).__name__
+    return f"cannot be read, the file is damaged ({text})"
+
+
+def stored_dtype(name: str) -> np.dtype:
+    """The numpy dtype (native byte order) a tensor of dtype `name` is stored as: bf16 and fp8 as raw bits."""
+    if name in RAW_BITS:
+        return np.dtype(str(RAW_BITS[name]).removeprefix("torch."))
+    return np.dtype(name)
+
+
+def check_storage(dataset: h5py.Dataset, dtype: np.dtype, shape: tuple[int, ...], where: str, remedy: str) -> None:
+    """Refuses a dataset whose stored dtype or shape is not the declared one, that is filtered (ttrace
+    writes raw values), or whose storage in the file is smaller than its declared size: checked from
+    the dataset's header alone, before any of its values is allocated."""
+    if dataset.dtype != dtype:
+        raise TraceFormatError(f"{where}: its stored datatype reads as {dataset.dtype.str} ({dataset.dtype.name}) but its "
+                               f"metadata says {dtype.str} ({dtype.name}): the datatype message is damaged; {remedy}")
+    if dataset.shape != shape:
+        raise TraceFormatError(f"{where}: stored shape {dataset.shape} differs from its metadata {shape}; {remedy}")
+    plist = dataset.id.get_create_plist()
+    if plist.get_nfilters():
+        raise TraceFormatError(f"{where}: stored through {plist.get_nfilters()} HDF5 filters (compressed); ttrace "
+                               f"writes raw values only, so the file was not written by ttrace or is damaged; {remedy}")
+    declared, held = math.prod(shape) * dtype.itemsize, dataset.id.get_storage_size()
+    if held < declared:
+        raise TraceFormatError(f"{where}: declares shape {shape} of {dtype.str} ({declared} bytes) but the file holds "
+                               f"{held} bytes of storage for it (a damaged header, or values never written); {remedy}")
+
+
+def read_values(dataset: h5py.Dataset, dtype: np.dtype, shape: tuple[int, ...], where: str, remedy: str,
+                region: tuple[slice, ...] | None = None) -> np.ndarray:
+    """The dataset's values (only `region`, a slice per leading dim, when given), checked first."""
+    with damaged_file_errors(where, remedy):
+        check_storage(dataset, dtype, shape, where, remedy)
+        return dataset[()] if region is None else dataset[region]
+
+
+def read_bytes_dataset(dataset: h5py.Dataset, where: str, remedy: str) -> bytes:
+    """A dataset ttrace writes as one row of bytes (JSON lines: findings, stats-only records), checked first."""
+    with damaged_file_errors(where, remedy):
+        if len(dataset.shape) != 1:
+            raise TraceFormatError(f"{where}: stored shape {dataset.shape}, ttrace writes one row of bytes here; {remedy}")
+        return read_values(dataset, np.dtype("uint8"), dataset.shape, where, remedy).tobytes()
+
+
+CLASS_NAMES = {h5py.h5t.INTEGER: "an integer", h5py.h5t.FLOAT: "a float", h5py.h5t.STRING: "a string",
+               h5py.h5t.BITFIELD: "a bitfield", h5py.h5t.OPAQUE: "opaque bytes", h5py.h5t.COMPOUND: "a compound",
+               h5py.h5t.REFERENCE: "a reference", h5py.h5t.ENUM: "an enum", h5py.h5t.VLEN: "a variable-length sequence",
+               h5py.h5t.ARRAY: "an array"}
+"""How an attribute's HDF5 datatype class is named in a refusal."""
+STRING = (h5py.h5t.TypeStringID,)
+INTEGER = (h5py.h5t.TypeIntegerID,)
+
+
+def scalar_attribute(owner, name: str, kinds: tuple[type, ...], where: str, remedy: str) -> object | None:
+    """Attribute `name` of `owner` (a file, group or dataset, or its low-level id), or None when it has
+    none: one value of one of `kinds` of HDF5 datatype, checked before HDF5 converts it. A flipped bit
+    can turn a variable-length string into a variable-length sequence of garbage, whose conversion
+    crashes the process (a segmentation fault, not an exception), or give it 2**40 elements."""
+    owner_id = owner.id if isinstance(owner, h5py.HLObject) else owner
+    with damaged_file_errors(f"{where}: attribute {name}", remedy):
+        if not h5py.h5a.exists(owner_id, name.encode()):
+            return None
+        attribute = h5py.h5a.open(owner_id, name.encode())
+        datatype = attribute.get_type()
+        if attribute.shape != () or not isinstance(datatype, kinds):
+            shape = "" if attribute.shape == () else f" of shape {attribute.shape}"
+            raise TraceFormatError(f"{where}: attribute {name} is {CLASS_NAMES.get(datatype.get_class(), 'unknown')}"
+                                   f"{shape}, not the one {_kind_names(kinds)} ttrace writes: its header is damaged; {remedy}")
+        value = np.empty((), dtype=attribute.dtype)
+        attribute.read(value)
+        return value[()]
+
+
+def _kind_names(kinds: tuple[type, ...]) -> str:
+    return " or ".join("string" if kind is h5py.h5t.TypeStringID else "integer" for kind in kinds)
+
+
+def tensor_from_array(array: np.ndarray, name: str, where: str) -> torch.Tensor:
+    if name in RAW_BITS:
+        return torch.from_numpy(np.asarray(array, order="C")).view(getattr(torch, name))
+    if name in NATIVE_DTYPES:
+        return torch.from_numpy(np.asarray(array, order="C"))
+    raise TraceFormatError(f"{where}: unknown dtype {name!r} in the trace; it was written by another ttrace version")
