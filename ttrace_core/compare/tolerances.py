@@ -163,7 +163,7 @@ class PerturbationTolerances:
             modelled["update"] = storage_rounding_noise(update_to_value, math.prod(shape), storage_epsilon(dtype))
         family = self._family_structure.get(_family_group(key), {})
         return {name: max(self.alpha * max(noise.largest, modelled.get(name, 0.0),
-                                           relative * max(noise.per_unit_norm, family[name].per_unit_norm)), floor)
+                                           relative * family[name].per_unit_norm), floor)
                 for name, noise in self._pooled_structure.get(group, {}).items()}
 
     def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
