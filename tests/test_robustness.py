@@ -67,3 +67,22 @@ def test_a_shared_replay_job_is_read_as_untrusted(robustness_base, tmp_path):
     results = robustness.run_all(cases, robustness_base, tmp_path, jobs=2)
     assert not _bad_answers(results) and not any(r["read_outside"] for r in results), _bad_answers(results)
     assert {r["api"]["outcome"] for r in results} == {"pass", "error"}, [r["api"] for r in results]
+
+
+def test_the_readme_states_the_robustness_results_file():
+    """The README's case and class counts are the results file's, and its 'all' row has no crash, hang or
+    silent pass: a re-run that changes them must change the README too."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    results = (root / "benchmarks" / "results" / "robustness.md").read_text()
+    table = [line.split("|")[1:-1] for line in results.splitlines() if line.startswith("| ") and not line.startswith("| class")]
+    rows = {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in table if len(cells) == 11}
+    total = rows.pop("all")
+    classes = list(rows)
+    assert total[2:5] == ["0", "0", "0"] and total[8] == "0", total  # crash, hang, unclear error; silent passes
+    readme = " ".join((root / "README.md").read_text().split())
+    stated = re.search(r"damages ([\d,]+) copies of a real megatron-core pair, in (\d+) classes", readme)
+    assert stated, "README lost its robustness figures"
+    assert int(stated.group(1).replace(",", "")) == int(total[0])
+    assert int(stated.group(2)) == len(classes)
