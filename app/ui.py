@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import streamlit as st
@@ -21,6 +22,8 @@ PAGES_DIR = Path(next(iter(importlib.util.find_spec("ttrace_dashboard.pages").su
 """The page scripts: pages/ in the repository, ttrace_dashboard/pages installed (pyproject.toml maps them)."""
 SETTINGS = api.CompareSettings()
 """How the dashboard judges tensors; the same object reaches the comparison, the replays and the report."""
+POLL_S = 1.0
+"""How often a page showing a streamed comparison reads its rows again."""
 PAGES = {  # url path -> (script, title, icon)
     "runs": ("runs.py", "Runs", ":material/folder_open:"),
     "heatmap": ("heatmap.py", "Heatmap", ":material/grid_on:"),
@@ -82,20 +85,48 @@ def run_pair(state: ViewState) -> tuple[Path, Path]:
     raise AssertionError("unreachable")
 
 
-def load_comparison(reference: Path, candidate: Path):
-    """The comparison table from the api (cached on disk); the first computation shows its progress."""
+def load_comparison(reference: Path, candidate: Path, partial_view: Callable[[api.StreamedRows], None] | None = None):
+    """The comparison table from the api (cached on disk). The first computation of a large pair is a
+    streamed job: with `partial_view`, the page draws the rows compared so far with it, refreshed every
+    `POLL_S`, and the whole page once the table is complete; without, it shows the job's progress."""
+    try:
+        found = api.cached_comparison_table(reference, candidate, SETTINGS)
+        if found is not None:
+            return found
+        if not api.comparison_streams(reference, candidate):
+            return _compare_in_page(reference, candidate)
+        job = api.submit_comparison(reference, candidate, SETTINGS)
+    except TtraceError as error:
+        stop_with(str(error))
+    _streamed_comparison(job, partial_view)
+    st.stop()
+
+
+def _compare_in_page(reference: Path, candidate: Path):
     bar = st.empty()
 
     def progress(done: int, total: int) -> None:
         if done == 1 or done == total or done % 50 == 0:
             bar.progress(done / max(total, 1), text=f"comparing {done}/{total} tensors (done once, then cached)")
 
-    try:
-        result = api.comparison_table(reference, candidate, SETTINGS, progress=progress)
-    except TtraceError as error:
-        stop_with(str(error))
+    result = api.comparison_table(reference, candidate, SETTINGS, progress=progress)
     bar.empty()
     return result
+
+
+@st.fragment(run_every=POLL_S)
+def _streamed_comparison(job: api.Job, partial_view: Callable[[api.StreamedRows], None] | None) -> None:
+    rows = api.streamed_rows(job)
+    if rows.state == "complete":
+        st.rerun()  # the whole page, now from the cached table
+    if rows.state != "running":
+        stop_with(f"the comparison stopped ({rows.state}): {rows.message}")
+    total = rows.num_total or 0
+    text = (f"comparing {rows.num_done}/{total} tensors in execution order (done once, then cached)" if total
+            else "opening both runs")
+    st.progress(rows.num_done / total if total else 0.0, text=text)
+    if partial_view is not None and not rows.frame.empty:
+        partial_view(rows)
 
 
 def pair_caption(state: ViewState) -> None:

@@ -17,11 +17,38 @@ MODULE_ROWS_BY_DEFAULT = 200
 MAX_CHOICES = 3000
 BANNER_ICONS = {"success": ":material/check_circle:", "warning": ":material/warning:", "error": ":material/cancel:"}
 
+
+
+def divergence_banner(first) -> None:
+    mb_text = "" if first["micro_batch"] < 0 else f" mb {first['micro_batch']}"
+    st.error(f"First divergence: `{first['tensor']}` (step {first['step']}{mb_text}): {first['message']}",
+             icon=":material/cancel:")
+
+
+def heatmap_so_far(rows: "api.StreamedRows") -> None:
+    # A large pair's first comparison, while it runs: the rows compared so far are final, and the
+    # first failing one among them is the first divergence (rows arrive in execution order).
+    frame = rows.frame
+    first = cells.first_divergence(frame)
+    if first is not None:
+        divergence_banner(first)
+    else:
+        st.info(f"No divergence in the first {len(frame)} tensors.", icon=":material/hourglass_top:")
+    step = int(first["step"]) if first is not None else int(frame["step"].min())
+    by_layer = state.rows == "layers" or (state.rows is None and frame["module"].nunique() > MODULE_ROWS_BY_DEFAULT)
+    shown = cells.rows_by_layer(frame) if by_layer else frame
+    marked = None if first is None else (shown.loc[first.name, "module"], first["kind"])
+    first_tensor = None if first is None else (first["tensor"], int(first["step"]), int(first["micro_batch"]))
+    st.caption(f"Step {step}, the tensors compared so far. Colour: log10(error / tolerance), 0 is the pass line.")
+    st.plotly_chart(figures.heatmap_figure(cells.heatmap_cells(shown, step, ALL_MICRO_BATCHES), cells.module_rows(shown),
+                                           marked, first_tensor), key="heatmap_so_far", config={"displayModeBar": False})
+
+
 state = view_state()
 reference, candidate = run_pair(state)
 st.title("Error heatmap")
 pair_caption(state)
-result = load_comparison(reference, candidate)
+result = load_comparison(reference, candidate, partial_view=heatmap_so_far)
 frame = result.frame
 first = cells.first_divergence(frame)
 
@@ -46,9 +73,7 @@ if first is None or summary.verdict == "refused":  # passing rows, yet the evide
     level, text = summary.banner()
     getattr(st, level)(text, icon=BANNER_ICONS[level])
 else:
-    mb_text = "" if first["micro_batch"] < 0 else f" mb {first['micro_batch']}"
-    st.error(f"First divergence: `{first['tensor']}` (step {first['step']}{mb_text}): {first['message']}",
-             icon=":material/cancel:")
+    divergence_banner(first)
 
 st.download_button("Export report", data=lambda: report_html(reference, candidate), file_name="ttrace-report.html",
                    mime="text/html", icon=":material/download:",

@@ -3,7 +3,7 @@
 import pandas as pd
 import streamlit as st
 
-from ttrace_dashboard import runs as pairing
+from ttrace_dashboard import cells, runs as pairing
 from ttrace_dashboard.state import ViewState, query_from_state
 from ttrace_dashboard.ui import dashboard_root, load_comparison, page, run_pair, show_in_url, stop_with, view_state
 from ttrace_core import api
@@ -43,8 +43,19 @@ table = pd.DataFrame({name: pairing.metadata_rows(by_path[path]) for name, path 
                       (("reference", state.ref), ("candidate", state.cand))})
 st.dataframe(table, width="stretch", height=35 * (len(table) + 1) + 3)
 
+
+
+def verdict_so_far(rows: "api.StreamedRows") -> None:
+    first = cells.first_divergence(rows.frame)
+    if first is not None:
+        st.error(f"First divergence so far: `{first['tensor']}` (step {first['step']}): {first['message']}",
+                 icon=":material/cancel:")
+    st.page_link(page("heatmap"), label="Open the heatmap (it draws while comparing)", icon=":material/grid_on:",
+                 query_params=query_from_state(state))
+
+
 reference, candidate = run_pair(state)
-result = load_comparison(reference, candidate)
+result = load_comparison(reference, candidate, partial_view=verdict_so_far)
 provenance = result.provenance
 level, text = api.verdict_of(provenance).banner()
 ICONS = {"success": ":material/check_circle:", "warning": ":material/warning:", "error": ":material/cancel:"}

@@ -8,6 +8,9 @@
   each row's smallest detectable error, the figure that headroom summarizes;
 - `tensor_view(ref, cand, tensor, step, micro_batch)`: one tensor's canonical arrays, their
   difference and the per-rank shard map, read from the few datasets that hold it;
+- `submit_comparison(ref, cand, settings)`: a large pair's first comparison as a job that streams its
+  rows (service/comparison_jobs.py); `streamed_rows(job)` reads the rows so far, in execution order,
+  with the first divergence as soon as it is known; `cached_comparison_table` answers once it is done;
 - `submit_replay(ref, cand, module, settings=...)`: a localization replay as a job (service/jobs.py),
   cached by its inputs; `localization(job)` reads its verdict;
 - `path_under_root(root, relative)`: a user-given path confined to the root (the dashboard serves
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -35,16 +39,17 @@ from ttrace_core.service.runs import RunInfo, find_runs, path_under_root, run_in
 
 if TYPE_CHECKING:
     from ttrace_core.localize.verdicts import Localization
+    from ttrace_core.service.comparison_jobs import StreamedRows
     from ttrace_core.service.comparisons import ComparisonTable
     from ttrace_core.service.tensor_view import TensorView
 
 __all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PSEUDO_MODULES", "ROOT_ENV", "TOLERANCE_KINDS",
            "CompareSettings", "Job", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError", "TtraceError",
            "VerdictSummary",
-           "comparison", "comparison_table", "detectable_errors", "find_runs", "layer_module", "localization", "owner_of",
-           "path_under_root",
-           "replay_job", "replay_job_dir", "run_comparison", "run_info", "submit_replay", "tensor_id", "tensor_view",
-           "ttrace_version", "verdict_of"]
+           "cached_comparison_table", "comparison", "comparison_streams", "comparison_table", "detectable_errors",
+           "find_runs", "layer_module", "localization", "owner_of", "path_under_root",
+           "replay_job", "replay_job_dir", "run_comparison", "run_info", "streamed_comparison", "streamed_rows",
+           "submit_comparison", "submit_replay", "tensor_id", "tensor_view", "ttrace_version", "verdict_of"]
 
 LOCALIZE_EXIT_CODES = (0, 1, 4)
 """`ttrace localize` exit codes that carry a verdict: none, culprit named, diverged but not explained."""
@@ -78,6 +83,49 @@ def run_comparison(reference: str | os.PathLike, candidate: str | os.PathLike, s
     from ttrace_core.compare.table import comparison_from_table
 
     result = comparison_table(reference, candidate, settings, **kwargs)
+    return comparison_from_table(result.frame, result.provenance)
+
+
+def cached_comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike,
+                            settings: CompareSettings | None = None) -> ComparisonTable | None:
+    """The comparison table if it was computed with these inputs before, else None (nothing is compared)."""
+    from ttrace_core.service.comparisons import cached_table
+
+    return cached_table(reference, candidate, settings)
+
+
+def comparison_streams(reference: str | os.PathLike, candidate: str | os.PathLike) -> bool:
+    """Whether the first comparison of this pair is a streamed job (large pairs) rather than a call."""
+    from ttrace_core.service.comparison_jobs import streams
+
+    return streams(Path(reference), Path(candidate))
+
+
+def submit_comparison(reference: str | os.PathLike, candidate: str | os.PathLike,
+                      settings: CompareSettings | None = None) -> Job:
+    """Start (or find) the streamed comparison job of a pair; `streamed_rows(job)` reads what it has compared."""
+    from ttrace_core.service.comparison_jobs import submit_comparison as submit
+
+    return submit(reference, candidate, settings)
+
+
+def streamed_rows(job: Job) -> StreamedRows:
+    """The rows a streamed comparison job has compared so far (the finished table's first rows), its progress and state."""
+    from ttrace_core.service.comparison_jobs import streamed_rows as rows_of
+
+    return rows_of(job)
+
+
+def streamed_comparison(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings | None,
+                        rows_to: Path, *, rebuild: bool = False) -> RunComparison:
+    """The comparison job's command: compare, writing the rows to `rows_to` as they come, then cache the table."""
+    from ttrace_core.compare.table import comparison_from_table
+    from ttrace_core.service.comparison_jobs import RowChunkWriter
+    from ttrace_core.service.comparisons import comparison_table as table_of
+
+    writer = RowChunkWriter(rows_to)
+    result = table_of(reference, candidate, settings, progress=writer.progress, rebuild=rebuild, stream=writer)
+    writer.finish(result.path)
     return comparison_from_table(result.frame, result.provenance)
 
 

@@ -96,6 +96,9 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="this process is one rank of a torchrun launch: every rank compares a part, rank 0 reports")
     compare.add_argument("--rebuild", action="store_true",
                          help="recompute even when the cached comparison table (under CAND/.ttrace) is up to date")
+    compare.add_argument("--rows-to", default=None, metavar="DIR",
+                         help="also write the table's rows to DIR in chunks as they are compared (the dashboard's "
+                              "streamed comparison job reads them)")
     add_settings_arguments(compare)
     estimate = commands.add_parser("estimate", help="re-run the reference with perturbed weights to derive per-tensor tolerances")
     estimate.add_argument("reference")
@@ -177,6 +180,10 @@ def _run_compare(args: argparse.Namespace) -> int:
                 return 0
         else:
             result = run_workers(args.reference, args.candidate, settings, workers=args.workers, rebuild=args.rebuild)
+    elif args.rows_to:
+        from ttrace_core.api import streamed_comparison
+
+        result = streamed_comparison(args.reference, args.candidate, settings, Path(args.rows_to), rebuild=args.rebuild)
     else:
         result = run_comparison(args.reference, args.candidate, settings, progress=progress, rebuild=args.rebuild)
     print(render_comparison(result, num_worst=args.worst), file=_human_stream(args))

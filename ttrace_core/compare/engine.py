@@ -297,13 +297,16 @@ def compare_key(key: TensorKey, reference: RunReader, candidate: RunReader, plan
 def compare_runs(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
                  ignore_dtype: bool = False, progress: Callable[[int, int], None] | None = None,
                  exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K, partial: bool = False,
-                 precomputed: dict[TensorKey, TensorComparison] | None = None, max_bytes: int | None = None) -> RunComparison:
+                 precomputed: dict[TensorKey, TensorComparison] | None = None, max_bytes: int | None = None,
+                 on_row: Callable[[TensorComparison], None] | None = None) -> RunComparison:
     """`exact_inputs_k` (None or 0: off) tightens derived tolerances (perturbation, theorem) where a
     tensor's inputs were exact (exact_inputs.py); the flat dtype table is left as it is. `partial`: a
     verdict on what was recorded, when the evidence is incomplete (RunComparison.partial_allowed).
     `precomputed`: rows already compared without the exact-inputs rule (partition.py's workers); only
     the tensors the rule applies to are compared again, so the result is the same as without them.
-    `max_bytes`: compare each tensor within that many bytes (bounded.py), slab by slab where needed."""
+    `max_bytes`: compare each tensor within that many bytes (bounded.py), slab by slab where needed.
+    `on_row`: called with each row as soon as it is final, in the order of `result.comparisons` (a row's
+    verdict never depends on later rows, so a streamed table is the final one's prefix)."""
     result, plan = plan_comparison(reference, candidate, tolerances, ignore_dtype=ignore_dtype,
                                    exact_inputs_k=exact_inputs_k, partial=partial, max_bytes=max_bytes)
     total = len(plan.ordered) + len(plan.extras)
@@ -318,6 +321,8 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
             result.comparisons.append(comparison)
         else:
             result.comparisons.append(TensorComparison(key=key, status="missing", message="recorded in the reference only"))
+        if on_row:
+            on_row(result.comparisons[-1])
         if progress:
             progress(done, total)
     crossed = reference.manifest.precision != candidate.manifest.precision
@@ -329,6 +334,8 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     for key in plan.extras:
         if key not in scales_only:
             result.comparisons.append(TensorComparison(key=key, status="extra", message="recorded in the candidate only"))
+            if on_row:
+                on_row(result.comparisons[-1])
     if plan.compared_whole:
         key, needed = max(plan.compared_whole.items(), key=lambda item: item[1])
         result.notes.append(f"{len(plan.compared_whole)} tensors over the memory budget could not be cut into slabs "

@@ -98,7 +98,14 @@ def row_from_comparison(c: TensorComparison, order: int, stage: int | None) -> d
 
 
 def table_from_comparison(result: RunComparison, candidate: RunReader) -> pd.DataFrame:
-    rows = [row_from_comparison(c, order, pipeline_stage(candidate, c.key)) for order, c in enumerate(result.comparisons)]
+    return frame_from_comparisons(result.comparisons, candidate)
+
+
+def frame_from_comparisons(comparisons: list[TensorComparison], candidate: RunReader, first_order: int = 0) -> pd.DataFrame:
+    """The table's rows of `comparisons`, the first at position `first_order` of the whole table (a
+    streamed chunk's rows are the same as the finished table's)."""
+    rows = [row_from_comparison(c, order, pipeline_stage(candidate, c.key))
+            for order, c in enumerate(comparisons, start=first_order)]
     frame = pd.DataFrame(rows, columns=COLUMNS)
     for name in _JSON_COLUMNS:
         frame[name] = [None if v is None else json.dumps(list(v) if not isinstance(v, dict) else v) for v in frame[name]]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Protocol
 
 import pandas as pd
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from ttrace_core.compare import table
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.compare.estimate_file import estimate_files
 from ttrace_core.compare.partition import compare_partitioned
-from ttrace_core.compare.results import RunComparison
+from ttrace_core.compare.results import RunComparison, TensorComparison
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.tolerances import tolerances_from_settings
 from ttrace_core.errors import TtraceError
@@ -59,7 +60,7 @@ def _size_and_mtime(path: Path) -> tuple[int, int]:
     return info.st_size, info.st_mtime_ns
 
 
-def _cache_path(reference: Path, candidate: Path, settings: CompareSettings) -> tuple[Path, dict]:
+def cache_path(reference: Path, candidate: Path, settings: CompareSettings) -> tuple[Path, dict]:
     inputs = {"reference": run_fingerprint(reference), "candidate": run_fingerprint(candidate), "settings": settings.to_data(),
               "ttrace": ttrace_version(), "table_format": table.TABLE_FORMAT_VERSION}
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
@@ -73,6 +74,14 @@ def _cache_path(reference: Path, candidate: Path, settings: CompareSettings) -> 
 
 _PROVIDER_NAMES = {"PerturbationTolerances": "perturbation estimate", "TheoremTolerances": "theorem bound",
                    "DtypeTolerances": "dtype table"}
+
+
+class RowStream(Protocol):
+    """Where a comparison's rows go as they are made (comparison_jobs.RowChunkWriter)."""
+
+    def add(self, comparison: TensorComparison, candidate: RunReader) -> None: ...
+
+    def flush(self, candidate: RunReader) -> None: ...
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,30 +106,48 @@ def _provenance(result: RunComparison, inputs: dict, settings: CompareSettings, 
     }
 
 
-def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings | None = None,
-                     *, progress: Callable[[int, int], None] | None = None, rebuild: bool = False,
-                     partitioned: bool = False) -> ComparisonTable:
-    """The comparison of two runs as a table, from the cache when its inputs are unchanged. `partitioned`:
-    this process is one rank of an initialized gloo group of compare workers (compare_workers.py), which
-    each compare a part; rank 0 writes the cache."""
-    settings = settings or CompareSettings()
+def cached_table(reference: str | os.PathLike, candidate: str | os.PathLike,
+                 settings: CompareSettings | None = None) -> ComparisonTable | None:
+    """The comparison's table if it was computed with these inputs before, else None (nothing is compared)."""
     reference, candidate = Path(reference), Path(candidate)
     for run_dir in (reference, candidate):
         read_manifest(run_dir)  # one clear line for a missing or foreign directory
-    path, inputs = _cache_path(reference, candidate, settings)
-    if path.is_file() and not rebuild:
-        try:
-            frame, provenance = table.read_table(path)
-            return ComparisonTable(frame=frame, provenance=provenance, path=path, cached=True)
-        except (OSError, ValueError):
-            pass  # a damaged cache file is rebuilt below
+    path, _ = cache_path(reference, candidate, settings or CompareSettings())
+    if not path.is_file():
+        return None
+    try:
+        frame, provenance = table.read_table(path)
+    except (OSError, ValueError):
+        return None  # a damaged cache file is computed again
+    return ComparisonTable(frame=frame, provenance=provenance, path=path, cached=True)
+
+
+def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings | None = None,
+                     *, progress: Callable[[int, int], None] | None = None, rebuild: bool = False,
+                     partitioned: bool = False, stream: RowStream | None = None) -> ComparisonTable:
+    """The comparison of two runs as a table, from the cache when its inputs are unchanged. `partitioned`:
+    this process is one rank of an initialized gloo group of compare workers (compare_workers.py), which
+    each compare a part; rank 0 writes the cache. `stream` receives every row as soon as it is compared
+    (comparison_jobs.py), and is flushed before the cache is written."""
+    settings = settings or CompareSettings()
+    reference, candidate = Path(reference), Path(candidate)
+    for run_dir in (reference, candidate):
+        read_manifest(run_dir)
+    found = None if rebuild else cached_table(reference, candidate, settings)
+    if found is not None:
+        return found
+    path, inputs = cache_path(reference, candidate, settings)
     started = time.perf_counter()
     with RunReader(reference) as ref_reader, RunReader(candidate) as cand_reader:
         tolerances = tolerances_from_settings(settings, ref_reader, cand_reader)
         if partitioned:
             result = compare_partitioned(ref_reader, cand_reader, tolerances, **settings.engine_options())
         else:
-            result = compare_runs(ref_reader, cand_reader, tolerances, progress=progress, **settings.engine_options())
+            on_row = None if stream is None else (lambda row: stream.add(row, cand_reader))
+            result = compare_runs(ref_reader, cand_reader, tolerances, progress=progress, on_row=on_row,
+                                  **settings.engine_options())
+        if stream is not None:
+            stream.flush(cand_reader)
         frame = table.table_from_comparison(result, cand_reader)
     if not result.comparisons:
         raise TtraceError(f"{candidate}: no step was completed in both runs, nothing to compare")

@@ -22,6 +22,11 @@ LOCALIZE_EXIT_CODES = (0, 1, 4)
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
+def project_root() -> Path:
+    """Where a job's command runs from, with the project on its path."""
+    return _PROJECT_ROOT
+
+
 def replay_job_dir(reference: Path, candidate: Path, module: str | None, settings: CompareSettings | None = None) -> Path:
     settings = settings or CompareSettings()
     inputs = {"reference": run_fingerprint(reference), "candidate": run_fingerprint(candidate), "module": module,
@@ -32,7 +37,7 @@ def replay_job_dir(reference: Path, candidate: Path, module: str | None, setting
     return candidate / ".ttrace" / "jobs" / f"localize-{digest}"
 
 
-def _job_environment() -> dict[str, str]:
+def job_environment() -> dict[str, str]:
     """The replay's environment, written out: this process's, minus any ttrace session it runs in,
     plus one thread per rank and the project on the path."""
     env = {name: value for name, value in os.environ.items() if name != SESSION_ENV}
@@ -55,7 +60,7 @@ def submit_replay(reference: str | os.PathLike, candidate: str | os.PathLike, mo
     command = [sys.executable, "-m", "ttrace_core", "localize", str(reference), str(candidate), "--here",
                "--json", str(directory / "result.json"), "--replay-dir", str(directory / "replay"),
                "--timeout", str(timeout_s), *settings.cli_args()] + (["--module", module] if module else [])
-    spec = JobSpec(command=command, env=_job_environment(), cwd=str(_PROJECT_ROOT),
+    spec = JobSpec(command=command, env=job_environment(), cwd=str(_PROJECT_ROOT),
                    timeout_s=timeout_s + 120 if job_timeout_s is None else job_timeout_s,
                    success_codes=LOCALIZE_EXIT_CODES)
     return submit(directory, spec, rerun=rerun)

@@ -1,0 +1,167 @@
+"""The first comparison of a pair as a job (jobs.py) that streams its table: the dashboard draws the
+rows compared so far, and the first divergence as soon as it is known, instead of a spinner.
+
+The job runs `ttrace compare REF CAND --rows-to JOB_DIR`. Its rows arrive in execution order and a
+row's verdict never depends on a later row (engine.compare_runs' `on_row`), so every chunk written
+is final: the rows so far are the finished table's first rows, and the first failing row among
+them is the run's first divergence. Each chunk is a Parquet file `rows-NNNNNN.parquet`, written
+atomically (table.write_table); the job's progress is its log's `[progress] done/total` line. When
+the whole table is cached (comparisons.py), the job writes `table.json` (its path) and completes;
+from then on the cache answers and the chunks are never read again.
+
+Small pairs are compared in the page's own process: starting the job's Python and torch costs
+about as much as comparing them (`STREAM_ABOVE_BYTES`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from ttrace_core.compare.settings import CompareSettings
+from ttrace_core.format.reader import read_manifest
+from ttrace_core.service.comparisons import cache_path
+from ttrace_core.service.jobs import PROGRESS_PREFIX, Job, JobSpec, submit
+from ttrace_core.service.replays import job_environment, project_root
+
+STREAM_ABOVE_BYTES = 256 * 2**20
+"""Pairs whose step files hold more bytes than this are compared as a streamed job. Below it a
+comparison takes about a second, less than the job's own start (a Python with torch)."""
+CHUNK_ROWS = 256
+CHUNK_SECONDS = 0.5
+"""A chunk is written after this many rows or seconds, whichever comes first."""
+TABLE_RESULT = "table.json"
+PAUSE_ENV = "TTRACE_COMPARE_PAUSE_AFTER_ROWS"
+"""Tests and demos: the job stops after writing this many rows, until a `resume` file appears in
+its directory (a deterministic 'slow' comparison, with no timing involved)."""
+RESUME_FILE = "resume"
+BAD_INPUT_EXIT = 2
+"""`ttrace compare`'s exit code for a trace it cannot read: a job that ended so is not started again."""
+
+
+def trace_bytes(run_dir: Path) -> int:
+    return sum(entry.stat().st_size for entry in os.scandir(run_dir) if entry.name.endswith((".h5", ".partial"))
+               and entry.is_file(follow_symlinks=False))
+
+
+def streams(reference: Path, candidate: Path) -> bool:
+    """Whether this pair's first comparison runs as a streamed job rather than in the caller."""
+    return trace_bytes(reference) + trace_bytes(candidate) > STREAM_ABOVE_BYTES
+
+
+def comparison_job_dir(reference: Path, candidate: Path, settings: CompareSettings) -> Path:
+    """Next to the cached table it will write, named by the same digest of the inputs."""
+    table_path, _ = cache_path(reference, candidate, settings)
+    return table_path.parent.parent / "jobs" / table_path.stem
+
+
+def _chunk_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("rows-*.parquet"))
+
+
+def submit_comparison(reference: str | os.PathLike, candidate: str | os.PathLike,
+                      settings: CompareSettings | None = None) -> Job:
+    """Start (or find, running or finished) the streamed comparison of a pair under `settings`."""
+    settings = settings or CompareSettings()
+    reference, candidate = Path(reference).resolve(), Path(candidate).resolve()
+    for run_dir in (reference, candidate):
+        read_manifest(run_dir)
+    directory = comparison_job_dir(reference, candidate, settings)
+    if (directory / "spec.json").exists():
+        status = Job(directory).status()
+        if status.state == "failed" and status.exit_code == BAD_INPUT_EXIT:
+            return Job(directory)  # the same files would fail the same way; a changed file is a new job
+        if status.state not in ("running", "complete"):
+            for stale in _chunk_files(directory) + [directory / RESUME_FILE]:
+                stale.unlink(missing_ok=True)  # a failed attempt's rows must not show as this one's
+    command = [sys.executable, "-m", "ttrace_core", "compare", str(reference), str(candidate),
+               "--rows-to", str(directory), *settings.cli_args()]
+    spec = JobSpec(command=command, env=job_environment(), cwd=str(project_root()), timeout_s=3600.0,
+                   success_codes=(0, 1), result_file=TABLE_RESULT)
+    return submit(directory, spec)
+
+
+@dataclass(kw_only=True, slots=True)
+class StreamedRows:
+    """What a streamed comparison has produced so far."""
+
+    frame: pd.DataFrame
+    """The rows compared so far, in execution order: the finished table's first rows."""
+    num_done: int
+    num_total: int | None
+    """Tensors to compare in all, once the job has planned its comparison."""
+    state: str
+    """The job's state: running, complete, failed, timed_out, cancelled."""
+    message: str
+    """Why the job failed (the last line its command printed), empty otherwise."""
+
+
+def streamed_rows(job: Job) -> StreamedRows:
+    from ttrace_core.compare.table import read_table
+
+    status = job.status()
+    chunks = [read_table(path)[0] for path in _chunk_files(job.directory)]
+    frame = pd.concat(chunks, ignore_index=True) if chunks else pd.DataFrame()
+    done, total = _progress_numbers(status.progress, len(frame))
+    message = ""
+    if status.state in ("failed", "timed_out", "cancelled"):
+        tail = [line for line in job.log_tail(5) if line.strip() and not line.startswith(PROGRESS_PREFIX)]
+        message = tail[-1].removeprefix("ttrace: error: ") if tail else status.message
+    return StreamedRows(frame=frame, num_done=done, num_total=total, state=status.state, message=message)
+
+
+def _progress_numbers(progress: str, num_rows: int) -> tuple[int, int | None]:
+    done, _, total = progress.partition(" ")[0].partition("/")
+    if done.isdigit() and total.isdigit():
+        return max(int(done), num_rows), int(total)
+    return num_rows, None
+
+
+class RowChunkWriter:
+    """The job's side: collects rows as they are compared and writes them as chunk files."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in _chunk_files(directory):
+            stale.unlink()
+        self._pending: list = []
+        self._num_written = 0
+        self._last_write = time.monotonic()
+        self._pause_after = int(os.environ.get(PAUSE_ENV, "0") or 0)
+
+    def add(self, comparison, candidate_reader) -> None:
+        self._pending.append(comparison)
+        pause_now = self._pause_after and self._num_written + len(self._pending) >= self._pause_after
+        if len(self._pending) >= CHUNK_ROWS or time.monotonic() - self._last_write >= CHUNK_SECONDS or pause_now:
+            self.flush(candidate_reader)
+
+    def flush(self, candidate_reader) -> None:
+        from ttrace_core.compare.table import frame_from_comparisons, write_table
+
+        if not self._pending:
+            return
+        frame = frame_from_comparisons(self._pending, candidate_reader, first_order=self._num_written)
+        write_table(self.directory / f"rows-{len(_chunk_files(self.directory)):06d}.parquet", frame, {})
+        self._num_written += len(self._pending)
+        self._pending, self._last_write = [], time.monotonic()
+        self._pause_if_asked()
+
+    def progress(self, done: int, total: int) -> None:
+        if done == 1 or done == total or done % 50 == 0:
+            print(f"{PROGRESS_PREFIX}{done}/{total} tensors compared", flush=True)
+
+    def finish(self, table_path: Path) -> None:
+        (self.directory / TABLE_RESULT).write_text(json.dumps({"table": str(table_path), "num_rows": self._num_written}))
+
+    def _pause_if_asked(self) -> None:
+        if self._pause_after and self._num_written >= self._pause_after:
+            self._pause_after = 0
+            while not (self.directory / RESUME_FILE).exists():
+                time.sleep(0.05)
