@@ -146,6 +146,23 @@ def rows_by_layer(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(module=frame["module"].map(prefixes))
 
 
+def verdict_banner(row: pd.Series | dict) -> str:
+    """The tensor page's verdict line: the status and its message, which states every ratio that was
+    tested; the numbers alone when the message is empty (a pass)."""
+    status = f"**{row['status']}**"
+    if row["message"]:
+        return f"{status} · {row['message']}"
+    if row["value_ratio"] is None or pd.isna(row["value_ratio"]):
+        return status
+    text = f"{status} · error {row['error']:.3g} · tolerance {row['tolerance_rel']:.3g} · ratio {row['ratio']:.3g}"
+    decided_by = row.get("decided_by")
+    if isinstance(decided_by, str) and decided_by not in ("", "mismatch", "replica drift"):  # a structure test
+        text += f" (closest test: {decided_by})"
+    if pd.notna(row["drift_ratio"]) and row["drift_ratio"] > 0:
+        text += f" · replica drift ratio {row['drift_ratio']:.3g}"
+    return text
+
+
 def first_divergence(frame: pd.DataFrame) -> pd.Series | None:
     failed = frame[~frame["passed"]].sort_values("order")
     return None if failed.empty else failed.iloc[0]

@@ -39,12 +39,18 @@ def default_pair(runs: list[RunInfo], ref: str | None, cand: str | None) -> tupl
     return (matched.path if matched else None), (cand_run.path if cand_run else None)
 
 
+def _steps_text(steps: list[int]) -> str:
+    """A count first, then the ids: "1 (step 0)" (a bare "0" read as "no complete steps")."""
+    if not steps:
+        return "none"
+    return f"{len(steps)} (step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))})"
+
+
 def metadata_rows(run: RunInfo) -> dict[str, str]:
     """What the Runs page shows of one run, as label -> text."""
     return {
         "role": run.role or "-", "layout": run.layout, "world size": str(run.world_size), "precision": run.precision or "-",
-        "complete steps": ", ".join(map(str, run.steps)) or "none",
-        "partial steps": ", ".join(map(str, run.partial_steps)) or "none", "injected bug": run.bug or "none",
+        "complete steps": _steps_text(run.steps), "partial steps": _steps_text(run.partial_steps), "injected bug": run.bug or "none",
         "tolerance estimate": ("yes (perturbation)" if run.has_estimate else "no")
         + "".join(f"; for {p} candidates" for p in run.estimates_for),
         "blind spots": "; ".join(f"{fqn or '(the model)'}: {why}" for fqn, why in sorted(run.blind_spots.items())) or "none",

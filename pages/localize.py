@@ -30,9 +30,9 @@ st.caption("The replay relaunches the candidate from its manifest with every tra
            "one that fails only before rewriting inherits it.")
 
 job = api.replay_job(reference, candidate, state.module, SETTINGS)
-left, right = st.columns([1, 4])
-if left.button("Replay with reference inputs", type="primary", icon=":material/play_arrow:",
-               disabled=job is not None and not job.status().done):
+# Not in a narrow column: there the label was cut ("Replay with referen...").
+if st.button("Replay with reference inputs", type="primary", icon=":material/play_arrow:", width="content",
+             disabled=job is not None and not job.status().done):
     try:
         job = api.submit_replay(reference, candidate, state.module, rerun=job is not None and job.status().done,
                                  settings=SETTINGS)

@@ -36,11 +36,7 @@ if middle.button("Back to the heatmap", icon=":material/grid_on:"):
 if middle.button("Replay its module", icon=":material/my_location:"):
     go_to("localize", replace(state, module=row["module"] or None, tensor=None, step=None, mb=None, rank=None))
 
-verdict = f"**{row['status']}** · error {row['error']:.3g} · tolerance {row['tolerance_rel']:.3g} · " \
-    f"mismatch ratio {row['value_ratio']:.3g}" if pd.notna(row["value_ratio"]) else f"**{row['status']}**"
-if pd.notna(row["drift_ratio"]) and row["drift_ratio"] > 0:
-    verdict += f" · replica drift ratio {row['drift_ratio']:.3g}"
-(st.success if row["passed"] else st.error)(verdict + (f" · {row['message']}" if row["message"] else ""))
+(st.success if row["passed"] else st.error)(cells.verdict_banner(row))
 if (catches := cells.detectable_text(row)) is not None:
     st.caption(catches)
 

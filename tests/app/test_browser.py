@@ -110,7 +110,11 @@ def test_replay_the_first_divergence_module_from_the_heatmap(dashboard, browser)
     page.get_by_role("button", name="Open in Localize").click(timeout=180_000)
     page.wait_for_function("() => location.pathname.endsWith('/localize')", timeout=60_000)
     assert urllib.parse.parse_qs(urllib.parse.urlparse(page.url).query)["module"] == [BUGGY["first_divergence"]["fqn"]]
-    page.get_by_role("button", name="Replay with reference inputs").click(timeout=60_000)
+    replay = page.get_by_role("button", name="Replay with reference inputs")
+    page.set_viewport_size({"width": 1100, "height": 1400})  # a laptop's window: the label was cut there
+    replay.wait_for(timeout=60_000)  # and its label is whole, not cut to "Replay with referen..."
+    assert replay.evaluate("b => [b, ...b.querySelectorAll('*')].every(e => e.scrollWidth <= e.clientWidth + 1)")
+    replay.click(timeout=60_000)
     page.get_by_text("Culprit (introduces the error)").wait_for(timeout=300_000)
     assert culprit in page.get_by_text("Culprit (introduces the error)").inner_text()
     assert page.locator("[data-testid=stException]").count() == 0

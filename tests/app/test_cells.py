@@ -95,3 +95,13 @@ def test_the_tensor_pages_line_names_the_smallest_error_caught_and_its_test(fram
         f"smallest error this comparison catches on this tensor: {_float32_rel():.3g} (test: norm)"
     missing = frame[frame["status"] == "missing"].iloc[0]
     assert cells.detectable_text(missing) is None
+
+
+def test_the_tensor_pages_verdict_line_states_each_ratio_once(frame):
+    failing = frame[frame["tensor"] == "forward/layers.0.act/output.0"].iloc[0]
+    line = cells.verdict_banner(failing)
+    assert line.startswith("**mismatch** · mismatch ratio ")
+    assert line.count("ratio") == 1 and line.count("tolerance") == 1
+    passing = frame[(frame["tensor"] == "forward/layers.0.lin/output.0") & (frame["micro_batch"] == 0)].iloc[0]
+    assert cells.verdict_banner(passing) == (f"**pass** · error {passing['error']:.3g} · tolerance "
+                                             f"{passing['tolerance_rel']:.3g} · ratio {passing['ratio']:.3g}")

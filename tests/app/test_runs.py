@@ -41,3 +41,10 @@ def test_the_runs_page_lists_blind_spots_and_estimates_for_other_precisions(tmp_
     rows = metadata_rows(api.run_info(tmp_path))
     assert rows["blind spots"].startswith("1: backward not hooked (tracer configuration: forward_only)")
     assert rows["tolerance estimate"] == "no; for fp8 candidates"
+    assert rows["complete steps"] == "1 (step 0)" and rows["partial steps"] == "none"  # a count, not a bare "0"
+
+
+def test_steps_are_counted_before_they_are_listed():
+    from ttrace_dashboard.runs import _steps_text
+
+    assert [_steps_text(s) for s in ([], [0], [0, 1, 3])] == ["none", "1 (step 0)", "3 (steps 0, 1, 3)"]
