@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation
-from ttrace_core.compare.structure import replica_update_test, statistics, structure_tests
+from ttrace_core.compare.structure import (replica_update_test, rounding_spread, statistics, structure_tests,
+                                          with_exact_inputs)
 from ttrace_core.compare.tolerances import PerturbationTolerances
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
 
@@ -191,3 +192,33 @@ def test_a_scale_tolerance_learns_how_round_off_aligns_with_values_from_every_la
     assert 0.3 * noise / aligned <= 0.5
     own = provider.structure_tolerances(key_other_phase, "bfloat16", (64, 128))["scale"]
     assert own < aligned / 4
+
+
+@pytest.mark.parametrize("values, spread", [
+    (torch.full((1000,), 3.0), 1.0),
+    (torch.tensor([1.0, -1.0] * 500), 1.0),
+    (torch.tensor([10.0] + [0.0] * 99), 10.0),  # sqrt(100 * 1e4) / 100
+], ids=["constant", "one-magnitude", "one-spike"])
+def test_rounding_spread_is_one_for_values_of_one_magnitude_and_grows_with_their_tail(values, spread):
+    assert rounding_spread(values) == pytest.approx(spread)
+
+
+def test_exact_inputs_scale_tolerance_holds_relative_rounding_of_heavy_tailed_values():
+    """An exact-inputs tensor's two runs differ by rounding relative to each element; on heavy-tailed values
+    (a Student-t activation) its projection on the values exceeds the flat r / sqrt(n) model, not the spread one."""
+    generator = torch.Generator().manual_seed(0)
+    expected = torch.distributions.StudentT(3.0).sample((64, 2, 128)).double()
+    exact_rel = 4 * math.sqrt(2) * 2.0**-23
+    worst_flat, worst_spread = 0.0, 0.0
+    for _ in range(20):
+        # each element rounded by up to a few units relative to itself: relative norm 0.3 x exact_rel, as measured
+        uniform = 2 * torch.rand(expected.shape, generator=generator, dtype=torch.float64) - 1
+        error = expected * uniform * math.sqrt(3) * 0.3 * exact_rel
+        scale = abs(statistics(error, expected)["scale"])
+        flat = with_exact_inputs({"scale": 1.0}, exact_rel, tuple(expected.shape))["scale"]
+        spread = with_exact_inputs({"scale": 1.0}, exact_rel, tuple(expected.shape), rounding_spread(expected))["scale"]
+        worst_flat, worst_spread = max(worst_flat, scale / flat), max(worst_spread, scale / spread)
+    assert worst_spread <= 0.5 < worst_flat
+    # and a real scale error of 4 roundings still fails: x (1 + 4 eps) on every element
+    assert abs(statistics(expected * 4 * 2.0**-23, expected)["scale"]) / (
+        with_exact_inputs({"scale": 1.0}, exact_rel, tuple(expected.shape), rounding_spread(expected))["scale"]) > 3

@@ -23,8 +23,8 @@ from ttrace_core.canonicalize.shards import ReplicaDrift
 from ttrace_core.compare.exact_inputs import ExactInputs
 from ttrace_core.errors import LayoutError
 from ttrace_core.compare.results import RunComparison, StructureTest, TensorComparison, Tolerance
-from ttrace_core.compare.structure import (REPLICA_UPDATE, detectable_error, replica_update_test, statistics, structure_tests,
-                                          with_exact_inputs)
+from ttrace_core.compare.structure import (REPLICA_UPDATE, detectable_error, replica_update_test, rounding_spread, statistics,
+                                          structure_tests, with_exact_inputs)
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.evidence import (
     check_comparable, data_mismatch_finding, inconsistency, quantization_only, tally_coverage, unrecorded_keys,
@@ -174,7 +174,7 @@ def _structure(key: TensorKey, actual: torch.Tensor, expected: torch.Tensor, ref
         update_to_value = float(torch.linalg.vector_norm(expected - before[1])) / norm
         allowed = derive(key, dtype, shape, update_to_value)
     if tolerance.method == "exact-inputs":
-        allowed = with_exact_inputs(allowed, tolerance.rel, shape)
+        allowed = with_exact_inputs(allowed, tolerance.rel, shape, rounding_spread(expected))
     measured = statistics(actual - expected, expected, None if before is None else (before[0] - before[1], before[1]))
     tests = structure_tests(measured, allowed)
     if update_to_value and replica_drift is not None and (replicas := replica_update_test(
