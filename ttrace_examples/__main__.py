@@ -24,14 +24,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("workload", choices=sorted(WORKLOADS))
     parser.add_argument("--config", default="{}", help="the run's config as JSON, e.g. '{\"tp\": 2, \"sp\": true}'")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
+    parser.add_argument("fields", nargs="*", metavar="FIELD=VALUE",
+                        help="config fields on top of --config, e.g. tp=2 sp=true precision=bf16 model.num_layers=2 "
+                             "(a value is read as JSON when it is, else as a string)")
     args = parser.parse_args(argv)
     try:
-        config = run_config(args.workload, {**json.loads(args.config), **_requested_overrides()})
+        config = run_config(args.workload, {**_with_fields(json.loads(args.config), args.fields), **_requested_overrides()})
     except (ValueError, TypeError) as error:
         print(f"ttrace: error: {args.workload} --config: {error}", file=sys.stderr)
         return 2
     launch(args.workload, config, timeout_s=args.timeout)
     return 0
+
+
+def _with_fields(config: dict, fields: list[str]) -> dict:
+    """`config` with each FIELD=VALUE set; a dotted FIELD sets a nested one (model.num_layers=2)."""
+    for item in fields:
+        name, equals, text = item.partition("=")
+        if not equals or not name:
+            raise ValueError(f"{item!r}: write a field as FIELD=VALUE, e.g. tp=2")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        *parents, last = name.split(".")
+        node = config
+        for parent in parents:
+            node = node.setdefault(parent, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{item!r}: {parent} is not a group of fields")
+        node[last] = value
+    return config
 
 
 def _requested_overrides() -> dict:

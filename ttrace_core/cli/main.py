@@ -18,6 +18,7 @@ from pathlib import Path
 
 from importlib.metadata import entry_points
 
+from ttrace_core.cli.check import add_check_parser
 from ttrace_core.cli.record import add_record_parser
 from ttrace_core.compare.settings import (
     DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS, CompareSettings,
@@ -126,6 +127,8 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="list what a run directory holds")
     inspect.add_argument("run_dir")
     inspect.add_argument("--tensors", action="store_true", help="list every logical tensor")
+    add_check_parser(commands, add_settings_arguments=add_settings_arguments, settings_from_args=settings_from_args,
+                     report_writer=_report_writer)
     add_record_parser(commands)
     report = commands.add_parser("report", help="write a self-contained HTML report, or a Markdown summary for a review")
     report.add_argument("reference")

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from ttrace_core.errors import LaunchError, TtraceError
 from ttrace_core.format.schema import RunManifest
@@ -35,11 +36,13 @@ def session_environment(spec: SessionSpec) -> Iterator[dict[str, str]]:
         yield env
 
 
-def run_session(spec: SessionSpec, *, timeout_s: float) -> None:
-    """Run spec.command in spec.cwd with the session switched on for it; raise LaunchError if it fails."""
+def run_session(spec: SessionSpec, *, timeout_s: float, output: IO | None = None) -> None:
+    """Run spec.command in spec.cwd with the session switched on for it; raise LaunchError if it fails.
+    `output`: a file that gets the command's stdout and stderr (default: this process's)."""
     with session_environment(spec) as env:
         try:
-            process = subprocess.Popen(spec.command, cwd=spec.cwd or None, env=env, start_new_session=True)
+            process = subprocess.Popen(spec.command, cwd=spec.cwd or None, env=env, start_new_session=True, stdout=output,
+                                       stderr=None if output is None else subprocess.STDOUT)
         except OSError as error:
             raise TtraceError(f"cannot start {shlex.join(spec.command)!r} in {spec.cwd or os.getcwd()} ({error}); "
                               "check the command and the directory it was recorded in") from error
@@ -55,12 +58,15 @@ def run_session(spec: SessionSpec, *, timeout_s: float) -> None:
             process.wait()
             raise
     if code != 0:
-        raise LaunchError(f"{shlex.join(spec.command)} exited with code {code} (its output is above)")
+        shown = "its output is above" if output is None else f"its output is in {getattr(output, 'name', 'the log')}"
+        raise LaunchError(f"{shlex.join(spec.command)} exited with code {code} ({shown})")
 
 
 def record(out: str | os.PathLike, command: list[str], *, seed: int = 0, stats_only: bool = False,
-           role: str | None = None, timeout_s: float = 3600.0) -> Path:
-    """`ttrace record --out OUT -- COMMAND`: run the command with tracing on; returns the run directory."""
+           role: str | None = None, timeout_s: float = 3600.0, cwd: str | os.PathLike | None = None,
+           output: IO | None = None) -> Path:
+    """`ttrace record --out OUT -- COMMAND`: run the command with tracing on (in `cwd`, default this process's;
+    its output to `output`, default this process's); returns the run directory."""
     from ttrace_core.format.writer import refuse_existing_trace
 
     if not command:
@@ -68,9 +74,9 @@ def record(out: str | os.PathLike, command: list[str], *, seed: int = 0, stats_o
                           "ttrace record --out runs/ref -- torchrun --standalone --nproc-per-node 1 train.py")
     out = Path(out).resolve()
     refuse_existing_trace(out)
-    spec = SessionSpec(out=str(out), launcher_pid=os.getpid(), command=list(command), cwd=os.getcwd(), seed=seed,
-                       role=role, stats_only=stats_only)
-    run_session(spec, timeout_s=timeout_s)
+    spec = SessionSpec(out=str(out), launcher_pid=os.getpid(), command=list(command), cwd=str(cwd or os.getcwd()),
+                       seed=seed, role=role, stats_only=stats_only)
+    run_session(spec, timeout_s=timeout_s, output=output)
     if not (out / "manifest.json").is_file():
         raise TtraceError(f"{shlex.join(command)} finished but recorded nothing into {out}: its script must call "
                           "ttrace_core.attach(model, optimizer) and run its steps inside `with session.step(i):`")

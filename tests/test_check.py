@@ -1,0 +1,149 @@
+"""`ttrace check`: a TOML config of layouts recorded, compared and localized as a CI gate, with JUnit,
+Markdown and JSON outputs (service/check.py, service/check_outputs.py, cli/check.py)."""
+
+import json
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from tests.cli_support import ttrace_command
+from ttrace_core.service.check_config import CheckConfigError, read_check_config
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = "model.num_layers=2 num_micro_batches=2"
+TORCH_GPT = f"{sys.executable} -m ttrace_examples torch-gpt {SMALL} precision={{precision}} {{layout}}"
+USER_SCRIPT = "torchrun --standalone --nproc-per-node {world_size} tests/user_script/train_traced.py {layout}"
+"""A user's DTensor script (tests/test_user_script.py): its --bug is localized at blocks.0.attn."""
+
+
+def _config(directory: Path, candidates: str, command: str = TORCH_GPT, code: str = "ttrace_examples/torch_gpt/*.py",
+            extra: str = "") -> Path:
+    path = directory / "check.toml"
+    path.write_text(textwrap.dedent(f"""\
+        command = {json.dumps(command)}
+        output = "out"
+        cwd = {json.dumps(str(ROOT))}
+        code = [{json.dumps(code)}]
+        estimate_samples = 2
+        {extra}
+        [reference]
+        layout = ""
+        """) + textwrap.dedent(candidates))
+    return path
+
+
+THREE_LAYOUTS = """
+    [[candidate]]
+    name = "tp2"
+    layout = "--tp 2"
+    world_size = 2
+    [[candidate]]
+    name = "dp2"
+    layout = "--dp 2"
+    world_size = 2
+    [[candidate]]
+    name = "tp2-bug"
+    layout = "--tp 2 --bug"
+    world_size = 2
+    """
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("check")
+    config = _config(directory, THREE_LAYOUTS, command=USER_SCRIPT, code="tests/user_script/*.py")
+    first = ttrace_command("check", str(config), cwd=directory, timeout=900)
+    second = ttrace_command("check", str(config), cwd=directory, timeout=900)
+    return directory / "out", first, second
+
+
+def test_one_buggy_layout_fails_the_gate_and_is_localized(checked):
+    out, first, _ = checked
+    assert first.returncode == 1, first.stderr[-3000:]
+    suite = ET.parse(out / "junit.xml").getroot().find("testsuite")
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    assert sorted(cases) == ["dp2", "tp2", "tp2-bug"]
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("3", "1", "0")
+    failure = cases["tp2-bug"].find("failure")
+    assert failure is not None and cases["tp2"].find("failure") is None and cases["dp2"].find("failure") is None
+    assert "culprit blocks.0.attn" in failure.get("message")
+    assert "first divergence at step 0" in failure.get("message")
+    summary = (out / "summary.md").read_text()
+    assert len(summary.encode()) < 2**20 and "| tp2-bug | fp32 | ❌ not equivalent" in summary
+    assert "| tp2 | fp32 | ✅ equivalent" in summary
+    verdicts = json.loads((out / "check.json").read_text())
+    assert verdicts["exit_code"] == 1 and [v["outcome"] for v in verdicts["layouts"]] == [
+        "equivalent", "equivalent", "not equivalent"]
+    assert Path(verdicts["layouts"][2]["report"]).is_file()
+
+
+def test_a_second_run_reuses_every_recording(checked):
+    out, first, second = checked
+    assert second.returncode == 1, second.stderr[-3000:]
+    verdicts = json.loads((out / "check.json").read_text())
+    assert verdicts["references"]["fp32"]["reused"] is True
+    assert all(layout["reused"] for layout in verdicts["layouts"])
+    assert "reference reused" in second.stdout and "reference recorded" in first.stdout
+
+
+def test_a_layout_whose_command_fails_is_an_error_and_the_others_still_run(tmp_path):
+    config = _config(tmp_path, """
+        [[candidate]]
+        name = "tp3"
+        layout = "tp=3"
+        world_size = 3
+        [[candidate]]
+        name = "tp2"
+        layout = "tp=2"
+        world_size = 2
+        """, extra="localize = false")
+    done = ttrace_command("check", str(config), "--no-html", cwd=tmp_path, timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    suite = ET.parse(tmp_path / "out" / "junit.xml").getroot().find("testsuite")
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    error = cases["tp3"].find("error")
+    assert error is not None and "exited with code" in error.get("message") and "tp3.log" in error.text
+    assert cases["tp2"].find("failure") is None and cases["tp2"].find("error") is None
+    assert "⚠️ error" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_a_reference_that_does_not_train_is_refused_with_one_line(tmp_path):
+    script = ROOT / "tests" / "scripts" / "dead_reference.py"
+    config = _config(tmp_path, '[[candidate]]\nname = "same"\n', command=f"{sys.executable} {script}",
+                     code="tests/scripts/dead_reference.py")
+    done = ttrace_command("check", str(config), cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert "the reference did not train" in line and "gradients" in line and "zero" in line
+
+
+@pytest.mark.parametrize("text, says", [
+    ('command = ""\n[[candidate]]\nname = "a"\n', "command must name the command"),
+    ('command = "x {layout}"\n', "no candidate layout"),
+    ('command = "x"\nprecisions = ["fp16"]\n[[candidate]]\nname = "a"\n', "precisions must be some of"),
+    ('command = "x"\n[[candidate]]\nname = "a"\nworld_size = 0\n', "world_size must be a positive integer"),
+    ('command = "x"\n[[candidate]]\nname = "reference"\n', "'reference' repeats"),
+    ('command = "x"\nlayouts = 1\n', "unknown key 'layouts'"),
+    ('command = [1\n', "not valid TOML"),
+], ids=["no-command", "no-candidate", "precision", "world-size", "name-repeats", "unknown-key", "toml"])
+def test_a_bad_config_is_one_line_naming_the_file(tmp_path, text, says):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(CheckConfigError, match=says) as raised:
+        read_check_config(path)
+    assert str(raised.value).startswith(str(path)) and "\n" not in str(raised.value)
+
+
+def test_the_command_takes_each_layouts_arguments_world_size_and_precision(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('command = "torchrun --nproc-per-node {world_size} train.py --precision {precision} {layout}"\n'
+                    '[[candidate]]\nname = "tp2-sp"\nlayout = "--tp 2 --sp"\nworld_size = 2\n')
+    config = read_check_config(path)
+    assert config.command_for(config.candidates[0], "bf16") == [
+        "torchrun", "--nproc-per-node", "2", "train.py", "--precision", "bf16", "--tp", "2", "--sp"]
+    assert config.command_for(config.reference, "fp32") == [
+        "torchrun", "--nproc-per-node", "1", "train.py", "--precision", "fp32"]

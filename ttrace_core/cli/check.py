@@ -1,0 +1,68 @@
+"""`ttrace check CONFIG`: every layout of a TOML config against its reference, as a CI gate
+(service/check.py), with JUnit XML, a Markdown summary and JSON (service/check_outputs.py).
+
+Exit code: 0 every layout equivalent, 1 any not equivalent or failing, 2 a bad config or input (a
+reference that did not train included), 3 an internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def add_check_parser(commands, *, add_settings_arguments, settings_from_args, report_writer) -> None:
+    """`ttrace check`; the compare flags and the HTML report writer come from cli/main.py."""
+    check = commands.add_parser("check", help="record and judge every layout of a TOML config against its reference "
+                                              "(a CI gate: JUnit, Markdown summary, JSON)")
+    check.add_argument("config", help="the TOML config: command, reference, [[candidate]] layouts, precisions, output")
+    check.add_argument("--jobs", type=int, default=1,
+                       help="record up to N candidates at once (never more ranks than cores)")
+    check.add_argument("--junit", default=None, metavar="PATH", help="JUnit XML (default OUTPUT/junit.xml)")
+    check.add_argument("--markdown", default=None, metavar="PATH",
+                       help="the Markdown summary (default OUTPUT/summary.md); also appended to $GITHUB_STEP_SUMMARY "
+                            "when that is set")
+    check.add_argument("--json", default=None, metavar="PATH", help="every verdict as JSON (default OUTPUT/check.json)")
+    check.add_argument("--no-html", action="store_true", help="do not write the HTML report of each failing layout")
+    add_settings_arguments(check)
+    check.set_defaults(handler=lambda args: run_check_command(
+        args, settings_from_args(args), None if args.no_html else _html_writer(report_writer)))
+
+
+def _html_writer(report_writer):
+    """The dashboard's HTML report writer, or None (with a warning) when the dashboard is not installed."""
+    from ttrace_core.errors import TtraceError
+
+    try:
+        write = report_writer("html")
+    except TtraceError as error:
+        print(f"ttrace: warning: no HTML reports: {error}", file=sys.stderr)
+        return None
+    return lambda reference, candidate, out, settings: write(reference, candidate, out, settings=settings)
+
+
+def run_check_command(args: argparse.Namespace, settings, write_html) -> int:
+    from ttrace_core.errors import TtraceError
+    from ttrace_core.service.check import run_check
+    from ttrace_core.service.check_config import read_check_config
+    from ttrace_core.service.check_outputs import check_json, junit_xml, markdown_summary
+
+    if args.jobs < 1:
+        raise TtraceError(f"--jobs {args.jobs}: give at least 1")
+    config = read_check_config(args.config)
+    result = run_check(config, jobs=args.jobs, settings=settings, write_html=write_html)
+    summary = markdown_summary(result)
+    outputs = {args.junit or config.output / "junit.xml": junit_xml(result),
+               args.markdown or config.output / "summary.md": summary,
+               args.json or config.output / "check.json": check_json(result)}
+    for path, text in outputs.items():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    if os.environ.get("GITHUB_STEP_SUMMARY"):
+        with open(os.environ["GITHUB_STEP_SUMMARY"], "a") as step_summary:
+            step_summary.write(summary)
+    print(summary)
+    print("wrote " + ", ".join(str(path) for path in outputs))
+    return result.exit_code
