@@ -147,3 +147,27 @@ def test_the_command_takes_each_layouts_arguments_world_size_and_precision(tmp_p
         "torchrun", "--nproc-per-node", "2", "train.py", "--precision", "bf16", "--tp", "2", "--sp"]
     assert config.command_for(config.reference, "fp32") == [
         "torchrun", "--nproc-per-node", "1", "train.py", "--precision", "fp32"]
+
+
+@pytest.mark.parametrize("name", ["torch-gpt", "megatron-gpt"])
+def test_the_example_configs_name_valid_layouts_of_their_example(name):
+    """Every layout and precision of the shipped configs is a config the example accepts (no recording)."""
+    from ttrace_examples.__main__ import _with_fields
+    from ttrace_examples.launch import run_config
+
+    config = read_check_config(ROOT / "ttrace_examples" / "configs" / f"{name}.toml")
+    assert config.cwd == ROOT and config.output == ROOT / "ttrace-check" / name
+    for layout in (config.reference, *config.candidates):
+        for precision in config.precisions:
+            command = config.command_for(layout, precision)
+            assert command[:4] == ["python", "-m", "ttrace_examples", name]
+            run = run_config(name, _with_fields({}, command[4:]))
+            assert run.world_size == layout.world_size and run.precision == precision
+
+
+def test_the_user_script_config_runs_torchrun_with_each_layouts_world_size():
+    config = read_check_config(ROOT / "ttrace_examples" / "configs" / "user-script.toml")
+    two_d = next(c for c in config.candidates if c.name == "tp2-fsdp2")
+    assert config.command_for(two_d, "fp32") == ["torchrun", "--standalone", "--nproc-per-node", "4",
+                                                  "tests/user_script/train_traced.py", "--tp", "2", "--dp", "2", "--checkpoint"]
+    assert (config.cwd / "tests/user_script/train_traced.py").is_file()

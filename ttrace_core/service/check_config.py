@@ -157,6 +157,6 @@ def read_check_config(path: str | Path) -> CheckConfig:
     base = path.resolve().parent
     return CheckConfig(
         path=path, command=tuple(command), reference=reference, candidates=layouts, precisions=precisions,
-        output=base / data.get("output", "ttrace-check"), cwd=base / data.get("cwd", "."),
+        output=(base / data.get("output", "ttrace-check")).resolve(), cwd=(base / data.get("cwd", ".")).resolve(),
         code=_strings(path, data, "code", ()), timeout_s=float(_number(path, data, "timeout", 1800.0, float)),
         estimate_samples=int(_number(path, data, "estimate_samples", 4, int)), localize=bool(data.get("localize", True)))
