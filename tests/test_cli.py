@@ -75,6 +75,18 @@ def test_broken_candidate_is_caught_at_the_broken_module(traces, reference_run, 
     assert f"first divergence (execution order):" in result.stdout and culprit in result.stdout.split("\n")[5]
 
 
+@pytest.mark.parametrize("flags, culprit", [(["--tp", "2", "--bug", "rowwise-skip-allreduce"], "layers.0.attn.wo"),
+                                            (["--dp", "2", "--bug", "ddp-unreduced-grad"], "layers.0.mlp.w2.bias")],
+                         ids=["tp2-rowwise", "ddp2-unreduced"])
+def test_localize_names_the_culprit_of_torch_gpts_own_bugs(traces, reference_run, flags, culprit):
+    """The replay reproduces a candidate whose replicas disagree (the unreduced gradient, the partial sums
+    left unreduced) rather than refusing it as 'not reproduced'."""
+    candidate = _record(traces, "-".join(f.strip("-") for f in flags), *flags, steps=1)
+    result = run_ttrace("localize", str(reference_run), str(candidate))
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"culprit: {culprit}" in result.stdout
+
+
 def test_recording_killed_mid_step_keeps_its_completed_steps(traces, reference_run):
     out = traces / "killed"
     script = ROOT / "tests" / "scripts" / "record_and_die.py"

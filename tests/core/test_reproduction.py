@@ -72,3 +72,23 @@ def test_fingerprint_differences_name_what_changed():
                                                       f"OMP_NUM_THREADS: {recorded['variables']['OMP_NUM_THREADS']} -> 8"]
     assert fingerprint_differences(recorded, recorded) == []
     assert "no environment fingerprint" in fingerprint_differences({}, recorded)[0]
+
+
+def test_a_replay_whose_replicas_drift_as_the_candidates_did_reproduces_it(runs, tmp_path, monkeypatch):
+    """The candidate's replicas of layers.1.norm disagree (rank 1 off by 1e-3: an unreduced gradient is the
+    same case); a replay that computes the same disagreement reproduces it. One that moves a copy does not."""
+    reference, candidate, original = runs
+    drift = next(c.key for c in original.comparisons if c.status == "replica_drift" and c.key.micro_batch == 0)
+    monkeypatch.setattr("ttrace_core.localize.reproduction.reproducible_keys", lambda original, step: [drift])
+    with RunReader(candidate) as cand, RunReader(_copy_with(candidate, tmp_path)) as replay:
+        assert check_reproduction(original, cand, replay, 0).reproduced is True
+
+    def move_rank_1(replay_dir):
+        import h5py
+        with h5py.File(replay_dir / "rank_00001.step_000000.h5", "r+") as handle:
+            handle[f"forward/mb_0000/{drift.fqn}#{drift.slot}"][0, 0] += 1.0
+
+    shutil.rmtree(tmp_path / "replay")
+    with RunReader(candidate) as cand, RunReader(_copy_with(candidate, tmp_path, move_rank_1)) as replay:
+        moved = check_reproduction(original, cand, replay, 0)
+    assert moved.reproduced is False and "replica_drift" in moved.mismatches[0]
