@@ -236,3 +236,25 @@ def test_a_step_closed_before_its_end_keeps_an_index_of_what_it_holds(tmp_path):
         assert [row["dataset"] for row in index_rows(handle)] == [FIRST]
     with RunReader(tmp_path) as reader:
         assert not reader.index and "stopped on OSError: disk full" in reader.partial_steps[0]
+
+
+def test_the_writer_thread_links_the_same_bytes_without_copying_them_again(tmp_path):
+    from ttrace_core.record.background_writer import BackgroundWriter
+
+    write_manifest(tmp_path, RunManifest(role="reference", world_size=1))
+    writer = RunWriter(tmp_path, 0)
+    background = BackgroundWriter(writer, max_pending_bytes=2**20)
+    output = torch.arange(6, dtype=torch.float32).view(2, 3)
+    background.begin_step(0)
+    background.write(_meta("m0", "output.0", output, 0), output)
+    background.write(_meta("m1", "input.0", output, 1), output)  # the same bytes: a link, no copy queued
+    output.mul_(10)  # in place after both were queued: the values recorded are those before
+    background.write(_meta("m1", "output.0", output, 2), output)  # a new version: written again
+    background.end_step()
+    background.stop()
+    assert writer.num_links_written == 1 and writer.num_bytes_written == 2 * 24
+    read = _read_back(tmp_path)
+    before = torch.arange(6, dtype=torch.float32).view(2, 3)
+    assert [read[_meta(f, s, output, 0).key][1].tolist() for f, s in (("m0", "output.0"), ("m1", "input.0"),
+                                                                       ("m1", "output.0"))] == \
+        [before.tolist(), before.tolist(), (before * 10).tolist()]
