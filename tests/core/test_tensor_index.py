@@ -258,3 +258,72 @@ def test_the_writer_thread_links_the_same_bytes_without_copying_them_again(tmp_p
     assert [read[_meta(f, s, output, 0).key][1].tolist() for f, s in (("m0", "output.0"), ("m1", "input.0"),
                                                                        ("m1", "output.0"))] == \
         [before.tolist(), before.tolist(), (before * 10).tolist()]
+
+
+def _traced_run(run_dir, role: str) -> None:
+    """Two steps of a small model through the Tracer: a Linear's output is the GELU's input, and so on."""
+    from ttrace_core.record.tracer import Tracer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = Tracer(run_dir, model, role=role, optimizer=optimizer)
+    for step in range(2):
+        with tracer.step(step):
+            optimizer.zero_grad()
+            for micro_batch in range(2):
+                inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(micro_batch), requires_grad=True)
+                model(inputs).square().mean().backward()
+            optimizer.step()
+    tracer.close()
+
+
+def test_a_deduplicated_trace_compares_exactly_as_a_full_one(tmp_path, monkeypatch):
+    import json
+
+    from ttrace_core.compare.engine import compare_runs
+    from ttrace_core.compare.tolerances import DtypeTolerances
+    from ttrace_core.format.same_storage import WrittenStorages
+
+    _traced_run(tmp_path / "reference", "reference")
+    _traced_run(tmp_path / "deduplicated", "candidate")
+    with monkeypatch.context() as patch:  # every tensor written as its own dataset, as format 3 did
+        patch.setattr(WrittenStorages, "first_dataset", lambda self, value, stats: (None, None))
+        _traced_run(tmp_path / "full", "candidate")
+    links = []
+    for run in ("deduplicated", "full"):
+        with h5py.File(tmp_path / run / STEP_FILE) as handle:
+            links.append(int(handle.attrs[LINKS_ATTR]))
+    assert links[0] > 0 and links[1] == 0
+    assert sum(p.stat().st_size for p in (tmp_path / "deduplicated").glob("*.h5")) < \
+        sum(p.stat().st_size for p in (tmp_path / "full").glob("*.h5"))
+    tables = []
+    for run in ("deduplicated", "full"):
+        with RunReader(tmp_path / "reference") as reference, RunReader(tmp_path / run) as candidate:
+            result = compare_runs(reference, candidate, DtypeTolerances())
+            tables.append([json.dumps(row.to_dict(), sort_keys=True) for row in result.comparisons])
+            assert result.passed
+    assert len(tables[0]) > 20 and tables[0] == tables[1]
+
+
+def test_a_write_around_autograd_is_caught_by_the_statistics(tmp_path):
+    """`.data` changes the bytes without the version counter (so do collectives into FSDP2's buffers)."""
+    write_manifest(tmp_path, RunManifest(role="reference", world_size=1))
+    value = torch.ones(2, 3)
+    writer = RunWriter(tmp_path, 0)
+    writer.begin_step(0)
+    writer.write(dataclasses.replace(_meta("a", "output.0", value, 0), stats=_stats(value)), value)
+    version = value._version
+    value.data.mul_(3.0)
+    assert value._version == version
+    writer.write(dataclasses.replace(_meta("b", "output.0", value, 1), stats=_stats(value)), value)
+    writer.end_step()
+    assert writer.num_links_written == 0
+    read = _read_back(tmp_path)
+    assert [read[_meta(fqn, "output.0", value, 0).key][1].sum().item() for fqn in "ab"] == [6.0, 18.0]
+
+
+def _stats(value: torch.Tensor) -> TensorStats:
+    from ttrace_core.format.writer import stats_from_tensor
+
+    return stats_from_tensor(value)

@@ -168,7 +168,8 @@ class RunWriter:
             self._rows.append(row_line(None, meta))
             return
         path = dataset_path(meta.key)
-        identity, first = self._written.first_dataset(value) if deduplicate and value is not None else (None, None)
+        checked = deduplicate and value is not None
+        identity, first = self._written.first_dataset(value, meta.stats) if checked else (None, None)
         if first is not None:
             self.write_link(meta, first, value.numel() * value.element_size())
             return
@@ -178,7 +179,7 @@ class RunWriter:
         self._rows.append(row_line(path, meta))
         self.num_bytes_written += data.nbytes
         if value is not None:
-            self._written.remember(identity, value, path)
+            self._written.remember(identity, value, path, meta.stats)
 
     def write_link(self, meta: TensorMeta, first: str, num_bytes: int) -> None:
         """A tensor whose bytes were written earlier in this step to dataset `first` (`num_bytes` of them)."""

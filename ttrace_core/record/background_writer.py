@@ -66,12 +66,12 @@ class BackgroundWriter:
             return
         # The same bytes recorded again this step are a link, decided here on the original (the copy
         # the thread gets has storage of its own): no copy is made for them.
-        identity, first = self._written.first_dataset(value)
+        identity, first = self._written.first_dataset(value, meta.stats)
         if first is not None:
             num_bytes = value.numel() * value.element_size()
             self._put(lambda: self._writer.write_link(meta, first, num_bytes), 0)
             return
-        self._written.remember(identity, value, dataset_path(meta.key))
+        self._written.remember(identity, value, dataset_path(meta.key), meta.stats)
         copy = value.detach().clone()  # the step goes on and may change `value` in place
         self._put(lambda: self._writer.write(meta, copy, deduplicate=False), copy.numel() * copy.element_size())
 
