@@ -63,3 +63,24 @@ def drop_meta(handle: h5py.File, dataset: str) -> None:
         del handle[dataset].attrs["meta"]
         return
     write_index_rows(handle, [row for row in index_rows(handle) if row["dataset"] != dataset])
+
+
+def metas_by_dataset(handle: h5py.File) -> dict[str, dict]:
+    """Every tensor dataset's recorded metadata; ValueError when an index lists a dataset twice (or is not JSON),
+    KeyError when a dataset has no metadata attribute."""
+    if TENSOR_INDEX not in handle:
+        return {name: json.loads(handle[name].attrs["meta"]) for name in dataset_names(handle)}
+    rows = [row for row in index_rows(handle) if row["dataset"] is not None]
+    found = {row["dataset"]: row["meta"] for row in rows}
+    if len(found) != len(rows):
+        raise ValueError("the tensor index lists a dataset twice")
+    return found
+
+
+def dataset_names(handle: h5py.File) -> list[str]:
+    """Every name of a dataset in the file; `visititems` gives a dataset behind two hard links (format 4
+    writes them for a tensor recorded twice) under one name only."""
+    names: list[str] = []
+    handle.id.links.visit(lambda name: names.append(name.decode()))
+    return [name for name in names if isinstance(handle.get(name, getlink=True), h5py.HardLink)
+            and isinstance(handle.get(name), h5py.Dataset)]
