@@ -22,7 +22,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from meta_rows import drop_meta, read_meta, write_meta
 from ttrace_core.format.reader import INVENTORY_ATTR, MANIFEST_NAME
+from ttrace_core.format.tensor_index import TENSOR_INDEX
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ def datasets_of(path: Path) -> list[str]:
     found: list[str] = []
     with h5py.File(path, "r") as handle:
         handle.visititems(lambda name, node: found.append(name) if isinstance(node, h5py.Dataset) else None)
-    return found
+    return [name for name in found if name != TENSOR_INDEX]  # the index is damaged through its tensors' rows
 
 
 def step_files(run: Path) -> list[Path]:
@@ -49,9 +51,9 @@ def step_files(run: Path) -> list[Path]:
 
 def _edit_meta(path: Path, dataset: str, edit: Callable[[dict], None]) -> None:
     with h5py.File(path, "r+") as handle:
-        meta = json.loads(handle[dataset].attrs["meta"])
+        meta = read_meta(handle, dataset)
         edit(meta)
-        handle[dataset].attrs["meta"] = json.dumps(meta)
+        write_meta(handle, dataset, meta)
 
 
 def _set(*path: str, value) -> Callable[[dict], None]:
@@ -66,7 +68,7 @@ def _set(*path: str, value) -> Callable[[dict], None]:
 def _rewrite_values(path: Path, dataset: str, change: Callable[[np.ndarray], np.ndarray]) -> None:
     with h5py.File(path, "r+") as handle:
         values = handle[dataset][()]
-        meta = json.loads(handle[dataset].attrs["meta"])
+        meta = read_meta(handle, dataset)
         if meta["dtype"] != "float32" or values.size == 0:
             return
         handle[dataset][...] = change(values.astype(np.float32))
@@ -179,11 +181,11 @@ def metadata_lies(pair: tuple[Path, Path], rng: random.Random, per_lie: int) -> 
 def attribute_damage(pair: tuple[Path, Path], rng: random.Random, count: int) -> list[Corruption]:
     files = step_files(pair[1])
     variants = [
-        ("meta deleted", lambda d: d.attrs.__delitem__("meta")),
-        ("meta not JSON", lambda d: d.attrs.__setitem__("meta", "{not json")),
-        ("meta a number", lambda d: d.attrs.__setitem__("meta", 7)),
-        ("meta deeply nested", lambda d: d.attrs.__setitem__("meta", "[" * 5000 + "]" * 5000)),
-        ("meta empty object", lambda d: d.attrs.__setitem__("meta", "{}")),
+        ("meta deleted", drop_meta),
+        ("meta not JSON", lambda h, d: write_meta(h, d, "{not json")),
+        ("meta a number", lambda h, d: write_meta(h, d, "7") if TENSOR_INDEX in h else h[d].attrs.__setitem__("meta", 7)),
+        ("meta deeply nested", lambda h, d: write_meta(h, d, "[" * 5000 + "]" * 5000)),
+        ("meta empty object", lambda h, d: write_meta(h, d, "{}")),
     ]
     cases = []
     for index in range(count):
@@ -192,7 +194,7 @@ def attribute_damage(pair: tuple[Path, Path], rng: random.Random, count: int) ->
 
         def damage(reference: Path, candidate: Path, name=path.name, dataset=dataset, edit=edit) -> None:
             with h5py.File(candidate / name, "r+") as handle:
-                edit(handle[dataset])
+                edit(handle, dataset)
         cases.append(Corruption("attributes", f"{variant}: {path.name}:{dataset}", damage, True))
     for path in files:
         for attr, value, material in (("complete", None, False), ("blind_spots", "{not json", True),
@@ -241,10 +243,10 @@ def duplicated_tensors(pair: tuple[Path, Path], rng: random.Random, count: int) 
 
         def damage(reference: Path, candidate: Path, name=path.name, source=source, target=target) -> None:
             with h5py.File(candidate / name, "r+") as handle:
-                meta = handle[source].attrs["meta"]
+                meta = read_meta(handle, source)
                 del handle[target]
                 handle[target] = handle[source][()]
-                handle[target].attrs["meta"] = meta
+                write_meta(handle, target, meta)
         cases.append(Corruption("duplicated tensor", f"{path.name}: {source} copied over {target}", damage, True))
     return cases
 
@@ -363,11 +365,11 @@ def _values_file(outside: Path, step_file: Path, dataset: str) -> Path:
 
 def _replace_dataset(step_file: Path, dataset: str, make: Callable[[h5py.File], None]) -> None:
     with h5py.File(step_file, "r+") as handle:
-        meta = handle[dataset].attrs["meta"]
+        meta = read_meta(handle, dataset)
         del handle[dataset]
         make(handle)
         if isinstance(handle.get(dataset, getlink=True), h5py.HardLink):
-            handle[dataset].attrs["meta"] = meta
+            write_meta(handle, dataset, meta)  # format 4: its index row stays as it was
 
 
 def external_link(outside: Path, step_file: Path, dataset: str) -> tuple[Path | None, str]:

@@ -23,6 +23,9 @@ from ttrace_core import api
 from ttrace_core.format.schema import TensorKey
 from ttrace_core.format.global_heap import refuse_looping_heaps
 from ttrace_core.format.reader import MANIFEST_NAME, tensor_from_array
+from ttrace_core.format.tensor_index import TENSOR_INDEX
+
+from meta_rows import dataset_names, metas_by_dataset
 
 # Manifest fields that say how the run was laid out or what it computed.
 JUDGED_MANIFEST = ("format_version", "role", "world_size", "degrees", "mesh_shape", "mesh_axis_names",
@@ -63,16 +66,15 @@ class Pristine:
         try:
             with h5py.File(path, "r") as handle:
                 refuse_looping_heaps(handle, path, "")  # HDF5 itself would hang on such a file: it cannot be read
-                names: list[str] = []
-                handle.visititems(lambda name, node: names.append(name) if isinstance(node, h5py.Dataset) else None)
-                if set(names) != set(datasets):
+                names = dataset_names(handle)  # every name: a hard link (format 4) is a tensor of its own
+                metas = metas_by_dataset(handle)  # the attributes' or the tensor index's (format 4)
+                if set(names) - {TENSOR_INDEX} != set(datasets) or set(metas) != set(datasets):
                     return True
-                return any(self._dataset_changed(handle[name], *datasets[name]) for name in names)
+                return any(self._dataset_changed(handle[name], metas[name], *datasets[name]) for name in datasets)
         except Exception:  # noqa: BLE001 - anything h5py cannot read is material: ttrace must say so
             return True
 
-    def _dataset_changed(self, dataset: h5py.Dataset, meta: dict, values: np.ndarray) -> bool:
-        now_meta = json.loads(dataset.attrs["meta"])
+    def _dataset_changed(self, dataset: h5py.Dataset, now_meta: dict, meta: dict, values: np.ndarray) -> bool:
         if _judged(now_meta) != _judged(meta):
             return True
         now = dataset[()]
@@ -116,8 +118,6 @@ def _snapshot(run: Path) -> dict[str, dict[str, tuple[dict, np.ndarray]]]:
     files = {}
     for path in sorted(run.glob("rank_*.step_*.h5")):
         with h5py.File(path, "r") as handle:
-            datasets: dict[str, tuple[dict, np.ndarray]] = {}
-            handle.visititems(lambda name, node: datasets.__setitem__(name, (json.loads(node.attrs["meta"]), node[()]))
-                              if isinstance(node, h5py.Dataset) else None)
+            datasets = {name: (meta, handle[name][()]) for name, meta in metas_by_dataset(handle).items()}
         files[path.name] = datasets
     return files

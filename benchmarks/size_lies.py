@@ -12,7 +12,6 @@ Reading either must be refused before anything of that size is allocated or enum
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ import h5py
 import numpy as np
 
 from corruptions import Corruption, datasets_of, step_files
+from meta_rows import read_meta, write_meta
 
 BIG = 10**12
 HUGE_MESH = 10**9
@@ -36,7 +36,7 @@ def _write(handle: h5py.File, dataset: str, meta: dict, values: np.ndarray | Non
         handle[dataset] = values
     else:
         handle.create_dataset(dataset, **create)
-    handle[dataset].attrs["meta"] = json.dumps(meta)
+    write_meta(handle, dataset, meta)
 
 
 def _replicated(meta: dict, shape: list[int], **layout) -> dict:
@@ -85,7 +85,7 @@ def _on_mesh(placement: str, mesh_size: int, *, sharded_dim: int | None = None) 
         meta["local_shape"] = shape
         meta["layout"].update(global_shape=global_shape, mesh_shape=[mesh_size], coordinate=[meta["rank"]],
                               placements=[placement], mesh_axis_names=["tp"], flat_range=None)
-        handle[dataset].attrs["meta"] = json.dumps(meta)
+        write_meta(handle, dataset, meta)
     return rewrite
 
 
@@ -113,7 +113,7 @@ def apply_everywhere(reference: Path, candidate: Path, dataset: str, rewrite: Re
         for path in step_files(run):
             with h5py.File(path, "r+") as handle:
                 if dataset in handle:
-                    rewrite(handle, dataset, json.loads(handle[dataset].attrs["meta"]))
+                    rewrite(handle, dataset, read_meta(handle, dataset))
 
 
 def _tensors(pair: tuple[Path, Path]) -> list[str]:

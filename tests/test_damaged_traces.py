@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, run_ttrace
+from ttrace_core.format.tensor_index import TENSOR_INDEX
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import byte_damage  # noqa: E402
+import index_open  # noqa: E402
 import size_lies  # noqa: E402
 
 TIME_LIMIT_S = 120
@@ -107,10 +109,14 @@ def test_a_flipped_bit_in_a_datatype_message_is_one_line(pair):
     assert _answer("inspect", str(candidate)).returncode == 0  # inspect reads metadata only
 
 
-def test_a_flipped_bit_that_makes_meta_a_sequence_is_one_line_not_a_segfault(pair):
+def test_a_flipped_bit_that_makes_meta_a_sequence_is_one_line_not_a_segfault(pair, tmp_path):
     """Bit 0 of the vlen type in the `meta` attribute's datatype: a string becomes a sequence of its
-    base type, whose conversion crashed h5py (SIGSEGV, no traceback: found by the benchmark)."""
+    base type, whose conversion crashed h5py (SIGSEGV, no traceback: found by the benchmark). Format 4
+    has no such attribute: the candidate is rewritten as format 3 wrote it, which is still read."""
     reference, candidate = pair
+    index_open.write_legacy_copy(candidate, tmp_path / "format3")
+    for legacy in (tmp_path / "format3").iterdir():
+        shutil.copy(legacy, candidate / legacy.name)
     path = candidate / STEP_FILE
     start, _ = byte_damage.message_of(path, FLOAT32_DATASET, "attribute")
     with open(path, "r+b") as handle:
@@ -120,6 +126,22 @@ def test_a_flipped_bit_that_makes_meta_a_sequence_is_one_line_not_a_segfault(pai
         handle.write(bytes([byte ^ 0b1]))
     expected = (f"ttrace: error: {path}:{FLOAT32_DATASET}: attribute meta is a variable-length sequence, not the one "
                 "string ttrace writes: its header is damaged; re-record this rank")
+    assert _error_line("inspect", str(candidate)) == expected
+    assert _error_line("compare", str(reference), str(candidate)) == expected
+
+
+def test_a_flipped_bit_in_the_tensor_index_datatype_is_one_line(pair):
+    """The signed bit of the index's uint8 datatype: it reads as int8, refused before it is decoded."""
+    reference, candidate = pair
+    path = candidate / STEP_FILE
+    start, _ = byte_damage.message_of(path, TENSOR_INDEX, "datatype")
+    with open(path, "r+b") as handle:
+        handle.seek(start + 1)  # the class bit field's first byte: bit 3 is "signed"
+        byte = handle.read(1)[0]
+        handle.seek(start + 1)
+        handle.write(bytes([byte ^ 0b1000]))
+    expected = (f"ttrace: error: {path}:{TENSOR_INDEX}: its stored datatype reads as |i1 (int8) but its metadata says "
+                "|u1 (uint8): the datatype message is damaged; re-record this rank")
     assert _error_line("inspect", str(candidate)) == expected
     assert _error_line("compare", str(reference), str(candidate)) == expected
 

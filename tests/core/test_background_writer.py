@@ -28,9 +28,9 @@ def _meta(index: int, shape: tuple[int, ...]) -> TensorMeta:
 class SlowWriter(RunWriter):
     """A disk that stores 256 KiB in 20 ms."""
 
-    def write(self, meta, value):
+    def write(self, meta, value, **options):
         time.sleep(0.02)
-        super().write(meta, value)
+        super().write(meta, value, **options)
 
 
 def test_a_full_queue_slows_the_training_thread_instead_of_growing_memory(tmp_path):
@@ -86,10 +86,10 @@ def test_a_step_that_raises_leaves_the_finished_steps_complete_on_disk(tmp_path)
 class FullDisk(RunWriter):
     """A disk that fills up at the 5th tensor of step 1."""
 
-    def write(self, meta, value):
+    def write(self, meta, value, **options):
         if meta.key.step == 1 and meta.seq == 4:
             raise OSError(errno.ENOSPC, "No space left on device", str(self.run_dir))
-        super().write(meta, value)
+        super().write(meta, value, **options)
 
 
 def test_a_write_that_fails_in_the_thread_stops_its_own_step_and_the_recording(tmp_path, monkeypatch, capsys):

@@ -1,5 +1,6 @@
 import json
 import os
+import sys
 
 import h5py
 import pytest
@@ -8,7 +9,12 @@ import torch
 from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, step_file_name
+from ttrace_core.format.tensor_index import TENSOR_INDEX
 from ttrace_core.format.writer import RunWriter, write_manifest
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from meta_rows import write_meta  # noqa: E402
 
 
 def _meta(rank: int, step: int, value: torch.Tensor, fqn: str = "lin") -> TensorMeta:
@@ -45,7 +51,9 @@ def test_datasets_are_contiguous_and_uncompressed(tmp_path):
     with h5py.File(tmp_path / step_file_name(0, 0)) as handle:
         dataset = handle["forward/mb_0000/m0#output.0"]
         assert dataset.chunks is None and dataset.compression is None
-        assert json.loads(dataset.attrs["meta"])["key"]["fqn"] == "m0"
+        assert "meta" not in dataset.attrs  # format 4: the metadata is the step's tensor index
+        (row,) = [json.loads(line) for line in bytes(handle[TENSOR_INDEX][()]).split(b"\n")]
+        assert (row["dataset"], row["meta"]["key"]["fqn"]) == ("forward/mb_0000/m0#output.0", "m0")
 
 
 def test_interrupted_step_is_reported_and_completed_steps_stay_readable(tmp_path):
@@ -111,8 +119,8 @@ def test_reading_never_unpickles(tmp_path):
     """The metadata is JSON and values are numeric HDF5 arrays; a pickled attribute is refused as data."""
     _record(tmp_path, {0: torch.randn(4)})
     with h5py.File(tmp_path / step_file_name(0, 0), "a") as handle:
-        handle["forward/mb_0000/m0#output.0"].attrs["meta"] = "\x80\x04\x95"  # pickle protocol header
-    with pytest.raises(TraceFormatError, match="tensor metadata is malformed"):
+        write_meta(handle, "forward/mb_0000/m0#output.0", "\x80\x04\x95")  # pickle protocol header
+    with pytest.raises(TraceFormatError, match="tensor_index line 1: tensor metadata is malformed"):
         RunReader(tmp_path)
 
 

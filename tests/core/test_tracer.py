@@ -119,11 +119,13 @@ def test_stats_only_keeps_the_values_of_partial_sums(tmp_path):
 
 
 def test_stats_only_tensors_share_one_dataset_of_records_per_step_file(tmp_path):
-    """One dataset per stats-only tensor cost more than recording it; their records share one."""
+    """One dataset per stats-only tensor cost more than recording it; their records are rows of the step's
+    tensor index, as every tensor's are."""
     import h5py
 
     from ttrace_core.errors import TraceFormatError
-    from ttrace_core.format.reader import STATS_ONLY_METAS, read_shards
+    from ttrace_core.format.reader import read_shards
+    from ttrace_core.format.tensor_index import TENSOR_INDEX
 
     _record(tmp_path / "ref")
     _record(tmp_path / "stats", TracerConfig(stats_only=True))
@@ -131,7 +133,7 @@ def test_stats_only_tensors_share_one_dataset_of_records_per_step_file(tmp_path)
     with h5py.File(step_file) as handle:
         datasets = []
         handle.visititems(lambda name, node: datasets.append(name) if isinstance(node, h5py.Dataset) else None)
-        assert datasets == [STATS_ONLY_METAS]
+        assert datasets == [TENSOR_INDEX]
     with RunReader(tmp_path / "ref") as ref, RunReader(tmp_path / "stats") as cand:
         assert cand.keys() and set(cand.keys()) == set(ref.keys()) and not cand.inventory_gaps
         key = next(k for k in cand.keys() if k.phase == "forward")
@@ -141,10 +143,10 @@ def test_stats_only_tensors_share_one_dataset_of_records_per_step_file(tmp_path)
     (shard,) = read_shards(tmp_path / "stats", key, 1)  # what the dashboard's tensor page reads
     assert shard == (meta, None)
     with h5py.File(step_file, "r+") as handle:
-        text = bytes(handle[STATS_ONLY_METAS][()]).replace(b'"stats_only":true', b'"stats_only":"yes"', 1)
-        del handle[STATS_ONLY_METAS]
-        handle[STATS_ONLY_METAS] = np.frombuffer(text, dtype=np.uint8)
-    with pytest.raises(TraceFormatError, match=rf"{STATS_ONLY_METAS} line 1: tensor metadata is malformed .*stats_only"):
+        text = bytes(handle[TENSOR_INDEX][()]).replace(b'"stats_only":true', b'"stats_only":"yes"', 1)
+        del handle[TENSOR_INDEX]
+        handle[TENSOR_INDEX] = np.frombuffer(text, dtype=np.uint8)
+    with pytest.raises(TraceFormatError, match=rf"{TENSOR_INDEX} line 1: tensor metadata is malformed .*stats_only"):
         RunReader(tmp_path / "stats")
 
 

@@ -60,8 +60,9 @@ def contained(run_dir: str | os.PathLike, name: str, *, remedy: str = ONLY_REGUL
 
 
 def refuse_links(handle: h5py.File, where: str) -> None:
-    """ttrace writes hard links only; a soft or external link (which HDF5 would follow into another
-    file, `/etc/...` included) is refused before anything is read through it."""
+    """ttrace writes hard links only (format 4 links a tensor recorded twice in a step to its first
+    dataset); a soft or external link (which HDF5 would follow into another file, `/etc/...` included)
+    is refused before anything is read through it."""
     found: list[tuple[bytes, int]] = []
 
     def visit(name: bytes, info) -> bool | None:  # raising inside an HDF5 callback corrupts h5py's lock: stop, then raise
@@ -72,10 +73,15 @@ def refuse_links(handle: h5py.File, where: str) -> None:
 
     handle.id.links.visit(visit, info=True)
     if found:
-        name, kind = found[0]
-        kind_text = "an external" if kind == h5py.h5l.TYPE_EXTERNAL else "a soft"
-        raise TraceFormatError(f"{where}: {name.decode('utf-8', 'backslashreplace')} is {kind_text} link; ttrace "
-                               "never writes links and reads nothing outside the trace, re-record this rank")
+        raise link_refusal(where, *found[0])
+
+
+def link_refusal(where: str, name: bytes, kind: int) -> TraceFormatError:
+    """The one line that refuses a soft or external link `name` of kind `kind` (an h5l link type)."""
+    kind_text = "an external" if kind == h5py.h5l.TYPE_EXTERNAL else "a soft"
+    return TraceFormatError(f"{where}: {name.decode('utf-8', 'backslashreplace')} is {kind_text} link; ttrace "
+                            "writes only hard links inside a step file and reads nothing outside the trace, "
+                            "re-record this rank")
 
 
 def _keeps_values_elsewhere(dataset_id) -> bool:

@@ -4,8 +4,9 @@ A run directory holds `manifest.json` and one HDF5 file per rank and step,
 `rank_00001.step_000000.h5`. A step file is written as `<name>.partial` and renamed only after it
 is complete and flushed, so a killed recording leaves every finished step readable and its
 interrupted step marked partial. Datasets are uncompressed and contiguous: fp32 activations
-compress by under 10% while gzip makes writing 10x slower. Every dataset carries its `TensorMeta`
-as one JSON attribute. Values are raw bits: bf16 as int16, fp8 as uint8 plus its scale; nothing is
+compress by under 10% while gzip makes writing 10x slower. Every tensor's `TensorMeta` is one row of
+its step file's tensor index (tensor_index.py; format 4); up to format 3 each dataset carried its own
+as one JSON attribute, and those files are read as they were. Values are raw bits: bf16 as int16, fp8 as uint8 plus its scale; nothing is
 upcast. Reading never executes code: JSON and HDF5 numeric arrays only, no pickle, no torch.load.
 """
 
@@ -32,8 +33,9 @@ from ttrace_core.format.datasets import (
 from ttrace_core.format.findings import FINDINGS, findings_in_file
 from ttrace_core.format.global_heap import refuse_looping_heaps
 from ttrace_core.format.records import data_from_json, meta_from_json, record_from_data
+from ttrace_core.format.tensor_index import IndexRow, checked_rows, collector_paused, read_rows
 from ttrace_core.format.schema import (
-    FORMAT_VERSION, NO_MICRO_BATCH, PHASES, PRE_STEP_SLOT, READABLE_FORMAT_VERSIONS, REQUIRED_MANIFEST_FIELDS, Finding, RunManifest,
+    FORMAT_VERSION, INDEXED_FORMAT, NO_MICRO_BATCH, PHASES, PRE_STEP_SLOT, READABLE_FORMAT_VERSIONS, REQUIRED_MANIFEST_FIELDS, Finding, RunManifest,
     TensorKey, TensorMeta,
 )
 
@@ -218,7 +220,9 @@ def read_shards(run_dir: str | os.PathLike, key: TensorKey, world_size: int) -> 
         file_path = contained(run_dir, step_file_name(rank, key.step))
         with open_step_file(file_path, rank) as handle, damaged_file_errors(f"{file_path}:{path}", remedy_of(rank)):
             refuse_links(handle, str(file_path))
-            if path in handle:
+            if is_indexed(handle, file_path, rank):
+                shards += _indexed_shards(handle, key, file_path, rank)
+            elif path in handle:
                 shards.append(_shard_of(handle[path], f"{file_path}:{path}", rank))
             elif STATS_ONLY_METAS in handle:
                 refuse_external_storage(handle[STATS_ONLY_METAS].id, f"{file_path}:{STATS_ONLY_METAS}")
@@ -228,10 +232,34 @@ def read_shards(run_dir: str | os.PathLike, key: TensorKey, world_size: int) -> 
     return shards
 
 
-def _shard_of(dataset: h5py.Dataset, where: str, rank: int) -> tuple[TensorMeta, torch.Tensor | None]:
-    """One dataset's metadata and values (None for a stats-only shard), its storage checked first."""
+def is_indexed(handle: h5py.File, path: Path, rank: int) -> bool:
+    """Whether a step file keeps its tensors' metadata in a tensor index (format 4) rather than one attribute each."""
+    version = scalar_attribute(handle, "format_version", INTEGER, str(path), remedy_of(rank))
+    return isinstance(version, (int, np.integer)) and int(version) >= INDEXED_FORMAT
+
+
+def _indexed_shards(handle: h5py.File, key: TensorKey, path: Path, rank: int) -> list[tuple[TensorMeta, torch.Tensor | None]]:
+    """The shards of `key` one format-4 step file holds, from its index (one read) and its dataset."""
+    rows = [row for row in read_rows(handle, str(path)) if row.meta.key == key and row.meta.rank == rank]
+    return [(row.meta, None) if row.dataset is None else _row_shard(handle, row, path, rank) for row in rows]
+
+
+def _row_shard(handle: h5py.File, row: IndexRow, path: Path, rank: int) -> tuple[TensorMeta, torch.Tensor | None]:
+    where = f"{path}:{row.dataset}"
+    dataset = handle.get(row.dataset)
+    if not isinstance(dataset, h5py.Dataset):
+        raise TraceFormatError(f"{where}: listed in the tensor index, but the file holds no such dataset; "
+                               f"{remedy_of(rank)}")
+    return _shard_of(dataset, where, rank, row.meta)
+
+
+def _shard_of(dataset: h5py.Dataset, where: str, rank: int, meta: TensorMeta | None = None,
+              ) -> tuple[TensorMeta, torch.Tensor | None]:
+    """One dataset's metadata (`meta`: its index row's; by default its own attribute, up to format 3)
+    and values (None for a stats-only shard), its storage checked first."""
     refuse_external_storage(dataset.id, where)
-    meta = meta_from_json(scalar_attribute(dataset, "meta", STRING, where, remedy_of(rank)) or b"", where)
+    if meta is None:
+        meta = meta_from_json(scalar_attribute(dataset, "meta", STRING, where, remedy_of(rank)) or b"", where)
     if meta.stats_only:
         return meta, None
     array = read_values(dataset, stored_dtype(meta.dtype), meta.local_shape, where, remedy_of(rank))
@@ -246,17 +274,28 @@ def forward_inputs(run_dir: str | os.PathLike, rank: int, step: int, fqn: str) -
     calls: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
     with open_step_file(path, rank) as handle, damaged_file_errors(f"{path}:forward", remedy_of(rank)):
         refuse_links(handle, str(path))
+        if is_indexed(handle, path, rank):
+            for row in read_rows(handle, str(path)):
+                if row.dataset is not None and row.dataset.startswith("forward/") and row.dataset.split("/")[-1].startswith(prefix):
+                    meta, value = _row_shard(handle, row, path, rank)
+                    calls[meta.key.micro_batch][meta.key.slot] = _replayable(value, f"{path}:{row.dataset}")
+            return dict(calls)
         forward = handle.get("forward")
         for group_name in (sorted(forward) if forward is not None else []):
             group = forward[group_name]
             for name in group:
                 if name.startswith(prefix):
-                    meta, value = _shard_of(group[name], f"{path}:forward/{group_name}/{name}", rank)
-                    if value is None:
-                        raise TraceFormatError(f"{path}:forward/{group_name}/{name}: recorded in stats-only mode; it "
-                                               "holds no values to replay with, record its inputs with values")
-                    calls[meta.key.micro_batch][meta.key.slot] = value
+                    where = f"{path}:forward/{group_name}/{name}"
+                    meta, value = _shard_of(group[name], where, rank)
+                    calls[meta.key.micro_batch][meta.key.slot] = _replayable(value, where)
     return dict(calls)
+
+
+def _replayable(value: torch.Tensor | None, where: str) -> torch.Tensor:
+    if value is None:
+        raise TraceFormatError(f"{where}: recorded in stats-only mode; it holds no values to replay with, record its "
+                               "inputs with values")
+    return value
 
 
 def _blind_spots_of(handle: h5py.File, path: Path, rank: int) -> dict[str, str]:
@@ -332,6 +371,9 @@ class RunReader:
         where = f"{path}"
         for fqn, why in _blind_spots_of(handle, path, rank).items():
             self.manifest.blind_spots.setdefault(fqn, why)
+        if is_indexed(handle, path, rank):
+            self._index_table(handle, path, rank, step)
+            return
         metas = dataset_metas(handle, where)
         stats_only = stats_only_metas(handle, where) if metas.pop(STATS_ONLY_METAS, False) is not False else []
         if metas.pop(FINDINGS, False) is not False:
@@ -342,7 +384,38 @@ class RunReader:
         for meta in stats_only:
             if self._wanted(dataset_path(meta.key)):
                 self._index_stats_only(meta, rank, step)
-        held = len(metas) + len(stats_only)
+        self._check_inventory(handle, path, rank, len(metas) + len(stats_only))
+
+    def _index_table(self, handle: h5py.File, path: Path, rank: int, step: int) -> None:
+        """A format-4 step file, from its tensor index (checked against the file's datasets)."""
+        table = checked_rows(handle, str(path))
+        self.findings += [f for f in findings_in_file(handle, str(path)) if self._in_subtree(f.fqn)]
+        wanted = table.rows if self.subtree is None else \
+            [row for row in table.rows if self._wanted(row.dataset or dataset_path(row.meta.key))]
+        with collector_paused():  # 15k rows placed make the collector walk every object again: 1/4 of the time
+            for row in wanted:
+                if row.dataset is None:
+                    self._index_stats_only(row.meta, rank, step)
+                else:
+                    self._index_row(row, rank, step, str(path))
+        self.inventory_gaps += [f"{path.name}: its tensor index lists {name}, which the file does not hold"
+                                for name in table.missing]
+        self._check_inventory(handle, path, rank, len(table.rows) + len(table.missing))
+
+    def _index_row(self, row: IndexRow, rank: int, step: int, where: str) -> None:
+        meta = row.meta
+        if meta.rank == rank and meta.key.step == step and row.dataset == dataset_path(meta.key):
+            self.index[meta.key].append(meta)  # the row tells the truth (nearly always): no name to parse
+            return
+        placed = key_fromdataset_path(row.dataset, step)
+        if placed is None:
+            raise TraceFormatError(f"{where}: dataset {row.dataset} is not where ttrace writes tensors; the file was "
+                                   "not written by ttrace")
+        self.misplaced[placed] = (f"{placed}: the index row of the dataset in rank {rank}'s file says it is {meta.key} "
+                                  f"of rank {meta.rank}")
+        self.index[placed].append(dataclasses.replace(meta, key=placed, rank=rank))
+
+    def _check_inventory(self, handle: h5py.File, path: Path, rank: int, held: int) -> None:
         written = scalar_attribute(handle, INVENTORY_ATTR, INTEGER, str(path), remedy_of(rank))
         if written is None:
             return
@@ -384,7 +457,10 @@ class RunReader:
         if meta.stats_only:
             raise TraceFormatError(f"{where}: recorded in stats-only mode; it holds no values")
         with damaged_file_errors(where, remedy_of(meta.rank)):
-            dataset = self._files[(meta.rank, meta.key.step)][path]
+            dataset = self._files[(meta.rank, meta.key.step)].get(path)
+            if not isinstance(dataset, h5py.Dataset):
+                raise TraceFormatError(f"{where}: the file holds no such dataset; {remedy_of(meta.rank)}")
+            refuse_external_storage(dataset.id, where)  # format 4 checks it here, not while indexing
             array = read_values(dataset, stored_dtype(meta.dtype), meta.local_shape, where, remedy_of(meta.rank), region)
             return tensor_from_array(array, meta.dtype, where)
 

@@ -5,6 +5,10 @@ A step file is written as `<name>.partial` and renamed only once complete and fl
 recording keeps every finished step. Values are stored dtype-exact (bf16 as int16 bits, fp8 as
 uint8), uncompressed and contiguous. A write that would not fit on the disk, or past the file-size
 limit, is refused while the file can still be closed (`RunWriter._check_room`).
+
+Format 4: every tensor's metadata is one row of the step's tensor index (tensor_index.py), written when
+the step ends (and, best effort, when a stopped step is closed); datasets carry no attribute. A tensor
+recorded again in the same step with the same bytes (same_storage.py) is a hard link to its first dataset.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.findings import FINDINGS
 from ttrace_core.format.schema import FORMAT_VERSION, Finding, RunManifest, TensorMeta, TensorStats
 from ttrace_core.format.datasets import NATIVE_DTYPES, RAW_BITS
+from ttrace_core.format.same_storage import WrittenStorages
+from ttrace_core.format.tensor_index import LINKS_ATTR, TENSOR_INDEX, row_line
 from ttrace_core.format.reader import (
-    INVENTORY_ATTR, MANIFEST_NAME, MAX_STOPPED_CHARS, PARTIAL_SUFFIX, STATS_ONLY_METAS, STEP_FILE, STOPPED_ATTR,
-    dataset_path, dtype_name, step_file_name,
+    INVENTORY_ATTR, MANIFEST_NAME, MAX_STOPPED_CHARS, PARTIAL_SUFFIX, STEP_FILE, STOPPED_ATTR, dataset_path, dtype_name, step_file_name,
 )
 
 WRITE_HEADROOM = 4 * 2**20
@@ -84,30 +89,30 @@ def _min_max(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _META_ENCODER = msgspec.json.Encoder()
 
 
-def _meta_to_json(meta: TensorMeta | Finding) -> bytes:
-    """The dataset's `meta` attribute (records.meta_from_json reads it back), or one line of FINDINGS: every
-    field, finite numbers."""
+def _finding_to_json(meta: Finding) -> bytes:
+    """One line of FINDINGS (records.finding_from_json reads it back): every field, finite numbers."""
     return _META_ENCODER.encode(meta)
 
 
 _EMPTY = np.zeros((0,), dtype=np.uint8)
 _LINK_CREATE = h5py.h5p.create(h5py.h5p.LINK_CREATE)
 _LINK_CREATE.set_create_intermediate_group(True)
-_TEXT = h5py.string_dtype()
-_TEXT_TYPE = h5py.h5t.py_create(_TEXT, logical=True)
 _SCALAR = h5py.h5s.create(h5py.h5s.SCALAR)
 
 
-def _write_dataset(handle: h5py.File, path: str, data: np.ndarray, meta: bytes) -> None:
-    """One uncompressed contiguous dataset with its `meta` attribute (UTF-8 text), through HDF5's
-    low-level API: the same file as `create_dataset` + `attrs[...] =`, at a third of the Python cost."""
+def _write_dataset(handle: h5py.File, path: str, data: np.ndarray) -> None:
+    """One uncompressed contiguous dataset, through HDF5's low-level API: the same file as
+    `create_dataset`, at a third of the Python cost."""
     space = h5py.h5s.create_simple(data.shape) if data.shape else _SCALAR
     dataset = h5py.h5d.create(handle.id, path.encode(), h5py.h5t.py_create(data.dtype, logical=True), space,
                               lcpl=_LINK_CREATE)
     if data.size:
         dataset.write(h5py.h5s.ALL, h5py.h5s.ALL, np.ascontiguousarray(data))
-    attribute = h5py.h5a.create(dataset, b"meta", _TEXT_TYPE, _SCALAR)
-    attribute.write(np.array(meta.decode(), dtype=_TEXT))
+
+
+def _write_hard_link(handle: h5py.File, path: str, first: str) -> None:
+    """`path` names the dataset `first` (written earlier in this file): the values are stored once."""
+    handle.id.links.create_hard(path.encode(), handle.id, first.encode(), lcpl=_LINK_CREATE)
 
 
 class RunWriter:
@@ -119,9 +124,17 @@ class RunWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file: h5py.File | None = None
         self._step: int | None = None
-        self._num_tensors = 0
+        self._rows: list[bytes] = []
+        """The step's tensor index so far, one encoded `IndexRow` per tensor."""
+        self._findings: list[bytes] = []
+        self._written = WrittenStorages()
+        self._step_links = 0
         self._step_bytes = 0
         self.num_bytes_written = 0
+        self.num_links_written = 0
+        """Tensors stored as a hard link to the same bytes written earlier in their step."""
+        self.num_link_bytes = 0
+        """The bytes those links did not write again."""
         self._unchecked_allowance = 0
         """Bytes that may still be written before free space is measured again."""
 
@@ -134,29 +147,49 @@ class RunWriter:
         self._file.attrs["step"] = step
         self._file.attrs["format_version"] = FORMAT_VERSION
         self._step = step
-        self._num_tensors = 0
         self._step_bytes = 0
         self._unchecked_allowance = 0  # every step starts with a fresh look at the free space
-        self._stats_only: list[bytes] = []
-        self._findings: list[bytes] = []
+        self._rows = []
+        self._findings = []
+        self._written.clear()
+        self._step_links = 0
 
     def add_finding(self, finding: Finding) -> None:
         """A tensor this step leaves out, and why; stored with the step (FINDINGS), even when it stays partial."""
         assert self._file is not None, "a finding outside a step"
-        self._findings.append(_meta_to_json(finding))
+        self._findings.append(_finding_to_json(finding))
 
-    def write(self, meta: TensorMeta, value: torch.Tensor | None) -> None:
-        """A tensor's values and metadata; a stats-only one (no `value`) joins the step's STATS_ONLY_METAS."""
+    def write(self, meta: TensorMeta, value: torch.Tensor | None, *, deduplicate: bool = True) -> None:
+        """A tensor's values and metadata; a stats-only one (no `value`) is a row of the index alone.
+        `deduplicate`: link `value` to a dataset of this step holding the same bytes (same_storage.py);
+        a caller that hands over a copy (background_writer.py) checks the original itself."""
         assert self._file is not None, "write outside a step"
         if value is None and meta.stats_only:
-            self._stats_only.append(_meta_to_json(meta))
-            self._num_tensors += 1
+            self._rows.append(row_line(None, meta))
+            return
+        path = dataset_path(meta.key)
+        checked = deduplicate and value is not None
+        identity, first = self._written.first_dataset(value, meta.stats) if checked else (None, None)
+        if first is not None:
+            self.write_link(meta, first, value.numel() * value.element_size())
             return
         data = _EMPTY if value is None else array_from_tensor(value)
         self._check_room(data.nbytes)
-        _write_dataset(self._file, dataset_path(meta.key), data, _meta_to_json(meta))
+        _write_dataset(self._file, path, data)
+        self._rows.append(row_line(path, meta))
         self.num_bytes_written += data.nbytes
-        self._num_tensors += 1
+        if value is not None:
+            self._written.remember(identity, value, path, meta.stats)
+
+    def write_link(self, meta: TensorMeta, first: str, num_bytes: int) -> None:
+        """A tensor whose bytes were written earlier in this step to dataset `first` (`num_bytes` of them)."""
+        assert self._file is not None, "write outside a step"
+        path = dataset_path(meta.key)
+        _write_hard_link(self._file, path, first)
+        self._rows.append(row_line(path, meta))
+        self.num_links_written += 1
+        self._step_links += 1
+        self.num_link_bytes += num_bytes
 
     def _check_room(self, num_bytes: int) -> None:
         """Refuse a write that would fill the disk or pass the file-size limit, while HDF5 can still
@@ -179,14 +212,12 @@ class RunWriter:
     def end_step(self, blind_spots: dict[str, str] | None = None) -> None:
         """`blind_spots`: module -> what this rank's trace of it misses (RunReader merges them into the manifest's)."""
         assert self._file is not None and self._step is not None
-        if self._stats_only:
-            text = b"\n".join(self._stats_only)
-            self._check_room(len(text))
-            self._file.create_dataset(STATS_ONLY_METAS, data=np.frombuffer(text, dtype=np.uint8))
-        self._write_findings()
+        self._write_rows_dataset(TENSOR_INDEX, self._rows)
+        self._write_rows_dataset(FINDINGS, self._findings)
         if blind_spots:
             self._file.attrs["blind_spots"] = json.dumps(blind_spots, sort_keys=True)
-        self._file.attrs[INVENTORY_ATTR] = self._num_tensors
+        self._file.attrs[INVENTORY_ATTR] = len(self._rows)
+        self._file.attrs[LINKS_ATTR] = self._step_links
         self._file.attrs["complete"] = True
         self._file.flush()
         self._file.close()
@@ -194,20 +225,23 @@ class RunWriter:
         os.replace(str(final) + PARTIAL_SUFFIX, final)
         self._file, self._step = None, None
 
-    def _write_findings(self) -> None:
-        if self._findings:
-            text = b"\n".join(self._findings)
+    def _write_rows_dataset(self, name: str, rows: list[bytes]) -> None:
+        """The tensor index or the findings: JSON lines as one uint8 dataset (none when there is no row)."""
+        if rows and name not in self._file:  # a step whose end failed half-way is closed with what it has
+            text = b"\n".join(rows)
             self._check_room(len(text))
-            self._file.create_dataset(FINDINGS, data=np.frombuffer(text, dtype=np.uint8))
+            self._file.create_dataset(name, data=np.frombuffer(text, dtype=np.uint8))
 
     def close(self, why: str = "") -> None:
         """Close without completing an open step: it stays marked partial, with `why` (the exception
-        that stopped the step) in its STOPPED_ATTR and its findings so far, when the file still takes them."""
+        that stopped the step) in its STOPPED_ATTR, its findings so far and the index of the tensors it
+        holds, when the file still takes them (a killed recording leaves a partial file without them)."""
         if self._file is not None:
             try:
                 if why:
                     self._file.attrs[STOPPED_ATTR] = why[:MAX_STOPPED_CHARS]
-                self._write_findings()
+                self._write_rows_dataset(FINDINGS, self._findings)
+                self._write_rows_dataset(TENSOR_INDEX, self._rows)
             except Exception:  # best effort: a full disk may refuse the word, never the close
                 pass
             finally:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 
 from ttrace_core.format.schema import Finding, TensorMeta
+from ttrace_core.format.reader import dataset_path
+from ttrace_core.format.same_storage import WrittenStorages
 from ttrace_core.format.writer import RunWriter
 
 
@@ -42,6 +44,8 @@ class BackgroundWriter:
         self._error: BaseException | None = None
         self._busy = False
         """The thread is storing a task it has taken off the queue."""
+        self._written = WrittenStorages()
+        """Tensors of this step queued for writing (on the training thread), for links to the same bytes."""
         self._thread = threading.Thread(target=self._drain, name=f"ttrace-writer-{writer.rank}", daemon=True)
         self._stopping = False
         self._thread.start()
@@ -53,14 +57,23 @@ class BackgroundWriter:
     # ---- the training thread ------------------------------------------------------------------
 
     def begin_step(self, step: int) -> None:
+        self._written.clear()
         self._put(lambda: self._writer.begin_step(step), 0)
 
     def write(self, meta: TensorMeta, value: torch.Tensor | None) -> None:
         if value is None:
             self._put(lambda: self._writer.write(meta, None), 0)
             return
+        # The same bytes recorded again this step are a link, decided here on the original (the copy
+        # the thread gets has storage of its own): no copy is made for them.
+        identity, first = self._written.first_dataset(value, meta.stats)
+        if first is not None:
+            num_bytes = value.numel() * value.element_size()
+            self._put(lambda: self._writer.write_link(meta, first, num_bytes), 0)
+            return
+        self._written.remember(identity, value, dataset_path(meta.key), meta.stats)
         copy = value.detach().clone()  # the step goes on and may change `value` in place
-        self._put(lambda: self._writer.write(meta, copy), copy.numel() * copy.element_size())
+        self._put(lambda: self._writer.write(meta, copy, deduplicate=False), copy.numel() * copy.element_size())
 
     def add_finding(self, finding: Finding) -> None:
         self._put(lambda: self._writer.add_finding(finding), 0)

@@ -1,0 +1,86 @@
+"""Reading and rewriting one tensor's recorded metadata in a step file, whatever its trace format:
+the dataset's own `meta` attribute up to format 3, its row of the tensor index from format 4.
+
+The damage benchmarks (size_lies.py, corruptions.py) and the tests that make a trace lie use these,
+so one lie is told the same way to both formats.
+"""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+
+from ttrace_core.format.tensor_index import TENSOR_INDEX
+
+
+def index_rows(handle: h5py.File) -> list[dict]:
+    """The tensor index of a format-4 step file, as JSON-able rows (an empty list when it has none)."""
+    if TENSOR_INDEX not in handle:
+        return []
+    text = bytes(handle[TENSOR_INDEX][()])
+    return [json.loads(line) for line in text.split(b"\n") if line.strip()]
+
+
+def write_index_text(handle: h5py.File, text: bytes) -> None:
+    """Replace the tensor index with `text` (any bytes: a damaged index too)."""
+    if TENSOR_INDEX in handle:
+        del handle[TENSOR_INDEX]
+    handle[TENSOR_INDEX] = np.frombuffer(text, dtype=np.uint8)
+
+
+def write_index_rows(handle: h5py.File, rows: list[dict]) -> None:
+    write_index_text(handle, b"\n".join(json.dumps(row).encode() for row in rows))
+
+
+def read_meta(handle: h5py.File, dataset: str) -> dict:
+    """The metadata recorded for `dataset`."""
+    if TENSOR_INDEX in handle:
+        return next(row["meta"] for row in index_rows(handle) if row["dataset"] == dataset)
+    return json.loads(handle[dataset].attrs["meta"])
+
+
+def write_meta(handle: h5py.File, dataset: str, meta: dict | str) -> None:
+    """Record `meta` (a dict, or any text for a damaged record) as `dataset`'s metadata."""
+    if TENSOR_INDEX not in handle:
+        handle[dataset].attrs["meta"] = meta if isinstance(meta, str) else json.dumps(meta)
+        return
+    lines = []
+    for row in index_rows(handle):
+        if row["dataset"] != dataset:
+            lines.append(json.dumps(row))
+        elif isinstance(meta, dict):
+            lines.append(json.dumps({**row, "meta": meta}))
+        else:  # damaged text stands where the row's metadata was
+            lines.append(f'{{"dataset": {json.dumps(dataset)}, "meta": {meta}}}')
+    write_index_text(handle, "\n".join(lines).encode())
+
+
+def drop_meta(handle: h5py.File, dataset: str) -> None:
+    """Leave `dataset` without recorded metadata (its attribute, or its index row, deleted)."""
+    if TENSOR_INDEX not in handle:
+        del handle[dataset].attrs["meta"]
+        return
+    write_index_rows(handle, [row for row in index_rows(handle) if row["dataset"] != dataset])
+
+
+def metas_by_dataset(handle: h5py.File) -> dict[str, dict]:
+    """Every tensor dataset's recorded metadata; ValueError when an index lists a dataset twice (or is not JSON),
+    KeyError when a dataset has no metadata attribute."""
+    if TENSOR_INDEX not in handle:
+        return {name: json.loads(handle[name].attrs["meta"]) for name in dataset_names(handle)}
+    rows = [row for row in index_rows(handle) if row["dataset"] is not None]
+    found = {row["dataset"]: row["meta"] for row in rows}
+    if len(found) != len(rows):
+        raise ValueError("the tensor index lists a dataset twice")
+    return found
+
+
+def dataset_names(handle: h5py.File) -> list[str]:
+    """Every name of a dataset in the file; `visititems` gives a dataset behind two hard links (format 4
+    writes them for a tensor recorded twice) under one name only."""
+    names: list[str] = []
+    handle.id.links.visit(lambda name: names.append(name.decode()))
+    return [name for name in names if isinstance(handle.get(name, getlink=True), h5py.HardLink)
+            and isinstance(handle.get(name), h5py.Dataset)]
