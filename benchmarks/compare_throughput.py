@@ -1,16 +1,19 @@
-"""Compare throughput against the speed of reading the same bytes, peak memory, 1 vs 2 workers.
+"""Compare throughput against the speed of reading the same bytes, before and after a change.
 
 Records (or reuses) a megatron-core pair, a 1-rank reference and a TP 2 + SP candidate, then measures
-on the same machine, page cache warm for every measure alike:
+on the same machine, page cache warm for every measure alike, in interleaved rounds (medians):
 
 - plain h5py: every dataset of both runs read once into memory (the floor of any compare);
-- `ttrace compare --rebuild` with 1 worker and with `--workers 2`: wall time, MB/s of the tensor
-  bytes of both runs, and the peak RSS of the whole process tree (ru_maxrss of the largest process);
-- that the two tables are equal row for row.
+- `ttrace compare --rebuild --workers 1`: wall time of a fresh process, Python start and imports included;
+- `compare_runs` in a process that has already imported torch: indexing plus comparing, the part that
+  reads the bytes plain h5py reads;
+- each of those for this tree and, with `--baseline`, for another checkout (e.g. main) in the same rounds;
+- once: `--workers 2`, peak RSS, and that the tables agree (1 vs 2 workers; before vs after);
+- a cProfile of one in-process comparison: where the time goes.
 
 Writes results/compare_throughput.{md,json}.
 
-    python benchmarks/compare_throughput.py [--layers 8] [--hidden 256] [--work /var/tmp/ttrace-compare-throughput]
+    python benchmarks/compare_throughput.py [--baseline /work/main] [--rounds 3] [--layers 8] [--hidden 256]
 """
 
 from __future__ import annotations
@@ -66,13 +69,13 @@ def plain_read_seconds(runs: tuple[Path, Path]) -> float:
 
 
 def measured_compare(reference: Path, candidate: Path, json_out: Path, *extra: str,
-                     env: dict[str, str] | None = None) -> tuple[int, float, int]:
-    """`ttrace compare --rebuild --json` in a fresh process: (peak RSS in bytes of its largest process,
-    wall seconds, exit code); exit 1 (the pair fails) counts as done."""
+                     env: dict[str, str] | None = None, root: Path = ROOT) -> tuple[int, float, int]:
+    """`ttrace compare --rebuild --json` in a fresh process run from the code tree `root`: (peak RSS in
+    bytes of its largest process, wall seconds, exit code); exit 1 (the pair fails) counts as done."""
     command = [sys.executable, "-c", RUSAGE, sys.executable, "-m", "ttrace_core", "compare", str(reference),
                str(candidate), "--rebuild", "--json", str(json_out), *extra]
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600, env=env)
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=3600, env=env)
     seconds = time.perf_counter() - started
     peak_kib, code = (int(x) for x in done.stderr.strip().splitlines()[-1].split())
     if code not in (0, 1):
@@ -80,28 +83,53 @@ def measured_compare(reference: Path, candidate: Path, json_out: Path, *extra: s
     return peak_kib * 1024, seconds, code
 
 
-def timed_compare(runs: tuple[Path, Path], out: Path, workers: int) -> dict:
-    peak, seconds, code = measured_compare(*runs, out, "--workers", str(workers),
-                                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _tree_env(root: Path) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+
+
+def timed_compare(runs: tuple[Path, Path], out: Path, workers: int, root: Path = ROOT) -> dict:
+    peak, seconds, code = measured_compare(*runs, out, "--workers", str(workers), env=_tree_env(root), root=root)
     return {"workers": workers, "seconds": seconds, "peak_rss_mib": peak / 2**20, "exit": code}
+
+
+IN_PROCESS = """import sys, time
+from ttrace_core.compare.engine import compare_runs
+from ttrace_core.format.reader import RunReader
+started = time.perf_counter()
+with RunReader(sys.argv[1]) as reference, RunReader(sys.argv[2]) as candidate:
+    indexed = time.perf_counter()
+    compare_runs(reference, candidate)
+print(indexed - started, time.perf_counter() - indexed)
+"""
+
+
+def in_process_compare(runs: tuple[Path, Path], root: Path) -> tuple[float, float]:
+    """(indexing seconds, comparing seconds) of one `compare_runs` after Python and torch are loaded:
+    the part of a compare that reads the bytes plain h5py reads."""
+    done = subprocess.run([sys.executable, "-c", IN_PROCESS, *map(str, runs)], cwd=root, capture_output=True,
+                          text=True, timeout=3600, env=_tree_env(root), check=True)
+    indexing, comparing = (float(x) for x in done.stdout.split())
+    return indexing, comparing
 
 
 PROFILED = {
     # where compare's time goes -> the functions whose cumulative time measures it
-    "indexing both runs (RunReader.__init__)": ("store.py", "__init__"),
-    "reading values (RunReader.read)": ("store.py", "read"),
-    "assembling shards (canonicalize)": ("canonicalize.py", "canonicalize"),
-    "replica differences (_replica_differences)": ("canonicalize.py", "_replica_differences"),
-    "float64 passes of the comparison (value_sums)": ("value_sums.py", "value_sums"),
+    "indexing both runs (RunReader.__init__)": ("reader.py", "__init__"),
+    "reading values (RunReader.read)": ("reader.py", "read"),
+    "assembling shards (canonicalize)": ("shards.py", "canonicalize"),
+    "replica differences (_replica_differences)": ("shards.py", "_replica_differences"),
+    "one-pass value sums (value_sums)": ("metrics.py", "value_sums"),
+    "metadata consistency (_inconsistent)": ("engine.py", "_inconsistent"),
     "coverage tally (tally_coverage)": ("evidence.py", "tally_coverage"),
 }
 
 
 def profile_compare(runs: tuple[Path, Path]) -> dict:
-    """One comparison in this process under cProfile: cumulative seconds per PROFILED entry."""
+    """One comparison in this process (this tree's code) under cProfile: cumulative seconds per PROFILED entry."""
     import cProfile
     import pstats
 
+    sys.path.insert(0, str(ROOT))
     from ttrace_core.compare.engine import compare_runs
     from ttrace_core.format.reader import RunReader
 
@@ -114,44 +142,85 @@ def profile_compare(runs: tuple[Path, Path]) -> dict:
     found = {"compare_runs with indexing (profiled)": time.perf_counter() - started}
     stats = pstats.Stats(profile).stats
     for name, (file, function) in PROFILED.items():
-        found[name] = sum(entry[3] for (path, _, func), entry in stats.items() if path.endswith(file) and func == function)
+        found[name] = sum(entry[3] for (path, _, func), entry in stats.items()
+                          if path.endswith(file) and func == function and "ttrace_core" in path)
     return found
 
 
-def render_profile(profile: dict, plain_s: float, rows: list[dict]) -> str:
+def render_profile(profile: dict, plain_s: float) -> str:
     total = profile["compare_runs with indexing (profiled)"]
-    lines = ["## Profile: where compare's time goes, and the next step", "",
+    lines = ["## Profile: where compare's time goes now", "",
              "One `compare_runs` in-process under cProfile (which inflates Python-heavy parts). Cumulative seconds; "
              "reading and assembling overlap (canonicalize is fed by the reads).", "", "| | seconds | share |", "|---|---|---|"]
     for name, seconds in profile.items():
         lines.append(f"| {name} | {seconds:.2f} | {seconds / total:.0%} |")
-    passes = profile["float64 passes of the comparison (value_sums)"]
-    reads = profile["reading values (RunReader.read)"]
     listed = sum(seconds for name, seconds in profile.items() if name != "compare_runs with indexing (profiled)")
-    one, two = (next(row["seconds"] for row in rows if row["workers"] == n) for n in (1, 2))
-    lines += ["", f"Reading the values takes {reads:.2f} s (plain h5py reads them in {plain_s:.2f} s). The float64 "
-              f"passes take {passes:.2f} s: each tensor is differenced, then its norms, largest absolute and relative "
-              f"differences and mismatch count are taken in separate passes over memory. The {total - listed:.2f} s "
-              "not listed hold converting both sides to float64 before that, and the Python around each tensor. Next step: one fused pass per tensor in its "
-              "stored precision, with float64 accumulators only, instead of float64 copies and six passes. It would also "
-              f"cut the memory per element (bounded.BYTES_PER_ELEMENT). Two workers take {two:.1f} s against one's "
-              f"{one:.1f} s: each indexes both runs, and on 2 cores both compete for memory bandwidth."]
+    lines += ["", f"Not listed: {max(0.0, total - listed):.2f} s of Python around each tensor (row building, "
+              f"tolerances, verdicts). Plain h5py reads every dataset in {plain_s:.2f} s."]
     return "\n".join(lines) + "\n"
 
 
-def render(rows: list[dict], plain_s: float, num_bytes: int, setup: str, same: bool) -> str:
-    mb = num_bytes / 1e6
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def measure_rounds(runs: tuple[Path, Path], work: Path, trees: dict[str, Path], num_rounds: int) -> dict:
+    """Interleaved rounds (plain read, then each tree's CLI and in-process compare): a machine whose
+    speed drifts 2x between runs slows every measure of one round alike; medians over rounds."""
+    rounds: dict[str, list[float]] = {"plain": []}
+    for round_index in range(num_rounds):
+        rounds["plain"].append(plain_read_seconds(runs))
+        for name, root in trees.items():
+            rounds.setdefault(f"{name} cli", []).append(timed_compare(runs, work / f"{name}-workers-1.json", 1, root)["seconds"])
+            indexing, comparing = in_process_compare(runs, root)
+            rounds.setdefault(f"{name} in-process", []).append(indexing + comparing)
+            rounds.setdefault(f"{name} indexing", []).append(indexing)
+        print(f"round {round_index + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in rounds.items()), flush=True)
+    return {"rounds": rounds, "median": {name: _median(values) for name, values in rounds.items()}}
+
+
+def same_verdicts(one: list[dict], other: list[dict]) -> bool:
+    """Row for row the same key, status, indices and counts, and norms equal within float rounding."""
+    if len(one) != len(other):
+        return False
+    exact = ("key", "status", "max_abs_index", "max_rel_index", "num_mismatched", "num_nan", "num_inf")
+    for a, b in zip(one, other):
+        if any(a.get(name) != b.get(name) for name in exact):
+            return False
+        for name in ("error", "abs_error", "max_abs_diff", "max_rel_diff"):
+            x, y = a.get(name), b.get(name)
+            if isinstance(x, float) and isinstance(y, float) and abs(x - y) > 1e-9 * max(abs(x), abs(y)):
+                return False
+    return True
+
+
+def render(timing: dict, workers_2: dict, num_bytes: int, setup: str, same: dict[str, bool]) -> str:
+    mb, median = num_bytes / 1e6, timing["median"]
+    plain_s = median["plain"]
+    num_rounds = len(timing["rounds"]["plain"])
     lines = [f"# Compare throughput ({setup})", "",
              f"Tensor bytes of both runs: {mb:.0f} MB. Plain h5py reading every dataset once: {plain_s:.2f} s "
-             f"({mb / plain_s:.0f} MB/s). Target: compare at >= 50% of that rate.", "",
-             "| measure | seconds | MB/s | share of plain h5py | peak RSS (MiB, largest process) |", "|---|---|---|---|---|",
-             f"| plain h5py read | {plain_s:.2f} | {mb / plain_s:.0f} | 100% | - |"]
-    for row in rows:
-        rate = mb / row["seconds"]
-        lines.append(f"| `ttrace compare --workers {row['workers']}` | {row['seconds']:.2f} | {rate:.0f} | "
-                     f"{100 * rate / (mb / plain_s):.0f}% | {row['peak_rss_mib']:.0f} |")
-    lines += ["", f"1-worker and 2-worker tables equal row for row: **{'yes' if same else 'NO'}**. Compare times include "
-              "starting Python and importing torch (and, with workers, spawning them)."]
+             f"({mb / plain_s:.0f} MB/s). Target: compare at >= 60% of that rate. Medians of {num_rounds} interleaved "
+             "rounds (each round: plain read, then every measure below), so a drift of the shared machine's speed "
+             "slows every measure of a round alike.", "",
+             "| measure | seconds | MB/s | share of plain h5py |", "|---|---|---|---|",
+             f"| plain h5py read | {plain_s:.2f} | {mb / plain_s:.0f} | 100% |"]
+    labels = {"cli": "`ttrace compare --workers 1` (starting Python and importing torch included)",
+              "in-process": "`compare_runs` after imports (indexing included)",
+              "indexing": "of which indexing both runs (RunReader.__init__)"}
+    for name, seconds in median.items():
+        if name == "plain":
+            continue
+        tree, kind = name.rsplit(" ", 1)
+        lines.append(f"| {tree}: {labels[kind]} | {seconds:.2f} | {mb / seconds:.0f} | {plain_s / seconds:.0%} |")
+    if "before cli" in median:
+        lines += ["", f"Speed-up in the same rounds: CLI {median['before cli'] / median['after cli']:.2f}x, "
+                  f"in-process {median['before in-process'] / median['after in-process']:.2f}x; comparing alone "
+                  f"(in-process minus indexing) {(median['before in-process'] - median['before indexing']) / (median['after in-process'] - median['after indexing']):.2f}x."]
+    lines += ["", f"`--workers 2` (after, once): {workers_2['seconds']:.2f} s, peak RSS {workers_2['peak_rss_mib']:.0f} MiB "
+              f"(largest process). " + " ".join(f"{what}: **{'yes' if ok else 'NO'}**." for what, ok in same.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -162,33 +231,34 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--work", type=Path, default=Path("/var/tmp/ttrace-compare-throughput"))
     parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--render-only", action="store_true", help="redraw the .md from the results' .json")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout of ttrace (e.g. the main branch) timed as 'before' in the same rounds")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    if args.render_only:
-        saved = json.loads((args.results / "compare_throughput.json").read_text())
-        text = render(saved["compare"], saved["plain_read_s"], saved["bytes"], saved["setup"], saved["same_table"]) + \
-            "\n" + render_profile(saved["profile"], saved["plain_read_s"], saved["compare"])
-        (args.results / "compare_throughput.md").write_text(text)
-        print(text)
-        return
     flags = ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden), "--seq-len", str(args.seq_len),
              "--micro-batches", "4", "--steps", "1"]
     args.work.mkdir(parents=True, exist_ok=True)
     runs = record(args.work, flags)
     num_bytes = dataset_bytes(runs[0]) + dataset_bytes(runs[1])
     plain_read_seconds(runs)  # warm the page cache for every measure alike
-    plain_s = min(plain_read_seconds(runs) for _ in range(3))
-    rows = [timed_compare(runs, args.work / f"workers-{n}.json", n) for n in (1, 2)]
-    one, two = (json.loads((args.work / f"workers-{n}.json").read_text())["comparisons"] for n in (1, 2))
+    trees = {"before": args.baseline.resolve(), "after": ROOT} if args.baseline else {"after": ROOT}
+    timing = measure_rounds(runs, args.work, trees, args.rounds)
+    workers_2 = timed_compare(runs, args.work / "after-workers-2.json", 2)
+    table = {name: json.loads((args.work / f"{name}-workers-1.json").read_text())["comparisons"] for name in trees}
+    same = {"1-worker and 2-worker tables equal row for row":
+            table["after"] == json.loads((args.work / "after-workers-2.json").read_text())["comparisons"]}
+    if args.baseline:
+        same["before and after give the same rows (statuses, indices, counts; norms within 1e-9)"] = \
+            same_verdicts(table["before"], table["after"])
     setup = (f"megatron-core GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq_len}, 4 micro-batches; "
-             f"1-rank reference vs TP 2 + SP candidate; {os.cpu_count()} cores")
+             f"1-rank reference vs TP 2 + SP candidate; {os.cpu_count()} cores shared with other work")
     profile = profile_compare(runs)
-    text = render(rows, plain_s, num_bytes, setup, one == two) + "\n" + render_profile(profile, plain_s, rows)
+    text = render(timing, workers_2, num_bytes, setup, same) + "\n" + render_profile(profile, timing["median"]["plain"])
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "compare_throughput.md").write_text(text)
     (args.results / "compare_throughput.json").write_text(json.dumps(
-        {"setup": setup, "bytes": num_bytes, "plain_read_s": plain_s, "compare": rows, "same_table": one == two,
-         "profile": profile}, indent=1))
+        {"setup": setup, "bytes": num_bytes, "timing": timing, "workers_2": workers_2, "same": same,
+         "profile": profile, "trees": {name: str(root) for name, root in trees.items()}}, indent=1))
     print(text)
 
 

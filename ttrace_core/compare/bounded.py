@@ -26,9 +26,11 @@ from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.metrics import ValueSums, metrics_from_sums, value_sums
 
 BYTES_PER_ELEMENT = 160
-"""Peak bytes per element of comparing one fp32 tensor whole: canonical values of both runs, their
-float64 copies and the float64 differences (measured 91-122, benchmarks/compare_memory.py), rounded
-up for read buffers and allocator slack."""
+"""Peak bytes per element of comparing one fp32 tensor whole. The value sums now promote chunk by
+chunk (metrics.py): canonical values and shards of both runs, 45-48 measured (benchmarks/compare_memory.py,
+was 91-122 with whole float64 copies). Kept at 160 because the structure tests (perturbation
+tolerances) still build float64 copies and differences of the whole tensor, which compare_memory.py
+does not measure yet."""
 
 
 def working_bytes(metas: list[TensorMeta]) -> int:
@@ -103,12 +105,10 @@ def _slab_shards(reader: RunReader, metas: list[TensorMeta], region: tuple[slice
 
 def _slab_values(reader: RunReader, metas: list[TensorMeta], key: TensorKey,
                  region: tuple[slice, ...]) -> tuple[torch.Tensor, tuple[ReplicaDifference, ...]]:
-    """One slab's logical values in float64 (loss scale undone) and its replicas' differences."""
+    """One slab's logical values as stored (value_sums promotes them and undoes the loss scale chunk
+    by chunk) and its replicas' differences."""
     canonical = canonicalize(_slab_shards(reader, metas, region), key, every_replica=True)
-    values = canonical.full.double()  # a fresh tensor: canonicalize assembles a slab into a new one
-    if metas[0].scale != 1:
-        values /= metas[0].scale
-    return values, canonical.replica_differences
+    return canonical.full, canonical.replica_differences
 
 
 def compare_in_slabs(key: TensorKey, reference: RunReader, candidate: RunReader, tolerance, budget: int,
@@ -125,7 +125,8 @@ def compare_in_slabs(key: TensorKey, reference: RunReader, candidate: RunReader,
             by_pair[difference.ranks].append(difference)
         expected, _ = _slab_values(reference, ref_metas, key, region)
         offset = tuple(part.start or 0 for part in region) + (0,) * (len(shape) - len(region))
-        sums.add(value_sums(actual, expected, tolerance, shape=shape, offset=offset))
+        sums.add(value_sums(actual, expected, tolerance, shape=shape, offset=offset,
+                            scales=(cand_metas[0].scale, ref_metas[0].scale)))
         del actual, expected  # before the next slab is read
     return metrics_from_sums(sums, tolerance), worst_drift([_merged(parts) for parts in by_pair.values()])
 

@@ -38,9 +38,25 @@ from ttrace_core.compare.tolerances import (
 )
 
 
-def compare_values(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance) -> dict:
-    """Metrics of actual vs expected (both float64, same shape) under one tolerance."""
-    return metrics_from_sums(value_sums(actual, expected, tolerance), tolerance)
+@dataclass(frozen=True, slots=True)
+class ScaledValues:
+    """A logical tensor as stored (its recorded dtype, the recording's loss scale still applied): the
+    comparison promotes it to float64 chunk by chunk (metrics.py), so no float64 copy of it is made
+    unless a structure test needs one."""
+
+    values: torch.Tensor
+    scale: float
+
+    def float64(self) -> torch.Tensor:
+        """The logical values in float64 with the loss scale undone."""
+        return self.values.double() / self.scale
+
+
+def compare_values(actual: torch.Tensor | ScaledValues, expected: torch.Tensor | ScaledValues, tolerance: Tolerance) -> dict:
+    """Metrics of actual vs expected (same shape) under one tolerance; a plain tensor has scale 1."""
+    actual, expected = (v if isinstance(v, ScaledValues) else ScaledValues(v, 1.0) for v in (actual, expected))
+    sums = value_sums(actual.values, expected.values, tolerance, scales=(actual.scale, expected.scale))
+    return metrics_from_sums(sums, tolerance)
 
 
 def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[str, str]:
@@ -135,11 +151,12 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
             metrics, replica_drift = compare_in_slabs(key, reference, candidate, tolerance, max_bytes, dims)
         else:
             cand_full = canonical_tensor(candidate, cand_metas, key)
-            actual = cand_full.full.double() / cand_metas[0].scale
-            expected = canonical_tensor(reference, ref_metas, key).full.double() / ref_metas[0].scale
-            if actual.shape != expected.shape:
-                return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=tuple(actual.shape),
-                                        message=f"shape {tuple(actual.shape)} in the candidate, {tuple(expected.shape)} in the reference")
+            actual = ScaledValues(cand_full.full, cand_metas[0].scale)
+            expected = ScaledValues(canonical_tensor(reference, ref_metas, key).full, ref_metas[0].scale)
+            if actual.values.shape != expected.values.shape:
+                return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=tuple(actual.values.shape),
+                                        message=f"shape {tuple(actual.values.shape)} in the candidate, "
+                                                f"{tuple(expected.values.shape)} in the reference")
             metrics, replica_drift = compare_values(actual, expected, tolerance), cand_full.replica_drift
             structure, update_to_value = _structure(key, actual, expected, reference, candidate, tolerances, cand_dtype,
                                                     tolerance, replica_drift)
@@ -156,7 +173,7 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
     return comparison
 
 
-def _structure(key: TensorKey, actual: torch.Tensor, expected: torch.Tensor, reference: RunReader, candidate: RunReader,
+def _structure(key: TensorKey, actual: ScaledValues, expected: ScaledValues, reference: RunReader, candidate: RunReader,
                tolerances: ToleranceProvider, dtype: str, tolerance: Tolerance, replica_drift: ReplicaDrift | None
                ) -> tuple[list[StructureTest], float | None]:
     """The structure tests of one tensor (compare/structure.py) and, for a post-step parameter, the ratio
@@ -164,9 +181,12 @@ def _structure(key: TensorKey, actual: torch.Tensor, expected: torch.Tensor, ref
     the norm test's, whose exact-inputs bound (when it applies) tightens the structure tests too; a
     post-step parameter's `replica_drift` is also judged in units of its update."""
     derive = getattr(tolerances, "structure_tolerances", None)
-    shape = tuple(expected.shape)
+    shape = tuple(expected.values.shape)
     allowed = derive(key, dtype, shape) if derive is not None else {}
-    if not allowed or not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
+    if not allowed:
+        return [], None
+    actual, expected = actual.float64(), expected.float64()  # only here: most tolerances have no structure tests
+    if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
         return [], None
     before = _values_before_step(key, reference, candidate)
     update_to_value = None

@@ -27,7 +27,8 @@ from ttrace_core.format.containment import contained, dataset_metas, refuse_exte
 from ttrace_core.format.regular_files import regular_file_bytes
 from ttrace_core.errors import TraceFormatError, TtraceError
 from ttrace_core.format.datasets import (
-    INTEGER, READ_ERRORS, STRING, damaged_file_errors, read_bytes_dataset, read_values, scalar_attribute, stored_dtype,
+    INTEGER, READ_ERRORS, STRING, damaged_file_errors, read_bytes_dataset, read_values, read_whole_values, scalar_attribute,
+    stored_dtype,
     tensor_from_array,
 )
 from ttrace_core.format.findings import FINDINGS, findings_in_file
@@ -457,11 +458,16 @@ class RunReader:
         if meta.stats_only:
             raise TraceFormatError(f"{where}: recorded in stats-only mode; it holds no values")
         with damaged_file_errors(where, remedy_of(meta.rank)):
-            dataset = self._files[(meta.rank, meta.key.step)].get(path)
-            if not isinstance(dataset, h5py.Dataset):
-                raise TraceFormatError(f"{where}: the file holds no such dataset; {remedy_of(meta.rank)}")
-            refuse_external_storage(dataset.id, where)  # format 4 checks it here, not while indexing
-            array = read_values(dataset, stored_dtype(meta.dtype), meta.local_shape, where, remedy_of(meta.rank), region)
+            handle = self._files[(meta.rank, meta.key.step)]
+            if region is None:
+                array = read_whole_values(handle, path, stored_dtype(meta.dtype), meta.local_shape, where,
+                                          remedy_of(meta.rank), check=lambda dataset: refuse_external_storage(dataset, where))
+            else:
+                dataset = handle.get(path)
+                if not isinstance(dataset, h5py.Dataset):
+                    raise TraceFormatError(f"{where}: the file holds no such dataset; {remedy_of(meta.rank)}")
+                refuse_external_storage(dataset.id, where)  # format 4 checks it here, not while indexing
+                array = read_values(dataset, stored_dtype(meta.dtype), meta.local_shape, where, remedy_of(meta.rank), region)
             return tensor_from_array(array, meta.dtype, where)
 
     def keys(self) -> list[TensorKey]:

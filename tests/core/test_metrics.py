@@ -1,0 +1,228 @@
+"""compare/metrics.py: the chunked one-pass value sums equal a plain float64 reference implementation.
+
+`reference_value_sums` below is the comparison as it was before the one-pass rewrite: both sides
+promoted to float64 as whole tensors, loss scale undone, then the norms, largest differences and
+mismatch count in separate passes. The chunked version must give the same numbers (norms within
+float rounding: they are summed chunk by chunk) and the same indices and counts exactly, on values
+chosen to break it, on slabs, and on every sample trace pair's whole table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ttrace_core.compare import bounded, engine, metrics
+from ttrace_core.compare.engine import compare_runs
+from ttrace_core.compare.metrics import CHUNK_ELEMENTS, ValueSums, value_sums
+from ttrace_core.compare.results import Tolerance
+from ttrace_core.compare.tolerances import select_tolerances
+from ttrace_core.format.reader import RunReader
+
+TOL = Tolerance(rel=1e-5, abs=1e-7, source="test")
+SAMPLES_DIR = Path(__file__).resolve().parents[2] / "sample_traces"
+SAMPLES = json.loads((SAMPLES_DIR / "samples.json").read_text())
+
+
+def reference_value_sums(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance, *,
+                         shape: tuple[int, ...] | None = None, offset: tuple[int, ...] | None = None,
+                         scales: tuple[float, float] = (1.0, 1.0)) -> ValueSums:
+    """The straightforward float64 comparison: whole tensors, masks, one pass per number."""
+    actual, expected = actual.double() / scales[0], expected.double() / scales[1]
+    sums = ValueSums(shape=shape or tuple(expected.shape), numel=expected.numel())
+    if not expected.numel():
+        return sums
+    sums.num_nan = (int(torch.isnan(actual).sum()), int(torch.isnan(expected).sum()))
+    sums.num_inf = (int(torch.isinf(actual).sum()), int(torch.isinf(expected).sum()))
+    both_finite = torch.isfinite(actual) & torch.isfinite(expected)
+    diff = torch.where(both_finite, actual - expected, 0.0)
+    finite_expected = torch.where(both_finite, expected, 0.0)
+    sums.abs_error = float(torch.linalg.vector_norm(diff))
+    sums.reference_norm = float(torch.linalg.vector_norm(finite_expected))
+    abs_diff, magnitude = diff.abs().flatten(), finite_expected.abs().flatten()
+    rel_diff = abs_diff / torch.where(magnitude == 0, math.inf, magnitude).clamp_min(torch.finfo(torch.float64).tiny)
+
+    def placed(flat_index: int) -> tuple[int, ...]:
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), expected.shape)) if expected.dim() else ()
+        return index if offset is None else tuple(i + o for i, o in zip(index, offset))
+
+    position, rel_position = int(abs_diff.argmax()), int(rel_diff.argmax())
+    sums.max_abs = (float(abs_diff[position]), placed(position))
+    sums.max_rel = (float(rel_diff[rel_position]), placed(rel_position))
+    sums.num_mismatched = int((abs_diff > tolerance.abs + tolerance.rel * magnitude).sum())
+    return sums
+
+
+def assert_same_sums(found: ValueSums, expected: ValueSums) -> None:
+    """Equal but for the norms, which may differ by rounding (summed chunk by chunk)."""
+    for name in ("shape", "numel", "num_nan", "num_inf", "max_abs", "max_rel", "num_mismatched"):
+        assert getattr(found, name) == getattr(expected, name), name
+    for name in ("abs_error", "reference_norm"):
+        assert getattr(found, name) == pytest.approx(getattr(expected, name), rel=1e-12, abs=0.0), name
+
+
+def _noisy(numel: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    expected = torch.randn(numel, generator=generator, dtype=torch.float64)
+    actual = expected * (1 + 1e-6 * torch.randn(numel, generator=generator, dtype=torch.float64))
+    return actual.to(dtype), expected.to(dtype)
+
+
+def _with_nonfinite(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    actual, expected = _noisy(3 * CHUNK_ELEMENTS + 17, dtype, 1)
+    actual[[5, CHUNK_ELEMENTS + 3]] = math.nan
+    expected[[9, 2 * CHUNK_ELEMENTS]] = math.inf
+    actual[2 * CHUNK_ELEMENTS] = math.inf  # Inf on both sides at one place: counted, not compared
+    expected[-1] = -math.inf
+    return actual, expected
+
+
+def _zeros_in_reference() -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the reference is 0 the relative difference is 0, however large the absolute one."""
+    actual, expected = _noisy(CHUNK_ELEMENTS + 100, torch.float32, 2)
+    expected[::3] = 0.0
+    actual[::6] = 0.0
+    actual[3] = 1e3  # the largest absolute difference, at a zero of the reference
+    return actual, expected
+
+
+def _denormals() -> tuple[torch.Tensor, torch.Tensor]:
+    tiny32 = torch.finfo(torch.float32).smallest_normal
+    expected = torch.tensor([tiny32 / 8, tiny32 / 1024, 0.0, 1.0, tiny32 * 2], dtype=torch.float32)
+    actual = torch.tensor([tiny32 / 4, tiny32 / 1024, tiny32 / 2, 1.0, tiny32], dtype=torch.float32)
+    return actual, expected
+
+
+def _huge_fp32() -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums of squares of 1e30 (1e60) exceed float32, not float64: no overflow, all counted."""
+    actual, expected = _noisy(1000, torch.float32, 3)
+    return actual * 1e30, expected * 1e30
+
+
+def _bf16_max() -> tuple[torch.Tensor, torch.Tensor]:
+    largest = torch.finfo(torch.bfloat16).max
+    expected = torch.tensor([largest, -largest, 1.0, 0.0], dtype=torch.bfloat16)
+    actual = torch.tensor([-largest, -largest, 1.0078125, 0.5], dtype=torch.bfloat16)
+    return actual, expected
+
+
+def _float64_beyond_1e154() -> tuple[torch.Tensor, torch.Tensor]:
+    """Finite float64 values whose squares overflow: the norm is inf in both implementations."""
+    expected = torch.tensor([1e200, 1.0, -3e160], dtype=torch.float64)
+    return torch.tensor([1.1e200, 1.0, -3e160], dtype=torch.float64), expected
+
+
+def _ties() -> tuple[torch.Tensor, torch.Tensor]:
+    """Equal largest differences in several chunks: the first in row-major order wins."""
+    expected = torch.ones(4 * CHUNK_ELEMENTS, dtype=torch.float32)
+    actual = expected.clone()
+    actual[[CHUNK_ELEMENTS + 7, 3 * CHUNK_ELEMENTS, 2 * CHUNK_ELEMENTS - 1]] = 1.5
+    return actual.reshape(4, 256, -1), expected.reshape(4, 256, -1)
+
+
+def _equal_with_zeros() -> tuple[torch.Tensor, torch.Tensor]:
+    values = torch.zeros(2 * CHUNK_ELEMENTS, dtype=torch.float16)
+    values[CHUNK_ELEMENTS:] = 2.0
+    return values.clone(), values
+
+
+def _integers() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(20, dtype=torch.int64).reshape(4, 5), torch.arange(20, dtype=torch.int64).reshape(4, 5).flip(0)
+
+
+CASES = {
+    "fp32 noise over 3 chunks": lambda: _noisy(3 * CHUNK_ELEMENTS + 5, torch.float32, 0),
+    "bf16 noise": lambda: _noisy(5000, torch.bfloat16, 4),
+    "fp32 NaN and Inf": lambda: _with_nonfinite(torch.float32),
+    "fp16 NaN and Inf": lambda: _with_nonfinite(torch.float16),
+    "zeros in the reference": _zeros_in_reference,
+    "fp32 denormals": _denormals,
+    "fp32 1e30": _huge_fp32,
+    "bf16 max": _bf16_max,
+    "fp64 beyond 1e154": _float64_beyond_1e154,
+    "ties across chunks": _ties,
+    "equal, zeros and values": _equal_with_zeros,
+    "int64": _integers,
+    "scalar": lambda: (torch.tensor(2.0), torch.tensor(1.5)),
+    "empty": lambda: (torch.empty(0, 3), torch.empty(0, 3)),
+}
+
+
+@pytest.mark.parametrize("name", CASES, ids=list(CASES))
+def test_one_pass_equals_the_float64_reference(name: str) -> None:
+    actual, expected = CASES[name]()
+    assert_same_sums(value_sums(actual, expected, TOL), reference_value_sums(actual, expected, TOL))
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (1024.0, 65536.0), (3.0, 0.5)], ids=str)
+def test_loss_scales_are_undone_before_comparing(scales: tuple[float, float]) -> None:
+    actual, expected = _with_nonfinite(torch.float32)
+    found = value_sums(actual, expected, TOL, scales=scales)
+    assert_same_sums(found, reference_value_sums(actual, expected, TOL, scales=scales))
+
+
+def test_ties_pick_the_first_index_in_row_major_order() -> None:
+    actual, expected = _ties()
+    found = value_sums(actual, expected, TOL)
+    assert found.max_abs == (0.5, (1, 0, 7))
+    assert found.max_rel == (0.5, (1, 0, 7))
+    assert found.num_mismatched == 3
+
+
+def test_relative_difference_is_zero_where_the_reference_is_zero() -> None:
+    found = value_sums(torch.tensor([5.0, 1.5, 0.0]), torch.tensor([0.0, 1.0, 0.0]), TOL)
+    assert found.max_abs == (5.0, (0,))
+    assert found.max_rel == (0.5, (1,))
+    assert found.num_mismatched == 2
+
+
+def test_nonfinite_values_are_counted_and_left_out() -> None:
+    found = value_sums(torch.tensor([math.nan, 1.0, math.inf, 4.0]), torch.tensor([1.0, math.inf, math.inf, 2.0]), TOL)
+    assert (found.num_nan, found.num_inf) == ((1, 0), (1, 2))
+    assert (found.abs_error, found.reference_norm, found.max_abs, found.num_mismatched) == (2.0, 2.0, (2.0, (3,)), 1)
+
+
+@pytest.mark.parametrize("name", ["fp32 NaN and Inf", "ties across chunks", "zeros in the reference"])
+def test_slabs_add_up_to_the_whole_tensor(name: str) -> None:
+    actual, expected = CASES[name]()
+    usable = actual.numel() // 8 * 8
+    actual, expected = actual.flatten()[:usable].reshape(8, -1), expected.flatten()[:usable].reshape(8, -1)
+    shape = tuple(expected.shape)
+    sums = ValueSums(shape=shape)
+    for start in range(0, 8, 3):  # slabs of 3, 3 and 2 rows
+        sums.add(value_sums(actual[start:start + 3], expected[start:start + 3], TOL, shape=shape, offset=(start, 0)))
+    assert_same_sums(sums, reference_value_sums(actual, expected, TOL))
+
+
+def _table(reference_dir: Path, candidate_dir: Path) -> list[dict]:
+    """Every row of `ttrace compare REF CAND`'s table, field by field."""
+    with RunReader(reference_dir) as reference, RunReader(candidate_dir) as candidate:
+        result = compare_runs(reference, candidate, select_tolerances("auto", reference, candidate))
+    return [{field.name: getattr(row, field.name) for field in dataclasses.fields(row)} for row in result.comparisons]
+
+
+def _assert_same_rows(found: list[dict], expected: list[dict]) -> None:
+    assert len(found) == len(expected)
+    for found_row, expected_row in zip(found, expected):
+        assert found_row.keys() == expected_row.keys()
+        for name, value in expected_row.items():
+            if isinstance(value, float) and math.isfinite(value):
+                assert found_row[name] == pytest.approx(value, rel=1e-9, abs=1e-300), (expected_row["key"], name)
+            elif name != "message":  # the message prints ratios to 3 digits: checked through them
+                assert found_row[name] == value, (expected_row["key"], name)
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s["name"] for s in SAMPLES])
+def test_sample_tables_equal_the_float64_reference(sample: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference_dir = SAMPLES_DIR / (sample["reference"] or sample["name"])
+    found = _table(reference_dir, SAMPLES_DIR / sample["name"])
+    monkeypatch.setattr(engine, "value_sums", reference_value_sums)
+    monkeypatch.setattr(bounded, "value_sums", reference_value_sums)
+    expected = _table(reference_dir, SAMPLES_DIR / sample["name"])
+    assert metrics.value_sums is not reference_value_sums  # (the patch reached the callers only)
+    _assert_same_rows(found, expected)
