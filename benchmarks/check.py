@@ -57,6 +57,10 @@ def run_check(config: Path, jobs: int, log: Path) -> tuple[float, int, dict]:
     return seconds, done.returncode, json.loads((config.parent / "out" / "check.json").read_text())
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _bytes(path: str) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*.h5")) if path else 0
 
@@ -86,7 +90,8 @@ def render(first: tuple, second: tuple, summary: str, jobs: int) -> str:
     for found in first_json["layouts"]:
         seconds = found["seconds"]
         lines.append(f"| {found['precision']} | {found['name']} (`{found['layout']}`) | {found['outcome']} | "
-                     f"{seconds.get('record', 0):.1f} | {seconds.get('compare', 0):.1f} | {seconds.get('localize', 0):.1f} | "
+                     f"{seconds.get('record', 0):.1f} | {seconds.get('compare', 0):.1f} | "
+                     f"{_seconds(seconds.get('localize'))} | "
                      f"{_bytes(found['run_dir']) / 2**20:.1f} | {reused[found['precision'], found['name']]} |")
     lines += ["", "## The Markdown summary of the first run", "", summary]
     return "\n".join(lines) + "\n"

@@ -171,3 +171,15 @@ def test_the_user_script_config_runs_torchrun_with_each_layouts_world_size():
     assert config.command_for(two_d, "fp32") == ["torchrun", "--standalone", "--nproc-per-node", "4",
                                                   "tests/user_script/train_traced.py", "--tp", "2", "--dp", "2", "--checkpoint"]
     assert (config.cwd / "tests/user_script/train_traced.py").is_file()
+
+
+def test_the_readmes_check_figures_are_the_results_files():
+    import re
+
+    results = (ROOT / "benchmarks" / "results" / "check.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    first = re.search(r"- first run: (\d+) s in all", results).group(1)
+    second, reused = re.search(r"- second run, nothing changed: (\d+) s, exit code \d+; (\d+) of \d+ candidate", results).groups()
+    assert f"took {first} s on 2 shared cores" in readme and f"and {second} s the second time, when all {reused} candidate" in readme
+    table = [line for line in results.split("## The Markdown summary of the first run")[1].splitlines() if line.startswith("| ")]
+    assert table and all(line in readme for line in table)
