@@ -13,7 +13,8 @@ import torch
 
 from tests.conftest import ROOT
 from ttrace_core.errors import TraceFormatError
-from ttrace_core.format.reader import RunReader, dataset_path, read_shards, step_file_name
+from ttrace_core.format.reader import RunReader, dataset_path, step_file_name
+from ttrace_core.format.shard_reads import read_shards
 from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta, TensorStats
 from ttrace_core.format.tensor_index import LINKS_ATTR, TENSOR_INDEX
 from ttrace_core.format.writer import RunWriter, write_manifest

@@ -124,7 +124,7 @@ def test_stats_only_tensors_share_one_dataset_of_records_per_step_file(tmp_path)
     import h5py
 
     from ttrace_core.errors import TraceFormatError
-    from ttrace_core.format.reader import read_shards
+    from ttrace_core.format.shard_reads import read_shards
     from ttrace_core.format.tensor_index import TENSOR_INDEX
 
     _record(tmp_path / "ref")

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ttrace_core.errors import TtraceError
-from ttrace_core.format.reader import forward_inputs
+from ttrace_core.format.shard_reads import forward_inputs
 
 
 def find_module(tracer, model: nn.Module, fqn: str) -> nn.Module | None:

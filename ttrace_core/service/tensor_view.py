@@ -20,7 +20,8 @@ from ttrace_core.canonicalize import placements as pl
 from ttrace_core.canonicalize.shards import RecordedShard, canonicalize, shard
 from ttrace_core.errors import LayoutError, TraceFormatError
 from ttrace_core.format.schema import TensorKey
-from ttrace_core.format.reader import read_manifest, read_shards
+from ttrace_core.format.reader import read_manifest
+from ttrace_core.format.shard_reads import read_shards
 
 IMAGE_MAX_SIDE = 192
 """The difference image is max-pooled down to at most this many cells a side."""
