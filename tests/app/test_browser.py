@@ -142,14 +142,6 @@ def test_the_exported_report_draws_offline(dashboard, browser, tmp_path):
     offline.close()
 
 
-def _dismiss_first_session_notice(page) -> None:
-    # Streamlit's first session on a fresh server opens any page but / with a modal "Page not found" (the
-    # navigation is not known before main.py first ran; seen on /heatmap too); the modal swallows clicks.
-    if page.get_by_text("Page not found").count():
-        page.keyboard.press("Escape")
-        page.get_by_text("Page not found").wait_for(state="detached", timeout=10_000)
-
-
 def _matrix_rows(page) -> list[str]:
     """The matrix's row labels, top to bottom as drawn."""
     ticks = page.locator(".js-plotly-plot").first.locator(".ytick text").all()
@@ -168,7 +160,6 @@ def test_the_layout_matrix_opens_a_pairs_heatmap_at_its_module_and_its_link_repr
     page.goto(f"{dashboard}/matrix?" + urllib.parse.urlencode({"ref": reference}))
     page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=300_000)  # compares every pair once
     _settled(page)
-    _dismiss_first_session_notice(page)
     shared = page.url
     query = urllib.parse.parse_qs(urllib.parse.urlparse(shared).query)
     rows = query["cands"][0].split(",")
