@@ -65,6 +65,22 @@ def show_in_url(state: ViewState) -> None:
         st.query_params.from_dict(wanted)
 
 
+def bind_to_url(key: str, url_value, value) -> None:
+    """Give the keyed widget `key` the value `value` (read from the URL's `url_value`) when the widget is new or
+    the URL changed since this session wrote it (a shared link, a page switch); otherwise the widget keeps the
+    user's choice. (A widget's `index`/`default` alone is reread only when the widget's identity changes, which
+    lost every second change of a multiselect.) Create the widget with `key` and without a default."""
+    written = f"_url:{key}"
+    if key not in st.session_state or st.session_state.get(written) != url_value:
+        st.session_state[key] = value
+        st.session_state[written] = url_value
+
+
+def wrote_to_url(key: str, url_value) -> None:
+    """Record what the URL now says for the widget `key` (after `show_in_url`), for `bind_to_url`."""
+    st.session_state[f"_url:{key}"] = url_value
+
+
 def go_to(name: str, state: ViewState) -> None:
     st.switch_page(page(name), query_params=query_from_state(state))
 

@@ -5,8 +5,8 @@ import streamlit as st
 
 from ttrace_dashboard import figures, matrix, runs as pairing
 from ttrace_dashboard.state import ROW_CHOICES, ViewState, query_from_state
-from ttrace_dashboard.ui import (dashboard_root, go_to, matrix_cells, page, show_in_url, stop_with, table_unless_streamed,
-                                 view_state)
+from ttrace_dashboard.ui import (bind_to_url, dashboard_root, go_to, matrix_cells, page, show_in_url, stop_with,
+                                 table_unless_streamed, view_state, wrote_to_url)
 from ttrace_core import api
 
 # Past this many modules (in the largest layout) the matrix opens with one column per layer, as the heatmap does.
@@ -32,7 +32,9 @@ if state.ref and state.ref not in references:
 
 ref = state.ref or pairing.default_pair(runs, None, None)[0] or references[0]
 left, middle, right = st.columns([2, 5, 1])
-ref = left.selectbox("Reference", references, index=references.index(ref))
+# Keyed widgets bound to the URL: a link sets them, and every later choice is the user's (bind_to_url).
+bind_to_url("matrix_ref", state.ref, ref)
+ref = left.selectbox("Reference", references, key="matrix_ref")
 pool = pairing.layouts_of(runs, ref)
 if not pool:
     show_in_url(ViewState(ref=ref))
@@ -42,8 +44,12 @@ wanted = list(state.cands or ()) if ref == state.ref else []
 for unknown in (path for path in wanted if path not in pool):
     st.warning(f"`{unknown}` is not a candidate of `{ref}` under the root: left out", icon=":material/warning:")
 wanted = [path for path in wanted if path in pool] or pool
-chosen = middle.multiselect("Candidate layouts", pool, default=wanted,
+cands_key = f"matrix_cands:{ref}"  # one per reference: its candidates are the options
+bind_to_url(cands_key, state.cands if ref == state.ref else None, wanted)
+chosen = middle.multiselect("Candidate layouts", pool, key=cands_key,
                             format_func=lambda path: f"{path} ({by_path[path].layout})")
+wrote_to_url("matrix_ref", ref)
+wrote_to_url(cands_key, tuple(chosen) or None)
 if not chosen:
     show_in_url(ViewState(ref=ref, rows=state.rows))
     st.info("Pick at least one candidate layout.")
@@ -62,11 +68,13 @@ for cand in chosen:
         results[cand] = found
 
 num_modules = max((result.frame["module"].nunique() for result in results.values()), default=0)
-rows_choice = state.rows or ("layers" if num_modules > MODULE_COLUMNS_BY_DEFAULT else "modules")
-rows_choice = right.selectbox("Columns", ROW_CHOICES, index=ROW_CHOICES.index(rows_choice),
+bind_to_url("matrix_rows", state.rows,
+            state.rows or ("layers" if num_modules > MODULE_COLUMNS_BY_DEFAULT else "modules"))
+rows_choice = right.selectbox("Columns", ROW_CHOICES, key="matrix_rows",
                               help=f"one column per module (up to {num_modules}), or per layer (its worst module)")
 state = ViewState(ref=ref, cands=tuple(chosen), rows=rows_choice)
 show_in_url(state)
+wrote_to_url("matrix_rows", rows_choice)
 
 cells = matrix_cells(results, rows_choice)
 diverging = sorted(set(cells.loc[cells["first_divergence"].astype(bool), "layout"]))

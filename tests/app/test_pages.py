@@ -248,3 +248,17 @@ def test_heatmap_frames_the_module_of_the_url_and_opens_replay_on_it(root, rows,
     assert bold == [f"<b>{framed}</b>"]
     assert next(box for box in app.selectbox if box.label.startswith("Replay a module")).value == replay
     assert _url(app) == {**PAIR, "module": "layers.1.lin", "step": "0", "mb": "all", "rows": rows}
+
+
+def test_matrix_keeps_every_successive_choice_in_the_url(root):
+    # A widget's default alone is reread only when its identity changes: the second change used to be lost.
+    _with_second_layout(root)
+    shutil.copytree(root / "candidate", root / "tp2c")
+    app = _open("matrix", ref="reference")
+    assert app.multiselect[0].value == ["candidate", "tp2b", "tp2c"]
+    app.multiselect[0].unselect("tp2b").run()
+    app.multiselect[0].unselect("candidate").run()
+    next(box for box in app.selectbox if box.label == "Columns").set_value("layers").run()
+    assert not app.exception and app.multiselect[0].value == ["tp2c"]
+    assert _url(app) == {"ref": "reference", "cands": "tp2c", "rows": "layers"}
+    assert _traces(_figures(app)[0])["rows"]["y"] == ["tp2c"]
