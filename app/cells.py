@@ -168,6 +168,25 @@ def first_divergence(frame: pd.DataFrame) -> pd.Series | None:
     return None if failed.empty else failed.iloc[0]
 
 
+def focus_row(module: str | None, by_layer: bool) -> str | None:
+    """The heatmap row a link's `module` points at: the module, or its layer when rows are layers."""
+    if not module:
+        return None
+    return layer_module(module) if by_layer else module
+
+
+def replay_default(suspects: list[str], module: str | None, first_module: str | None) -> int:
+    """The index the heatmap's "Replay a module" box opens on: the link's `module` when it names one;
+    for a layer, the first divergence's module if it is in that layer, else the layer's first module;
+    without a link, the first divergence's module; else the first."""
+    if module in suspects:
+        return suspects.index(module)
+    inside = [m for m in suspects if module and layer_module(m) == module]
+    for pick in ([first_module] if first_module in inside else []) + inside[:1]:
+        return suspects.index(pick)
+    return suspects.index(first_module) if first_module in suspects else 0
+
+
 def tensor_choices(frame: pd.DataFrame, step: int) -> list[tuple[str, int, int]]:
     """(tensor, step, micro_batch) of one step, failures first in execution order, then the rest."""
     rows = frame[frame["step"] == step].sort_values("order")

@@ -34,6 +34,10 @@ MAX_LABEL_PX = 420
 TIMELINE_GL_POINTS = 3000
 """Above this many points the timeline is drawn with WebGL (scattergl): SVG markers slow the browser."""
 FIRST_DIVERGENCE_COLOUR = "#ffd400"
+FOCUS_COLOUR = "#222222"
+"""The frame around the heatmap row a link asked for (`module` in the URL)."""
+MATRIX_PLOT_PX = 1100
+"""The layout matrix sizes its cells to fit about this plot width (the page is wide)."""
 
 
 def _colour_axis() -> dict:
@@ -69,18 +73,30 @@ def _stage_annotations(rows: pd.DataFrame) -> list[dict]:
                  font=dict(size=11, color="#555")) for _, r in starts.iterrows()]
 
 
-def _row_labels(rows: pd.DataFrame) -> list[dict]:
+def _row_labels(rows: pd.DataFrame, focus: str | None = None) -> list[dict]:
     """Module names as annotations, not tick labels: plotly measures every tick label's box on each
     draw, which took 20+ s for the 774 rows of a 48-layer model (benchmarks/results/dashboard.md);
-    annotations draw in well under a second."""
-    return [dict(xref="paper", yref="y", x=0, y=row, xanchor="right", xshift=-6, showarrow=False, text=module or "<root>",
+    annotations draw in well under a second. The `focus` module's name is bold."""
+    def label(module: str) -> str:
+        text = module or "<root>"
+        return f"<b>{text}</b>" if module == focus else text
+
+    return [dict(xref="paper", yref="y", x=0, y=row, xanchor="right", xshift=-6, showarrow=False, text=label(module),
                  font=dict(size=11, color="#444")) for module, row in zip(rows["module"], rows["row"])]
 
 
+def _focus_outline(rows: pd.DataFrame, focus: str | None) -> list[dict]:
+    """A dark frame around the `focus` module's row (the one a link, e.g. a layout matrix cell, points at)."""
+    matched = rows.loc[rows["module"] == focus, "row"]
+    return [dict(type="rect", xref="paper", x0=0, x1=1, y0=row - 0.5, y1=row + 0.5, fillcolor="rgba(0,0,0,0)",
+                 line=dict(color=FOCUS_COLOUR, width=2), layer="above") for row in matched]
+
+
 def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, str] | None = None,
-                   first_tensor: tuple[str, int, int] | None = None) -> go.Figure:
+                   first_tensor: tuple[str, int, int] | None = None, focus: str | None = None) -> go.Figure:
     """Modules (rows, execution order) x tensor kinds (columns); `first` (module, kind) is outlined and
-    a click on the outline opens `first_tensor` (tensor, step, micro-batch)."""
+    a click on the outline opens `first_tensor` (tensor, step, micro-batch); the `focus` row (a module, or
+    a layer when rows are layers) is framed and its label bold."""
     figure = go.Figure()
     # Reading order (top row first, left to right), so the first marker in the page is the top-left cell.
     numeric = cells[cells["category"] == "ratio"].sort_values(["row", "column"])
@@ -99,12 +115,12 @@ def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, st
         figure.add_trace(go.Scatter(x=marked["column"], y=marked["row"], mode="markers", name="first divergence",
                                     marker=dict(symbol="square-open", size=22, color=FIRST_DIVERGENCE_COLOUR,
                                                 line=dict(width=3, color=FIRST_DIVERGENCE_COLOUR)), **_clickable(marked)))
-    labels = _row_labels(rows)
+    labels = _row_labels(rows, focus)
     figure.update_layout(
         height=max(360, ROW_HEIGHT * len(rows) + 160), plot_bgcolor="white",
         margin=dict(l=min(MAX_LABEL_PX, 12 + LABEL_CHAR_PX * max((len(a["text"]) for a in labels), default=4)), r=80,
                     t=40, b=10),
-        shapes=_layer_bands(rows), annotations=_stage_annotations(rows) + labels, clickmode="event+select", dragmode=False,
+        shapes=_layer_bands(rows) + _focus_outline(rows, focus), annotations=_stage_annotations(rows) + labels, clickmode="event+select", dragmode=False,
         legend=dict(orientation="h", y=-0.01, x=0, yanchor="top"),
         xaxis=dict(tickvals=list(range(len(KINDS))), ticktext=[KIND_LABELS[k] for k in KINDS], side="top",
                    range=[-0.6, len(KINDS) - 0.4], fixedrange=True),
@@ -214,4 +230,55 @@ def history_figure(rows: pd.DataFrame, current: tuple[int, int] | None) -> go.Fi
                               hovertemplate="%{x}: ratio %{y:.3g}<extra></extra>"))
     figure.add_hline(y=1, line=dict(color="#333", dash="dot"), annotation_text="pass line")
     figure.update_layout(height=260, margin=dict(l=10, r=10, t=30, b=10), yaxis=dict(type="log", title="error / tolerance"))
+    return figure
+
+
+def _matrix_marker_px(num_columns: int) -> float:
+    """Square cells that fit about 1100 px of plot width: 16 px for a small model, 6 px for 200 columns."""
+    return float(np.clip(MATRIX_PLOT_PX / max(num_columns, 1), 6, 16))
+
+
+def _matrix_clickable(points: pd.DataFrame) -> dict:
+    return dict(customdata=points[["layout", "source_module"]].astype(object).values.tolist(),
+                text=points["hover"].tolist(), hovertemplate="%{text}<extra></extra>")
+
+
+def matrix_figure(cells: pd.DataFrame, layouts: list[str], columns: list[str], pending: list[str] = ()) -> go.Figure:
+    """Candidate layouts (rows, in `layouts` order) x modules or layers (`columns`, execution order), each cell
+    the layout's worst log10(error / tolerance) there; every layout's first divergence is outlined, and a
+    click carries [layout, module]. A layout in `pending` has no cells yet: its row says so."""
+    size = _matrix_marker_px(len(columns))
+    figure = go.Figure()
+    # Every layout gets its row, even one without cells yet (a category axis shows only categories with points).
+    figure.add_trace(go.Scatter(x=[-0.5] * len(layouts), y=list(layouts), mode="markers", marker=dict(opacity=0),
+                                hoverinfo="skip", showlegend=False, name="rows"))
+    numeric = cells[cells["category"] == "ratio"]
+    figure.add_trace(go.Scatter(x=numeric["column"], y=numeric["layout"], mode="markers", name="error / tolerance",
+                                marker=dict(symbol="square", size=size, color=numeric["value"],
+                                            line=dict(width=0.5, color="#888"), **_colour_axis()),
+                                showlegend=False, **_matrix_clickable(numeric)))
+    for name, (label, colour) in CATEGORY_STYLE.items():
+        special = cells[cells["category"] == name]
+        if not special.empty:
+            figure.add_trace(go.Scatter(x=special["column"], y=special["layout"], mode="markers", name=label,
+                                        marker=dict(symbol="square", size=size, color=colour), **_matrix_clickable(special)))
+    firsts = cells[cells["first_divergence"].astype(bool)]
+    if not firsts.empty:
+        figure.add_trace(go.Scatter(x=firsts["column"], y=firsts["layout"], mode="markers", name="first divergence",
+                                    marker=dict(symbol="square-open", size=size + 8, color=FIRST_DIVERGENCE_COLOUR,
+                                                line=dict(width=3, color=FIRST_DIVERGENCE_COLOUR)),
+                                    **_matrix_clickable(firsts)))
+    notes = [dict(xref="paper", yref="y", x=0.5, y=layout, showarrow=False, text="not compared yet: open its heatmap",
+                  font=dict(size=12, color="#777")) for layout in pending]
+    longest_column = max((len(c) for c in columns), default=4)
+    figure.update_layout(
+        height=max(260, 34 * len(layouts) + min(MAX_LABEL_PX, 40 + 5.4 * longest_column)), plot_bgcolor="white",
+        margin=dict(l=min(MAX_LABEL_PX, 12 + LABEL_CHAR_PX * max((len(l) for l in layouts), default=4)), r=80, t=30,
+                    b=min(MAX_LABEL_PX, 20 + 5.4 * longest_column)),
+        annotations=notes, clickmode="event+select", dragmode=False, legend=dict(orientation="h", y=1.02, x=0, yanchor="bottom"),
+        xaxis=dict(tickvals=list(range(len(columns))), ticktext=[c or "<root>" for c in columns], tickangle=-60,
+                   tickfont=dict(size=10), range=[-0.6, len(columns) - 0.4], fixedrange=True, showgrid=False),
+        yaxis=dict(type="category", categoryarray=list(layouts), categoryorder="array", autorange="reversed",
+                   fixedrange=True, tickfont=dict(size=12)),
+    )
     return figure

@@ -25,6 +25,13 @@ def matching_reference(runs: list[RunInfo], candidate: RunInfo) -> RunInfo | Non
     return max(same, key=lambda r: (r.path.startswith(folder), -len(r.path)), default=None)
 
 
+def layouts_of(runs: list[RunInfo], reference: str) -> list[str]:
+    """The candidates whose matching reference is `reference` (paths, in the root's order): the rows of
+    its layout matrix."""
+    matched = ((c, matching_reference(runs, c)) for c in candidates(runs))
+    return [c.path for c, r in matched if r is not None and r.path == reference]
+
+
 def default_pair(runs: list[RunInfo], ref: str | None, cand: str | None) -> tuple[str | None, str | None]:
     """The pair to show: the URL's when it names usable runs; else a buggy candidate (a run with a bug
     recorded in its manifest) with its matching reference, so a first visit lands on something to see."""

@@ -1,8 +1,9 @@
 """The view state of every page, and the URL that carries it: pure functions, no streamlit.
 
-A view is (ref, cand, tensor, step, mb, rank, module, rows); each is a query parameter of the same name,
-so a copied URL opens the same view. `ref` and `cand` are paths relative to the dashboard's root
-and are resolved only through `ttrace_core.api.path_under_root`, which refuses anything outside it.
+A view is (ref, cand, cands, tensor, step, mb, rank, module, rows); each is a query parameter of the same
+name, so a copied URL opens the same view (`cands`, the layout matrix's candidates, is comma-separated).
+`ref`, `cand` and `cands` are paths relative to the dashboard's root and are resolved only through
+`ttrace_core.api.path_under_root`, which refuses anything outside it.
 A click on a heatmap cell is a plotly selection; `view_from_click` turns it into the tensor view's state.
 """
 
@@ -20,6 +21,8 @@ ALL_MICRO_BATCHES = "all"
 class ViewState:
     ref: str | None = None
     cand: str | None = None
+    cands: tuple[str, ...] | None = None
+    """The layout matrix's candidates (run paths), in the URL as "a,b"."""
     tensor: str | None = None
     """"phase/fqn/slot" (ttrace_core.compare.table.tensor_id)."""
     step: int | None = None
@@ -38,6 +41,12 @@ def _as_int(text: str | None) -> int | None:
         return None
 
 
+def candidates_from_text(text: str | None) -> tuple[str, ...] | None:
+    """The `cands` parameter: comma-separated run paths, blanks and repeats dropped; None when empty."""
+    names = [name.strip() for name in (text or "").split(",")]
+    return tuple(dict.fromkeys(name for name in names if name)) or None
+
+
 def state_from_query(params: Mapping[str, str | list[str]]) -> ViewState:
     """Read a page's state from its query parameters; malformed numbers are dropped, not raised."""
     def first(name: str) -> str | None:
@@ -48,14 +57,18 @@ def state_from_query(params: Mapping[str, str | list[str]]) -> ViewState:
 
     mb_text = first("mb")
     mb = ALL_MICRO_BATCHES if mb_text == ALL_MICRO_BATCHES else _as_int(mb_text)
-    return ViewState(ref=first("ref"), cand=first("cand"), tensor=first("tensor"), step=_as_int(first("step")),
-                     mb=mb, rank=_as_int(first("rank")), module=first("module"),
+    return ViewState(ref=first("ref"), cand=first("cand"), cands=candidates_from_text(first("cands")),
+                     tensor=first("tensor"), step=_as_int(first("step")), mb=mb, rank=_as_int(first("rank")),
+                     module=first("module"),
                      rows=first("rows") if first("rows") in ROW_CHOICES else None)
 
 
 def query_from_state(state: ViewState) -> dict[str, str]:
     """The query parameters of a state, without the unset ones."""
-    return {f.name: str(getattr(state, f.name)) for f in fields(state) if getattr(state, f.name) is not None}
+    def text(value) -> str:
+        return ",".join(value) if isinstance(value, tuple) else str(value)
+
+    return {f.name: text(getattr(state, f.name)) for f in fields(state) if getattr(state, f.name) is not None}
 
 
 def view_from_click(selection: Mapping | None, state: ViewState) -> ViewState | None:

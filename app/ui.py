@@ -14,6 +14,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from ttrace_dashboard import matrix
 from ttrace_dashboard.state import ViewState, query_from_state, state_from_query
 from ttrace_core import api
 from ttrace_core.api import ROOT_ENV, TtraceError
@@ -26,6 +27,7 @@ POLL_S = 1.0
 """How often a page showing a streamed comparison reads its rows again."""
 PAGES = {  # url path -> (script, title, icon)
     "runs": ("runs.py", "Runs", ":material/folder_open:"),
+    "matrix": ("matrix.py", "Layout matrix", ":material/table_chart:"),
     "heatmap": ("heatmap.py", "Heatmap", ":material/grid_on:"),
     "tensor": ("tensor.py", "Tensor", ":material/biotech:"),
     "localize": ("localize.py", "Localize", ":material/my_location:"),
@@ -61,6 +63,22 @@ def show_in_url(state: ViewState) -> None:
     wanted = query_from_state(state)
     if st.query_params.to_dict() != wanted:
         st.query_params.from_dict(wanted)
+
+
+def bind_to_url(key: str, url_value, value) -> None:
+    """Give the keyed widget `key` the value `value` (read from the URL's `url_value`) when the widget is new or
+    the URL changed since this session wrote it (a shared link, a page switch); otherwise the widget keeps the
+    user's choice. (A widget's `index`/`default` alone is reread only when the widget's identity changes, which
+    lost every second change of a multiselect.) Create the widget with `key` and without a default."""
+    written = f"_url:{key}"
+    if key not in st.session_state or st.session_state.get(written) != url_value:
+        st.session_state[key] = value
+        st.session_state[written] = url_value
+
+
+def wrote_to_url(key: str, url_value) -> None:
+    """Record what the URL now says for the widget `key` (after `show_in_url`), for `bind_to_url`."""
+    st.session_state[f"_url:{key}"] = url_value
 
 
 def go_to(name: str, state: ViewState) -> None:
@@ -102,6 +120,18 @@ def load_comparison(reference: Path, candidate: Path, partial_view: Callable[[ap
     st.stop()
 
 
+def table_unless_streamed(reference: Path, candidate: Path):
+    """The pair's comparison table (cached, or compared here when the pair is small); None when its first
+    comparison would be a streamed job (a large pair), so a page showing many pairs never blocks on one:
+    that pair's heatmap streams it. Raises TtraceError, for the page to show as that pair's one line."""
+    found = api.cached_comparison_table(reference, candidate, SETTINGS)
+    if found is not None:
+        return found
+    if api.comparison_streams(reference, candidate):
+        return None
+    return _compare_in_page(reference, candidate)
+
+
 def _compare_in_page(reference: Path, candidate: Path):
     bar = st.empty()
 
@@ -131,3 +161,16 @@ def _streamed_comparison(job: api.Job, partial_view: Callable[[api.StreamedRows]
 
 def pair_caption(state: ViewState) -> None:
     st.caption(f"reference `{state.ref}` · candidate `{state.cand}` · root `{dashboard_root()}`")
+
+
+@st.cache_data(max_entries=8, show_spinner=False)
+def _cells_of(keys: tuple[tuple[str, str, int], ...], rows_by: str, _frames: dict):
+    return matrix.matrix_cells(_frames, rows_by)
+
+
+def matrix_cells(results: dict, rows_by: str):
+    """`matrix.matrix_cells` of the comparison tables `results` (layout -> ComparisonTable), cached by
+    (layout, table path, mtime) and the rows choice: a rerun (a click, a narrowed selection) reuses it."""
+    keys = tuple((layout, str(result.path), result.path.stat().st_mtime_ns if result.path.exists() else 0)
+                 for layout, result in results.items())
+    return _cells_of(keys, rows_by, {layout: result.frame for layout, result in results.items()})

@@ -41,7 +41,8 @@ def heatmap_so_far(rows: "api.StreamedRows") -> None:
     first_tensor = None if first is None else (first["tensor"], int(first["step"]), int(first["micro_batch"]))
     st.caption(f"Step {step}, the tensors compared so far. Colour: log10(error / tolerance), 0 is the pass line.")
     st.plotly_chart(figures.heatmap_figure(cells.heatmap_cells(shown, step, ALL_MICRO_BATCHES), cells.module_rows(shown),
-                                           marked, first_tensor), key="heatmap_so_far", config={"displayModeBar": False})
+                                           marked, first_tensor, cells.focus_row(state.module, by_layer)),
+                    key="heatmap_so_far", config={"displayModeBar": False})
 
 
 state = view_state()
@@ -92,10 +93,12 @@ view_cells = cells.heatmap_cells(shown, int(step), mb)
 marked = None
 if first is not None and first["step"] == step and mb in (ALL_MICRO_BATCHES, first["micro_batch"], -1):
     marked = (shown.loc[first.name, "module"], first["kind"])
-st.caption("Colour: log10(error / tolerance), 0 is the pass line. The yellow outline is the first divergence. "
-           "Click a cell to open its tensor.")
+focus = cells.focus_row(state.module, rows_choice == "layers")
+st.caption("Colour: log10(error / tolerance), 0 is the pass line. The yellow outline is the first divergence"
+           + (f"; the framed row is `{focus}`, the module the link points at" if focus in set(rows["module"]) else "")
+           + ". Click a cell to open its tensor.")
 first_tensor = None if first is None else (first["tensor"], int(first["step"]), int(first["micro_batch"]))
-event = st.plotly_chart(figures.heatmap_figure(view_cells, rows, marked, first_tensor), key="heatmap", on_select="rerun",
+event = st.plotly_chart(figures.heatmap_figure(view_cells, rows, marked, first_tensor, focus), key="heatmap", on_select="rerun",
                         selection_mode="points", config={"displayModeBar": False})
 clicked = view_from_click(event, state)
 if clicked is not None:
@@ -103,7 +106,7 @@ if clicked is not None:
 
 with st.container(horizontal=True):
     suspects = [m for m in cells.module_rows(frame)["module"] if m]
-    default = suspects.index(first["module"]) if first is not None and first["module"] in suspects else 0
+    default = cells.replay_default(suspects, state.module, None if first is None else first["module"])
     target = st.selectbox("Replay a module with the reference's inputs", suspects, index=default)
     if st.button("Open in Localize", icon=":material/my_location:"):
         go_to("localize", replace(state, module=target, step=None, mb=None, rows=None))

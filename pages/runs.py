@@ -68,3 +68,5 @@ st.caption("Next: open the heatmap, then click the cell outlined in yellow (the 
            "tensor: which rank's shard carries the error.")
 # A link, not a button: the browser switches page at once instead of first rerunning this one.
 st.page_link(page("heatmap"), label="Open the heatmap", icon=":material/grid_on:", query_params=query_from_state(state))
+st.page_link(page("matrix"), label="Every layout of this reference (layout matrix)", icon=":material/table_chart:",
+             query_params=query_from_state(ViewState(ref=state.ref)))

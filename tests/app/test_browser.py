@@ -140,3 +140,53 @@ def test_the_exported_report_draws_offline(dashboard, browser, tmp_path):
     assert viewer.locator(".js-plotly-plot").count() >= 2  # heatmap and timeline
     assert [url for url in requests if not url.startswith("file:")] == []
     offline.close()
+
+
+def _matrix_rows(page) -> list[str]:
+    """The matrix's row labels, top to bottom as drawn."""
+    ticks = page.locator(".js-plotly-plot").first.locator(".ytick text").all()
+    return [tick.text_content() for tick in sorted(ticks, key=lambda tick: tick.bounding_box()["y"])]
+
+
+def _outlines(page):
+    return page.locator(".js-plotly-plot").first.locator(".scatterlayer .trace").last.locator("path.point")
+
+
+def test_the_layout_matrix_opens_a_pairs_heatmap_at_its_module_and_its_link_reproduces_it(dashboard, browser):
+    reference = BUGGY["reference"]
+    layouts = {s["name"] for s in SAMPLES if s.get("reference") == reference}
+    buggy = {s["name"] for s in SAMPLES if s.get("reference") == reference and s.get("expected_exit") == 1}
+    page = browser.new_page(viewport={"width": 1600, "height": 1400})
+    page.goto(f"{dashboard}/matrix?" + urllib.parse.urlencode({"ref": reference}))
+    page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=300_000)  # compares every pair once
+    _settled(page)
+    shared = page.url
+    query = urllib.parse.parse_qs(urllib.parse.urlparse(shared).query)
+    rows = query["cands"][0].split(",")
+    assert query["ref"] == [reference] and set(rows) == layouts and query["rows"] == ["modules"]
+    assert _matrix_rows(page) == rows
+    outlines = _outlines(page)
+    assert outlines.count() == len(buggy)  # one first divergence per buggy layout, none for the clean one
+    outline = outlines.nth([row for row in rows if row in buggy].index(BUGGY["name"]))
+    box = outline.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.locator(".hoverlayer .hovertext").first.wait_for(timeout=30_000)
+    hover = page.locator(".hoverlayer .hovertext").first.text_content()
+    assert BUGGY["name"] in hover and "first divergence of this layout" in hover
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.wait_for_function("() => location.pathname.endsWith('/heatmap')", timeout=60_000)
+    page.get_by_text("the framed row is").wait_for(timeout=120_000)
+    opened = urllib.parse.parse_qs(urllib.parse.urlparse(page.url).query)
+    assert (opened["ref"], opened["cand"], opened["module"]) == ([reference], [BUGGY["name"]],
+                                                                 [BUGGY["first_divergence"]["fqn"]])
+    assert page.locator("[data-testid=stException]").count() == 0
+    page.close()
+
+    fresh = browser.new_context(viewport={"width": 1600, "height": 1400}).new_page()
+    fresh.goto(shared)
+    fresh.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=120_000)
+    _settled(fresh)
+    assert _matrix_rows(fresh) == rows and _outlines(fresh).count() == len(buggy)
+    assert urllib.parse.parse_qs(urllib.parse.urlparse(fresh.url).query) == query
+    assert fresh.locator("[data-testid=stException]").count() == 0
+    fresh.context.close()

@@ -105,3 +105,21 @@ def test_the_tensor_pages_verdict_line_states_each_ratio_once(frame):
     passing = frame[(frame["tensor"] == "forward/layers.0.lin/output.0") & (frame["micro_batch"] == 0)].iloc[0]
     assert cells.verdict_banner(passing) == (f"**pass** · error {passing['error']:.3g} · tolerance "
                                              f"{passing['tolerance_rel']:.3g} · ratio {passing['ratio']:.3g}")
+
+
+@pytest.mark.parametrize("module, expected", [
+    ("layers.1.norm", "layers.1.norm"),  # the link's module
+    ("layers.0", "layers.0.act"),  # a layer: the first divergence is in it
+    ("layers.1", "layers.1.norm"),  # a layer without it: its first module
+    (None, "layers.0.act"),  # no link: the first divergence
+    ("gone", "layers.0.act"),
+], ids=["module", "layer-with-first-divergence", "layer-without", "no-link", "unknown"])
+def test_the_replay_box_opens_on_the_linked_module(frame, module, expected):
+    suspects = list(cells.module_rows(frame)["module"])
+    assert suspects[cells.replay_default(suspects, module, "layers.0.act")] == expected
+
+
+def test_the_focus_row_is_the_module_or_its_layer():
+    assert cells.focus_row("layers.1.lin", by_layer=False) == "layers.1.lin"
+    assert cells.focus_row("layers.1.lin", by_layer=True) == "layers.1"
+    assert cells.focus_row(None, by_layer=True) is None

@@ -68,3 +68,14 @@ def test_tensor_figures_draw_the_view(frame, tmp_path):
     history = figures.history_figure(cells.history(frame, "forward/layers.0.act/output.0"), (0, 0))
     assert list(history.data[0].x) == ["s0 mb0", "s0 mb1"]
     assert figures.rank_error_figure(view.shards, 1e-5).data[0].x == ("rank 0", "rank 1")
+
+
+@pytest.mark.parametrize("focus, framed_row", [("layers.1.lin", 3), ("nowhere", None), (None, None)],
+                         ids=["module-framed", "unknown-module", "no-focus"])
+def test_heatmap_frames_the_row_a_link_points_at(frame, focus, framed_row):
+    rows = cells.module_rows(frame)
+    figure = figures.heatmap_figure(cells.heatmap_cells(frame, 0, "all"), rows, focus=focus)
+    framed = [(s.y0, s.y1) for s in figure.layout.shapes if s.type == "rect" and s.line.color == figures.FOCUS_COLOUR]
+    assert framed == ([] if framed_row is None else [(framed_row - 0.5, framed_row + 0.5)])
+    bold = [a.text for a in figure.layout.annotations if a.text.startswith("<b>")]
+    assert bold == ([] if framed_row is None else [f"<b>{focus}</b>"])

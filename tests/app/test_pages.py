@@ -1,6 +1,7 @@
 """Every dashboard page through AppTest, driven by its query parameters as a shared link would be."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,8 +55,9 @@ def test_runs_page_picks_a_pair_shows_its_verdict_and_writes_it_into_the_url(roo
     assert any("broken" in warning.value and "not a valid manifest" in warning.value for warning in app.warning)
     assert any(f"first divergence at `{FIRST}`" in error for error in _errors(app))
     assert [box.value for box in app.selectbox] == ["reference", "candidate"]
-    (link,) = app.get("page_link")  # straight to the heatmap of this pair
-    assert link.proto.page == "heatmap" and link.proto.query_string == "ref=reference&cand=candidate"
+    heatmap, layouts = app.get("page_link")  # straight to the heatmap of this pair, and to every layout of its reference
+    assert heatmap.proto.page == "heatmap" and heatmap.proto.query_string == "ref=reference&cand=candidate"
+    assert layouts.proto.page == "matrix" and layouts.proto.query_string == "ref=reference"
 
 
 def test_heatmap_draws_clickable_cells_and_marks_the_first_divergence(root):
@@ -163,3 +165,100 @@ def test_a_pair_whose_reference_did_not_train_is_refused_on_the_page(tmp_path, m
         (banner,) = [error for error in _errors(app) if error.startswith("FAILED (refused)")]
         assert banner.startswith("FAILED (refused): the reference did not train: every one of its 4 parameter "
                                  "gradients is zero at step 0; check that the reference's loss reaches backward"), banner
+
+
+def _traces(figure: dict) -> dict[str, dict]:
+    return {trace.get("name"): trace for trace in figure["data"]}
+
+
+def _with_second_layout(root: Path) -> Path:
+    shutil.copytree(root / "candidate", root / "tp2b")  # the same layout twice: a second row with the same cells
+    return root
+
+
+def test_matrix_draws_every_layout_of_the_reference_and_writes_them_into_the_url(root):
+    app = _open("matrix", ref="reference")
+    assert not app.exception and not _errors(app)
+    (matrix,) = _figures(app)
+    traces = _traces(matrix)
+    assert traces["rows"]["y"] == ["candidate"]  # copied later: the page lists the candidates the root has now
+    _with_second_layout(root)
+    app = _open("matrix")  # no URL at all: the reference of a candidate, and every layout of it
+    assert not app.exception and not _errors(app)
+    assert _url(app) == {"ref": "reference", "cands": "candidate,tp2b", "rows": "modules"}
+    traces = _traces(_figures(app)[0])
+    assert traces["rows"]["y"] == ["candidate", "tp2b"]
+    assert traces["first divergence"]["customdata"] == [["candidate", "layers.0.act"], ["tp2b", "layers.0.act"]]
+    assert _figures(app)[0]["layout"]["xaxis"]["ticktext"] == ["layers.0.lin", "layers.0.act", "layers.1.norm",
+                                                                "layers.1.lin", "layers.1.out"]
+    assert "2 of 2 compared layouts diverge" in app.caption[0].value
+
+
+def test_matrix_candidates_and_layer_columns_from_the_url(root):
+    _with_second_layout(root)
+    app = _open("matrix", ref="reference", cands="tp2b,elsewhere", rows="layers")
+    assert not app.exception and not _errors(app)
+    assert [w.value for w in app.warning if "elsewhere" in w.value] == [
+        "`elsewhere` is not a candidate of `reference` under the root: left out"]
+    assert _url(app) == {"ref": "reference", "cands": "tp2b", "rows": "layers"}
+    (matrix,) = _figures(app)
+    assert _traces(matrix)["rows"]["y"] == ["tp2b"] and matrix["layout"]["xaxis"]["ticktext"] == ["layers.0", "layers.1"]
+    # a layer's cell opens the module that holds its worst tensor
+    assert _traces(matrix)["first divergence"]["customdata"] == [["tp2b", "layers.0.act"]]
+    assert app.multiselect[0].value == ["tp2b"]
+
+
+@pytest.mark.parametrize("ref, message", [
+    ("../../../../etc", "outside the dashboard root"),
+    ("candidate", "candidate: not a reference run under "),
+    ("broken", "broken: "),
+], ids=["outside-root", "a-candidate", "broken-run"])
+def test_matrix_refuses_a_bad_reference_on_the_page(root, ref, message):
+    app = _open("matrix", ref=ref)
+    assert not app.exception
+    (error,) = _errors(app)
+    assert message in error and "\n" not in error
+    assert not app.get("plotly_chart")
+
+
+def test_matrix_shows_a_large_pair_as_not_compared_yet_with_a_link_to_its_heatmap(root, monkeypatch):
+    from ttrace_core import api
+
+    _with_second_layout(root)
+    monkeypatch.setattr(api, "comparison_streams", lambda reference, candidate: Path(candidate).name == "tp2b")
+    app = _open("matrix", ref="reference")
+    assert not app.exception and not _errors(app)
+    (matrix,) = _figures(app)
+    assert _traces(matrix)["rows"]["y"] == ["candidate", "tp2b"]
+    assert _traces(matrix)["first divergence"]["customdata"] == [["candidate", "layers.0.act"]]
+    assert [a["text"] for a in matrix["layout"]["annotations"] if a.get("y") == "tp2b"] == [
+        "not compared yet: open its heatmap"]
+    (link,) = app.get("page_link")
+    assert link.proto.page == "heatmap" and link.proto.query_string == "ref=reference&cand=tp2b"
+    assert "1 of 1 compared layouts diverge" in app.caption[0].value
+
+
+@pytest.mark.parametrize("rows, framed, replay", [("modules", "layers.1.lin", "layers.1.lin"),
+                                                  ("layers", "layers.1", "layers.1.lin")], ids=["modules", "layers"])
+def test_heatmap_frames_the_module_of_the_url_and_opens_replay_on_it(root, rows, framed, replay):
+    app = _open("heatmap", **PAIR, module="layers.1.lin", rows=rows)
+    assert not app.exception
+    heatmap = _figures(app)[0]
+    bold = [a["text"] for a in heatmap["layout"]["annotations"] if a["text"].startswith("<b>")]
+    assert bold == [f"<b>{framed}</b>"]
+    assert next(box for box in app.selectbox if box.label.startswith("Replay a module")).value == replay
+    assert _url(app) == {**PAIR, "module": "layers.1.lin", "step": "0", "mb": "all", "rows": rows}
+
+
+def test_matrix_keeps_every_successive_choice_in_the_url(root):
+    # A widget's default alone is reread only when its identity changes: the second change used to be lost.
+    _with_second_layout(root)
+    shutil.copytree(root / "candidate", root / "tp2c")
+    app = _open("matrix", ref="reference")
+    assert app.multiselect[0].value == ["candidate", "tp2b", "tp2c"]
+    app.multiselect[0].unselect("tp2b").run()
+    app.multiselect[0].unselect("candidate").run()
+    next(box for box in app.selectbox if box.label == "Columns").set_value("layers").run()
+    assert not app.exception and app.multiselect[0].value == ["tp2c"]
+    assert _url(app) == {"ref": "reference", "cands": "tp2c", "rows": "layers"}
+    assert _traces(_figures(app)[0])["rows"]["y"] == ["tp2c"]

@@ -2,13 +2,14 @@ import pytest
 
 from ttrace_dashboard.state import ALL_MICRO_BATCHES, ViewState, query_from_state, state_from_query, view_from_click
 
-FULL = ViewState(ref="fp32/reference", cand="fp32/bug", tensor="forward/layers.0.attn/output.0", step=2, mb=3, rank=1,
+FULL = ViewState(ref="fp32/reference", cand="fp32/bug", cands=("fp32/bug", "fp32/tp2"), tensor="forward/layers.0.attn/output.0", step=2, mb=3, rank=1,
                  module="layers.0.attn", rows="layers")
 
 
 def test_the_url_round_trips_every_field():
     assert state_from_query(query_from_state(FULL)) == FULL
     assert query_from_state(ViewState(ref="a")) == {"ref": "a"}
+    assert query_from_state(FULL)["cands"] == "fp32/bug,fp32/tp2"
 
 
 @pytest.mark.parametrize("params, expected", [
@@ -18,7 +19,10 @@ def test_the_url_round_trips_every_field():
     ({"ref": ["a", "b"]}, ViewState(ref="a")),
     ({"tensor": ""}, ViewState()),
     ({"rows": "pixels"}, ViewState()),
-], ids=["malformed-numbers-dropped", "all-micro-batches", "gradient-micro-batch", "repeated-key", "empty", "unknown-rows"])
+    ({"cands": "fp32/a, fp32/b,,fp32/a"}, ViewState(cands=("fp32/a", "fp32/b"))),
+    ({"cands": " , "}, ViewState()),
+], ids=["malformed-numbers-dropped", "all-micro-batches", "gradient-micro-batch", "repeated-key", "empty", "unknown-rows",
+        "candidates-comma-separated", "no-candidates"])
 def test_state_from_query(params, expected):
     assert state_from_query(params) == expected
 
