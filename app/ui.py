@@ -76,6 +76,14 @@ def bind_to_url(key: str, url_value, value) -> None:
         st.session_state[written] = url_value
 
 
+def bind_choice(key: str, url_value, value, options: list) -> None:
+    """`bind_to_url` for a selectbox over `options`: a kept choice that is not among them (another pair,
+    another step's micro-batches) gives way to `value`."""
+    bind_to_url(key, url_value, value)
+    if st.session_state[key] not in options:
+        st.session_state[key] = value
+
+
 def wrote_to_url(key: str, url_value) -> None:
     """Record what the URL now says for the widget `key` (after `show_in_url`), for `bind_to_url`."""
     st.session_state[f"_url:{key}"] = url_value

@@ -7,7 +7,8 @@ import streamlit as st
 from ttrace_dashboard import cells, figures
 from ttrace_dashboard.report import report_html
 from ttrace_dashboard.state import ALL_MICRO_BATCHES, ROW_CHOICES, view_from_click
-from ttrace_dashboard.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, view_state
+from ttrace_dashboard.ui import (bind_choice, go_to, load_comparison, pair_caption, run_pair, show_in_url, view_state,
+                                 wrote_to_url)
 from ttrace_core import api
 
 # Past this many modules the heatmap opens with one row per layer (a 48-layer GPT has 774 modules).
@@ -55,19 +56,24 @@ first = cells.first_divergence(frame)
 
 steps = sorted(frame["step"].unique().tolist())
 step = state.step if state.step in steps else (int(first["step"]) if first is not None else steps[0])
-micro_batches = sorted(m for m in frame.loc[frame["step"] == step, "micro_batch"].unique().tolist() if m >= 0)
-mb_options = [ALL_MICRO_BATCHES, *micro_batches]
-mb = state.mb if state.mb in mb_options else ALL_MICRO_BATCHES
 num_modules = frame["module"].nunique()
 rows_choice = state.rows or ("layers" if num_modules > MODULE_ROWS_BY_DEFAULT else "modules")
 left, middle, rows_box, right = st.columns([1, 1, 1, 3])
-step = left.selectbox("Step", steps, index=steps.index(step))
-mb = middle.selectbox("Micro-batch", mb_options, index=mb_options.index(mb),
+# Keyed widgets bound to the URL (an `index=` alone lost every second choice).
+bind_choice("heatmap_step", state.step, step, steps)
+step = left.selectbox("Step", steps, key="heatmap_step")
+micro_batches = sorted(m for m in frame.loc[frame["step"] == step, "micro_batch"].unique().tolist() if m >= 0)
+mb_options = [ALL_MICRO_BATCHES, *micro_batches]
+bind_choice("heatmap_mb", state.mb, state.mb if state.mb in mb_options else ALL_MICRO_BATCHES, mb_options)
+mb = middle.selectbox("Micro-batch", mb_options, key="heatmap_mb",
                       format_func=lambda m: "all (worst)" if m == ALL_MICRO_BATCHES else str(m))
-rows_choice = rows_box.selectbox("Rows", ROW_CHOICES, index=ROW_CHOICES.index(rows_choice),
+bind_choice("heatmap_rows", state.rows, rows_choice, list(ROW_CHOICES))
+rows_choice = rows_box.selectbox("Rows", ROW_CHOICES, key="heatmap_rows",
                                  help=f"one row per module ({num_modules}), or per layer (its worst module)")
 state = replace(state, step=int(step), mb=mb, tensor=None, rank=None, rows=rows_choice)
 show_in_url(state)
+for key, value in (("heatmap_step", state.step), ("heatmap_mb", state.mb), ("heatmap_rows", state.rows)):
+    wrote_to_url(key, value)
 
 summary = api.verdict_of(result.provenance)
 if first is None or summary.verdict == "refused":  # passing rows, yet the evidence may be incomplete or refused

@@ -6,7 +6,8 @@ import streamlit as st
 
 from ttrace_dashboard import cells, verdicts
 from ttrace_dashboard.report import report_html
-from ttrace_dashboard.ui import SETTINGS, go_to, load_comparison, pair_caption, run_pair, show_in_url, stop_with, view_state
+from ttrace_dashboard.ui import (SETTINGS, bind_choice, go_to, load_comparison,
+                                 pair_caption, run_pair, show_in_url, stop_with, view_state, wrote_to_url)
 from ttrace_core import api
 
 WHOLE_MODEL = ""
@@ -21,10 +22,12 @@ modules = [WHOLE_MODEL, *(m for m in cells.module_rows(frame)["module"] if m not
 module = state.module if state.module in modules else WHOLE_MODEL
 if state.module and state.module not in modules and api.owner_of(state.module) in modules:
     module = api.owner_of(state.module)  # a parameter's name: replay the module that owns it
-module = st.selectbox("Replay target", modules, index=modules.index(module),
+bind_choice("localize_module", state.module, module, modules)  # keyed and bound to the URL: no pick is lost
+module = st.selectbox("Replay target", modules, key="localize_module",
                       format_func=lambda m: "the whole model" if m == WHOLE_MODEL else m)
 state = replace(state, module=module or None, tensor=None, rank=None)
 show_in_url(state)
+wrote_to_url("localize_module", state.module)
 st.caption("The replay relaunches the candidate from its manifest with every traced module of the target fed the "
            "reference's inputs and output gradients. A module whose own outputs still fail introduces the error; "
            "one that fails only before rewriting inherits it.")

@@ -5,7 +5,8 @@ import streamlit as st
 
 from ttrace_dashboard import cells, runs as pairing
 from ttrace_dashboard.state import ViewState, query_from_state
-from ttrace_dashboard.ui import dashboard_root, load_comparison, page, run_pair, show_in_url, stop_with, view_state
+from ttrace_dashboard.ui import (bind_choice, dashboard_root, load_comparison, page, run_pair, show_in_url, stop_with,
+                                 view_state, wrote_to_url)
 from ttrace_core import api
 
 
@@ -31,12 +32,18 @@ for given in (state.ref, state.cand):
 ref, cand = pairing.default_pair(runs, state.ref, state.cand)
 ref_paths = [r.path for r in pairing.references(runs)]
 cand_paths = [c.path for c in pairing.candidates(runs)]
+# Keyed widgets bound to the URL: a link sets them, every later pick is the user's (an `index=` alone
+# was reread only when the widget changed identity, and lost every second pick).
+bind_choice("runs_ref", state.ref, ref if ref in ref_paths else ref_paths[0], ref_paths)
+bind_choice("runs_cand", state.cand, cand, cand_paths)
 left, right = st.columns(2)
-chosen_ref = left.selectbox("Reference", ref_paths, index=ref_paths.index(ref) if ref in ref_paths else 0)
-chosen_cand = right.selectbox("Candidate", cand_paths, index=cand_paths.index(cand))
+chosen_ref = left.selectbox("Reference", ref_paths, key="runs_ref")
+chosen_cand = right.selectbox("Candidate", cand_paths, key="runs_cand")
 if (chosen_ref, chosen_cand) != (state.ref, state.cand):
     state = ViewState(ref=chosen_ref, cand=chosen_cand)
 show_in_url(state)
+wrote_to_url("runs_ref", state.ref)
+wrote_to_url("runs_cand", state.cand)
 
 by_path = {run.path: run for run in runs}
 table = pd.DataFrame({name: pairing.metadata_rows(by_path[path]) for name, path in

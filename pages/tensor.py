@@ -7,7 +7,8 @@ import pandas as pd
 import streamlit as st
 
 from ttrace_dashboard import cells, figures
-from ttrace_dashboard.ui import go_to, load_comparison, pair_caption, run_pair, show_in_url, stop_with, view_state
+from ttrace_dashboard.ui import (bind_choice, go_to, load_comparison,
+                                 pair_caption, run_pair, show_in_url, stop_with, view_state, wrote_to_url)
 from ttrace_core import api
 
 
@@ -27,7 +28,9 @@ current = (state.step, state.mb) if (state.step, state.mb) in instances else ins
 st.title(state.tensor)
 pair_caption(state)
 left, middle, right = st.columns([2, 1, 1])
-current = left.selectbox("Step / micro-batch", instances, index=instances.index(current),
+# Keyed widgets bound to the URL (an `index=` alone lost every second pick).
+bind_choice("tensor_instance", (state.tensor, state.step, state.mb), current, instances)
+current = left.selectbox("Step / micro-batch", instances, key="tensor_instance",
                          format_func=lambda i: f"step {i[0]}" + ("" if i[1] < 0 else f" / mb {i[1]}"))
 state = replace(state, step=current[0], mb=current[1])
 row = frame[(frame["tensor"] == state.tensor) & (frame["step"] == state.step) & (frame["micro_batch"] == state.mb)].iloc[0]
@@ -45,10 +48,14 @@ try:
 except api.TtraceError as error:
     stop_with(str(error))
 ranks = [shard.rank for shard in view.shards]
-rank = right.selectbox("Highlight rank", [None, *ranks], index=([None, *ranks].index(state.rank) if state.rank in ranks else 0),
+bind_choice("tensor_rank", (state.tensor, state.step, state.mb, state.rank), state.rank if state.rank in ranks else None,
+            [None, *ranks])
+rank = right.selectbox("Highlight rank", [None, *ranks], key="tensor_rank",
                        format_func=lambda r: "none" if r is None else f"rank {r}")
 state = replace(state, rank=rank)
 show_in_url(state)
+wrote_to_url("tensor_instance", (state.tensor, state.step, state.mb))
+wrote_to_url("tensor_rank", (state.tensor, state.step, state.mb, state.rank))
 tolerance = row["tolerance_rel"] if pd.notna(row["tolerance_rel"]) else None
 
 maps, per_rank = st.columns([3, 2])

@@ -262,3 +262,40 @@ def test_matrix_keeps_every_successive_choice_in_the_url(root):
     assert not app.exception and app.multiselect[0].value == ["tp2c"]
     assert _url(app) == {"ref": "reference", "cands": "tp2c", "rows": "layers"}
     assert _traces(_figures(app)[0])["rows"]["y"] == ["tp2c"]
+
+
+def test_runs_page_keeps_every_successive_pick_in_the_url(root):
+    # The same bug as the matrix's: a selectbox set by `index=` alone lost every second pick.
+    _with_second_layout(root)
+    shutil.copytree(root / "candidate", root / "tp2c")
+    app = _open("runs")
+    candidate = next(box for box in app.selectbox if box.label == "Candidate")
+    candidate.set_value("tp2b").run()
+    next(box for box in app.selectbox if box.label == "Candidate").set_value("tp2c").run()
+    assert not app.exception and _url(app) == {"ref": "reference", "cand": "tp2c"}
+    next(box for box in app.selectbox if box.label == "Candidate").set_value("candidate").run()
+    assert _url(app) == {"ref": "reference", "cand": "candidate"}
+
+
+def test_heatmap_keeps_every_successive_choice_in_the_url(root):
+    app = _open("heatmap", **PAIR)
+    for mb in ("0", "1", "all"):
+        next(box for box in app.selectbox if box.label == "Micro-batch").set_value(mb if mb == "all" else int(mb)).run()
+        assert not app.exception and _url(app)["mb"] == mb
+    for rows in ("layers", "modules"):
+        next(box for box in app.selectbox if box.label == "Rows").set_value(rows).run()
+        assert _url(app)["rows"] == rows
+
+
+def test_tensor_and_localize_pages_keep_every_successive_pick_in_the_url(root):
+    app = _open("tensor", **PAIR, tensor=FIRST, step=0, mb=0)
+    for mb in (1, 0, 1):
+        next(box for box in app.selectbox if box.label == "Step / micro-batch").set_value((0, mb)).run()
+        assert not app.exception and _url(app)["mb"] == str(mb)
+    for rank in (1, 0, 1):
+        next(box for box in app.selectbox if box.label == "Highlight rank").set_value(rank).run()
+        assert _url(app)["rank"] == str(rank)
+    app = _open("localize", **PAIR)
+    for module in ("layers.0.act", "layers.1.norm", "layers.0.act"):
+        next(box for box in app.selectbox if box.label == "Replay target").set_value(module).run()
+        assert not app.exception and _url(app)["module"] == module
