@@ -152,16 +152,17 @@ def measure(config_dict: dict) -> None:
 
 
 PROFILED = {
-    # what a step's extra time goes to -> the functions whose cumulative time measures it
-    "all tracer hooks (Tracer.record)": ("tracer.py", "record"),
-    "statistics (stats_from_tensor)": ("trace_writer.py", "stats_from_tensor"),
-    "HDF5 dataset writes (_write_dataset)": ("trace_writer.py", "_write_dataset"),
-    "tensor to array (array_from_tensor)": ("trace_writer.py", "array_from_tensor"),
-    "metadata JSON (_meta_to_json)": ("trace_writer.py", "_meta_to_json"),
-    "room check (_check_room)": ("trace_writer.py", "_check_room"),
-    "layout resolution (Tracer.layout_of)": ("tracer.py", "layout_of"),
+    # what a step's extra time goes to -> the (file path's end, function) whose cumulative time measures it
+    "all tracer hooks (Tracer.record)": ("record/tracer.py", "record"),
+    "statistics (stats_from_tensor)": ("format/writer.py", "stats_from_tensor"),
+    "HDF5 dataset writes (_write_dataset)": ("format/writer.py", "_write_dataset"),
+    "tensor to array (array_from_tensor)": ("format/writer.py", "array_from_tensor"),
+    "metadata JSON (_meta_to_json)": ("format/writer.py", "_meta_to_json"),
+    "room check (_check_room)": ("format/writer.py", "_check_room"),
+    "layout resolution (Tracer.layout_of)": (("record/tracer.py", "layout_of"), ("record/layouts.py", "plain_layout")),
+    "declared layouts (Declarations.layout)": ("record/declarations.py", "layout"),
     "metadata records (TensorMeta/TensorKey/Layout init)": ("<string>", "__init__"),
-    "step file close and rename (RunWriter.end_step)": ("trace_writer.py", "end_step"),
+    "step file close and rename (RunWriter.end_step)": ("format/writer.py", "end_step"),
 }
 
 
@@ -176,7 +177,7 @@ def _duplicates_tally():
 
     original, tally, seen = Tracer.record, {"recorded": 0, "same object": 0, "same storage": 0}, {}
 
-    def record(self, key, value):
+    def record(self, key, value, **options):
         local = local_value(value)
         size = local.numel() * local.element_size()
         signature = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
@@ -189,7 +190,7 @@ def _duplicates_tally():
             tally["same object"] += size if owner is value else 0
         else:
             seen[signature] = weakref.ref(value)
-        return original(self, key, value)
+        return original(self, key, value, **options)
 
     Tracer.record = record
 
@@ -214,11 +215,12 @@ def _profiled(mode: str, config, ddp, optimizer, rename, out: Path) -> dict:
         undo()
     stats = pstats.Stats(profile).stats
     found = {"step (profiled)": seconds}
-    for name, (file, function) in PROFILED.items():
+    for name, where in PROFILED.items():
+        places = where if isinstance(where[0], tuple) else (where,)  # (file, function) or several of them
         found[name] = sum(entry[3] for (path, _, func), entry in stats.items()
-                          if path.endswith(file) and func == function)
+                          if any(path.endswith(file) and func == function for file, function in places))
     found["calls of Tracer.record"] = sum(entry[1] for (path, _, func), entry in stats.items()
-                                          if path.endswith("tracer.py") and func == "record")
+                                          if path.endswith("record/tracer.py") and func == "record")
     found["bytes recorded again: same object, unchanged"] = tally["same object"] / max(1, tally["recorded"])
     found["bytes recorded again: same storage"] = tally["same storage"] / max(1, tally["recorded"])
     return found

@@ -28,8 +28,6 @@ no one can infer, an error of the tracer's own) is left out and its step keeps a
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
 import functools
 import os
 import sys
@@ -46,17 +44,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ttrace_core.integrations.dtensor import (
-    layout_from_dtensor, layout_of_converted_output, local_value,
+    layout_from_dtensor, local_value,
 )
 from ttrace_core.format.fingerprint import environment_fingerprint
 from ttrace_core.format.naming import LOSS_FUNCTION, owner_of, slot_family
 from ttrace_core.format.schema import (
-    MAX_FINDING_CHARS, NO_MICRO_BATCH, PRE_STEP_SLOT, WRAPPER_COMPONENTS, Finding, Layout, RunManifest, TensorKey, TensorMeta,
-    global_fqn, strip_wrappers,
+    MAX_FINDING_CHARS, NO_MICRO_BATCH, PRE_STEP_SLOT, Finding, Layout, RunManifest, TensorKey, TensorMeta, strip_wrappers,
 )
 from ttrace_core.record.background_writer import BackgroundWriter
 from ttrace_core.record.declarations import Declarations, UnknownLayoutError
+from ttrace_core.record.layouts import has_partial, plain_layout, with_flat_range
 from ttrace_core.record.module_hooks import ModuleHooks, quiet_hook_warnings
+from ttrace_core.record import selection
 from ttrace_core.record.step_state import StepState
 from ttrace_core.record.step_scalars import (
     TORCH_CAPTURES, capture_optimizer_step, learning_rate, record_step_scalars,
@@ -67,12 +66,6 @@ from ttrace_core.format.reader import dtype_name
 from ttrace_core.format.writer import RunWriter, refuse_existing_trace, stats_from_tensor, write_failure, write_manifest
 
 
-def _is_wrapper(module: nn.Module) -> bool:
-    """A module that only wraps another (its child is traced under the wrapper's name instead). Told by
-    the child's name, not the class: fully_shard swaps a wrapper's class for a subclass of its own."""
-    return any(name in WRAPPER_COMPONENTS for name, _ in module.named_children())
-
-
 class InputRewriting(Protocol):
     """What the Tracer needs of localize's input rewriting (rewrite.InputRewriter)."""
 
@@ -80,12 +73,6 @@ class InputRewriting(Protocol):
     def records_grad_outputs(self, fqn: str) -> bool: ...
     def describe(self) -> dict: ...
     def close(self) -> None: ...
-
-
-def _proper_ancestors(fqn: str) -> list[str]:
-    """"a.b.c" -> ["a", "a.b"]; the root ("") is left out: excluding it leaves its children traced."""
-    parts = fqn.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def _one_sentence(error: BaseException) -> str:
@@ -102,25 +89,6 @@ def _failure_message(fqn: str, slot: str, error: Exception) -> str:
     origin = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
     return (f"{where}: the tracer failed ({_one_sentence(error)}{origin}) and left {'it' if slot else 'what it was recording'} "
             "out; the training went on. A ttrace bug: report it with this line")
-
-
-# Layouts are frozen records: the same one is handed out again instead of being built (and validated)
-# on every recorded tensor. Pure functions of their arguments, so nothing ever needs invalidating.
-
-@functools.lru_cache(maxsize=4096)
-def _replicated(shape: tuple[int, ...]) -> Layout:
-    """The default layout: the whole tensor, on every rank that records it."""
-    return Layout.replicated(shape)
-
-
-@functools.lru_cache(maxsize=4096)
-def _with_flat_range(layout: Layout, flat_range: tuple[int, int]) -> Layout:
-    return dataclasses.replace(layout, flat_range=flat_range)
-
-
-@functools.lru_cache(maxsize=1024)
-def _has_partial(placements: tuple[str, ...]) -> bool:
-    return any(p.startswith("P(") for p in placements)
 
 
 def _never_raises(method):
@@ -204,50 +172,19 @@ class Tracer:
     def global_fqn(self, local_fqn: str) -> str:
         """The reference's name of this rank's module or parameter: wrapper components dropped
         (activation checkpointing, torch.compile), then the config's renames applied."""
-        return global_fqn(strip_wrappers(local_fqn), self.config.rename)
+        return selection.global_name(self.config, local_fqn)
 
     def is_selected(self, local_fqn: str) -> bool:
-        config = self.config
-        return any(fnmatch.fnmatchcase(local_fqn, g) for g in config.include) and \
-            not any(fnmatch.fnmatchcase(local_fqn, g) for g in config.exclude)
+        return selection.is_selected(self.config, local_fqn)
 
     def traced_modules(self, model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
         """(global fqn, module, whether its backward is hooked) of every module whose activations are
-        recorded. A wrapper inside the model (a checkpoint wrapper) is skipped and the module it wraps
-        traced under its name; a wrapper at the root (torch.compile's) is traced itself, outside the
-        compiled code, and the module it wraps skipped."""
-        config = self.config
-        wrapped_root = {id(child) for name, child in model.named_children() if name in WRAPPER_COMPONENTS}
-        for local_fqn, module in model.named_modules():
-            name = strip_wrappers(local_fqn)
-            if (local_fqn and _is_wrapper(module)) or id(module) in wrapped_root or not self.is_selected(name) or \
-                    any(fnmatch.fnmatchcase(name, g) for g in config.exclude_activations):
-                continue
-            backward = not any(fnmatch.fnmatchcase(name, g) for g in config.forward_only)
-            yield self.global_fqn(local_fqn), module, backward
+        recorded (selection.py)."""
+        return selection.traced_modules(self.config, model)
 
     def untraced_modules(self, model: nn.Module) -> dict[str, str]:
-        """Global fqn -> why the trace cannot see into it, for every module the configuration leaves
-        out (the outermost of a subtree left out for the same reason)."""
-        config, found = self.config, {}
-        for local_fqn, module in model.named_modules():
-            name = strip_wrappers(local_fqn)
-            if local_fqn and _is_wrapper(module):
-                continue
-            if not self.is_selected(name):
-                why = "not traced (tracer configuration: exclude): its own inputs and outputs are not recorded"
-            elif any(fnmatch.fnmatchcase(name, g) for g in config.exclude_activations):
-                why = ("activations not traced (tracer configuration: exclude_activations): its parameters, "
-                       "gradients and updates are recorded, its inputs and outputs are not")
-            elif any(fnmatch.fnmatchcase(name, g) for g in config.forward_only):
-                why = ("backward not hooked (tracer configuration: forward_only): its grad_output is recorded "
-                       "through tensor hooks on its outputs, its grad_input is not")
-            else:
-                continue
-            fqn = self.global_fqn(local_fqn)
-            if not any(found[p] == why for p in _proper_ancestors(fqn) if p in found):
-                found[fqn] = why
-        return found
+        """Global fqn -> why the trace cannot see into it (selection.py)."""
+        return selection.untraced_modules(self.config, model)
 
     def declare(self, fqn_glob: str, slot_glob: str, placements: Sequence, mesh) -> None:
         """Declare the layout of plain (non-DTensor) tensors at matching module slots.
@@ -271,34 +208,7 @@ class Tracer:
         """The layout in effect for `value`, recorded (or about to be recorded) under `key`."""
         if isinstance(value, DTensor):
             return layout_from_dtensor(value)
-        return self._plain_layout(key, local_value(value))
-
-    def _plain_layout(self, key: TensorKey, local: torch.Tensor) -> Layout:
-        """The layout of a tensor that does not describe its own. A declared one is resolved once per
-        (module, slot, local shape) and kept until the next declaration (declarations.py); the others
-        depend on the call (a converted output, a gradient's forward tensor) and are looked up each time."""
-        shape = tuple(local.shape)
-        if (declared := self._declarations.layout(key.fqn, key.slot, shape)) is not None:
-            return declared
-        if (converted := self._converted_layout(key, local)) is not None:
-            return converted
-        if key.slot.startswith("grad_") and self._state is not None:
-            # The gradient of a tensor is laid out like the tensor itself.
-            forward_slot = key.slot.removeprefix("grad_")
-            if (key.fqn, key.micro_batch, key.call, forward_slot) in self._state.unmapped_forward:
-                raise UnknownLayoutError(f"{key.fqn} {key.slot}: not recorded, it is the gradient of {forward_slot}, "
-                                         "whose layout is unknown (see that tensor's finding)")
-            inherited = self._state.forward_layouts.get((key.fqn, key.micro_batch, key.call, forward_slot))
-            if inherited is not None and inherited.global_shape and len(inherited.global_shape) == local.dim():
-                return inherited
-        return _replicated(shape)
-
-    def _converted_layout(self, key: TensorKey, local: torch.Tensor) -> Layout | None:
-        if key.phase != "forward" or not key.slot.startswith("output.") or self._state is None:
-            return None
-        before = self._state.converted_outputs.get(key.fqn) or []
-        index = int(key.slot.removeprefix("output."))
-        return layout_of_converted_output(before[index], local) if index < len(before) and before[index] is not None else None
+        return plain_layout(self._declarations, self._state, key, local_value(value))
 
     # ---- recording ----------------------------------------------------------------------------
 
@@ -335,14 +245,15 @@ class Tracer:
             return
         state = self._state
         local = local_value(value)
-        layout = layout_from_dtensor(value) if isinstance(value, DTensor) else self._plain_layout(key, local)
+        layout = layout_from_dtensor(value) if isinstance(value, DTensor) else \
+            plain_layout(self._declarations, self._state, key, local)
         if (flat_range := self._declarations.flat_ranges.get((key.fqn, key.slot))) is not None:
             local = local.reshape(-1)[flat_range[0]:flat_range[1]]
-            layout = _with_flat_range(layout, flat_range)
+            layout = with_flat_range(layout, flat_range)
         if key.phase == "forward" and layout.mesh_shape:
             state.forward_layouts[(key.fqn, key.micro_batch, key.call, key.slot)] = layout
         # A partial sum's statistics cannot be combined into the whole tensor's: it keeps its values.
-        stats_only = self.config.stats_only and not _has_partial(layout.placements)
+        stats_only = self.config.stats_only and not has_partial(layout.placements)
         meta = TensorMeta(
             key=key, rank=self.rank, dtype=name, local_shape=tuple(local.shape), layout=layout,
             seq=state.seq, scale=scale or (self.config.loss_scale if key.phase == "backward" else 1.0),
