@@ -15,7 +15,7 @@ tensors (`tensors_of`), and a second look at the same arguments.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -42,7 +42,7 @@ class HookedTracer(Protocol):
     def record(self, key: TensorKey, value: torch.Tensor, *, scale: float | None = None) -> None: ...
     def record_error(self, error: Exception, fqn: str = "", slot: str = "", key: TensorKey | None = None) -> None: ...
     def global_micro_batch(self, local_index: int) -> int: ...
-    def traced_modules(self, model: nn.Module): ...
+    def traced_modules(self, model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]: ...
 
 
 class GradOutputRecorder(Protocol):

@@ -24,6 +24,10 @@ A debugging tool must never take down the run it observes: no hook or recording 
 the training. A tensor that cannot be recorded (a declared placement that does not fit it, a layout
 no one can infer, an error of the tracer's own) is left out and its step keeps a finding instead
 (format/findings.py); a step that cannot be written (a full disk) stops the recording, not the training.
+
+The Tracer's parts: module_hooks.py (the hooks on traced modules), selection.py (which modules are
+traced, under which name), layouts.py and declarations.py (the layout of a tensor that does not describe
+its own), step_state.py (which micro-batch and call a module boundary belongs to).
 """
 
 from __future__ import annotations
