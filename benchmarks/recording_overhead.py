@@ -31,29 +31,36 @@ TARGETS = {"full": 1.5, "full, writer thread": 1.5, "stats-only": 1.15}
 
 
 def summarize(results: dict[str, list]) -> list[dict]:
-    base = statistics.median(seconds for seconds, _, _ in results["untraced"])
+    """Per mode: median wall time per step and its ratio to the untraced median (`overhead`); and, paired round
+    by round, the median of (this mode's / the untraced step's) CPU time (`cpu_overhead`), the figure that
+    drift on a shared machine moves least."""
+    base = statistics.median(step[0] for step in results["untraced"])
+    untraced_cpu = [step[3] for step in results["untraced"]]
     rows = []
     for mode, steps in results.items():
-        seconds = statistics.median(s for s, _, _ in steps)
-        trace, raw = statistics.median(t for _, t, _ in steps), statistics.median(r for _, _, r in steps)
+        seconds = statistics.median(step[0] for step in steps)
+        trace, raw = statistics.median(step[1] for step in steps), statistics.median(step[2] for step in steps)
         rows.append({"mode": mode, "ms_per_step": 1000 * seconds, "overhead": seconds / base,
+                     "cpu_ms_per_step": 1000 * statistics.median(step[3] for step in steps),
+                     "cpu_overhead": statistics.median(step[3] / cpu for step, cpu in zip(steps, untraced_cpu)),
                      "trace_mib": trace / 2**20, "raw_mib": raw / 2**20,
                      "bytes_ratio": trace / raw if raw and trace and mode != "stats-only" else None, "target": TARGETS.get(mode),
-                     "spread_ms": 1000 * (max(s for s, _, _ in steps) - min(s for s, _, _ in steps))})
+                     "spread_ms": 1000 * (max(step[0] for step in steps) - min(step[0] for step in steps))})
     return rows
 
 
 def render(rows: list[dict], setup: str) -> str:
     lines = [f"# Recording overhead ({setup})", "",
-             "| mode | ms/step (median) | spread (ms) | overhead | target | met? | trace MiB/step | tensor MiB/step | trace / tensor bytes |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| mode | ms/step (median) | spread (ms) | overhead | target | met? | CPU ms/step | CPU overhead (paired) | "
+             "trace MiB/step | tensor MiB/step | trace / tensor bytes |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         target = row["target"]
         met = "-" if target is None else ("yes" if row["overhead"] <= target else "**no**")
         ratio = "-" if row["bytes_ratio"] is None else f"{row['bytes_ratio']:.3f}"
         lines.append(f"| {row['mode']} | {row['ms_per_step']:.0f} | {row['spread_ms']:.0f} | {row['overhead']:.2f}x | "
-                     f"{'-' if target is None else f'<= {target}x'} | {met} | {row['trace_mib']:.1f} | {row['raw_mib']:.1f} | "
-                     f"{ratio} |")
+                     f"{'-' if target is None else f'<= {target}x'} | {met} | {row['cpu_ms_per_step']:.0f} | "
+                     f"{row['cpu_overhead']:.2f}x | {row['trace_mib']:.1f} | {row['raw_mib']:.1f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
