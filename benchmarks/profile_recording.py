@@ -42,7 +42,7 @@ def profile_ranks(config: dict) -> None:
             _one_step(mode, run, ddp, optimizer, rename, out, 0)
             profile = cProfile.Profile()
             profile.enable()
-            seconds, _, _ = _one_step(mode, run, ddp, optimizer, rename, out, 1)
+            seconds = _one_step(mode, run, ddp, optimizer, rename, out, 1)[0]
             profile.disable()
             found[mode] = {"seconds": seconds, "functions": _functions(pstats.Stats(profile).stats)}
         if dist.get_rank() == 0:
