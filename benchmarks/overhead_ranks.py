@@ -9,7 +9,7 @@ on a shared machine hits them all alike:
 - full, writer thread: the same, stored by a writer thread (TracerConfig.writer_queue_bytes = 256 MiB);
 - stats-only: the Tracer, statistics only.
 
-Every step's time is the slowest rank's. Rank 0 writes the per-mode step times and trace sizes as JSON.
+Every step's wall and CPU time is the slowest rank's. Rank 0 writes the per-mode step times and trace sizes as JSON.
 """
 
 from __future__ import annotations
@@ -70,13 +70,15 @@ def _step_fn(config, ddp, optimizer):
     return step
 
 
-def _timed(step) -> float:
+def _timed(step) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one step, each the slowest rank's. CPU time is the process's own (every
+    thread, the writer's too): on a machine shared with other work it moves far less than wall time."""
     dist.barrier()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     step()
-    elapsed = torch.tensor([time.perf_counter() - started])
+    elapsed = torch.tensor([time.perf_counter() - started, time.process_time() - cpu_started])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    return float(elapsed[0]), float(elapsed[1])
 
 
 def _tracer(config, ddp, optimizer, rename, out: Path, mode: str):
@@ -92,28 +94,29 @@ def _tracer(config, ddp, optimizer, rename, out: Path, mode: str):
     return tracer
 
 
-def _one_step(mode: str, config, ddp, optimizer, rename, out: Path, step_index: int) -> tuple[float, int, int]:
-    """(seconds, trace bytes, raw bytes of the recorded tensors) of one step in `mode`."""
+def _one_step(mode: str, config, ddp, optimizer, rename, out: Path, step_index: int) -> tuple[float, int, int, float]:
+    """(wall seconds, trace bytes, raw bytes of the recorded tensors, CPU seconds) of one step in `mode`."""
     from ttrace_core.integrations.megatron import megatron_tracer_config, unwrap
 
     step = _step_fn(config, ddp, optimizer)
     if mode == "untraced":
-        return _timed(step), 0, 0
+        seconds, cpu_seconds = _timed(step)
+        return seconds, 0, 0, cpu_seconds
     if mode == "raw hooks":
         kept, handles = _raw_hooks(unwrap(ddp), megatron_tracer_config())
-        seconds = _timed(step)
+        seconds, cpu_seconds = _timed(step)
         raw = sum(t.numel() * t.element_size() for t in kept)
         for handle in handles:
             handle.remove()
         kept.clear()
-        return seconds, 0, raw
+        return seconds, 0, raw, cpu_seconds
     run_dir = out / f"{mode.replace(', ', '-').replace(' ', '-')}-{step_index}"
     tracer = _tracer(config, ddp, optimizer, rename, run_dir, mode)
 
     def traced() -> None:
         with tracer.step(0):
             step(tracer)
-    seconds = _timed(traced)
+    seconds, cpu_seconds = _timed(traced)
     tracer.close()
     dist.barrier()
     size = sum(p.stat().st_size for p in run_dir.glob(f"rank_{dist.get_rank():05d}.*.h5"))  # this rank's own files
@@ -122,7 +125,7 @@ def _one_step(mode: str, config, ddp, optimizer, rename, out: Path, step_index: 
     dist.all_reduce(totals)
     if dist.get_rank() == 0:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return seconds, int(totals[0]), int(totals[1])
+    return seconds, int(totals[0]), int(totals[1]), cpu_seconds
 
 
 def measure(config_dict: dict) -> None:
@@ -152,16 +155,17 @@ def measure(config_dict: dict) -> None:
 
 
 PROFILED = {
-    # what a step's extra time goes to -> the functions whose cumulative time measures it
-    "all tracer hooks (Tracer.record)": ("tracer.py", "record"),
-    "statistics (stats_from_tensor)": ("trace_writer.py", "stats_from_tensor"),
-    "HDF5 dataset writes (_write_dataset)": ("trace_writer.py", "_write_dataset"),
-    "tensor to array (array_from_tensor)": ("trace_writer.py", "array_from_tensor"),
-    "metadata JSON (_meta_to_json)": ("trace_writer.py", "_meta_to_json"),
-    "room check (_check_room)": ("trace_writer.py", "_check_room"),
-    "layout resolution (Tracer.layout_of)": ("tracer.py", "layout_of"),
+    # what a step's extra time goes to -> the (file path's end, function) whose cumulative time measures it
+    "all tracer hooks (Tracer.record)": ("record/tracer.py", "record"),
+    "statistics (stats_from_tensor)": ("format/writer.py", "stats_from_tensor"),
+    "HDF5 dataset writes (_write_dataset)": ("format/writer.py", "_write_dataset"),
+    "tensor to array (array_from_tensor)": ("format/writer.py", "array_from_tensor"),
+    "metadata JSON (_meta_to_json)": ("format/writer.py", "_meta_to_json"),
+    "room check (_check_room)": ("format/writer.py", "_check_room"),
+    "layout resolution (Tracer.layout_of)": (("record/tracer.py", "layout_of"), ("record/layouts.py", "plain_layout")),
+    "declared layouts (Declarations.layout)": ("record/declarations.py", "layout"),
     "metadata records (TensorMeta/TensorKey/Layout init)": ("<string>", "__init__"),
-    "step file close and rename (RunWriter.end_step)": ("trace_writer.py", "end_step"),
+    "step file close and rename (RunWriter.end_step)": ("format/writer.py", "end_step"),
 }
 
 
@@ -176,7 +180,7 @@ def _duplicates_tally():
 
     original, tally, seen = Tracer.record, {"recorded": 0, "same object": 0, "same storage": 0}, {}
 
-    def record(self, key, value):
+    def record(self, key, value, **options):
         local = local_value(value)
         size = local.numel() * local.element_size()
         signature = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
@@ -189,7 +193,7 @@ def _duplicates_tally():
             tally["same object"] += size if owner is value else 0
         else:
             seen[signature] = weakref.ref(value)
-        return original(self, key, value)
+        return original(self, key, value, **options)
 
     Tracer.record = record
 
@@ -208,17 +212,18 @@ def _profiled(mode: str, config, ddp, optimizer, rename, out: Path) -> dict:
     profile = cProfile.Profile()
     profile.enable()
     try:
-        seconds, _, _ = _one_step(mode, config, ddp, optimizer, rename, out, 1000)
+        seconds, _, _, _ = _one_step(mode, config, ddp, optimizer, rename, out, 1000)
     finally:
         profile.disable()
         undo()
     stats = pstats.Stats(profile).stats
     found = {"step (profiled)": seconds}
-    for name, (file, function) in PROFILED.items():
+    for name, where in PROFILED.items():
+        places = where if isinstance(where[0], tuple) else (where,)  # (file, function) or several of them
         found[name] = sum(entry[3] for (path, _, func), entry in stats.items()
-                          if path.endswith(file) and func == function)
+                          if any(path.endswith(file) and func == function for file, function in places))
     found["calls of Tracer.record"] = sum(entry[1] for (path, _, func), entry in stats.items()
-                                          if path.endswith("tracer.py") and func == "record")
+                                          if path.endswith("record/tracer.py") and func == "record")
     found["bytes recorded again: same object, unchanged"] = tally["same object"] / max(1, tally["recorded"])
     found["bytes recorded again: same storage"] = tally["same storage"] / max(1, tally["recorded"])
     return found

@@ -405,19 +405,21 @@ def test_a_declared_placement_that_does_not_fit_is_a_finding_and_the_training_go
     assert f"finding: {finding.message} (2 times" in inspect.stdout
 
 
-@pytest.mark.parametrize(("target", "slot"), [("stats_from_tensor", "output.0"), ("_hookable_output", "")],
+@pytest.mark.parametrize(("target", "slot"), [("stats_from_tensor", "output.0"), ("hookable_output", "")],
                          ids=["inside record", "in a forward hook"])
 def test_an_error_inside_the_tracer_is_a_finding_and_the_training_goes_on(tmp_path, monkeypatch, target, slot):
+    import ttrace_core.record.module_hooks as hooks_module
     import ttrace_core.record.tracer as tracer_module
 
-    original = getattr(tracer_module, target)
+    module = hooks_module if target == "hookable_output" else tracer_module
+    original = getattr(module, target)
 
     def failing(value, *args):
-        if target == "_hookable_output" or (value.dim() == 2 and value.shape[1] == 2):  # the last layer's output
+        if target == "hookable_output" or (value.dim() == 2 and value.shape[1] == 2):  # the last layer's output
             raise RuntimeError("boom")
         return original(value, *args)
 
-    monkeypatch.setattr(tracer_module, target, failing)
+    monkeypatch.setattr(module, target, failing)
     traced = _record(tmp_path)
     plain = _model()
     _train_step(plain, torch.optim.SGD(plain.parameters(), lr=0.1))

@@ -6,7 +6,9 @@ returns the placement, or None when no layout is known for that shape (a framewo
 "S(0) for a 3-D hidden state, unknown otherwise"); the tensor is then not recorded and the tracer
 keeps a finding instead (UnknownLayoutError). The layout of a (module, slot, local shape) is resolved once and kept:
 a Megatron model has hundreds of declarations, and globbing them all on every recorded tensor cost
-more than recording it.
+more than recording it. Even once per (module, slot, shape) that was 540 globs each, the largest part of a
+first recorded step's layout resolution (0.16 s of 0.29 s of stats-only recording, profiled): an fqn
+glob without a wildcard (an adapter declares exact module names) is looked up by name instead.
 """
 
 from __future__ import annotations
@@ -47,13 +49,22 @@ class Declarations:
     flat_ranges: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     """(fqn, slot) -> [start, end) of the flattened local block this rank's values are."""
     _resolved: dict[tuple[str, str, tuple[int, ...]], Layout | None] = field(default_factory=dict)
+    _by_exact_fqn: dict[str, list[int]] = field(default_factory=dict)
+    """fqn -> indices in `declared` of the declarations whose fqn glob is that very name (no wildcard)."""
+    _wildcard_fqn: list[int] = field(default_factory=list)
+    """Indices in `declared` of the declarations whose fqn glob has a wildcard: they are globbed."""
 
     def declare(self, fqn_glob: str, slot_glob: str, placements: Sequence, mesh) -> None:
         mesh_shape, coordinate, names = mesh_description(mesh)
         specs = tuple(p if callable(p) else placement_str(p) for p in placements)
         if len(specs) != len(mesh_shape):
             raise ValueError(f"declare({fqn_glob!r}, {slot_glob!r}): {len(specs)} placements for a {len(mesh_shape)}-D mesh")
+        index = len(self.declared)
         self.declared.append(Declaration(fqn_glob, slot_glob, specs, mesh_shape, coordinate, names))
+        if _has_wildcard(fqn_glob):
+            self._wildcard_fqn.append(index)
+        else:
+            self._by_exact_fqn.setdefault(fqn_glob, []).append(index)
         self._resolved.clear()
 
     def declare_flat_range(self, fqn: str, slot: str, start: int, end: int) -> None:
@@ -69,11 +80,18 @@ class Declarations:
         return self._resolved[cache_key]
 
     def _match(self, fqn: str, slot: str, local_shape: tuple[int, ...]) -> Layout | None:
-        for d in reversed(self.declared):
+        """The latest declaration matching (fqn, slot) decides, as if all were globbed newest first."""
+        candidates = sorted((*self._by_exact_fqn.get(fqn, ()), *self._wildcard_fqn), reverse=True)
+        for d in (self.declared[index] for index in candidates):
             if fnmatch.fnmatchcase(fqn, d.fqn_glob) and fnmatch.fnmatchcase(slot, d.slot_glob):
                 placements = tuple(_applied(p, fqn, slot, local_shape) for p in d.placements)
                 return _fitted(fqn, slot, local_shape, d, placements)
         return None
+
+
+def _has_wildcard(glob: str) -> bool:
+    """Whether fnmatch could match `glob` to any name but itself."""
+    return any(char in glob for char in "*?[")
 
 
 def _fitted(fqn: str, slot: str, local_shape: tuple[int, ...], declared: Declaration, placements: tuple[str, ...]) -> Layout:

@@ -24,17 +24,18 @@ A debugging tool must never take down the run it observes: no hook or recording 
 the training. A tensor that cannot be recorded (a declared placement that does not fit it, a layout
 no one can infer, an error of the tracer's own) is left out and its step keeps a finding instead
 (format/findings.py); a step that cannot be written (a full disk) stops the recording, not the training.
+
+The Tracer's parts: module_hooks.py (the hooks on traced modules), selection.py (which modules are
+traced, under which name), layouts.py and declarations.py (the layout of a tensor that does not describe
+its own), step_state.py (which micro-batch and call a module boundary belongs to).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
 import functools
 import os
 import sys
 import traceback
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -45,19 +46,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 
 from ttrace_core.integrations.dtensor import (
-    layout_from_dtensor, layout_of_converted_output, local_value,
+    layout_from_dtensor, local_value,
 )
 from ttrace_core.format.fingerprint import environment_fingerprint
 from ttrace_core.format.naming import LOSS_FUNCTION, owner_of, slot_family
 from ttrace_core.format.schema import (
-    MAX_FINDING_CHARS, NO_MICRO_BATCH, PRE_STEP_SLOT, WRAPPER_COMPONENTS, Finding, Layout, RunManifest, TensorKey, TensorMeta,
-    global_fqn, strip_wrappers,
+    MAX_FINDING_CHARS, NO_MICRO_BATCH, PRE_STEP_SLOT, Finding, Layout, RunManifest, TensorKey, TensorMeta, strip_wrappers,
 )
 from ttrace_core.record.background_writer import BackgroundWriter
 from ttrace_core.record.declarations import Declarations, UnknownLayoutError
+from ttrace_core.record.layouts import has_partial, plain_layout, with_flat_range
+from ttrace_core.record.module_hooks import ModuleHooks, quiet_hook_warnings
+from ttrace_core.record import selection
 from ttrace_core.record.step_state import StepState
 from ttrace_core.record.step_scalars import (
     TORCH_CAPTURES, capture_optimizer_step, learning_rate, record_step_scalars,
@@ -66,22 +68,6 @@ from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.format.datasets import NATIVE_DTYPES, RAW_BITS
 from ttrace_core.format.reader import dtype_name
 from ttrace_core.format.writer import RunWriter, refuse_existing_trace, stats_from_tensor, write_failure, write_manifest
-
-
-def _quiet_hook_warnings() -> None:
-    """Silence the two warnings the tracer's own hooks cause, once hooks are attached (never at import):
-    a module whose inputs need no gradient (an embedding fed token ids) still gets its grad_output
-    recorded, and torch warns about exactly that case on every backward; a module that returns neither
-    a tensor nor a tuple gets no backward hook call, which the tracer lists as a blind spot
-    (`Tracer.blind_spots`, shown by `ttrace inspect`) instead."""
-    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
-    warnings.filterwarnings("ignore", message="For backward hooks to be called, module output should be a Tensor")
-
-
-def _is_wrapper(module: nn.Module) -> bool:
-    """A module that only wraps another (its child is traced under the wrapper's name instead). Told by
-    the child's name, not the class: fully_shard swaps a wrapper's class for a subclass of its own."""
-    return any(name in WRAPPER_COMPONENTS for name, _ in module.named_children())
 
 
 class InputRewriting(Protocol):
@@ -93,27 +79,11 @@ class InputRewriting(Protocol):
     def close(self) -> None: ...
 
 
-def _proper_ancestors(fqn: str) -> list[str]:
-    """"a.b.c" -> ["a", "a.b"]; the root ("") is left out: excluding it leaves its children traced."""
-    parts = fqn.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts))]
-
-
-def _hookable_output(output: object) -> bool:
-    """A full backward hook fires only for a module that returns a tensor or a tuple (torch warns otherwise)."""
-    return isinstance(output, (torch.Tensor, tuple))
-
-
 def _one_sentence(error: BaseException) -> str:
     """`RuntimeError: [gloo ...] Read error ...: Connection reset by peer.` without gloo's advice after it."""
     text = " ".join(str(error).split())
     sentence, stop, _ = text.partition(". ")
     return f"{type(error).__name__}: {sentence}{stop.strip()}"
-
-
-def _tensors_of(values: object) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(values)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 def _failure_message(fqn: str, slot: str, error: Exception) -> str:
@@ -176,12 +146,13 @@ class Tracer:
             if rewriter is not None:
                 manifest.tracer |= rewriter.describe()
             write_manifest(run_dir, manifest)
-        self._handles.append(model.register_forward_pre_hook(self._guarded_hook("", self._root_pre_hook)))
+        self._module_hooks = ModuleHooks(self, rewriter)
+        self._module_hooks.attach_root(model, self._handles)
         self.blind_spots: dict[str, str] = self.untraced_modules(model)
         """Module -> what the trace of it misses: the configuration's exclusions, and modules whose
         backward hooks cannot fire (found during the run); written with every step file."""
-        _quiet_hook_warnings()
-        self._attach_modules(model)
+        quiet_hook_warnings()
+        self._module_hooks.attach(model, self._handles)
         if rewriter is not None:
             rewriter.attach(self, model, self._handles)
         self._undo = [capture(self) for capture in (TORCH_CAPTURES if captures is None else captures)]
@@ -205,50 +176,19 @@ class Tracer:
     def global_fqn(self, local_fqn: str) -> str:
         """The reference's name of this rank's module or parameter: wrapper components dropped
         (activation checkpointing, torch.compile), then the config's renames applied."""
-        return global_fqn(strip_wrappers(local_fqn), self.config.rename)
+        return selection.global_name(self.config, local_fqn)
 
     def is_selected(self, local_fqn: str) -> bool:
-        config = self.config
-        return any(fnmatch.fnmatchcase(local_fqn, g) for g in config.include) and \
-            not any(fnmatch.fnmatchcase(local_fqn, g) for g in config.exclude)
+        return selection.is_selected(self.config, local_fqn)
 
     def traced_modules(self, model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
         """(global fqn, module, whether its backward is hooked) of every module whose activations are
-        recorded. A wrapper inside the model (a checkpoint wrapper) is skipped and the module it wraps
-        traced under its name; a wrapper at the root (torch.compile's) is traced itself, outside the
-        compiled code, and the module it wraps skipped."""
-        config = self.config
-        wrapped_root = {id(child) for name, child in model.named_children() if name in WRAPPER_COMPONENTS}
-        for local_fqn, module in model.named_modules():
-            name = strip_wrappers(local_fqn)
-            if (local_fqn and _is_wrapper(module)) or id(module) in wrapped_root or not self.is_selected(name) or \
-                    any(fnmatch.fnmatchcase(name, g) for g in config.exclude_activations):
-                continue
-            backward = not any(fnmatch.fnmatchcase(name, g) for g in config.forward_only)
-            yield self.global_fqn(local_fqn), module, backward
+        recorded (selection.py)."""
+        return selection.traced_modules(self.config, model)
 
     def untraced_modules(self, model: nn.Module) -> dict[str, str]:
-        """Global fqn -> why the trace cannot see into it, for every module the configuration leaves
-        out (the outermost of a subtree left out for the same reason)."""
-        config, found = self.config, {}
-        for local_fqn, module in model.named_modules():
-            name = strip_wrappers(local_fqn)
-            if local_fqn and _is_wrapper(module):
-                continue
-            if not self.is_selected(name):
-                why = "not traced (tracer configuration: exclude): its own inputs and outputs are not recorded"
-            elif any(fnmatch.fnmatchcase(name, g) for g in config.exclude_activations):
-                why = ("activations not traced (tracer configuration: exclude_activations): its parameters, "
-                       "gradients and updates are recorded, its inputs and outputs are not")
-            elif any(fnmatch.fnmatchcase(name, g) for g in config.forward_only):
-                why = ("backward not hooked (tracer configuration: forward_only): its grad_output is recorded "
-                       "through tensor hooks on its outputs, its grad_input is not")
-            else:
-                continue
-            fqn = self.global_fqn(local_fqn)
-            if not any(found[p] == why for p in _proper_ancestors(fqn) if p in found):
-                found[fqn] = why
-        return found
+        """Global fqn -> why the trace cannot see into it (selection.py)."""
+        return selection.untraced_modules(self.config, model)
 
     def declare(self, fqn_glob: str, slot_glob: str, placements: Sequence, mesh) -> None:
         """Declare the layout of plain (non-DTensor) tensors at matching module slots.
@@ -270,35 +210,20 @@ class Tracer:
 
     def layout_of(self, key: TensorKey, value: torch.Tensor) -> Layout:
         """The layout in effect for `value`, recorded (or about to be recorded) under `key`."""
-        local = local_value(value)
         if isinstance(value, DTensor):
             return layout_from_dtensor(value)
-        if (declared := self._declarations.layout(key.fqn, key.slot, tuple(local.shape))) is not None:
-            return declared
-        if (converted := self._converted_layout(key, local)) is not None:
-            return converted
-        if key.slot.startswith("grad_") and self._state is not None:
-            # The gradient of a tensor is laid out like the tensor itself.
-            forward_slot = key.slot.removeprefix("grad_")
-            if (key.fqn, key.micro_batch, key.call, forward_slot) in self._state.unmapped_forward:
-                raise UnknownLayoutError(f"{key.fqn} {key.slot}: not recorded, it is the gradient of {forward_slot}, "
-                                         "whose layout is unknown (see that tensor's finding)")
-            inherited = self._state.forward_layouts.get((key.fqn, key.micro_batch, key.call, forward_slot))
-            if inherited is not None and inherited.global_shape and len(inherited.global_shape) == local.dim():
-                return inherited
-        return Layout.replicated(tuple(local.shape))
-
-    def _converted_layout(self, key: TensorKey, local: torch.Tensor) -> Layout | None:
-        if key.phase != "forward" or not key.slot.startswith("output.") or self._state is None:
-            return None
-        before = self._state.converted_outputs.get(key.fqn) or []
-        index = int(key.slot.removeprefix("output."))
-        return layout_of_converted_output(before[index], local) if index < len(before) and before[index] is not None else None
+        return plain_layout(self._declarations, self._state, key, local_value(value))
 
     # ---- recording ----------------------------------------------------------------------------
 
-    def _recording(self) -> bool:
-        # A forward that runs inside a backward is activation checkpointing's recomputation, not a new call.
+    @property
+    def state(self) -> StepState | None:
+        """Which micro-batch and call each module boundary of the step being recorded belongs to; None outside one."""
+        return self._state
+
+    def recording(self) -> bool:
+        """Whether a forward that runs now is recorded: inside a recorded step, and not a forward that runs
+        inside a backward (activation checkpointing's recomputation, not a new call)."""
         return self._state is not None and torch._C._current_graph_task_id() == -1
 
     def key(self, phase: str, fqn: str, slot: str, micro_batch: int, call: int = 0) -> TensorKey:
@@ -324,16 +249,17 @@ class Tracer:
             return
         state = self._state
         local = local_value(value)
-        layout = self.layout_of(key, value)
+        layout = layout_from_dtensor(value) if isinstance(value, DTensor) else \
+            plain_layout(self._declarations, self._state, key, local)
         if (flat_range := self._declarations.flat_ranges.get((key.fqn, key.slot))) is not None:
             local = local.reshape(-1)[flat_range[0]:flat_range[1]]
-            layout = dataclasses.replace(layout, flat_range=flat_range)
+            layout = with_flat_range(layout, flat_range)
         if key.phase == "forward" and layout.mesh_shape:
             state.forward_layouts[(key.fqn, key.micro_batch, key.call, key.slot)] = layout
         # A partial sum's statistics cannot be combined into the whole tensor's: it keeps its values.
-        stats_only = self.config.stats_only and not any(p.startswith("P(") for p in layout.placements)
+        stats_only = self.config.stats_only and not has_partial(layout.placements)
         meta = TensorMeta(
-            key=key, rank=self.rank, dtype=dtype_name(local.dtype), local_shape=tuple(local.shape), layout=layout,
+            key=key, rank=self.rank, dtype=name, local_shape=tuple(local.shape), layout=layout,
             seq=state.seq, scale=scale or (self.config.loss_scale if key.phase == "backward" else 1.0),
             stats=stats_from_tensor(local), stats_only=stats_only,
         )
@@ -343,7 +269,7 @@ class Tracer:
         except OSError as error:  # a full disk: the writer's own failure stops the recording
             self._stop_recording(key.step, error)
 
-    def _global_micro_batch(self, local_index: int) -> int:
+    def global_micro_batch(self, local_index: int) -> int:
         return local_index * self.config.data_parallel_size + self.config.data_parallel_rank
 
     def current_forward_call(self, fqn: str) -> tuple[int, int] | None:
@@ -351,7 +277,7 @@ class Tracer:
         inference). A forward recomputed by activation checkpointing belongs to the call whose backward runs."""
         if self._state is None:
             return None
-        if not self._recording():
+        if not self.recording():
             return self._state.next_backward_call(fqn, pop=False)
         pending = self._state.pending_forward[fqn]
         return pending[-1] if pending else None
@@ -359,114 +285,6 @@ class Tracer:
     def coming_backward_call(self, fqn: str) -> tuple[int, int] | None:
         """(global micro-batch, call) the next backward of `fqn` belongs to."""
         return None if self._state is None else self._state.next_backward_call(fqn, pop=False)
-
-    def _attach_modules(self, model: nn.Module) -> None:
-        for fqn, module, backward in self.traced_modules(model):
-            self._handles.append(module.register_forward_pre_hook(self._guarded_hook(fqn, self._pre_hook(fqn)),
-                                                                  with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._guarded_hook(fqn, self._forward_hook(fqn, backward))))
-            # Before a parallel style's own output hook: the DTensor it is about to make local.
-            self._handles.append(module.register_forward_hook(self._guarded_hook(fqn, self._see_output_dtensors(fqn)),
-                                                              prepend=True))
-            if backward:
-                self._handles.append(module.register_full_backward_hook(self._guarded_hook(fqn, self._backward_hook(fqn))))
-
-    def _guarded_hook(self, fqn: str, hook: Callable[..., None]) -> Callable[..., None]:
-        """`hook`, which only reads, made never to raise into the training: its error is a finding on `fqn`."""
-        def guarded(*args, **kwargs) -> None:
-            try:
-                hook(*args, **kwargs)
-            except Exception as error:  # noqa: BLE001 - the run must go on; the error is recorded
-                self.record_error(error, fqn)
-        return guarded
-
-    def _root_pre_hook(self, module: nn.Module, args: tuple) -> None:
-        if self._recording() and not any(t.is_meta for t in _tensors_of(args)):
-            self._state.root_calls += 1
-
-    def _pre_hook(self, fqn: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self._recording():
-                return None
-            state = self._state
-            if any(t.is_meta for t in _tensors_of((args, kwargs))):
-                state.pending_forward[fqn].append(None)  # shape inference (pipelining): not a micro-batch
-                return None
-            local, call = state.next_forward_call(fqn)
-            micro_batch = self._global_micro_batch(local)
-            state.pending_forward[fqn].append((micro_batch, call))
-            for index, value in enumerate(_tensors_of(args)):
-                self.record(self.key("forward", fqn, f"input.{index}", micro_batch, call), value)
-            for name, value in kwargs.items():
-                if isinstance(value, torch.Tensor):
-                    self.record(self.key("forward", fqn, f"input.{name}", micro_batch, call), value)
-            return None
-        return hook
-
-    def _see_output_dtensors(self, fqn: str):
-        def hook(module: nn.Module, args: tuple, output: object) -> None:
-            if self._recording():
-                outputs = _tensors_of(output)
-                seen = [value if isinstance(value, DTensor) else None for value in outputs]
-                self._state.converted_outputs[fqn] = seen if any(v is not None for v in seen) else []
-            return None
-        return hook
-
-    def _forward_hook(self, fqn: str, backward_hooked: bool):
-        def hook(module: nn.Module, args: tuple, output: object) -> None:
-            if not self._recording() or not self._state.pending_forward[fqn]:
-                return None
-            entry = self._state.pending_forward[fqn].pop()
-            if entry is None:
-                return None
-            micro_batch, call = entry
-            outputs = _tensors_of(output)
-            for index, value in enumerate(outputs):
-                self.record(self.key("forward", fqn, f"output.{index}", micro_batch, call), value)
-            needs_grad = any(value.requires_grad for value in outputs)  # else no backward will come for this call
-            if needs_grad and backward_hooked and _hookable_output(output):
-                self._state.pending_backward[fqn].append(entry)
-            elif callable(output) and not outputs:
-                self.blind_spots[fqn] = (f"its forward returns a function ({type(output).__name__}) that runs after the "
-                                         "module returns: that computation is not recorded and shows as its parent's glue")
-            elif needs_grad:
-                if backward_hooked:
-                    self.blind_spots[fqn] = (f"its forward returns {type(output).__name__}, so backward hooks cannot fire: "
-                                             "its grad_output is recorded through tensor hooks, its grad_input is not")
-                self._record_grad_outputs_by_tensor_hooks(fqn, outputs, micro_batch, call)
-            self._state.converted_outputs.pop(fqn, None)
-            return None
-        return hook
-
-    def _record_grad_outputs_by_tensor_hooks(self, fqn: str, outputs: list[torch.Tensor], micro_batch: int, call: int) -> None:
-        """grad_output of a module without a backward hook: a hook on each output tensor (in-place changes
-        of the output after it, like a fused cross entropy's, do not disturb it)."""
-        def recorder(index: int):
-            def hook(grad: torch.Tensor) -> None:
-                if self._state is not None:
-                    self.record(self.key("backward", fqn, f"grad_output.{index}", micro_batch, call), grad)
-            return hook
-        for index, value in enumerate(outputs):
-            if value.requires_grad:
-                value.register_hook(self._guarded_hook(fqn, recorder(index)))
-
-    def _backward_hook(self, fqn: str):
-        def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-            if self._state is None:
-                return None
-            entry = self._state.next_backward_call(fqn, pop=True)
-            if entry is None:
-                return None
-            micro_batch, call = entry
-            rewritten = self._rewriter is not None and self._rewriter.records_grad_outputs(fqn)
-            for index, value in enumerate(grad_output):
-                if isinstance(value, torch.Tensor) and not rewritten:  # else recorded before the rewrite
-                    self.record(self.key("backward", fqn, f"grad_output.{index}", micro_batch, call), value)
-            for index, value in enumerate(grad_input):
-                if isinstance(value, torch.Tensor):
-                    self.record(self.key("backward", fqn, f"grad_input.{index}", micro_batch, call), value)
-            return None
-        return hook
 
     def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for local_fqn, param in self.model.named_parameters():
@@ -478,16 +296,16 @@ class Tracer:
     def record_scalar(self, phase: str, fqn: str, name: str, value: torch.Tensor, micro_batch: int = NO_MICRO_BATCH,
                       scale: float | None = None) -> None:
         """One of the step's scalars (step_scalars.py) under the pseudo-module `fqn`, slot "scalar.<name>"."""
-        if self._recording():
+        if self.recording():
             self.record(self.key(phase, fqn, f"scalar.{name}", micro_batch), value, scale=scale)
 
     @_never_raises
     def record_loss(self, loss: torch.Tensor, num_tokens: torch.Tensor | None = None) -> None:
         """The loss a backward starts from, as the next local micro-batch's (with the loss scale, like the
         activation gradients it starts), and its token count when the loss function returns one."""
-        if not self._recording():
+        if not self.recording():
             return
-        micro_batch = self._global_micro_batch(self._state.losses)
+        micro_batch = self.global_micro_batch(self._state.losses)
         self._state.losses += 1
         self.record_scalar("forward", LOSS_FUNCTION, "loss", loss.detach().reshape(()), micro_batch,
                            scale=self.config.loss_scale)
@@ -510,7 +328,7 @@ class Tracer:
     def record_gradients(self) -> None:
         """Record every parameter's reduced gradient; call after backward, before optimizer.step().
         Once per step: clipping records them before it scales them (step_scalars.py)."""
-        if not self._recording() or self._state.gradients_recorded:
+        if not self.recording() or self._state.gradients_recorded:
             return
         self._state.gradients_recorded = True
         for fqn, param in self._named_parameters():
@@ -522,7 +340,7 @@ class Tracer:
     def record_parameters(self, slot: str = "value") -> None:
         """Record every parameter's value; call after optimizer.step(). The step context records them
         before the step too (PRE_STEP_SLOT) when the previous step's values are not in the trace."""
-        if not self._recording():
+        if not self.recording():
             return
         for fqn, param in self._named_parameters():
             self.record(self.key("param", fqn, slot, NO_MICRO_BATCH), param)

@@ -1,0 +1,71 @@
+"""Part of stage 1 (record): the layout in effect for a recorded tensor that does not describe its own.
+
+Input: the Tracer's declarations (declarations.py), its step state (step_state.py), the tensor's key and
+its local value. Output: the `Layout` recorded with it, which canonicalize reads to place the shard in
+its logical tensor. In order: a declared layout; the layout a parallel style's output had as a DTensor
+before it was made local; a gradient's forward tensor's layout; else the whole tensor, replicated.
+
+Declared layouts are resolved once per (module, slot, local shape) and kept until the next declaration
+(declarations.py). The others depend on the call, so they are looked up each time; the layout records
+themselves are frozen, so a record built once is handed out again (`replicated`, `with_flat_range`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ttrace_core.format.schema import Layout, TensorKey
+from ttrace_core.integrations.dtensor import layout_of_converted_output
+from ttrace_core.record.declarations import Declarations, UnknownLayoutError
+from ttrace_core.record.step_state import StepState
+
+
+# Layouts are frozen records: the same one is handed out again instead of being built (and validated)
+# on every recorded tensor. Pure functions of their arguments, so nothing ever needs invalidating.
+
+@functools.lru_cache(maxsize=4096)
+def replicated(shape: tuple[int, ...]) -> Layout:
+    """The default layout: the whole tensor, on every rank that records it."""
+    return Layout.replicated(shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def with_flat_range(layout: Layout, flat_range: tuple[int, int]) -> Layout:
+    return dataclasses.replace(layout, flat_range=flat_range)
+
+
+@functools.lru_cache(maxsize=1024)
+def has_partial(placements: tuple[str, ...]) -> bool:
+    return any(p.startswith("P(") for p in placements)
+
+
+def plain_layout(declarations: Declarations, state: StepState | None, key: TensorKey, local: torch.Tensor) -> Layout:
+    """The layout of a tensor that does not describe its own. A declared one is resolved once per
+    (module, slot, local shape) and kept until the next declaration (declarations.py); the others
+    depend on the call (a converted output, a gradient's forward tensor) and are looked up each time."""
+    shape = tuple(local.shape)
+    if (declared := declarations.layout(key.fqn, key.slot, shape)) is not None:
+        return declared
+    if (converted := _converted_layout(state, key, local)) is not None:
+        return converted
+    if key.slot.startswith("grad_") and state is not None:
+        # The gradient of a tensor is laid out like the tensor itself.
+        forward_slot = key.slot.removeprefix("grad_")
+        if (key.fqn, key.micro_batch, key.call, forward_slot) in state.unmapped_forward:
+            raise UnknownLayoutError(f"{key.fqn} {key.slot}: not recorded, it is the gradient of {forward_slot}, "
+                                     "whose layout is unknown (see that tensor's finding)")
+        inherited = state.forward_layouts.get((key.fqn, key.micro_batch, key.call, forward_slot))
+        if inherited is not None and inherited.global_shape and len(inherited.global_shape) == local.dim():
+            return inherited
+    return replicated(shape)
+
+
+def _converted_layout(state: StepState | None, key: TensorKey, local: torch.Tensor) -> Layout | None:
+    if key.phase != "forward" or not key.slot.startswith("output.") or state is None:
+        return None
+    before = state.converted_outputs.get(key.fqn) or []
+    index = int(key.slot.removeprefix("output."))
+    return layout_of_converted_output(before[index], local) if index < len(before) and before[index] is not None else None

@@ -1,0 +1,217 @@
+"""Part of stage 1 (record -> canonicalize -> compare -> localize -> render): the hooks on traced modules.
+
+Input: the modules a Tracer traces (`Tracer.traced_modules`) and the Tracer's step state while a step
+records (step_state.py). Output: one `Tracer.record` call per forward input and output and per
+activation gradient (grad_output, grad_input) of every traced module call, under the (global
+micro-batch, call) it belongs to; modules whose backward hooks cannot fire go to `Tracer.blind_spots`.
+The Tracer turns those calls into step files (tracer.py); canonicalize reads them back.
+
+The hooks only read: each returns None and never changes what a module receives or returns. An error
+in one is the trace's finding on that module (`Tracer.record_error`), never the training's exception.
+They run on every module call, so they avoid what costs per call: a pytree walk over a plain tuple of
+tensors (`tensors_of`), and a second look at the same arguments.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
+
+from ttrace_core.format.schema import TensorKey
+from ttrace_core.record.step_state import StepState
+
+_NEVER_TENSORS = (type(None), bool, int, float, str)
+"""Leaf types of a module's arguments that hold no tensor and no container of them."""
+
+
+class HookedTracer(Protocol):
+    """What the module hooks need of the Tracer (tracer.py)."""
+
+    blind_spots: dict[str, str]
+
+    @property
+    def state(self) -> StepState | None: ...
+    def recording(self) -> bool: ...
+    def key(self, phase: str, fqn: str, slot: str, micro_batch: int, call: int = 0) -> TensorKey: ...
+    def record(self, key: TensorKey, value: torch.Tensor, *, scale: float | None = None) -> None: ...
+    def record_error(self, error: Exception, fqn: str = "", slot: str = "", key: TensorKey | None = None) -> None: ...
+    def global_micro_batch(self, local_index: int) -> int: ...
+    def traced_modules(self, model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]: ...
+
+
+class GradOutputRecorder(Protocol):
+    """localize's input rewriting (rewrite.py), which records some modules' grad_output itself."""
+
+    def records_grad_outputs(self, fqn: str) -> bool: ...
+
+
+def quiet_hook_warnings() -> None:
+    """Silence the two warnings the tracer's own hooks cause, once hooks are attached (never at import):
+    a module whose inputs need no gradient (an embedding fed token ids) still gets its grad_output
+    recorded, and torch warns about exactly that case on every backward; a module that returns neither
+    a tensor nor a tuple gets no backward hook call, which the tracer lists as a blind spot
+    (`Tracer.blind_spots`, shown by `ttrace inspect`) instead."""
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
+    warnings.filterwarnings("ignore", message="For backward hooks to be called, module output should be a Tensor")
+
+
+def tensors_of(values: object) -> list[torch.Tensor]:
+    """The tensors among `values`, in pytree order. A tensor, or a tuple or list of tensors and plain
+    scalars (what nearly every module takes and returns), is read directly; anything else is flattened."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if type(values) in (tuple, list):
+        found = []
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif type(value) not in _NEVER_TENSORS:
+                return _flattened_tensors(values)
+        return found
+    return _flattened_tensors(values)
+
+
+def _flattened_tensors(values: object) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(values)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def hookable_output(output: object) -> bool:
+    """A full backward hook fires only for a module that returns a tensor or a tuple (torch warns otherwise)."""
+    return isinstance(output, (torch.Tensor, tuple))
+
+
+class ModuleHooks:
+    """The forward and backward hooks of every traced module of one Tracer."""
+
+    def __init__(self, tracer: HookedTracer, rewriter: GradOutputRecorder | None = None) -> None:
+        self._tracer = tracer
+        self._rewriter = rewriter
+
+    def attach_root(self, model: nn.Module, handles: list) -> None:
+        """The micro-batch clock (step_state.py): registered before any other hook on the root."""
+        handles.append(model.register_forward_pre_hook(self.guarded("", self._count_root_call)))
+
+    def attach(self, model: nn.Module, handles: list) -> None:
+        for fqn, module, backward in self._tracer.traced_modules(model):
+            handles.append(module.register_forward_pre_hook(self.guarded(fqn, self._pre_hook(fqn)), with_kwargs=True))
+            handles.append(module.register_forward_hook(self.guarded(fqn, self._forward_hook(fqn, backward))))
+            # Before a parallel style's own output hook: the DTensor it is about to make local.
+            handles.append(module.register_forward_hook(self.guarded(fqn, self._see_output_dtensors(fqn)), prepend=True))
+            if backward:
+                handles.append(module.register_full_backward_hook(self.guarded(fqn, self._backward_hook(fqn))))
+
+    def guarded(self, fqn: str, hook: Callable[..., None]) -> Callable[..., None]:
+        """`hook`, which only reads, made never to raise into the training: its error is a finding on `fqn`."""
+        record_error = self._tracer.record_error
+
+        def guarded(*args, **kwargs) -> None:
+            try:
+                hook(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - the run must go on; the error is recorded
+                record_error(error, fqn)
+        return guarded
+
+    def _count_root_call(self, module: nn.Module, args: tuple) -> None:
+        if self._tracer.recording() and not any(t.is_meta for t in tensors_of(args)):
+            self._tracer.state.root_calls += 1
+
+    def _pre_hook(self, fqn: str) -> Callable[[nn.Module, tuple, dict], None]:
+        tracer = self._tracer
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not tracer.recording():
+                return
+            state = tracer.state
+            inputs = tensors_of(args)
+            if any(t.is_meta for t in inputs) or (kwargs and any(t.is_meta for t in tensors_of(kwargs))):
+                state.pending_forward[fqn].append(None)  # shape inference (pipelining): not a micro-batch
+                return
+            local, call = state.next_forward_call(fqn)
+            micro_batch = tracer.global_micro_batch(local)
+            state.pending_forward[fqn].append((micro_batch, call))
+            for index, value in enumerate(inputs):
+                tracer.record(tracer.key("forward", fqn, f"input.{index}", micro_batch, call), value)
+            for name, value in kwargs.items():
+                if isinstance(value, torch.Tensor):
+                    tracer.record(tracer.key("forward", fqn, f"input.{name}", micro_batch, call), value)
+        return hook
+
+    def _see_output_dtensors(self, fqn: str) -> Callable[[nn.Module, tuple, object], None]:
+        tracer = self._tracer
+
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if tracer.recording():
+                seen = [value if isinstance(value, DTensor) else None for value in tensors_of(output)]
+                tracer.state.converted_outputs[fqn] = seen if any(v is not None for v in seen) else []
+        return hook
+
+    def _forward_hook(self, fqn: str, backward_hooked: bool) -> Callable[[nn.Module, tuple, object], None]:
+        tracer = self._tracer
+
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if not tracer.recording() or not tracer.state.pending_forward[fqn]:
+                return
+            entry = tracer.state.pending_forward[fqn].pop()
+            if entry is None:
+                return
+            micro_batch, call = entry
+            outputs = tensors_of(output)
+            for index, value in enumerate(outputs):
+                tracer.record(tracer.key("forward", fqn, f"output.{index}", micro_batch, call), value)
+            self._expect_backward(fqn, backward_hooked, output, outputs, entry)
+            tracer.state.converted_outputs.pop(fqn, None)
+        return hook
+
+    def _expect_backward(self, fqn: str, backward_hooked: bool, output: object, outputs: list[torch.Tensor],
+                         entry: tuple[int, int]) -> None:
+        """Which hook will see this call's gradients: its backward hook, tensor hooks on its outputs, or none."""
+        tracer = self._tracer
+        needs_grad = any(value.requires_grad for value in outputs)  # else no backward will come for this call
+        if needs_grad and backward_hooked and hookable_output(output):
+            tracer.state.pending_backward[fqn].append(entry)
+        elif callable(output) and not outputs:
+            tracer.blind_spots[fqn] = (f"its forward returns a function ({type(output).__name__}) that runs after the "
+                                       "module returns: that computation is not recorded and shows as its parent's glue")
+        elif needs_grad:
+            if backward_hooked:
+                tracer.blind_spots[fqn] = (f"its forward returns {type(output).__name__}, so backward hooks cannot fire: "
+                                           "its grad_output is recorded through tensor hooks, its grad_input is not")
+            self._record_grad_outputs_by_tensor_hooks(fqn, outputs, *entry)
+
+    def _record_grad_outputs_by_tensor_hooks(self, fqn: str, outputs: list[torch.Tensor], micro_batch: int, call: int) -> None:
+        """grad_output of a module without a backward hook: a hook on each output tensor (in-place changes
+        of the output after it, like a fused cross entropy's, do not disturb it)."""
+        tracer = self._tracer
+
+        def recorder(index: int) -> Callable[[torch.Tensor], None]:
+            def hook(grad: torch.Tensor) -> None:
+                if tracer.state is not None:
+                    tracer.record(tracer.key("backward", fqn, f"grad_output.{index}", micro_batch, call), grad)
+            return hook
+        for index, value in enumerate(outputs):
+            if value.requires_grad:
+                value.register_hook(self.guarded(fqn, recorder(index)))
+
+    def _backward_hook(self, fqn: str) -> Callable[[nn.Module, tuple, tuple], None]:
+        tracer, rewriter = self._tracer, self._rewriter
+
+        def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+            state = tracer.state
+            if state is None or (entry := state.next_backward_call(fqn, pop=True)) is None:
+                return
+            micro_batch, call = entry
+            if rewriter is None or not rewriter.records_grad_outputs(fqn):  # else recorded before the rewrite
+                for index, value in enumerate(grad_output):
+                    if isinstance(value, torch.Tensor):
+                        tracer.record(tracer.key("backward", fqn, f"grad_output.{index}", micro_batch, call), value)
+            for index, value in enumerate(grad_input):
+                if isinstance(value, torch.Tensor):
+                    tracer.record(tracer.key("backward", fqn, f"grad_input.{index}", micro_batch, call), value)
+        return hook

@@ -1,0 +1,80 @@
+"""Part of stage 1 (record): which modules a Tracer traces, and under which name.
+
+Input: the model on one rank and its TracerConfig (include/exclude globs, exclude_activations,
+forward_only, renames). Output: the traced modules with their global fqns and whether their backward is
+hooked (module_hooks.py attaches to them), and the modules left out with why (the trace's blind spots,
+written with every step file). Plain Python over module names; no hooks are touched here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator
+
+from torch import nn
+
+from ttrace_core.format.schema import WRAPPER_COMPONENTS, global_fqn, strip_wrappers
+from ttrace_core.format.tracer_config import TracerConfig
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    """A module that only wraps another (its child is traced under the wrapper's name instead). Told by
+    the child's name, not the class: fully_shard swaps a wrapper's class for a subclass of its own."""
+    return any(name in WRAPPER_COMPONENTS for name, _ in module.named_children())
+
+
+def _proper_ancestors(fqn: str) -> list[str]:
+    """"a.b.c" -> ["a", "a.b"]; the root ("") is left out: excluding it leaves its children traced."""
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def global_name(config: TracerConfig, local_fqn: str) -> str:
+    """The reference's name of this rank's module or parameter: wrapper components dropped
+    (activation checkpointing, torch.compile), then the config's renames applied."""
+    return global_fqn(strip_wrappers(local_fqn), config.rename)
+
+
+def is_selected(config: TracerConfig, local_fqn: str) -> bool:
+    """Whether the configuration's include and exclude globs select this (local, wrapper-free) name."""
+    return any(fnmatch.fnmatchcase(local_fqn, g) for g in config.include) and \
+        not any(fnmatch.fnmatchcase(local_fqn, g) for g in config.exclude)
+
+
+def traced_modules(config: TracerConfig, model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
+    """(global fqn, module, whether its backward is hooked) of every module whose activations are
+    recorded. A wrapper inside the model (a checkpoint wrapper) is skipped and the module it wraps
+    traced under its name; a wrapper at the root (torch.compile's) is traced itself, outside the
+    compiled code, and the module it wraps skipped."""
+    wrapped_root = {id(child) for name, child in model.named_children() if name in WRAPPER_COMPONENTS}
+    for local_fqn, module in model.named_modules():
+        name = strip_wrappers(local_fqn)
+        if (local_fqn and _is_wrapper(module)) or id(module) in wrapped_root or not is_selected(config, name) or \
+                any(fnmatch.fnmatchcase(name, g) for g in config.exclude_activations):
+            continue
+        backward = not any(fnmatch.fnmatchcase(name, g) for g in config.forward_only)
+        yield global_name(config, local_fqn), module, backward
+
+
+def untraced_modules(config: TracerConfig, model: nn.Module) -> dict[str, str]:
+    """Global fqn -> why the trace cannot see into it, for every module the configuration leaves
+    out (the outermost of a subtree left out for the same reason)."""
+    found = {}
+    for local_fqn, module in model.named_modules():
+        name = strip_wrappers(local_fqn)
+        if local_fqn and _is_wrapper(module):
+            continue
+        if not is_selected(config, name):
+            why = "not traced (tracer configuration: exclude): its own inputs and outputs are not recorded"
+        elif any(fnmatch.fnmatchcase(name, g) for g in config.exclude_activations):
+            why = ("activations not traced (tracer configuration: exclude_activations): its parameters, "
+                   "gradients and updates are recorded, its inputs and outputs are not")
+        elif any(fnmatch.fnmatchcase(name, g) for g in config.forward_only):
+            why = ("backward not hooked (tracer configuration: forward_only): its grad_output is recorded "
+                   "through tensor hooks on its outputs, its grad_input is not")
+        else:
+            continue
+        fqn = global_name(config, local_fqn)
+        if not any(found[p] == why for p in _proper_ancestors(fqn) if p in found):
+            found[fqn] = why
+    return found
