@@ -445,14 +445,20 @@ BELOW_THREE = {
                        "cover (glue-made inputs are not checked yet); in fp8 the estimate for it includes e4m3 "
                        "requantization of fc1's output, and against bf16 all of fp8's quantization. What to do: "
                        "check the layout in bf16 (ratio 8.8) or fp32.",
-    "row-parallel-bias-per-rank": "held-out only: the bias added twice is 11% of linear_proj's output at hidden 128 (29% at "
-                                  "hidden 64), and that output, combined from 2 bf16 partial sums, cannot be held tighter "
-                                  "than 4 sqrt(2) eps = 4.4% (the exact-inputs bound, which the perturbation estimate equals "
-                                  "here). The bug is intrinsically small next to one bf16 rounding of a TP2 sum. Against "
-                                  "bf16, the offset test sees it (the same 11% on every token) but fp8's quantization noise "
-                                  "is r = 6.5% of that output, whose part constant over 64 tokens may reach "
-                                  "alpha 4 x 3 r / sqrt(64) = 9.7%: ratio 1.15 to 1.23 held-out, 1.88 in-sample. What to do: "
-                                  "judge fp8 against an fp8 reference (ratio 6.7), or check in fp32 (ratio 3e5).",
+    "row-parallel-bias-per-rank": "fp8 against bf16 only. The bias added twice on every token is exactly what the "
+                                  "offset test measures, and it sees it: at layer 0's linear_proj output the error's "
+                                  "part constant over the tokens is 0.112 of the output's norm held-out (0.256 in-sample), "
+                                  "against 0.020 (0.029) on the clean TP2 run. The offset tolerance is 0.229 held-out "
+                                  "(0.19 in-sample): alpha 4 x the output's fp8-vs-bf16 noise r_t 0.065 x the largest "
+                                  "offset per unit of noise norm among the same output's estimate draws in all 8 layers, "
+                                  "0.88 (a draw whose noise lay almost entirely along a constant offset, from a "
+                                  "perturbed bias). So the offset ratio is 0.49 held-out (1.32 in-sample, the first "
+                                  "divergence) and the norm ratio 0.48 (1.10): what decides is how conservatively one "
+                                  "draw in 32 sets the offset noise, not what the traces can show. Held-out the run is "
+                                  "still judged not equivalent, by a tensor the bug removes (linear_proj's separate bias "
+                                  "output, `output.1`, missing in the candidate), so its first divergence has no ratio. "
+                                  "What to do: judge fp8 against an fp8 reference (ratio 6.67 held-out), or check the "
+                                  "layout in bf16 (3.07) or fp32 (3.5e5).",
     "sp-gather-wrong-dim": "fp8 only: the first divergence is output_layer's weight gradient, a reduced gradient whose e5m2 "
                           "requantization noise the estimate puts at 40%; the activation gradients the bug corrupts first "
                           "show later in execution order. What to do: check in bf16 (ratio 16).",
@@ -474,6 +480,13 @@ LOUD_CLEAN = {
                        "is one heavy-tailed number; four perturbed re-runs pooled over the micro-batches give eight "
                        "draws of it. Not yet fixed: a scale's tolerance should follow the amax of the tensor it scales "
                        "(the recorded input's largest element, in both runs), not eight draws.",
+    ("fp8 vs bf16", "base"): "In-sample only, at step 1's embedding gradients (`step 1 / mb 0 / backward / "
+                             "embedding.embedding_dropout / grad_input.0` and the word and position embeddings' "
+                             "grad_output): the fp8 run's gradient is 4.8% smaller along the bf16 one (scale -0.048) "
+                             "against a scale tolerance of 0.085, alpha 4 x the largest scale among the estimate's "
+                             "draws (about 0.021). Within the verdict, above the 0.5 goal, and not explained yet: why "
+                             "the TP2 candidates' step-1 embedding gradient shrinks twice as much as any fp8 re-run of "
+                             "the reference. The held-out runs stay <= 0.5 there.",
     ("fp8 vs bf16", "moe"): "At `step 1 / grad / decoder.layers.6.mlp.experts.local_experts.0.linear_fc2.weight / grad`: "
                             "an untraced expert's weight gradient at step 1 differs from the bf16 run's by 78% (fp8 "
                             "quantization compounded over a step), against a 148% tolerance. Within the verdict, above "
@@ -562,10 +575,12 @@ def held_out_sections(seconds: float | None = None) -> list[str]:
         lines += [f"| {r.run} | {r.variant} | {r.layout} | {_fmt(r.detected)} | {_fmt(r.first_ratio)} | {_fmt(r.max_ratio)} | "
                   f"{r.first_divergence or '-'} | {_error_over_tolerance(r)} |" for r in crossed]
     lines += ["", "### Bug runs below ratio 3, and why", ""]
+    # A run detected without a ratio at its first divergence (a missing tensor decided) is under 3 too.
     thin = [(split, r) for split, rows in (("in-sample", inside), ("held-out", held), ("held-out", crossed))
-            for r in rows if r.run != "clean" and r.first_ratio is not None and r.first_ratio < 3]
+            for r in rows if r.run != "clean" and r.detected and (r.first_ratio is None or r.first_ratio < 3)]
     for split, r in thin:
-        lines.append(f"- {split}, {r.precision} {r.run} ({r.layout}): ratio {_fmt(r.first_ratio)} at `{r.first_divergence}`, "
+        at = f"at `{r.first_divergence}`" if r.first_divergence else "with no tensor over its tolerance (a missing one decided)"
+        lines.append(f"- {split}, {r.precision} {r.run} ({r.layout}): ratio {_fmt(r.first_ratio)} {at}, "
                      f"{_error_over_tolerance(r)}. {BELOW_THREE.get(r.run, '')}")
     missed = [(split, r) for split, rows in (("in-sample", inside), ("held-out", held), ("held-out", crossed)) for r in rows
               if r.run != "clean" and r.detected is False]
