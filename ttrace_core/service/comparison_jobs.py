@@ -30,9 +30,11 @@ from ttrace_core.service.comparisons import cache_path
 from ttrace_core.service.jobs import PROGRESS_PREFIX, Job, JobSpec, submit
 from ttrace_core.service.replays import job_environment, project_root
 
-STREAM_ABOVE_BYTES = 256 * 2**20
+STREAM_ABOVE_BYTES = 64 * 2**20
 """Pairs whose step files hold more bytes than this are compared as a streamed job. Below it a
-comparison takes about a second, less than the job's own start (a Python with torch)."""
+comparison takes a second or two (benchmarks/results/scale.md: 0.8 s for a 23 MiB pair of 2,934
+tensors), about what the job's own start costs (a Python with torch); a 250 MiB pair of 31,000 small
+tensors takes 10 s, and its page would show nothing meanwhile."""
 CHUNK_ROWS = 256
 CHUNK_SECONDS = 0.5
 """A chunk is written after this many rows or seconds, whichever comes first."""
