@@ -120,7 +120,7 @@ def _one_step(mode: str, config, ddp, optimizer, rename, out: Path, step_index: 
     tracer.close()
     dist.barrier()
     size = sum(p.stat().st_size for p in run_dir.glob(f"rank_{dist.get_rank():05d}.*.h5"))  # this rank's own files
-    raw = tracer.num_bytes_written
+    raw = tracer.num_bytes_recorded  # duplicates counted again: the trace stores them once, as links
     totals = torch.tensor([size, raw], dtype=torch.float64)
     dist.all_reduce(totals)
     if dist.get_rank() == 0:

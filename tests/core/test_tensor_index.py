@@ -261,8 +261,9 @@ def test_the_writer_thread_links_the_same_bytes_without_copying_them_again(tmp_p
         [before.tolist(), before.tolist(), (before * 10).tolist()]
 
 
-def _traced_run(run_dir, role: str) -> None:
-    """Two steps of a small model through the Tracer: a Linear's output is the GELU's input, and so on."""
+def _traced_run(run_dir, role: str) -> tuple[int, int]:
+    """Two steps of a small model through the Tracer: a Linear's output is the GELU's input, and so on.
+    Returns the bytes written and the bytes recorded (duplicates counted again)."""
     from ttrace_core.record.tracer import Tracer
 
     torch.manual_seed(0)
@@ -277,6 +278,7 @@ def _traced_run(run_dir, role: str) -> None:
                 model(inputs).square().mean().backward()
             optimizer.step()
     tracer.close()
+    return tracer.num_bytes_written, tracer.num_bytes_recorded
 
 
 def test_a_deduplicated_trace_compares_exactly_as_a_full_one(tmp_path, monkeypatch):
@@ -287,10 +289,11 @@ def test_a_deduplicated_trace_compares_exactly_as_a_full_one(tmp_path, monkeypat
     from ttrace_core.format.same_storage import WrittenStorages
 
     _traced_run(tmp_path / "reference", "reference")
-    _traced_run(tmp_path / "deduplicated", "candidate")
+    written, recorded = _traced_run(tmp_path / "deduplicated", "candidate")
     with monkeypatch.context() as patch:  # every tensor written as its own dataset, as format 3 did
         patch.setattr(WrittenStorages, "first_dataset", lambda self, value, stats: (None, None))
-        _traced_run(tmp_path / "full", "candidate")
+        full_written, full_recorded = _traced_run(tmp_path / "full", "candidate")
+    assert written < full_written == full_recorded == recorded  # the same tensors recorded, fewer bytes written
     links = []
     for run in ("deduplicated", "full"):
         with h5py.File(tmp_path / run / STEP_FILE) as handle:

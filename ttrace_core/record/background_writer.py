@@ -54,6 +54,10 @@ class BackgroundWriter:
     def num_bytes_written(self) -> int:
         return self._writer.num_bytes_written
 
+    @property
+    def num_link_bytes(self) -> int:
+        return self._writer.num_link_bytes
+
     # ---- the training thread ------------------------------------------------------------------
 
     def begin_step(self, step: int) -> None:

@@ -434,6 +434,11 @@ class Tracer:
     def num_bytes_written(self) -> int:
         return self._writer.num_bytes_written
 
+    @property
+    def num_bytes_recorded(self) -> int:
+        """The recorded tensors' bytes, each duplicate counted again (it is stored as a link to its first copy)."""
+        return self._writer.num_bytes_written + self._writer.num_link_bytes
+
     def close(self) -> None:
         while self._undo:
             self._undo.pop()()
