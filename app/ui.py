@@ -154,7 +154,8 @@ def _compare_in_page(reference: Path, candidate: Path):
 
 @st.fragment(run_every=POLL_S)
 def _streamed_comparison(job: api.Job, partial_view: Callable[[api.StreamedRows], None] | None) -> None:
-    rows = api.streamed_rows(job)
+    known_key = f"_streamed:{job.directory}"
+    rows = st.session_state[known_key] = api.streamed_rows(job, st.session_state.get(known_key))
     if rows.state == "complete":
         st.rerun()  # the whole page, now from the cached table
     if rows.state != "running":

@@ -41,9 +41,14 @@ def heatmap_so_far(rows: "api.StreamedRows") -> None:
     marked = None if first is None else (shown.loc[first.name, "module"], first["kind"])
     first_tensor = None if first is None else (first["tensor"], int(first["step"]), int(first["micro_batch"]))
     st.caption(f"Step {step}, the tensors compared so far. Colour: log10(error / tolerance), 0 is the pass line.")
-    st.plotly_chart(figures.heatmap_figure(cells.heatmap_cells(shown, step, ALL_MICRO_BATCHES), cells.module_rows(shown),
-                                           marked, first_tensor, cells.focus_row(state.module, by_layer)),
-                    key="heatmap_so_far", config={"displayModeBar": False})
+    # Redrawn when the rows grew by a quarter: each poll drawing every row again took the cores the comparison needs.
+    drawn_key = f"_heatmap_so_far:{state.ref}:{state.cand}"
+    drawn = st.session_state.get(drawn_key)
+    if drawn is None or len(frame) >= 1.25 * drawn[0] or (first is not None) != drawn[1]:
+        figure = figures.heatmap_figure(cells.heatmap_cells(shown, step, ALL_MICRO_BATCHES), cells.module_rows(shown),
+                                        marked, first_tensor, cells.focus_row(state.module, by_layer))
+        drawn = st.session_state[drawn_key] = (len(frame), first is not None, figure)
+    st.plotly_chart(drawn[2], key="heatmap_so_far", config={"displayModeBar": False})
 
 
 state = view_state()

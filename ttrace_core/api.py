@@ -109,11 +109,12 @@ def submit_comparison(reference: str | os.PathLike, candidate: str | os.PathLike
     return submit(reference, candidate, settings)
 
 
-def streamed_rows(job: Job) -> StreamedRows:
-    """The rows a streamed comparison job has compared so far (the finished table's first rows), its progress and state."""
+def streamed_rows(job: Job, known: StreamedRows | None = None) -> StreamedRows:
+    """The rows a streamed comparison job has compared so far (the finished table's first rows), its progress and
+    state; given the previous answer `known`, only what was written since is read."""
     from ttrace_core.service.comparison_jobs import streamed_rows as rows_of
 
-    return rows_of(job)
+    return rows_of(job, known)
 
 
 def streamed_comparison(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings | None,

@@ -71,9 +71,12 @@ def test_heatmap_shows_the_first_divergence_before_the_table_is_complete(streame
     assert table is not None
     assert any(f"First divergence: `{FIRST}`" in error.value for error in app.error)
     assert len(app.get("plotly_chart")) == 2 and not app.get("progress")
-    # the streamed rows are the finished table's first rows
+    # the streamed rows are the finished table's first rows, and reading on from them gives the whole table
     columns = ["tensor", "order", "status", "passed", "ratio"]
     assert rows.frame[columns].equals(table.frame[columns].iloc[:len(rows.frame)].reset_index(drop=True))
+    rest = api.streamed_rows(job, rows)
+    assert rest.num_chunks > rows.num_chunks and rest.state == "complete"
+    assert rest.frame[columns].equals(table.frame[columns])
 
 
 def test_a_comparison_job_that_fails_shows_its_one_line_error(streamed_pair):

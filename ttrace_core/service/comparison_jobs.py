@@ -102,20 +102,27 @@ class StreamedRows:
     """The job's state: running, complete, failed, timed_out, cancelled."""
     message: str
     """Why the job failed (the last line its command printed), empty otherwise."""
+    num_chunks: int = 0
+    """Chunk files read: a later call given these rows reads only the chunks after them."""
 
 
-def streamed_rows(job: Job) -> StreamedRows:
+def streamed_rows(job: Job, known: StreamedRows | None = None) -> StreamedRows:
+    """What the job has compared so far; with `known` (an earlier answer for the same job), only the chunks
+    written since are read (chunks are final and numbered in order)."""
     from ttrace_core.compare.table import read_table
 
     status = job.status()
-    chunks = [read_table(path)[0] for path in _chunk_files(job.directory)]
+    files = _chunk_files(job.directory)
+    start = known.num_chunks if known is not None and known.num_chunks <= len(files) else 0
+    chunks = ([known.frame] if start and not known.frame.empty else []) + [read_table(path)[0] for path in files[start:]]
     frame = pd.concat(chunks, ignore_index=True) if chunks else pd.DataFrame()
     done, total = _progress_numbers(status.progress, len(frame))
     message = ""
     if status.state in ("failed", "timed_out", "cancelled"):
         tail = [line for line in job.log_tail(5) if line.strip() and not line.startswith(PROGRESS_PREFIX)]
         message = tail[-1].removeprefix("ttrace: error: ") if tail else status.message
-    return StreamedRows(frame=frame, num_done=done, num_total=total, state=status.state, message=message)
+    return StreamedRows(frame=frame, num_done=done, num_total=total, state=status.state, message=message,
+                        num_chunks=len(files))
 
 
 def _progress_numbers(progress: str, num_rows: int) -> tuple[int, int | None]:
