@@ -97,9 +97,12 @@ def render_diagnosis(profiles: dict[str, dict], rows: list[dict]) -> str:
         f"step's {extra_full:.2f} s of extra time ({writes / extra_full:.0%}): {by_mode['full']['trace_mib']:.0f} MiB "
         f"per step over all ranks, at page-cache speed. The writer thread moves that to another thread "
         f"({by_mode['full, writer thread']['overhead']:.2f}x against {by_mode['full']['overhead']:.2f}x) but needs an "
-        f"idle core to gain. Next step: store a tensor recorded twice in a step once (a module's output is the "
-        f"next module's input): {same_object:.0%} of the recorded bytes are the same tensor object recorded "
-        f"again, unchanged, and {same_storage:.0%} the same storage (this run's rank 0).")
+        f"idle core to gain. A tensor recorded twice in a step (a module's output is the next module's input: "
+        f"{same_object:.0%} of the recorded bytes are the same tensor object again, {same_storage:.0%} the same "
+        f"storage, this run's rank 0) is already stored once, as a hard link: the trace holds "
+        f"{by_mode['full']['bytes_ratio']:.2f}x the recorded tensor bytes. Next step: fewer bytes per step than the "
+        f"model's activations (statistics for the tensors a divergence is not looked for in, values where it is: "
+        f"`--adaptive`), or a core free for the writer thread.")
     lines.append(
         f"- Stats-only ({_verdict(by_mode['stats-only'])}): the tracer's hooks take "
         f"{stats['all tracer hooks (Tracer.record)']:.2f} s of the profiled step, "
