@@ -23,8 +23,8 @@ PAGES_DIR = Path(next(iter(importlib.util.find_spec("ttrace_dashboard.pages").su
 """The page scripts: pages/ in the repository, ttrace_dashboard/pages installed (pyproject.toml maps them)."""
 SETTINGS = api.CompareSettings()
 """How the dashboard judges tensors; the same object reaches the comparison, the replays and the report."""
-POLL_S = 1.0
-"""How often a page showing a streamed comparison reads its rows again."""
+POLL_S = 0.5
+"""How often a page showing a streamed comparison reads its rows again (only the chunks written since)."""
 PAGES = {  # url path -> (script, title, icon)
     "runs": ("runs.py", "Runs", ":material/folder_open:"),
     "matrix": ("matrix.py", "Layout matrix", ":material/table_chart:"),

@@ -144,11 +144,15 @@ class RowChunkWriter:
         self._num_written = 0
         self._last_write = time.monotonic()
         self._pause_after = int(os.environ.get(PAUSE_ENV, "0") or 0)
+        self._failure_written = False
 
     def add(self, comparison, candidate_reader) -> None:
         self._pending.append(comparison)
         pause_now = self._pause_after and self._num_written + len(self._pending) >= self._pause_after
-        if len(self._pending) >= CHUNK_ROWS or time.monotonic() - self._last_write >= CHUNK_SECONDS or pause_now:
+        first_failure = not comparison and not self._failure_written  # the first divergence: show it at once
+        self._failure_written = self._failure_written or first_failure
+        if len(self._pending) >= CHUNK_ROWS or time.monotonic() - self._last_write >= CHUNK_SECONDS or pause_now \
+                or first_failure:
             self.flush(candidate_reader)
 
     def flush(self, candidate_reader) -> None:
