@@ -1,0 +1,52 @@
+"""The README's cost figures are the results files' (benchmarks/results/): recording overhead and trace
+bytes, compare throughput, index opening, the dashboard's first and cached heatmap, growth exponents."""
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _readme() -> str:
+    return " ".join((ROOT / "README.md").read_text().split())
+
+
+def _row(text: str, label: str) -> list[str]:
+    line = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_recording_figures():
+    rows = {r["mode"]: r for r in json.loads((RESULTS / "recording_overhead.json").read_text())["rows"]}
+    readme = _readme()
+    for mode in ("raw hooks", "stats-only", "full"):
+        assert f"{rows[mode]['overhead']:.2f}x" in readme, mode
+    assert f"**{rows['full']['bytes_ratio']:.2f}x** the bytes of the tensors they record" in readme
+
+
+def test_compare_and_index_figures():
+    text = (RESULTS / "compare_throughput.md").read_text()
+    in_process = _row(text, "after: `compare_runs` after imports (indexing included)")
+    assert f"reads at {in_process[2]} MB/s, **{in_process[3]} of plain h5py**" in _readme()
+    speedup = re.search(r"\*\*([0-9.]+)x faster\*\*", (RESULTS / "index_open.md").read_text()).group(1)
+    assert f"**{speedup}x faster**" in _readme()
+
+
+def test_dashboard_figures():
+    text = (RESULTS / "dashboard.md").read_text()
+    readme = _readme()
+    first = _row(text, "first comparison (streamed), browser goto -> first divergence and the heatmap so far drawn")[1]
+    whole = _row(text, "first comparison, browser goto -> whole heatmap and timeline drawn")[1]
+    cached = _row(text, "cached heatmap, in the app: Runs -> 'Open the heatmap' -> drawn (median of 3)")[1]
+    for seconds in (first, whole, cached):
+        number = float(seconds.removesuffix(" s"))
+        assert f"**{number:.1f} s**" in readme or f"**{number:.2f} s**" in readme, seconds
+
+
+def test_growth_exponents():
+    fits = json.loads((RESULTS / "scale.json").read_text())["fits"]
+    readme = _readme()
+    assert f"(fitted exponent {fits['compare_s']['tensors']:.2f})" in readme
+    assert f"bytes ({fits['compare_s']['bytes']:.2f}:" in readme
