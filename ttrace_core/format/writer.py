@@ -227,6 +227,7 @@ class RunWriter:
         final = self.run_dir / step_file_name(self.rank, self._step)
         os.replace(str(final) + PARTIAL_SUFFIX, final)
         self._file, self._step = None, None
+        self._written.clear()  # links stay within a step; hold no weak reference to training's storages past it
 
     def _write_rows_dataset(self, name: str, rows: list[bytes]) -> None:
         """The tensor index or the findings: JSON lines as one uint8 dataset (none when there is no row)."""
@@ -250,6 +251,7 @@ class RunWriter:
             finally:
                 self._file.close()
                 self._file = None
+        self._written.clear()
 
     def stop(self) -> None:
         """Nothing to stop: this writer writes on the caller's thread (background_writer.py's does not)."""
