@@ -1,4 +1,4 @@
-"""Trace store: stage 1 (record) writes it (trace_writer.py), stage 2 (canonicalize) reads it here.
+"""Trace store: stage 1 (record) writes it (writer.py), stage 2 (canonicalize) reads it here.
 
 A run directory holds `manifest.json` and one HDF5 file per rank and step,
 `rank_00001.step_000000.h5`. A step file is written as `<name>.partial` and renamed only after it
