@@ -19,8 +19,9 @@ from ttrace_dashboard.state import ViewState, query_from_state, state_from_query
 from ttrace_core import api
 from ttrace_core.api import ROOT_ENV, TtraceError
 
-PAGES_DIR = Path(next(iter(importlib.util.find_spec("ttrace_dashboard.pages").submodule_search_locations)))
-"""The page scripts: pages/ in the repository, ttrace_dashboard/pages installed (pyproject.toml maps them)."""
+PAGES_DIR = Path(next(iter(importlib.util.find_spec("ttrace_dashboard.views").submodule_search_locations)))
+"""The page scripts: pages/ in the repository, ttrace_dashboard/views installed (pyproject.toml maps them; a
+`pages/` beside the entry script would be Streamlit's legacy multipage layout)."""
 SETTINGS = api.CompareSettings()
 """How the dashboard judges tensors; the same object reaches the comparison, the replays and the report."""
 POLL_S = 0.5

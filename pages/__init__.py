@@ -1,1 +1,1 @@
-"""The dashboard's page scripts, run by Streamlit (installed as ttrace_dashboard.pages)."""
+"""The dashboard's page scripts, run by Streamlit (installed as ttrace_dashboard.views)."""

@@ -93,7 +93,8 @@ def test_the_dashboard_ships_its_pages_and_needs_its_extra(venv, tmp_path):
     locate = "from ttrace_core.service.dashboard import app_entrypoint; print(app_entrypoint())"
     entrypoint = Path(run([venv / "bin" / "python", "-c", locate], cwd=tmp_path).stdout.strip())
     assert entrypoint.is_file() and entrypoint.is_relative_to(venv) and entrypoint.parent.name == "ttrace_dashboard"
-    pages = entrypoint.parent / "pages"
+    pages = entrypoint.parent / "views"  # not "pages": Streamlit's legacy multipage folder
+    assert not (entrypoint.parent / "pages").exists()
     assert sorted(p.name for p in pages.glob("*.py")) == sorted(p.name for p in (ROOT / "pages").glob("*.py"))
     # no generic top-level name in site-packages: the dashboard is `ttrace_dashboard`, the examples `ttrace_examples`
     for generic in ("app", "pages", "examples"):

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # Where each package lives in the repository: the dashboard is app/ and pages/, installed as ttrace_dashboard.
 PACKAGE_DIRS = {"ttrace_core": ROOT / "ttrace_core", "ttrace_examples": ROOT / "ttrace_examples",
-                "ttrace_dashboard": ROOT / "app", "ttrace_dashboard.pages": ROOT / "pages"}
+                "ttrace_dashboard": ROOT / "app", "ttrace_dashboard.views": ROOT / "pages"}
 # Layers from the bottom: a module may import from its own layer (no circle) or from a lower one.
 # `record` and `compare` share a layer but never import each other.
 LAYERS = [
@@ -137,7 +137,7 @@ def _circles() -> list[list[str]]:
 
 
 def test_every_module_is_found():
-    assert {"ttrace_core.api", "ttrace_core.compare.engine", "ttrace_dashboard.ui", "ttrace_dashboard.pages.heatmap",
+    assert {"ttrace_core.api", "ttrace_core.compare.engine", "ttrace_dashboard.ui", "ttrace_dashboard.views.heatmap",
             "ttrace_examples.commands"} <= MODULES.keys()
     assert "ttrace_core.format.reader" in EDGES["ttrace_core.compare.engine"]
 
@@ -188,4 +188,4 @@ def test_the_wheel_lists_every_package_under_its_installed_name():
             if "__pycache__" not in init.parts:
                 in_tree.add(".".join((package, *init.parent.relative_to(directory).parts)))
     assert set(config["packages"]) == in_tree
-    assert config["package-dir"] == {"ttrace_dashboard": "app", "ttrace_dashboard.pages": "pages"}
+    assert config["package-dir"] == {"ttrace_dashboard": "app", "ttrace_dashboard.views": "pages"}
