@@ -25,21 +25,18 @@ the training. A tensor that cannot be recorded (a declared placement that does n
 no one can infer, an error of the tracer's own) is left out and its step keeps a finding instead
 (format/findings.py); a step that cannot be written (a full disk) stops the recording, not the training.
 
-The Tracer's parts: module_hooks.py (the hooks on traced modules), selection.py (which modules are
-traced, under which name), layouts.py and declarations.py (the layout of a tensor that does not describe
+The Tracer's parts: module_hooks.py (the hooks on traced modules), failures.py (its own errors as
+findings), selection.py (which modules are traced, under which name), layouts.py and declarations.py (the layout of a tensor that does not describe
 its own), step_state.py (which micro-batch and call a module boundary belongs to).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -57,6 +54,7 @@ from ttrace_core.format.schema import (
 )
 from ttrace_core.record.background_writer import BackgroundWriter
 from ttrace_core.record.declarations import Declarations, UnknownLayoutError
+from ttrace_core.record.failures import failure_message, never_raises, one_sentence
 from ttrace_core.record.layouts import has_partial, plain_layout, with_flat_range
 from ttrace_core.record.module_hooks import ModuleHooks, quiet_hook_warnings
 from ttrace_core.record import selection
@@ -77,34 +75,6 @@ class InputRewriting(Protocol):
     def records_grad_outputs(self, fqn: str) -> bool: ...
     def describe(self) -> dict: ...
     def close(self) -> None: ...
-
-
-def _one_sentence(error: BaseException) -> str:
-    """`RuntimeError: [gloo ...] Read error ...: Connection reset by peer.` without gloo's advice after it."""
-    text = " ".join(str(error).split())
-    sentence, stop, _ = text.partition(". ")
-    return f"{type(error).__name__}: {sentence}{stop.strip()}"
-
-
-def _failure_message(fqn: str, slot: str, error: Exception) -> str:
-    """A failure of the tracer's own code in one line: what it left out, and where in ttrace it failed."""
-    where = f"{fqn or '<root>'} {slot}".rstrip() if fqn or slot else "ttrace"
-    frames = traceback.extract_tb(error.__traceback__)
-    origin = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
-    return (f"{where}: the tracer failed ({_one_sentence(error)}{origin}) and left {'it' if slot else 'what it was recording'} "
-            "out; the training went on. A ttrace bug: report it with this line")
-
-
-def _never_raises(method):
-    """A recording entry point the training code calls: its error is the trace's finding (Tracer.record_error),
-    never the training's exception."""
-    @functools.wraps(method)
-    def guarded(self: Tracer, *args, **kwargs) -> None:
-        try:
-            method(self, *args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - the run must go on; the error is recorded
-            self.record_error(error)
-    return guarded
 
 
 class Tracer:
@@ -292,14 +262,14 @@ class Tracer:
             if self.is_selected(owner_of(name)):
                 yield self.global_fqn(local_fqn), param
 
-    @_never_raises
+    @never_raises
     def record_scalar(self, phase: str, fqn: str, name: str, value: torch.Tensor, micro_batch: int = NO_MICRO_BATCH,
                       scale: float | None = None) -> None:
         """One of the step's scalars (step_scalars.py) under the pseudo-module `fqn`, slot "scalar.<name>"."""
         if self.recording():
             self.record(self.key(phase, fqn, f"scalar.{name}", micro_batch), value, scale=scale)
 
-    @_never_raises
+    @never_raises
     def record_loss(self, loss: torch.Tensor, num_tokens: torch.Tensor | None = None) -> None:
         """The loss a backward starts from, as the next local micro-batch's (with the loss scale, like the
         activation gradients it starts), and its token count when the loss function returns one."""
@@ -324,7 +294,7 @@ class Tracer:
         except Exception as error:  # noqa: BLE001 (the run must go on; the error is recorded)
             self.record_error(error)
 
-    @_never_raises
+    @never_raises
     def record_gradients(self) -> None:
         """Record every parameter's reduced gradient; call after backward, before optimizer.step().
         Once per step: clipping records them before it scales them (step_scalars.py)."""
@@ -336,7 +306,7 @@ class Tracer:
             if grad is not None:
                 self.record(self.key("grad", fqn, "grad", NO_MICRO_BATCH), grad)
 
-    @_never_raises
+    @never_raises
     def record_parameters(self, slot: str = "value") -> None:
         """Record every parameter's value; call after optimizer.step(). The step context records them
         before the step too (PRE_STEP_SLOT) when the previous step's values are not in the trace."""
@@ -358,7 +328,7 @@ class Tracer:
     def record_error(self, error: Exception, fqn: str = "", slot: str = "", key: TensorKey | None = None) -> None:
         """An error of the tracer's own code, met while recording `key` (or a call of module `fqn`): a finding,
         never the training's exception."""
-        self._keep_finding(fqn, slot, _failure_message(fqn, slot, error), key)
+        self._keep_finding(fqn, slot, failure_message(fqn, slot, error), key)
 
     def _left_out(self, key: TensorKey, message: str) -> None:
         """A tensor not recorded because its values cannot be mapped: its gradient cannot inherit its layout."""
@@ -390,7 +360,7 @@ class Tracer:
     def _stop_recording(self, step: int, error: Exception) -> None:
         """A step that cannot be written (a full disk, a file-size limit) stops the recording for the rest
         of the run, never the training: the step is left partial with the reason, and one line says so."""
-        self._abandon_step(_one_sentence(error))
+        self._abandon_step(one_sentence(error))
         self._recording_stopped = True
         print(write_failure(self._writer.run_dir, self.rank, step, error), file=sys.stderr, flush=True)
 
@@ -415,7 +385,7 @@ class Tracer:
         try:
             yield
         except BaseException as error:
-            self._abandon_step(_one_sentence(error))
+            self._abandon_step(one_sentence(error))
             raise
         if not self._recording_stopped:
             self._state = None
