@@ -26,8 +26,9 @@ no one can infer, an error of the tracer's own) is left out and its step keeps a
 (format/findings.py); a step that cannot be written (a full disk) stops the recording, not the training.
 
 The Tracer's parts: module_hooks.py (the hooks on traced modules), failures.py (its own errors as
-findings), selection.py (which modules are traced, under which name), layouts.py and declarations.py (the layout of a tensor that does not describe
-its own), step_state.py (which micro-batch and call a module boundary belongs to).
+findings), selection.py (which modules are traced, under which name), layouts.py and declarations.py
+(the layout of a tensor that does not describe its own), step_state.py (which micro-batch and call a
+module boundary belongs to).
 """
 
 from __future__ import annotations
