@@ -45,22 +45,26 @@ def _copy_with(candidate, tmp_path, change=None):
     return replay
 
 
+def _replayed(original, candidate, tmp_path, moved: TensorKey | None = None):
+    """check_reproduction of a copy of the candidate as its replay; `moved`: that tensor's first element on
+    rank 1 is 1.0 off in the copy."""
+    def move(replay_dir):
+        import h5py
+        with h5py.File(replay_dir / "rank_00001.step_000000.h5", "r+") as handle:
+            handle[f"forward/mb_{moved.micro_batch:04d}/{moved.fqn}#{moved.slot}"][0, 0] += 1.0
+
+    shutil.rmtree(tmp_path / "replay", ignore_errors=True)
+    with RunReader(candidate) as cand, RunReader(_copy_with(candidate, tmp_path, move if moved else None)) as replay:
+        return check_reproduction(original, cand, replay, 0)
+
+
 def test_a_faithful_replay_reproduces_and_a_changed_one_does_not(runs, tmp_path, monkeypatch):
     reference, candidate, original = runs
     exact_key = next(c.key for c in original.comparisons if c.passed and c.key.phase == "forward")
     monkeypatch.setattr("ttrace_core.localize.reproduction.reproducible_keys", lambda original, step: [exact_key])
-    with RunReader(candidate) as cand, RunReader(_copy_with(candidate, tmp_path)) as replay:
-        same = check_reproduction(original, cand, replay, 0)
+    same = _replayed(original, candidate, tmp_path)
     assert same.reproduced is True and same.num_checked == 1 and same.mismatches == []
-
-    def perturb(replay_dir):
-        import h5py
-        with h5py.File(replay_dir / "rank_00001.step_000000.h5", "r+") as handle:
-            handle[f"forward/mb_{exact_key.micro_batch:04d}/{exact_key.fqn}#{exact_key.slot}"][0, 0] += 1.0
-
-    shutil.rmtree(tmp_path / "replay")
-    with RunReader(candidate) as cand, RunReader(_copy_with(candidate, tmp_path, perturb)) as replay:
-        changed = check_reproduction(original, cand, replay, 0)
+    changed = _replayed(original, candidate, tmp_path, moved=exact_key)
     assert changed.reproduced is False and str(exact_key) in changed.mismatches[0]
 
 
@@ -80,15 +84,6 @@ def test_a_replay_whose_replicas_drift_as_the_candidates_did_reproduces_it(runs,
     reference, candidate, original = runs
     drift = next(c.key for c in original.comparisons if c.status == "replica_drift" and c.key.micro_batch == 0)
     monkeypatch.setattr("ttrace_core.localize.reproduction.reproducible_keys", lambda original, step: [drift])
-    with RunReader(candidate) as cand, RunReader(_copy_with(candidate, tmp_path)) as replay:
-        assert check_reproduction(original, cand, replay, 0).reproduced is True
-
-    def move_rank_1(replay_dir):
-        import h5py
-        with h5py.File(replay_dir / "rank_00001.step_000000.h5", "r+") as handle:
-            handle[f"forward/mb_0000/{drift.fqn}#{drift.slot}"][0, 0] += 1.0
-
-    shutil.rmtree(tmp_path / "replay")
-    with RunReader(candidate) as cand, RunReader(_copy_with(candidate, tmp_path, move_rank_1)) as replay:
-        moved = check_reproduction(original, cand, replay, 0)
+    assert _replayed(original, candidate, tmp_path).reproduced is True
+    moved = _replayed(original, candidate, tmp_path, moved=drift)
     assert moved.reproduced is False and "replica_drift" in moved.mismatches[0]
