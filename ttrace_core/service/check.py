@@ -122,6 +122,11 @@ def recording_inputs(config: CheckConfig, command: list[str], role: str, code: s
             "ttrace": ttrace_version()}
 
 
+def log_path(config: CheckConfig, layout: Layout, precision: str) -> Path:
+    """Where a layout's recording writes its command's output, beside its run directory."""
+    return config.output / precision / f"{layout.name}.log"
+
+
 def _reusable(run_dir: Path, inputs_file: Path, inputs: dict) -> bool:
     try:
         return (run_dir / "manifest.json").is_file() and json.loads(inputs_file.read_text()) == inputs
@@ -135,7 +140,7 @@ def record_layout(config: CheckConfig, layout: Layout, precision: str, role: str
     from ttrace_core.record.command import record
 
     directory = config.output / precision
-    run_dir, inputs_file, log = directory / layout.name, directory / f"{layout.name}.inputs.json", directory / f"{layout.name}.log"
+    run_dir, inputs_file, log = directory / layout.name, directory / f"{layout.name}.inputs.json", log_path(config, layout, precision)
     command = config.command_for(layout, precision)
     inputs = recording_inputs(config, command, role, code)
     if _reusable(run_dir, inputs_file, inputs):
@@ -154,7 +159,7 @@ def record_layout(config: CheckConfig, layout: Layout, precision: str, role: str
 
 def log_tail(config: CheckConfig, layout: Layout, precision: str) -> list[str]:
     try:
-        return (config.output / precision / f"{layout.name}.log").read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        return log_path(config, layout, precision).read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
     except OSError:
         return []
 
@@ -167,7 +172,7 @@ def prepare_reference(config: CheckConfig, precision: str, code: str) -> tuple[P
     try:
         run_dir, reused, seconds = record_layout(config, config.reference, precision, "reference", code)
     except TtraceError as error:
-        log = config.output / precision / f"{config.reference.name}.log"
+        log = log_path(config, config.reference, precision)
         raise ReferenceRefused(f"the reference ({precision}) could not be recorded: {error}; its log: {log}") from None
     with RunReader(run_dir) as reader:
         liveness = reference_liveness(reader, reader.complete_steps)
@@ -242,7 +247,7 @@ def judge_layout(config: CheckConfig, layout: Layout, precision: str, reference:
 def _error(layout: Layout, precision: str, config: CheckConfig, error: Exception) -> LayoutResult:
     line = str(error).splitlines()[0] if str(error) else type(error).__name__
     return LayoutResult(name=layout.name, precision=precision, layout=shlex.join(layout.args), world_size=layout.world_size,
-                        outcome="error", message=line, log=str(config.output / precision / f"{layout.name}.log"),
+                        outcome="error", message=line, log=str(log_path(config, layout, precision)),
                         log_tail=log_tail(config, layout, precision))
 
 
@@ -270,7 +275,7 @@ def run_check(config: CheckConfig, *, jobs: int = 1, settings: CompareSettings |
                 except TtraceError as error:
                     found = _error(layout, precision, config, error)
                 found.reused, found.seconds["record"], found.run_dir = reused, round(seconds, 3), str(run_dir)
-                found.log = str(config.output / precision / f"{layout.name}.log")
+                found.log = str(log_path(config, layout, precision))
             check.layouts.append(found)
             progress(f"[{precision}] {layout.name}: {found.outcome.upper()}: {found.message}")
     check.seconds = round(time.perf_counter() - started, 3)
