@@ -134,6 +134,7 @@ class Row:
     max_scale: float | None = None
     max_offset: float | None = None
     max_update: float | None = None
+    max_bias: float | None = None
 
 
 def bug_runs(precisions: list[str], split: str = "in-sample") -> list[Run]:
@@ -252,7 +253,7 @@ def evaluate_ttrace_only(run: Run, work: Path, *, reference_precision: str | Non
     return row
 
 
-STRUCTURE_COLUMNS = {"scale": ("scale",), "offset": ("offset",), "update": ("update", "replica update")}
+STRUCTURE_COLUMNS = {"scale": ("scale",), "offset": ("offset",), "bias": ("bias",), "update": ("update", "replica update")}
 """Each structure column of the results (max_<column>, decided by) and the tests it gathers."""
 
 
@@ -267,7 +268,8 @@ def fill_verdict(row: Row, result) -> None:
     row.max_ratio = max((c.ratio for c in result.comparisons if c.ratio is not None), default=None)
     row.first_decided_by = first.decided_by if first is not None else ""
     row.first_finding = next((t.finding for t in (first.structure if first is not None else []) if t.name == first.decided_by), "")
-    row.max_norm = max((max(c.value_ratio, c.drift_ratio or 0.0) for c in result.comparisons if c.value_ratio is not None), default=None)
+    row.max_norm = max((max(c.value_ratio or 0.0, c.drift_ratio or 0.0) for c in result.comparisons
+                        if c.value_ratio is not None or c.drift_ratio is not None), default=None)
     for column, names in STRUCTURE_COLUMNS.items():
         setattr(row, f"max_{column}", max((t.ratio for c in result.comparisons for t in c.structure if t.name in names),
                                           default=None))
@@ -601,15 +603,18 @@ def structure_section(rows: list[Row]) -> list[str]:
     lines = ["### Each test's largest ratio on the held-out clean runs, and what decided the bug runs", "",
              "Next to the norm test (`norm`, with replica drift), each tensor gets the structure tests of "
              "docs/tolerances.md: `scale` (the error's projection on the reference), `offset` (its part constant "
-             "along the tokens) and `update` (a post-step parameter's change against the change's own noise, and its "
-             "replicas' difference in units of that change, `replica update`).", "",
-             "| precision | clean runs | norm | scale | offset | update | bug runs decided by norm / scale / offset / update |",
-             "|---|---|---|---|---|---|---|"]
+             "along the tokens), `bias` (that part along the module's own bias) and `update` (a post-step parameter's "
+             "change against the change's own noise, and its replicas' difference in units of that change, `replica "
+             "update`). The norm column includes replica drift, and with it the fp8 candidates' own scales against a "
+             "bf16 reference (their replicas must agree).", "",
+             "| precision | clean runs | norm | scale | offset | bias | update | bug runs decided by norm / scale / offset / "
+             "bias / update |",
+             "|---|---|---|---|---|---|---|---|"]
     for precision in sorted({r.precision for r in rows}, key=lambda p: (" vs " in p, p)):
         cleans = [r for r in rows if r.precision == precision and r.run == "clean" and r.detected is not None]
         bugs = [r for r in rows if r.precision == precision and r.run != "clean" and r.detected]
         largest = [_fmt(max((getattr(r, f"max_{name}") for r in cleans if getattr(r, f"max_{name}") is not None), default=None))
-                   for name in ("norm", "scale", "offset", "update")]
+                   for name in ("norm", "scale", "offset", "bias", "update")]
         decided = " / ".join(str(sum(r.first_decided_by in names for r in bugs))
                              for names in (("mismatch", "replica drift"), *STRUCTURE_COLUMNS.values()))
         lines.append(f"| {precision} | {len(cleans)} | " + " | ".join(largest) + f" | {decided} |")
@@ -675,7 +680,7 @@ def _row_from_csv(data: dict) -> Row:
 
 
 FLOAT_COLUMNS = ("first_ratio", "max_ratio", "first_error", "first_tolerance", "max_norm", "max_scale", "max_offset",
-                 "max_update")
+                 "max_update", "max_bias")
 
 
 def _cpu_count() -> int:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation
-from ttrace_core.compare.structure import (replica_update_test, rounding_spread, statistics, structure_tests,
+from ttrace_core.compare.results import StructureTest
+from ttrace_core.compare.structure import (bias_to_value, replica_update_test, rounding_spread, statistics, structure_tests,
                                           with_exact_inputs)
 from ttrace_core.compare.tolerances import PerturbationTolerances
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
@@ -34,14 +35,22 @@ def _estimate(key: TensorKey, expected: torch.Tensor, samples: list[dict[str, fl
     return PerturbationTolerances(estimate=estimate, precision=precision)
 
 
-def _ratios(candidate: torch.Tensor, expected: torch.Tensor, *, seed: int = 0) -> dict[str, float]:
-    """Each statistic's ratio for `candidate` against `expected`, its tolerance from 4 noisy re-runs."""
+def _tests(candidate: torch.Tensor, expected: torch.Tensor, *, seed: int = 0, bias: torch.Tensor | None = None
+           ) -> dict[str, StructureTest]:
+    """Each statistic's test for `candidate` against `expected`, its tolerance from 4 noisy re-runs; with
+    `bias`, the module's own bias (the bias test)."""
     generator = torch.Generator().manual_seed(seed)
     perturbed = [_noisy(expected, generator) for _ in range(4)]
-    samples = [statistics(p - expected, expected) for p in perturbed]
+    samples = [statistics(p - expected, expected, bias=bias) for p in perturbed]
     relatives = [float((p - expected).norm() / expected.norm()) for p in perturbed]
     tolerances = _estimate(KEY, expected, samples, relatives).structure_tolerances(KEY, "bfloat16", tuple(expected.shape))
-    return {t.name: t.ratio for t in structure_tests(statistics(candidate - expected, expected), tolerances)}
+    measured = statistics(candidate - expected, expected, bias=bias)
+    return {t.name: t for t in structure_tests(measured, tolerances, bias_to_value(expected, bias))}
+
+
+def _ratios(candidate: torch.Tensor, expected: torch.Tensor, *, seed: int = 0, bias: torch.Tensor | None = None
+            ) -> dict[str, float]:
+    return {name: test.ratio for name, test in _tests(candidate, expected, seed=seed, bias=bias).items()}
 
 
 @pytest.fixture
@@ -51,10 +60,11 @@ def activation() -> torch.Tensor:
 
 
 def test_noise_alone_stays_at_half_the_line(activation):
+    bias = 0.02 * torch.randn(SHAPE[-1], generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     for seed in range(20):
         generator = torch.Generator().manual_seed(100 + seed)
-        ratios = _ratios(_noisy(activation, generator), activation, seed=seed)
-        assert set(ratios) == {"scale", "offset"}
+        ratios = _ratios(_noisy(activation + bias, generator), activation + bias, seed=seed, bias=bias)
+        assert set(ratios) == {"scale", "offset", "bias"}
         assert max(ratios.values()) <= 0.5, (seed, ratios)
 
 
@@ -77,6 +87,35 @@ def test_a_bias_added_on_one_rank_fires_the_offset_test(activation):
     norm_relative = float((candidate - activation).norm() / activation.norm())
     assert norm_relative < 4 * NOISE  # under the norm test's tolerance: it passes there
     assert _ratios(candidate, activation)["offset"] >= 3
+
+
+@pytest.mark.parametrize("times", [1, -1])
+def test_a_bias_added_once_per_rank_fires_the_bias_test_however_small_the_bias(activation, times):
+    """A row-parallel linear that adds its bias on each of tp ranks before the all-reduce adds it tp - 1 times
+    too often (-1: a bias never added). The bias here is 1% of the output's rms, so the error stays far under the
+    norm test and the offset test (noise 2%), but it lies exactly along the module's own bias."""
+    generator = torch.Generator().manual_seed(12)
+    bias = 0.01 * torch.randn(SHAPE[-1], generator=generator, dtype=torch.float64)
+    expected = activation + bias
+    candidate = _noisy(expected + times * bias, generator)
+    tests = _tests(candidate, expected, bias=bias)
+    assert tests["offset"].ratio < 1 and float((candidate - expected).norm() / expected.norm()) < 4 * NOISE
+    assert tests["bias"].ratio >= 3
+    found = tests["bias"]
+    assert abs(found.value - times) < 0.1 and found.finding.startswith(f"offset by {found.value:.3g} x its module's own bias")
+    assert ("more times" if times > 0 else "fewer times") in found.finding
+
+
+def test_the_bias_statistic_is_the_same_in_every_layer_whatever_its_bias():
+    """The statistic is the offset along the bias in units of the tensor's norm: round-off that shows 0.4 of a
+    bias of 1% in one layer shows 0.04 of a bias of 10% in another, so pooling layers compares like with like."""
+    generator = torch.Generator().manual_seed(13)
+    expected = torch.randn(SHAPE, generator=generator, dtype=torch.float64)
+    direction = torch.randn(SHAPE[-1], generator=generator, dtype=torch.float64)
+    error = 0.004 * direction.expand(SHAPE)
+    small, large = statistics(error, expected, bias=0.01 * direction), statistics(error, expected, bias=0.1 * direction)
+    assert small["bias"] == pytest.approx(large["bias"])
+    assert bias_to_value(expected, 0.01 * direction) == pytest.approx(bias_to_value(expected, 0.1 * direction) / 10)
 
 
 @pytest.mark.parametrize("transform", ["stale shard", "shifted slice"])
@@ -222,3 +261,24 @@ def test_exact_inputs_scale_tolerance_holds_relative_rounding_of_heavy_tailed_va
     # and a real scale error of 4 roundings still fails: x (1 + 4 eps) on every element
     assert abs(statistics(expected * 4 * 2.0**-23, expected)["scale"]) / (
         with_exact_inputs({"scale": 1.0}, exact_rel, tuple(expected.shape), rounding_spread(expected))["scale"]) > 3
+
+
+def test_a_tensor_whose_draws_are_tighter_than_its_layers_gets_their_tail():
+    """4 draws of one MoE expert's step-1 gradient ranged 0.25 to 0.36 while the same expert of another layer drew
+    0.54 to 2.0 (a router sending tokens elsewhere): r_t is at least the median of a tensor's draws times the largest
+    tail (largest / median) of its family; a tensor of another family keeps its own largest draw."""
+    def key(fqn):
+        return TensorKey(step=1, micro_batch=NO_MICRO_BATCH, phase="grad", fqn=fqn, slot="grad")
+
+    draws = {key("layers.6.experts.0.fc2.weight"): [0.29, 0.35, 0.25, 0.33],
+             key("layers.1.experts.0.fc2.weight"): [0.54, 0.77, 1.04, 1.98],
+             key("layers.6.attn.weight"): [0.29, 0.35, 0.25, 0.33]}
+    tensors = {k: TensorDeviation(key=k, deviation=max(v), reference_norm=1.0, numel=4096, per_sample=v) for k, v in draws.items()}
+    provider = PerturbationTolerances(estimate=PerturbationEstimate(precision="fp8", num_samples=4, relative=2.0**-8,
+                                                                    tensors=tensors), precision="fp8")
+    tail = 1.98 / ((0.77 + 1.04) / 2)
+    widened = provider.tolerance_for(key("layers.6.experts.0.fc2.weight"), "bfloat16")
+    assert widened.rel == pytest.approx(provider.alpha * 0.31 * tail)
+    assert "tail" in widened.source
+    assert provider.tolerance_for(key("layers.1.experts.0.fc2.weight"), "bfloat16").rel == pytest.approx(provider.alpha * 1.98)
+    assert provider.tolerance_for(key("layers.6.attn.weight"), "bfloat16").rel == pytest.approx(provider.alpha * 0.35)

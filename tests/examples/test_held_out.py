@@ -89,8 +89,24 @@ def test_structure_tests_lift_bugs_the_norm_leaves_under_3(tmp_path):
     scale = next(t for t in first.structure if t.name == "scale")
     assert abs(scale.value + 0.5) < 0.05 and scale.finding.startswith("scaled by 0.4")
 
+    # fp8 against the bf16 reference: TP ranks cast their weight shards with their own amax's scale; the reference
+    # has no scales to compare with, but the candidate's replicas of each scale must be bitwise equal
+    _, amax = _compare(reference16, _record(tmp_path / "amax", "fp8", "--tp", "2", "--bug", "fp8-amax-wrong-group"),
+                       tmp_path / "amax.json")
+    first, where = _first(amax)
+    assert "fp8_scale_inv" in where and first.decided_by == "replica drift" and first.ratio >= 3, (where, first.message)
+    assert first.value_ratio is None and "amax was not reduced" in first.message
+
+    # fp8 against the bf16 reference: the bias added on both TP ranks before the all-reduce lies along the module's
+    # own bias, under the quantization noise of the norm and offset tests
+    _, bias = _compare(reference16, _record(tmp_path / "bias8", "fp8", "--tp", "2", "--bug", "row-parallel-bias-per-rank"),
+                       tmp_path / "bias8.json")
+    first, where = _first(bias)
+    assert "linear_proj / output.0" in where and first.decided_by == "bias" and first.ratio >= 3, (where, first.message)
+    assert first.value_ratio < 3 and "x its module's own bias" in first.message
+
     clean = _record(tmp_path / "clean8", "fp8", "--tp", "2", "--sp")
     for reference in (reference8, reference16):
         code, result = _compare(reference, clean, tmp_path / f"clean-{reference.name}.json")
         assert code == 0 and _max_ratio(result) <= 0.5, (reference.name, [str(c.key) for c in result.failures][:3])
-        assert {t.name for c in result.comparisons for t in c.structure} >= {"scale", "offset", "update"}
+        assert {t.name for c in result.comparisons for t in c.structure} >= {"scale", "offset", "bias", "update"}

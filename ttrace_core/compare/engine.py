@@ -23,8 +23,10 @@ from ttrace_core.canonicalize.shards import ReplicaDrift
 from ttrace_core.compare.exact_inputs import ExactInputs
 from ttrace_core.errors import LayoutError
 from ttrace_core.compare.results import RunComparison, StructureTest, TensorComparison, Tolerance
-from ttrace_core.compare.structure import (REPLICA_UPDATE, detectable_error, replica_update_test, rounding_spread, statistics,
-                                          structure_tests, with_exact_inputs)
+from ttrace_core.compare.candidate_only import replica_disagreements, scale_owner
+from ttrace_core.compare.module_bias import module_bias
+from ttrace_core.compare.structure import (REPLICA_UPDATE, bias_to_value, detectable_error, replica_update_test, rounding_spread,
+                                          statistics, structure_tests, with_exact_inputs)
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.evidence import (
     check_comparable, data_mismatch_finding, inconsistency, quantization_only, tally_coverage, unrecorded_keys,
@@ -143,7 +145,7 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
         return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=cand_metas[0].layout.global_shape,
                                 message=f"global shape {cand_metas[0].layout.global_shape} in the candidate, "
                                         f"{ref_metas[0].layout.global_shape} in the reference")
-    dims, structure, update_to_value = None, [], None
+    dims, structure, units = None, [], StructureUnits()
     try:
         if ref_metas[0].stats_only or cand_metas[0].stats_only:
             return _compare_stats(key, reference, candidate, tolerance)
@@ -158,8 +160,8 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
                                         message=f"shape {tuple(actual.values.shape)} in the candidate, "
                                                 f"{tuple(expected.values.shape)} in the reference")
             metrics, replica_drift = compare_values(actual, expected, tolerance), cand_full.replica_drift
-            structure, update_to_value = _structure(key, actual, expected, reference, candidate, tolerances, cand_dtype,
-                                                    tolerance, replica_drift)
+            structure, units = _structure(key, actual, expected, reference, candidate, tolerances, cand_dtype, tolerance,
+                                          replica_drift)
     except LayoutError as error:
         return TensorComparison(key=key, status="layout", dtype=cand_dtype, message=str(error))
     drift = asdict(replica_drift) if replica_drift else None
@@ -169,38 +171,48 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
                                   replica_drift=drift, ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio,
                                   drift_ratio=drift_ratio, decided_by="replica drift" if drift_ratio > value_ratio else "mismatch",
                                   **metrics)
-    _judge_structure(comparison, structure, update_to_value)  # (none on slabs: bounded.py reads no whole tensor)
+    _judge_structure(comparison, structure, units)  # (none on slabs: bounded.py reads no whole tensor)
     return comparison
+
+
+@dataclass(frozen=True, slots=True)
+class StructureUnits:
+    """What turns a structure test's tolerance into a relative error of the tensor (detectable_error)."""
+
+    update_to_value: float | None = None
+    """||E - E_before|| / ||E|| of a post-step parameter."""
+    bias_ratio: float | None = None
+    """sqrt(R) ||b|| / ||E|| of a forward output whose module has a bias b."""
 
 
 def _structure(key: TensorKey, actual: ScaledValues, expected: ScaledValues, reference: RunReader, candidate: RunReader,
                tolerances: ToleranceProvider, dtype: str, tolerance: Tolerance, replica_drift: ReplicaDrift | None
-               ) -> tuple[list[StructureTest], float | None]:
-    """The structure tests of one tensor (compare/structure.py) and, for a post-step parameter, the ratio
-    ||E - E_before|| / ||E|| that turns an update error into a relative error of the value. `tolerance`:
-    the norm test's, whose exact-inputs bound (when it applies) tightens the structure tests too; a
-    post-step parameter's `replica_drift` is also judged in units of its update."""
+               ) -> tuple[list[StructureTest], StructureUnits]:
+    """The structure tests of one tensor (compare/structure.py) and the units of its update and bias tests.
+    `tolerance`: the norm test's, whose exact-inputs bound (when it applies) tightens the structure tests
+    too; a post-step parameter's `replica_drift` is also judged in units of its update."""
     derive = getattr(tolerances, "structure_tolerances", None)
     shape = tuple(expected.values.shape)
-    allowed = derive(key, dtype, shape) if derive is not None else {}
-    if not allowed:
-        return [], None
+    if derive is None or not derive(key, dtype, shape):
+        return [], StructureUnits()
     actual, expected = actual.float64(), expected.float64()  # only here: most tolerances have no structure tests
     if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
-        return [], None
+        return [], StructureUnits()
     before = _values_before_step(key, reference, candidate)
-    update_to_value = None
+    bias = module_bias(reference, key)
+    units = StructureUnits(bias_ratio=bias_to_value(expected, bias))
     if before is not None and (norm := float(torch.linalg.vector_norm(expected))) > 0:
-        update_to_value = float(torch.linalg.vector_norm(expected - before[1])) / norm
-        allowed = derive(key, dtype, shape, update_to_value)
+        units = StructureUnits(update_to_value=float(torch.linalg.vector_norm(expected - before[1])) / norm,
+                               bias_ratio=units.bias_ratio)
+    allowed = derive(key, dtype, shape, units.update_to_value)
     if tolerance.method == "exact-inputs":
         allowed = with_exact_inputs(allowed, tolerance.rel, shape, rounding_spread(expected))
-    measured = statistics(actual - expected, expected, None if before is None else (before[0] - before[1], before[1]))
-    tests = structure_tests(measured, allowed)
-    if update_to_value and replica_drift is not None and (replicas := replica_update_test(
-            replica_drift.relative_diff, replica_drift.ranks, update_to_value, expected.numel(), storage_epsilon(dtype))):
+    measured = statistics(actual - expected, expected, None if before is None else (before[0] - before[1], before[1]), bias)
+    tests = structure_tests(measured, allowed, units.bias_ratio)
+    if units.update_to_value and replica_drift is not None and (replicas := replica_update_test(
+            replica_drift.relative_diff, replica_drift.ranks, units.update_to_value, expected.numel(), storage_epsilon(dtype))):
         tests.append(replicas)
-    return tests, update_to_value
+    return tests, units
 
 
 def _values_before_step(key: TensorKey, reference: RunReader, candidate: RunReader
@@ -220,12 +232,12 @@ def _values_before_step(key: TensorKey, reference: RunReader, candidate: RunRead
     return values[0], values[1]
 
 
-def _judge_structure(comparison: TensorComparison, tests: list[StructureTest], update_to_value: float | None) -> None:
+def _judge_structure(comparison: TensorComparison, tests: list[StructureTest], units: StructureUnits) -> None:
     """Fold the structure tests into the row: the largest ratio decides, the message names the test and
     states the transform it found; `detectable` is the smallest error any test catches."""
     comparison.structure = tests
     if comparison.error is not None and comparison.tolerance is not None:
-        comparison.detectable = detectable_error(comparison.tolerance.rel, tests, update_to_value)
+        comparison.detectable = detectable_error(comparison.tolerance.rel, tests, units.update_to_value, units.bias_ratio)
     if not tests or comparison.status not in ("pass", "mismatch", "replica_drift"):
         return
     worst = max(tests, key=lambda t: t.ratio)
@@ -331,7 +343,15 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
                                    exact_inputs_k=exact_inputs_k, partial=partial, max_bytes=max_bytes)
     total = len(plan.ordered) + len(plan.extras)
     exact = ExactInputs(plan.common)
+    crossed = reference.manifest.precision != candidate.manifest.precision
+    scales_only = [key for key in plan.extras if crossed and quantization_only(key)]
+    pending: dict[tuple, list[TensorComparison]] = {}
+    for row in replica_disagreements(candidate, scales_only):
+        pending.setdefault(scale_owner(row.key), []).append(row)
     for done, key in enumerate(plan.ordered, start=1):
+        if key.phase == "forward" and key.slot.startswith("output"):
+            for row in pending.pop((key.step, key.micro_batch, key.call, key.fqn), []):
+                _append(result, row, on_row)
         if key in plan.common:
             num_terms = exact.num_partial_terms(key, candidate.manifest.world_size) if plan.exact_inputs_k else None
             known = None if precomputed is None or num_terms else precomputed.get(key)
@@ -345,26 +365,34 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
             on_row(result.comparisons[-1])
         if progress:
             progress(done, total)
-    crossed = reference.manifest.precision != candidate.manifest.precision
-    scales_only = [key for key in plan.extras if crossed and quantization_only(key)]
+    for rows in pending.values():
+        for row in rows:
+            _append(result, row, on_row)
     if scales_only:
         result.notes.append(f"{len(scales_only)} tensors only the {candidate.manifest.precision} candidate records "
-                            f"(its quantization scales, e.g. {scales_only[0]}) were not compared: the "
-                            f"{reference.manifest.precision} reference has none")
+                            f"(its quantization scales, e.g. {scales_only[0]}) were not compared with values: the "
+                            f"{reference.manifest.precision} reference has none; their replicas were checked against "
+                            f"each other")
     for key in plan.extras:
         if key not in scales_only:
-            result.comparisons.append(TensorComparison(key=key, status="extra", message="recorded in the candidate only"))
-            if on_row:
-                on_row(result.comparisons[-1])
+            _append(result, TensorComparison(key=key, status="extra", message="recorded in the candidate only"), on_row)
     if plan.compared_whole:
         key, needed = max(plan.compared_whole.items(), key=lambda item: item[1])
         result.notes.append(f"{len(plan.compared_whole)} tensors over the memory budget could not be cut into slabs "
                             f"(every dim sharded, or flat ranges) and were compared whole, the largest {key} "
                             f"with about {needed / 2**20:.0f} MiB")
-    result.coverage = tally_coverage(result.comparisons, reference, candidate, result.steps_compared)
+    scale_rows = set(scales_only)
+    result.coverage = tally_coverage([row for row in result.comparisons if row.key not in scale_rows], reference, candidate,
+                                     result.steps_compared)
     if (finding := data_mismatch_finding(result)) is not None:
         result.notes.insert(0, finding)
     return result
+
+
+def _append(result: RunComparison, row: TensorComparison, on_row: Callable[[TensorComparison], None] | None) -> None:
+    result.comparisons.append(row)
+    if on_row:
+        on_row(row)
 
 
 def _inconsistent(key: TensorKey, reference: RunReader, candidate: RunReader) -> TensorComparison | None:

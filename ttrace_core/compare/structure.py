@@ -12,6 +12,12 @@ own noise level and tolerance, exactly as the norm does (docs/tolerances.md):
   (the error's projection on the reference, after its per-feature constant). A halved tensor gives
   s = -0.5 whatever its noise; noise uncorrelated with E gives s ~ r / sqrt(n).
 - offset: ||c|| (broadcast) / ||E||, the part of the error that is the same on every token.
+- bias: k in c = k * b + (the rest), b the bias of the module whose output this is: how many times more
+  (or fewer) than the reference the candidate added its own bias. A bias added on every rank before a
+  reduction gives k = tp - 1 exactly, however small the bias is next to the output. Measured as k x
+  beta, beta = sqrt(R) ||b|| / ||E|| (bias_to_value): the offset along b in units of the tensor's
+  norm, which round-off uncorrelated with b makes ~ r / sqrt(n) in every layer, whatever its bias;
+  the test reports k and its tolerance in units of the bias.
 - update: for a post-step parameter, ||(A - A_before) - (E - E_before)|| / ||E - E_before||: the
   step's change judged against the change's own noise, not against the weight's value.
 
@@ -28,7 +34,7 @@ import torch
 
 from ttrace_core.compare.results import StructureTest
 
-STRUCTURE_STATISTICS = ("scale", "offset", "update")
+STRUCTURE_STATISTICS = ("scale", "offset", "bias", "update")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +44,8 @@ class Fit:
     scale: float
     offset: float | None
     """||offset broadcast||_F / ||expected||_F; None for a tensor with one row (nothing to be constant along)."""
+    offset_vector: torch.Tensor | None = None
+    """The offset itself, one value per feature (the last dim)."""
 
 
 def fit_error(diff: torch.Tensor, expected: torch.Tensor) -> Fit | None:
@@ -57,7 +65,28 @@ def fit_error(diff: torch.Tensor, expected: torch.Tensor) -> Fit | None:
     centered_sq = float(torch.dot(centered.flatten(), centered.flatten()))
     scale = float(torch.dot((errors - error_mean).flatten(), centered.flatten())) / centered_sq if centered_sq else 0.0
     offset = error_mean - scale * row_mean
-    return Fit(scale=scale, offset=math.sqrt(rows.shape[0]) * float(torch.linalg.vector_norm(offset)) / math.sqrt(reference_sq))
+    return Fit(scale=scale, offset=math.sqrt(rows.shape[0]) * float(torch.linalg.vector_norm(offset)) / math.sqrt(reference_sq),
+               offset_vector=offset)
+
+
+def bias_multiple(offset: torch.Tensor, bias: torch.Tensor) -> float | None:
+    """k in the least-squares fit offset = k * bias; None when the bias is zero or of another size."""
+    bias = bias.double().flatten()
+    if bias.numel() != offset.numel():
+        return None
+    bias_sq = float(torch.dot(bias, bias))
+    return float(torch.dot(offset.flatten(), bias)) / bias_sq if bias_sq > 0 else None
+
+
+def bias_to_value(expected: torch.Tensor, bias: torch.Tensor | None) -> float | None:
+    """sqrt(R) ||b|| / ||E||: the offset statistic the module's bias `b` added once more would have (R rows
+    of E); None when there is no such bias, or nothing to be constant along."""
+    if bias is None or expected.dim() < 2 or bias.numel() != expected.shape[-1] or expected.numel() == expected.shape[-1]:
+        return None
+    norm = float(torch.linalg.vector_norm(expected))
+    rows = expected.numel() // expected.shape[-1]
+    ratio = math.sqrt(rows) * float(torch.linalg.vector_norm(bias.double())) / norm if norm > 0 else 0.0
+    return ratio if ratio > 0 else None
 
 
 def update_error(diff: torch.Tensor, diff_before: torch.Tensor, expected: torch.Tensor,
@@ -70,16 +99,20 @@ def update_error(diff: torch.Tensor, diff_before: torch.Tensor, expected: torch.
     return float(torch.linalg.vector_norm(diff - diff_before)) / change
 
 
-def statistics(diff: torch.Tensor, expected: torch.Tensor, before: tuple[torch.Tensor, torch.Tensor] | None = None
-               ) -> dict[str, float]:
-    """Every statistic this tensor has: {"scale", "offset", "update"} (signed scale; the others >= 0).
-    `before`: (diff, expected) of the parameter before the step, for a post-step parameter."""
+def statistics(diff: torch.Tensor, expected: torch.Tensor, before: tuple[torch.Tensor, torch.Tensor] | None = None,
+               bias: torch.Tensor | None = None) -> dict[str, float]:
+    """Every statistic this tensor has: {"scale", "offset", "bias", "update"} (signed scale and bias; the
+    others >= 0). `before`: (diff, expected) of the parameter before the step, for a post-step parameter;
+    `bias`: the bias of the module whose output this is (module_bias.py), as the reference held it."""
     found: dict[str, float] = {}
     fit = fit_error(diff, expected)
     if fit is not None:
         found["scale"] = fit.scale
         if fit.offset is not None:
             found["offset"] = fit.offset
+        if fit.offset_vector is not None and (beta := bias_to_value(expected, bias)) is not None and \
+                (multiple := bias_multiple(fit.offset_vector, bias)) is not None:
+            found["bias"] = multiple * beta
     if before is not None and before[1].shape == expected.shape:
         update = update_error(diff, before[0], expected, before[1])
         if update is not None:
@@ -99,7 +132,11 @@ def uncorrelated_noise(relative_noise: float, shape: tuple[int, ...], eps: float
     part constant along the rows averages R rows, std r / sqrt(R) (NOISE_SIGMAS of each); and one rounding
     of a scalar that multiplies the whole tensor (a loss scale, 1 / num_tokens, a norm's reciprocal, kept in
     the compute dtype) scales it by up to `eps`, which no weight perturbation moves. Never more than r itself
-    (Cauchy-Schwarz: |scale| <= ||error|| / ||reference||). `spread`: rounding_spread of the values."""
+    (Cauchy-Schwarz: |scale| <= ||error|| / ||reference||). `spread`: rounding_spread of the values.
+
+    The bias statistic too: iid noise of std r ||E|| / sqrt(n) averages over the R rows to a per-feature
+    offset of std r ||E|| / sqrt(n R), whose projection on the bias direction, times sqrt(R) / ||E||, has
+    std r / sqrt(n); never more than r (the whole error)."""
     numel = math.prod(shape)
     if numel < 2:
         return {}
@@ -107,6 +144,7 @@ def uncorrelated_noise(relative_noise: float, shape: tuple[int, ...], eps: float
     found = {"scale": min(relative_noise, max(relative_noise * NOISE_SIGMAS * spread / math.sqrt(numel), eps))}
     if rows > 1:
         found["offset"] = relative_noise * min(1.0, NOISE_SIGMAS / math.sqrt(rows))
+        found["bias"] = relative_noise * min(1.0, NOISE_SIGMAS / math.sqrt(numel))
     return found
 
 
@@ -157,8 +195,10 @@ def storage_rounding_noise(update_to_value: float, numel: int, storage_eps: floa
     return math.sqrt(rounded_apart / numel) * storage_eps / update_to_value
 
 
-def structure_tests(measured: dict[str, float], tolerances: dict[str, float]) -> list[StructureTest]:
-    """The tests of the statistics both measured on the candidate and given a tolerance by the estimate."""
+def structure_tests(measured: dict[str, float], tolerances: dict[str, float], bias_ratio: float | None = None
+                    ) -> list[StructureTest]:
+    """The tests of the statistics both measured on the candidate and given a tolerance by the estimate; the
+    bias test is stated in units of the module's bias (value and tolerance / `bias_ratio`, the same ratio)."""
     tests = []
     for name in STRUCTURE_STATISTICS:
         if name not in measured or name not in tolerances:
@@ -166,6 +206,10 @@ def structure_tests(measured: dict[str, float], tolerances: dict[str, float]) ->
         value, tolerance = measured[name], tolerances[name]
         if name == "update" and tolerance >= 1.0:
             continue  # round-off moves this update as much as the step does (a key bias, a frozen weight): no signal
+        if name == "bias":
+            if not bias_ratio:
+                continue
+            value, tolerance = value / bias_ratio, tolerance / bias_ratio
         ratio = abs(value) / tolerance if tolerance > 0 else (0.0 if value == 0 else math.inf)
         tests.append(StructureTest(name=name, value=value, tolerance=tolerance, ratio=ratio,
                                    finding=_finding(name, value, tolerance) if ratio > 1 else ""))
@@ -204,23 +248,29 @@ def _finding(name: str, value: float, tolerance: float) -> str:
                     "left is unrelated to it")
         sign = ", its sign flipped" if factor < 0 else ""
         return f"scaled by {factor:.3f} (x{factor:.3g} +/- {tolerance:.2g} under round-off){sign}"
+    if name == "bias":
+        return (f"offset by {value:.3g} x its module's own bias (+/- {tolerance:.2g} under round-off): the bias is added "
+                f"{'more' if value > 0 else 'fewer'} times than in the reference (e.g. once per rank before a reduction)")
     if name == "offset":
         return (f"offset by the same amount on every token ({value:.3g} of the tensor's norm; round-off allows "
                 f"{tolerance:.2g})")
     return f"its update differs from the reference's by {value:.0%} of that update (round-off allows {tolerance:.0%})"
 
 
-def detectable_error(norm_rel: float, tests: list[StructureTest], update_to_value: float | None = None) -> float:
+def detectable_error(norm_rel: float, tests: list[StructureTest], update_to_value: float | None = None,
+                     bias_ratio: float | None = None) -> float:
     """The smallest relative error ||A - E|| / ||E|| one of the tests catches: the norm test's rel, a
-    scale or offset of its tolerance, or an update error of its tolerance (in units of the update,
-    so times ||E - E_before|| / ||E||, `update_to_value`)."""
+    scale or offset of its tolerance, an update error of its tolerance (in units of the update, so
+    times ||E - E_before|| / ||E||, `update_to_value`), or a multiple of the module's bias of its
+    tolerance (times sqrt(R) ||b|| / ||E||, `bias_ratio`)."""
     caught = [norm_rel]
     for test in tests:
         if test.name == REPLICA_UPDATE:
             continue  # replicas against each other, not the candidate against the reference
-        if test.name == "update":
-            if update_to_value is not None:
-                caught.append(test.tolerance * update_to_value)
+        if test.name in ("update", "bias"):
+            unit = update_to_value if test.name == "update" else bias_ratio
+            if unit is not None:
+                caught.append(test.tolerance * unit)
         else:
             caught.append(test.tolerance)
     return min(caught)

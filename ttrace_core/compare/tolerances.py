@@ -16,9 +16,11 @@ docs/tolerances.md has the math and the calibration of alpha, k and C.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
+import statistics
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -126,17 +128,23 @@ class PerturbationTolerances:
     _pooled: dict[tuple, float] = field(default_factory=dict, init=False, repr=False)
     _pooled_structure: dict[tuple, dict[str, StatisticNoise]] = field(default_factory=dict, init=False, repr=False)
     _family_structure: dict[tuple, dict[str, StatisticNoise]] = field(default_factory=dict, init=False, repr=False)
+    _tails: dict[tuple, DrawTail] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        draws: dict[tuple, list[float]] = {}
         for key, deviation in self.estimate.tensors.items():
             group = _micro_batch_group(key)
             self._pooled[group] = max(self._pooled.get(group, 0.0), deviation.relative)
+            draws.setdefault(group, []).extend(r for r in deviation.per_sample if math.isfinite(r))
             pooled = self._pooled_structure.setdefault(group, {})
             family = self._family_structure.setdefault(_family_group(key), {})
             for name, values in deviation.structure.items():
                 if values:
                     pooled.setdefault(name, StatisticNoise()).add(values, deviation.per_sample)
                     family.setdefault(name, StatisticNoise()).add(values, deviation.per_sample)
+        self._tails = heavy_tails(draws)
+        for group, tail in self._tails.items():
+            self._pooled[group] = max(self._pooled[group], tail.median * tail.family_tail)
 
     def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...],
                              update_to_value: float | None = None) -> dict[str, float]:
@@ -144,7 +152,8 @@ class PerturbationTolerances:
         on each statistic's own draws), or x r_t times the statistic per unit of each sample's noise, and at
         least alpha x what noise of the norm's size r_t makes of the statistic when it is uncorrelated with
         the values (structure.uncorrelated_noise): a signed statistic of a few draws can come out near 0 by
-        chance, its model cannot. At least the norm's floor.
+        chance, its model cannot. At least the norm's floor (for the bias statistic, what one rounding of
+        every element makes of it: the floor's own uncorrelated model).
 
         The statistic per unit of noise norm (how much of the round-off lies along the values) is taken as
         the largest over the same tensor of every layer (same module, slot, step and phase), not over this
@@ -162,8 +171,9 @@ class PerturbationTolerances:
         if update_to_value:
             modelled["update"] = storage_rounding_noise(update_to_value, math.prod(shape), storage_epsilon(dtype))
         family = self._family_structure.get(_family_group(key), {})
+        floors = {"bias": uncorrelated_noise(floor, shape, 0.0)["bias"]} if "bias" in modelled else {}
         return {name: max(self.alpha * max(noise.largest, modelled.get(name, 0.0),
-                                           relative * family[name].per_unit_norm), floor)
+                                           relative * family[name].per_unit_norm), floors.get(name, floor))
                 for name, noise in self._pooled_structure.get(group, {}).items()}
 
     def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
@@ -186,9 +196,44 @@ class PerturbationTolerances:
         # Replicas are one computation on the same inputs, or one collective's result: a correct run
         # gives them bitwise equal (measured: no clean layout shows any drift), so they may differ by
         # one rounding (the floor), not by the round-off that separates two layouts.
+        tail = self._tails.get(_micro_batch_group(key))
+        widened = tail is not None and tail.median * tail.family_tail > tail.largest
+        how = f"the median of its draws {tail.median:.2g} x the tail {tail.family_tail:.2f} of its layers' draws" \
+            if widened else f"{self.estimate.num_samples} samples"
         return Tolerance(rel=self.alpha * relative, abs=0.0, drift_rel=floor, method="perturbation",
                          params=(("alpha", self.alpha), ("r_t", relative), ("samples", self.estimate.num_samples)),
-                         source=f"perturbation: alpha {self.alpha:g} x r_t {relative:.2g} ({self.estimate.num_samples} samples)")
+                         source=f"perturbation: alpha {self.alpha:g} x r_t {relative:.2g} ({how})")
+
+
+@dataclass(frozen=True, slots=True)
+class DrawTail:
+    """How heavy-tailed one tensor's norm draws are, next to those of the same tensor in every layer."""
+
+    largest: float
+    median: float
+    family_tail: float
+    """The largest (largest draw / median draw) of any tensor of the family (_family_group)."""
+
+
+def heavy_tails(draws: dict[tuple, list[float]]) -> dict[tuple, DrawTail]:
+    """Per micro-batch group: its draws' median and its family's tail, so that r_t is at least median x tail.
+
+    A few draws of a heavy-tailed deviation bound it poorly: a MoE expert's gradient moves with every
+    token that the router sends elsewhere, and 4 draws of one expert at step 1 ranged 0.25 to 0.36 while
+    the same expert of another layer drew 0.54 to 2.0. How far the largest draw lies above the typical
+    one is a property of the computation, which every layer repeats (the structure statistics' per-unit
+    noise is pooled the same way), so the family's tail scales this tensor's median; a tensor whose
+    draws are as tight as its family's keeps its own largest draw."""
+    own: dict[tuple, tuple[float, float]] = {}
+    family_tail: dict[tuple, float] = {}
+    for group, values in draws.items():
+        if len(values) < 2 or (median := statistics.median(values)) <= 0:
+            continue
+        own[group] = (max(values), median)
+        family = _family_of(group)
+        family_tail[family] = max(family_tail.get(family, 1.0), max(values) / median)
+    return {group: DrawTail(largest=largest, median=median, family_tail=family_tail[_family_of(group)])
+            for group, (largest, median) in own.items()}
 
 
 @dataclass(slots=True)
@@ -210,7 +255,12 @@ class StatisticNoise:
 def _family_group(key: TensorKey) -> tuple:
     """The tensors whose structure statistics per unit of noise norm are pooled: one tensor of every layer
     (the same module and slot, the layer index left out), in one step's phase."""
-    return key.step, key.phase, _LAYER_INDEX.sub(".*.", key.fqn), key.slot
+    return _family_of(_micro_batch_group(key))
+
+
+def _family_of(group: tuple) -> tuple:
+    step, phase, fqn, slot = group
+    return step, phase, _LAYER_INDEX.sub(".*.", fqn), slot
 
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")
@@ -343,12 +393,16 @@ class StepScalarTolerances:
                                 f"looser than {provided.source}")
 
     def _fp8_scale_tolerance(self, key: TensorKey, dtype: str) -> Tolerance:
+        """The amax bound on the value; replicas of a scale may differ by one rounding of its own dtype (an
+        amax all-reduced over the group that shares the tensor, then the same fp32 arithmetic on every rank:
+        bitwise equal in a correct run), not by the compute dtype's."""
         provided = self.base.tolerance_for(key, dtype)
         alpha = getattr(self.base, "alpha", DEFAULT_ALPHA)
         bound = alpha * self.fp8_amax[key]
+        drift_rel = min(storage_epsilon(dtype) or math.inf, provided.rel if provided.drift_rel is None else provided.drift_rel)
         if bound <= provided.rel:
-            return provided
-        return Tolerance(rel=bound, abs=provided.abs, drift_rel=provided.drift_rel, method="amax",
+            return dataclasses.replace(provided, drift_rel=drift_rel)
+        return Tolerance(rel=bound, abs=provided.abs, drift_rel=drift_rel, method="amax",
                          params=(("alpha", alpha), ("amax_deviation", self.fp8_amax[key])),
                          source=f"fp8 scale: alpha {alpha:g} x its operand's amax difference {self.fp8_amax[key]:.2g} "
                                 f"(largest up to this call), looser than {provided.source}")

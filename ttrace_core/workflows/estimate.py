@@ -26,6 +26,7 @@ import torch
 
 from ttrace_core.canonicalize.logical_value import logical_value
 from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation
+from ttrace_core.compare.module_bias import module_bias
 from ttrace_core.compare.structure import statistics
 from ttrace_core.compare.tolerances import machine_epsilon
 from ttrace_core.errors import TtraceError
@@ -59,7 +60,7 @@ def deviations(reference: RunReader, perturbed: RunReader) -> dict[TensorKey, Sa
             before = _finite_difference(reference, perturbed, before_key)
         result[key] = SampleDeviation(deviation=float(torch.linalg.vector_norm(diff)),
                                       reference_norm=float(torch.linalg.vector_norm(expected)), numel=expected.numel(),
-                                      structure=statistics(diff, expected, before))
+                                      structure=statistics(diff, expected, before, module_bias(reference, key)))
     return result
 
 
