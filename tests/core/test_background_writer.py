@@ -45,7 +45,10 @@ def test_a_full_queue_slows_the_training_thread_instead_of_growing_memory(tmp_pa
     background.end_step()
     background.stop()
     assert background.peak_pending_bytes <= 1024 * KIB  # never more than the bound of copies waiting
-    assert queued > 0.3 and background.seconds_waited > 0.3  # 30 writes of 20 ms: the producer was held back
+    # 30 writes of at least 20 ms each behind a queue of 4: the producer cannot have queued the last one before
+    # 25 were written (20 asserted: a lower bound the sleeps guarantee, not a speed), and it did wait. How long it waited
+    # depends on how fast it copies on a loaded machine, so only that it waited is asserted.
+    assert queued > 20 * 0.02 and background.seconds_waited > 0
     from ttrace_core.format.schema import RunManifest
     from ttrace_core.format.writer import write_manifest
 

@@ -109,4 +109,4 @@ def test_structure_tests_lift_bugs_the_norm_leaves_under_3(tmp_path):
     for reference in (reference8, reference16):
         code, result = _compare(reference, clean, tmp_path / f"clean-{reference.name}.json")
         assert code == 0 and _max_ratio(result) <= 0.5, (reference.name, [str(c.key) for c in result.failures][:3])
-        assert {t.name for c in result.comparisons for t in c.structure} >= {"scale", "offset", "bias", "update"}
+        assert {t.name for c in result.comparisons for t in c.structure} >= {"scale", "offset", "bias", "shard", "update"}

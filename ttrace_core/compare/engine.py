@@ -9,6 +9,7 @@ then values promoted to float64.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,7 @@ from ttrace_core.errors import LayoutError
 from ttrace_core.compare.results import RunComparison, StructureTest, TensorComparison, Tolerance
 from ttrace_core.compare.candidate_only import replica_disagreements, scale_owner
 from ttrace_core.compare.module_bias import module_bias
+from ttrace_core.compare.shard_errors import candidate_shards, worst_shard
 from ttrace_core.compare.structure import (REPLICA_UPDATE, bias_to_value, detectable_error, replica_update_test, rounding_spread,
                                           statistics, structure_tests, with_exact_inputs)
 from ttrace_core.compare.settings import CompareSettings
@@ -207,12 +209,27 @@ def _structure(key: TensorKey, actual: ScaledValues, expected: ScaledValues, ref
     allowed = derive(key, dtype, shape, units.update_to_value)
     if tolerance.method == "exact-inputs":
         allowed = with_exact_inputs(allowed, tolerance.rel, shape, rounding_spread(expected))
-    measured = statistics(actual - expected, expected, None if before is None else (before[0] - before[1], before[1]), bias)
-    tests = structure_tests(measured, allowed, units.bias_ratio)
+    diff = actual - expected
+    measured = statistics(diff, expected, None if before is None else (before[0] - before[1], before[1]), bias)
+    shards = candidate_shards(candidate.index[key])
+    worst = worst_shard(diff, expected, shards) if shards else None
+    if worst is not None:
+        measured["shard"] = worst[0]
+    tests = [_with_shard_owner(test, worst) for test in structure_tests(measured, allowed, units.bias_ratio)]
     if units.update_to_value and replica_drift is not None and (replicas := replica_update_test(
             replica_drift.relative_diff, replica_drift.ranks, units.update_to_value, expected.numel(), storage_epsilon(dtype))):
         tests.append(replicas)
     return tests, units
+
+
+def _with_shard_owner(test: StructureTest, worst: tuple[float, tuple[int, ...], float] | None) -> StructureTest:
+    """A failing shard test's finding names the ranks that held the shard and how the other shards fared."""
+    if test.name != "shard" or not test.finding or worst is None:
+        return test
+    _, ranks, others = worst
+    owner = f"rank {ranks[0]}'s shard" if len(ranks) == 1 else f"the shard of ranks {', '.join(map(str, ranks))}"
+    where = f"{owner} only" if others <= test.tolerance else f"every shard, the worst {owner}"
+    return dataclasses.replace(test, finding=f"{where}: {test.finding}; the other shards' errors are at most {others:.3g}")
 
 
 def _values_before_step(key: TensorKey, reference: RunReader, candidate: RunReader

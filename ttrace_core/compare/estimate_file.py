@@ -44,7 +44,7 @@ class TensorDeviation:
     numel: Count
     per_sample: list[Annotated[float, Meta(ge=0.0)]] = field(default_factory=list)
     """||perturbed - reference||_F / ||reference||_F of each sample (inf where the norm is 0)."""
-    structure: dict[Literal["scale", "offset", "bias", "update"], list[Finite]] = field(default_factory=dict)
+    structure: dict[Literal["scale", "offset", "bias", "shard", "update"], list[Finite]] = field(default_factory=dict)
     """Each structure statistic (compare/structure.py) of each sample: how large round-off alone made it."""
 
     @property

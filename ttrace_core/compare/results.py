@@ -138,7 +138,8 @@ class StructureTest:
 
     name: str
     """"scale" (projection of the error on the reference), "offset" (the part of the error constant
-    along the token dims), "bias" (that part as a multiple of the module's own bias), "update"
+    along the token dims), "bias" (that part as a multiple of the module's own bias), "shard" (the worst
+    shard's error against that shard's values), "update"
     (a post-step parameter's change against the update's noise)."""
     value: float
     """The statistic: a relative scale (-0.5 for a halved tensor), a relative norm, ..."""
@@ -190,7 +191,7 @@ class TensorComparison:
     """The structure tests run on this tensor (empty without a perturbation estimate that measured them)."""
     decided_by: str | None = None
     """Which test gave `ratio`: "mismatch" (the norm test), "replica drift", or a structure test's name
-    ("scale", "offset", "bias", "update"); None for a row not compared by value."""
+    ("scale", "offset", "bias", "shard", "update"); None for a row not compared by value."""
     detectable: float | None = None
     """The smallest relative error ||actual - expected|| / ||expected|| that one of this row's tests
     would catch: the headroom of a pass (a tensor scaled by 1 + s fails the scale test once |s| is above it)."""

@@ -18,6 +18,10 @@ own noise level and tolerance, exactly as the norm does (docs/tolerances.md):
   beta, beta = sqrt(R) ||b|| / ||E|| (bias_to_value): the offset along b in units of the tensor's
   norm, which round-off uncorrelated with b makes ~ r / sqrt(n) in every layer, whatever its bias;
   the test reports k and its tolerance in units of the bias.
+- shard: the largest ||D_s|| / ||E_s|| over the candidate's shards s (shard_errors.py); the estimate's
+  draws measure it over every equal partition of the tensor. A bug in one of p shards is sqrt(p) times
+  larger there than over the whole tensor; round-off is as large, relative to a shard's values, as
+  the tensor's.
 - update: for a post-step parameter, ||(A - A_before) - (E - E_before)|| / ||E - E_before||: the
   step's change judged against the change's own noise, not against the weight's value.
 
@@ -34,7 +38,7 @@ import torch
 
 from ttrace_core.compare.results import StructureTest
 
-STRUCTURE_STATISTICS = ("scale", "offset", "bias", "update")
+STRUCTURE_STATISTICS = ("scale", "offset", "bias", "shard", "update")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +133,8 @@ makes that 12 sigma for noise as large as the estimate's."""
 def uncorrelated_noise(relative_noise: float, shape: tuple[int, ...], eps: float, spread: float = 1.0) -> dict[str, float]:
     """What round-off of relative norm `relative_noise` makes of each statistic, where the perturbation may
     not show it: noise uncorrelated with the values projects on them with std spread x r / sqrt(n), and its
-    part constant along the rows averages R rows, std r / sqrt(R) (NOISE_SIGMAS of each); and one rounding
+    part constant along the rows averages R rows, std r / sqrt(R) (NOISE_SIGMAS of each); a shard's error is
+    r of its values, as the whole tensor's; and one rounding
     of a scalar that multiplies the whole tensor (a loss scale, 1 / num_tokens, a norm's reciprocal, kept in
     the compute dtype) scales it by up to `eps`, which no weight perturbation moves. Never more than r itself
     (Cauchy-Schwarz: |scale| <= ||error|| / ||reference||). `spread`: rounding_spread of the values.
@@ -142,6 +147,7 @@ def uncorrelated_noise(relative_noise: float, shape: tuple[int, ...], eps: float
         return {}
     rows = numel // shape[-1] if shape else 1
     found = {"scale": min(relative_noise, max(relative_noise * NOISE_SIGMAS * spread / math.sqrt(numel), eps))}
+    found["shard"] = relative_noise
     if rows > 1:
         found["offset"] = relative_noise * min(1.0, NOISE_SIGMAS / math.sqrt(rows))
         found["bias"] = relative_noise * min(1.0, NOISE_SIGMAS / math.sqrt(numel))
@@ -251,6 +257,8 @@ def _finding(name: str, value: float, tolerance: float) -> str:
     if name == "bias":
         return (f"offset by {value:.3g} x its module's own bias (+/- {tolerance:.2g} under round-off): the bias is added "
                 f"{'more' if value > 0 else 'fewer'} times than in the reference (e.g. once per rank before a reduction)")
+    if name == "shard":
+        return f"one shard's error is {value:.3g} of its values (round-off allows {tolerance:.2g})"
     if name == "offset":
         return (f"offset by the same amount on every token ({value:.3g} of the tensor's norm; round-off allows "
                 f"{tolerance:.2g})")

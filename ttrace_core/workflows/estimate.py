@@ -27,6 +27,7 @@ import torch
 from ttrace_core.canonicalize.logical_value import logical_value
 from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation
 from ttrace_core.compare.module_bias import module_bias
+from ttrace_core.compare.shard_errors import largest_block_error
 from ttrace_core.compare.structure import statistics
 from ttrace_core.compare.tolerances import machine_epsilon
 from ttrace_core.errors import TtraceError
@@ -58,9 +59,12 @@ def deviations(reference: RunReader, perturbed: RunReader) -> dict[TensorKey, Sa
         before = None
         if before_key is not None and before_key in perturbed.index:
             before = _finite_difference(reference, perturbed, before_key)
+        structure = statistics(diff, expected, before, module_bias(reference, key))
+        if (block := largest_block_error(diff, expected)) is not None:
+            structure["shard"] = block
         result[key] = SampleDeviation(deviation=float(torch.linalg.vector_norm(diff)),
                                       reference_norm=float(torch.linalg.vector_norm(expected)), numel=expected.numel(),
-                                      structure=statistics(diff, expected, before, module_bias(reference, key)))
+                                      structure=structure)
     return result
 
 
