@@ -449,20 +449,10 @@ BELOW_THREE = {
                        "cover (glue-made inputs are not checked yet); in fp8 the estimate for it includes e4m3 "
                        "requantization of fc1's output, and against bf16 all of fp8's quantization. What to do: "
                        "check the layout in bf16 (ratio 8.8) or fp32.",
-    "row-parallel-bias-per-rank": "fp8 against bf16 only. The bias added twice on every token is exactly what the "
-                                  "offset test measures, and it sees it: at layer 0's linear_proj output the error's "
-                                  "part constant over the tokens is 0.112 of the output's norm held-out (0.256 in-sample), "
-                                  "against 0.020 (0.029) on the clean TP2 run. The offset tolerance is 0.229 held-out "
-                                  "(0.19 in-sample): alpha 4 x the output's fp8-vs-bf16 noise r_t 0.065 x the largest "
-                                  "offset per unit of noise norm among the same output's estimate draws in all 8 layers, "
-                                  "0.88 (a draw whose noise lay almost entirely along a constant offset, from a "
-                                  "perturbed bias). So the offset ratio is 0.49 held-out (1.32 in-sample, the first "
-                                  "divergence) and the norm ratio 0.48 (1.10): what decides is how conservatively one "
-                                  "draw in 32 sets the offset noise, not what the traces can show. Held-out the run is "
-                                  "still judged not equivalent, by a tensor the bug removes (linear_proj's separate bias "
-                                  "output, `output.1`, missing in the candidate), so its first divergence has no ratio. "
-                                  "What to do: judge fp8 against an fp8 reference (ratio 6.67 held-out), or check the "
-                                  "layout in bf16 (3.07) or fp32 (3.5e5).",
+    "row-parallel-bias-per-rank": "the bias added on both TP ranks is 2 x the module's own bias along the output, which "
+                                  "the bias test reads against the estimate's draws of the same statistic; a bias small "
+                                  "next to the output leaves the norm and offset tests near 0.5. What to do: judge fp8 "
+                                  "against an fp8 reference (the exact-inputs rule then applies: ratio 75 held-out).",
     "sp-gather-wrong-dim": "fp8 only: the first divergence is output_layer's weight gradient, a reduced gradient whose e5m2 "
                           "requantization noise the estimate puts at 40%; the activation gradients the bug corrupts first "
                           "show later in execution order. What to do: check in bf16 (ratio 16).",
