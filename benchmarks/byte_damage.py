@@ -114,13 +114,18 @@ def _path(reference: Path, candidate: Path, target: StepFile) -> Path:
     return (reference if target.role == "reference" else candidate) / target.name
 
 
+def flip_bit(path: Path, offset: int, bit: int) -> None:
+    """Flip bit `bit` (0 the lowest) of the byte at `offset` of `path`, in place."""
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ (1 << bit)]))
+
+
 def _flip(target: StepFile, offset: int, bit: int, kind: str, what: str) -> Corruption:
     def damage(reference: Path, candidate: Path) -> None:
-        with open(_path(reference, candidate, target), "r+b") as handle:
-            handle.seek(offset)
-            byte = handle.read(1)[0]
-            handle.seek(offset)
-            handle.write(bytes([byte ^ (1 << bit)]))
+        flip_bit(_path(reference, candidate, target), offset, bit)
     return Corruption(kind, f"{target.role}/{target.name} {what} byte {offset} bit {bit}", damage, None)
 
 

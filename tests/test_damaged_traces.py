@@ -98,11 +98,7 @@ def test_a_flipped_bit_in_a_datatype_message_is_one_line(pair):
     reference, candidate = pair
     path = candidate / STEP_FILE
     start, _ = byte_damage.message_of(path, FLOAT32_DATASET, "datatype")
-    with open(path, "r+b") as handle:
-        handle.seek(start + 17)
-        byte = handle.read(1)[0]
-        handle.seek(start + 17)
-        handle.write(bytes([byte ^ 0b100]))
+    byte_damage.flip_bit(path, start + 17, 2)
     assert _error_line("compare", str(reference), str(candidate)) == (
         f"ttrace: error: {path}:{FLOAT32_DATASET}: its stored datatype reads as <f16 (float128) but its metadata says "
         "<f4 (float32): the datatype message is damaged; re-record rank 0 (or copy its file again)")
@@ -119,11 +115,7 @@ def test_a_flipped_bit_that_makes_meta_a_sequence_is_one_line_not_a_segfault(pai
         shutil.copy(legacy, candidate / legacy.name)
     path = candidate / STEP_FILE
     start, _ = byte_damage.message_of(path, FLOAT32_DATASET, "attribute")
-    with open(path, "r+b") as handle:
-        handle.seek(start + 17)  # after the message's 8 bytes and the name "meta" padded to 8: class, then type
-        byte = handle.read(1)[0]
-        handle.seek(start + 17)
-        handle.write(bytes([byte ^ 0b1]))
+    byte_damage.flip_bit(path, start + 17, 0)  # after the message's 8 bytes and the name "meta" padded to 8: class, then type
     expected = (f"ttrace: error: {path}:{FLOAT32_DATASET}: attribute meta is a variable-length sequence, not the one "
                 "string ttrace writes: its header is damaged; re-record this rank")
     assert _error_line("inspect", str(candidate)) == expected
@@ -135,11 +127,7 @@ def test_a_flipped_bit_in_the_tensor_index_datatype_is_one_line(pair):
     reference, candidate = pair
     path = candidate / STEP_FILE
     start, _ = byte_damage.message_of(path, TENSOR_INDEX, "datatype")
-    with open(path, "r+b") as handle:
-        handle.seek(start + 1)  # the class bit field's first byte: bit 3 is "signed"
-        byte = handle.read(1)[0]
-        handle.seek(start + 1)
-        handle.write(bytes([byte ^ 0b1000]))
+    byte_damage.flip_bit(path, start + 1, 3)  # the class bit field's first byte: bit 3 is "signed"
     expected = (f"ttrace: error: {path}:{TENSOR_INDEX}: its stored datatype reads as |i1 (int8) but its metadata says "
                 "|u1 (uint8): the datatype message is damaged; re-record this rank")
     assert _error_line("inspect", str(candidate)) == expected
