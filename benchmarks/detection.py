@@ -28,7 +28,8 @@ from ttrace_core.compare.estimate_file import estimate_path
 from ttrace_examples.megatron_gpt.bugs import ZOO, first_tensor_points_at, localized_correctly
 from ttrace_core.workflows.localize import localize
 from ttrace_core.format.reader import RunReader
-from ttrace_core.compare.tolerances import num_layers_of, select_tolerances, with_step_scalars
+from ttrace_core.compare.step_scalars import with_step_scalars
+from ttrace_core.compare.tolerances import num_layers_of, select_tolerances
 
 RESULTS = Path(__file__).parent / "results"
 VARIANT_FLAGS = {"base": [], "swiglu": ["--swiglu"], "tied": ["--tie-embeddings"], "moe": ["--moe"]}

@@ -9,15 +9,14 @@ from ttrace_core.errors import TraceFormatError, TtraceError
 from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation, read_estimate, write_estimate
 from ttrace_core.record.generator import WeightPerturbation
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
+from ttrace_core.compare.step_scalars import REDUCTION_K, with_step_scalars
+from ttrace_core.compare.structure import FP32_UNIT_ROUNDOFF
 from ttrace_core.compare.tolerances import (
-    FP32_UNIT_ROUNDOFF,
-    REDUCTION_K,
     PerturbationTolerances,
     TheoremTolerances,
     layer_position,
     machine_epsilon,
     theorem_depth,
-    with_step_scalars,
 )
 
 BF16_EPS = 2.0 ** -7

@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 from ttrace_core.canonicalize.logical_value import canonical_tensor
 from ttrace_core.compare.results import TensorComparison, Tolerance
-from ttrace_core.compare.tolerances import storage_epsilon
+from ttrace_core.compare.fp8_scales import scale_replica_rel
 from ttrace_core.errors import LayoutError
 from ttrace_core.format.reader import RunReader
 from ttrace_core.format.schema import TensorKey
@@ -33,7 +33,7 @@ def replica_disagreements(candidate: RunReader, keys: list[TensorKey]) -> list[T
             drift = canonical_tensor(candidate, metas, key).replica_drift
         except LayoutError:
             continue  # (a layout the canonicalizer refuses is reported where the key is compared with values)
-        allowed = storage_epsilon(metas[0].dtype)
+        allowed = scale_replica_rel(metas[0].dtype)
         if drift is None or drift.relative_diff <= allowed:
             continue
         ratio = drift.relative_diff / allowed if allowed > 0 else float("inf")

@@ -37,9 +37,8 @@ from ttrace_core.format.schema import TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, pre_step_key
 from ttrace_core.compare.tolerances import (
     DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, exact_inputs_tolerance, select_tolerances, storage_epsilon,
-    tolerances_from_settings,
-    with_step_scalars,
 )
+from ttrace_core.compare.step_scalars import tolerances_from_settings, with_step_scalars
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ttrace_core.compare.tolerances import storage_epsilon
 from ttrace_core.format.reader import RunReader, pre_step_key
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey, TensorMeta
 
@@ -52,6 +53,14 @@ def _amax_deviation(key: TensorKey, reference: RunReader, candidate: RunReader) 
     if expected is None or actual is None or expected == 0.0:
         return None
     return abs(actual / expected - 1.0)
+
+
+def scale_replica_rel(dtype: str) -> float:
+    """How far replicas of a scale may differ, relative: one rounding of its own dtype. Every rank that shares a
+    logical tensor casts it with the scale of the whole tensor, an amax all-reduced over that group and then
+    the same fp32 arithmetic, so a correct run's replicas are bitwise equal; the compute dtype's eps, which
+    the other tensors' replicas get, would hide per-rank scales a few percent apart."""
+    return storage_epsilon(dtype)
 
 
 def is_fp8_scale(key: TensorKey) -> bool:

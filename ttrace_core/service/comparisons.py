@@ -23,7 +23,7 @@ from ttrace_core.compare.estimate_file import estimate_files
 from ttrace_core.compare.partition import compare_partitioned
 from ttrace_core.compare.results import RunComparison, TensorComparison
 from ttrace_core.compare.settings import CompareSettings
-from ttrace_core.compare.tolerances import tolerances_from_settings
+from ttrace_core.compare.step_scalars import tolerances_from_settings
 from ttrace_core.errors import TtraceError
 from ttrace_core.format.containment import contained
 from ttrace_core.format.regular_files import regular_file_bytes
