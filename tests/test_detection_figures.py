@@ -33,3 +33,30 @@ def test_readme_states_the_fp8_against_bf16_row():
     detected, alarms, _, at_three, largest, within = _summary()["fp8 vs bf16"]
     assert f"{detected} bug runs detected" in readme and f"{alarms} false alarms, {at_three} bug runs at >= 3" in readme
     assert f"largest clean ratio is {largest} ({within} clean runs at or below 0.5)" in readme
+
+
+def test_the_held_out_results_meet_the_verdict_goals():
+    """Issue 28's bar, on the rows the results file is rendered from: every held-out bug run (bf16, fp8, fp8 vs
+    bf16 and fp32) at first-divergence ratio >= 3, every held-out clean run at <= 0.5, at least 60 of them."""
+    import csv
+
+    with open(ROOT / "benchmarks" / "results" / "detection_heldout.csv") as handle:
+        rows = [r for r in csv.DictReader(handle) if r["split"].startswith("held-out")]
+    bugs, cleans = [r for r in rows if r["run"] != "clean"], [r for r in rows if r["run"] == "clean"]
+    assert {r["precision"] for r in bugs} >= {"bf16", "fp8", "fp8 vs bf16"}
+    assert [(r["precision"], r["run"], r["layout"]) for r in bugs
+            if r["detected"] != "True" or not r["first_ratio"] or float(r["first_ratio"]) < 3] == []
+    assert [(r["precision"], r["layout"], r["max_ratio"]) for r in cleans
+            if r["detected"] != "False" or float(r["max_ratio"] or 0) > 0.5] == []
+    assert len(cleans) >= 60
+    assert "| fp8 vs bf16 |" in (ROOT / "benchmarks" / "results" / "detection.md").read_text().split(
+        "### Summary, in-sample | held-out")[1].split("\n\n")[1]
+
+
+def test_the_readme_and_the_tolerance_doc_explain_every_structure_test():
+    from ttrace_core.compare.structure import STRUCTURE_STATISTICS
+
+    readme, doc = (ROOT / "README.md").read_text(), (ROOT / "docs" / "tolerances.md").read_text()
+    for name in STRUCTURE_STATISTICS:
+        assert f"`{name}`" in readme, name
+        assert f"| `{name}` |" in doc, name  # its row in section 1b's table: statistic and what it catches

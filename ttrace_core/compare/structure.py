@@ -25,8 +25,9 @@ own noise level and tolerance, exactly as the norm does (docs/tolerances.md):
 - update: for a post-step parameter, ||(A - A_before) - (E - E_before)|| / ||E - E_before||: the
   step's change judged against the change's own noise, not against the weight's value.
 
-Every statistic is computed in float64 from the full logical tensors, by this module alone, at
-estimate time (on each perturbed re-run) and at compare time (on the candidate).
+Every statistic is computed in float64 from the full logical tensors, by this module (`statistics`),
+at estimate time (on each perturbed re-run) and at compare time (on the candidate); the shard
+statistic alone by shard_errors.py, since its compare side needs the candidate's recorded layouts.
 """
 
 from __future__ import annotations
