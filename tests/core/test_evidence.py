@@ -202,3 +202,52 @@ def test_localize_on_incomplete_evidence_names_what_is_missing_instead_of_replay
     assert not result.diverged and result.replay is None
     assert result.notes[0] == "no compared tensor diverged: nothing to localize; but the evidence is incomplete"
     assert result.notes[1].startswith("missing-replica: 1 of 2214 expected copies")
+    # compare fails on incomplete evidence (exit 1), and so does localize: the two never disagree
+    assert result.exit_code == 1
+
+
+@pytest.mark.parametrize("reference_shape, candidate_shape, dim", [
+    ((2, 32, 64), (2, 32, 32), 2),
+    ((8, 4), (4, 4), 0),
+    ((8, 4), (3, 4), None),          # not an even fraction
+    ((8, 4), (4, 2), None),          # two dims differ
+    ((8, 4), (16, 4), None),         # larger, not a shard
+    ((8,), (8, 1), None),            # another rank
+], ids=["colwise output", "rows", "uneven", "two dims", "larger", "ndim"])
+def test_a_local_shard_recorded_as_whole_is_told_from_another_shape(reference_shape, candidate_shape, dim):
+    from ttrace_core.compare.evidence import local_shard_dim, shape_mismatch_message
+    from ttrace_core.format.schema import Layout, TensorKey
+
+    assert local_shard_dim(reference_shape, candidate_shape) == dim
+    key = TensorKey(step=0, micro_batch=0, phase="forward", fqn="model.layers.0.self_attn.q_proj", slot="output.0")
+    message = shape_mismatch_message(key, Layout(global_shape=reference_shape), Layout(global_shape=candidate_shape))
+    assert message.startswith(f"global shape {candidate_shape} in the candidate, {reference_shape} in the reference")
+    assert ("recorded without its layout" in message) == (dim is not None)
+    if dim is not None:
+        assert f"session.declare('model.layers.0.self_attn.q_proj', 'output.0', [Shard({dim})], mesh)" in message
+
+
+def test_a_layout_never_learned_fails_on_shape_and_localize_says_so_without_blaming_carried_state(tmp_path):
+    """A candidate whose ranks hold half of every activation as if whole: compare names the missing layout,
+    and localize reports the structural failure (exit 4) instead of replaying and blaming state."""
+    import torch
+    from torch import nn
+
+    from ttrace_core.record.tracer import Tracer
+    from ttrace_core.workflows.localize import localize
+
+    for name, width in (("ref", 8), ("cand", 4)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, width), nn.Tanh())
+        tracer = Tracer(tmp_path / name, model, role="reference" if name == "ref" else "candidate")
+        with tracer.step(0):
+            model(torch.randn(3, 4)).sum().backward()
+        tracer.close()
+    with RunReader(tmp_path / "ref") as reference, RunReader(tmp_path / "cand") as candidate:
+        result = compare_runs(reference, candidate)
+    first = result.first_divergence
+    assert first.status == "shape" and "a local shard (1/2 of dim" in first.message
+    localization = localize(tmp_path / "ref", tmp_path / "cand")
+    assert localization.exit_code == 4 and localization.replay is None and not localization.culprits
+    assert localization.notes[0].startswith(f"the first divergence, {first.key}, is structural (shape")
+    assert not any("carried" in note for note in localization.notes)

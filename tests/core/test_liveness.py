@@ -86,6 +86,7 @@ def test_localize_against_a_dead_reference_names_it_instead_of_replaying(tmp_pat
     result = localize(*_pair(tmp_path, **how))
     assert not result.diverged and result.replay is None
     assert result.notes == ["no compared tensor diverged: nothing to localize; but the reference did not train", finding]
+    assert result.exit_code == 1  # as `ttrace compare` exits on a refused reference
 
 
 def test_a_reference_that_trained_is_not_refused(tmp_path):

@@ -31,7 +31,8 @@ from ttrace_core.compare.structure import (REPLICA_UPDATE, bias_to_value, detect
                                           statistics, structure_tests, with_exact_inputs)
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.evidence import (
-    check_comparable, data_mismatch_finding, inconsistency, quantization_only, tally_coverage, unrecorded_keys,
+    check_comparable, data_mismatch_finding, inconsistency, quantization_only, shape_mismatch_message, tally_coverage,
+    unrecorded_keys,
 )
 from ttrace_core.format.schema import TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, pre_step_key
@@ -144,8 +145,7 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
                                 message=f"dtype {cand_dtype} in the candidate, {ref_dtype} in the reference")
     if ref_metas[0].layout.global_shape != cand_metas[0].layout.global_shape:
         return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=cand_metas[0].layout.global_shape,
-                                message=f"global shape {cand_metas[0].layout.global_shape} in the candidate, "
-                                        f"{ref_metas[0].layout.global_shape} in the reference")
+                                message=shape_mismatch_message(key, ref_metas[0].layout, cand_metas[0].layout))
     dims, structure, units = None, [], StructureUnits()
     try:
         if ref_metas[0].stats_only or cand_metas[0].stats_only:

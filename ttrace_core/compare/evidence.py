@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ttrace_core.canonicalize import placements as pl
 from ttrace_core.errors import ConfigMismatchError, LayoutError
 from ttrace_core.format.findings import finding_lines
-from ttrace_core.format.schema import RunManifest, TensorKey, TensorMeta
+from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.liveness import reference_liveness
 from ttrace_core.compare.results import Coverage, RunComparison
@@ -224,3 +224,29 @@ def data_mismatch_finding(result: RunComparison) -> str | None:
     return (f"data-mismatch: {first.key} holds {first.dtype} inputs that differ from the reference's, so the runs "
             "were not fed the same micro-batches; the candidate's global micro-batch m (local micro-batch k of "
             "data-parallel rank r is m = k * dp + r) must be the reference's m-th (README: your own script)")
+
+
+def shape_mismatch_message(key: TensorKey, reference: Layout, candidate: Layout) -> str:
+    """Why the global shapes differ. A candidate recorded whole on every rank (no layout) whose shape is the
+    reference's with one dim divided by k is a local shard whose layout the tracer never learned: say so,
+    and what to declare, rather than a bare shape mismatch."""
+    text = f"global shape {candidate.global_shape} in the candidate, {reference.global_shape} in the reference"
+    dim = local_shard_dim(reference.global_shape, candidate.global_shape) if not candidate.mesh_shape else None
+    if dim is None:
+        return text
+    parts = reference.global_shape[dim] // candidate.global_shape[dim]
+    return (f"{text}: a local shard (1/{parts} of dim {dim}) recorded without its layout, as if whole. Declare it: "
+            f"session.declare({key.fqn!r}, {key.slot!r}, [Shard({dim})], mesh) with the mesh it is sharded over, "
+            "or pass the framework's plan to attach")
+
+
+def local_shard_dim(reference_shape: tuple[int, ...], candidate_shape: tuple[int, ...]) -> int | None:
+    """The one dim along which `candidate_shape` is an even fraction of `reference_shape`, else None."""
+    if len(reference_shape) != len(candidate_shape):
+        return None
+    differing = [dim for dim, (r, c) in enumerate(zip(reference_shape, candidate_shape)) if r != c]
+    if len(differing) != 1:
+        return None
+    dim = differing[0]
+    reference_size, candidate_size = reference_shape[dim], candidate_shape[dim]
+    return dim if 0 < candidate_size < reference_size and reference_size % candidate_size == 0 else None

@@ -110,6 +110,9 @@ class Localization:
     """"module alone" (only the module ran, module_replay.py), "whole model", or "reused"."""
     reproduction: dict | None = None
     """reproduction.Reproduction as a dict: whether the replay recomputed the candidate's exact-input tensors."""
+    original_failed: bool = False
+    """The plain comparison failed though no tensor diverged (its evidence is incomplete, or the reference
+    did not train): localize then exits as `ttrace compare` does."""
 
     def __bool__(self) -> bool:
         """True when nothing is at fault."""
@@ -121,9 +124,10 @@ class Localization:
 
     @property
     def exit_code(self) -> int:
-        """0 no divergence, 1 culprit named, 4 diverged but not explained (or the replay does not reproduce)."""
+        """0 no divergence, 1 culprit named (or, as `ttrace compare`, no divergence but incomplete evidence),
+        4 diverged but not explained (or the replay does not reproduce)."""
         if not self.diverged:
-            return 0
+            return 1 if self.original_failed else 0
         return 1 if self.culprits and self.reproduced is not False else 4
 
     def to_json(self) -> str:

@@ -28,11 +28,12 @@ def failure_message(fqn: str, slot: str, error: Exception) -> str:
 
 def never_raises(method):
     """A recording entry point the training code calls: its error is the trace's finding (Tracer.record_error),
-    never the training's exception."""
+    never the training's exception. It returns what the method returns, None after an error."""
     @functools.wraps(method)
-    def guarded(self, *args, **kwargs) -> None:
+    def guarded(self, *args, **kwargs):
         try:
-            method(self, *args, **kwargs)
+            return method(self, *args, **kwargs)
         except Exception as error:  # noqa: BLE001 - the run must go on; the error is recorded
             self.record_error(error)
+            return None
     return guarded

@@ -6,7 +6,10 @@ number of skipped steps (pseudo-module GRADIENT_CLIPPING, phase "step"). Each ca
 function for as long as the tracer lives and gives it back at close:
 
 - `capture_backward_losses`: torch.autograd.backward (Tensor.backward calls it too); a backward
-  from a one-element tensor with no explicit gradient is a loss;
+  from a one-element tensor with no explicit gradient is a loss, of the micro-batch whose module
+  backwards it runs; a loss that starts several backwards per micro-batch (a chunked cross entropy,
+  a loss-parallel chunk, a pipeline's last stage) is recorded once, as that micro-batch's, and one
+  backward over several micro-batches as the step's (tracer.end_loss_backward);
 - `capture_megatron_losses`: megatron's schedules.forward_step_calc_loss, which also says how many
   micro-batches the loss is divided by, so the activation gradients get their scale by themselves;
 - `capture_torch_clipping`: torch.nn.utils' clip_grads_with_norm_, which clip_grad_norm_ calls:
@@ -90,20 +93,33 @@ def _is_loss(tensors: Any, grad_tensors: Any) -> torch.Tensor | None:
 
 
 def capture_backward_losses(tracer: Tracer) -> Undo:
-    """Record the loss of each micro-batch when backward starts from it (its k-th such backward in a
-    step is local micro-batch k: schedules run backwards in the order of their forwards)."""
+    """Record each micro-batch's loss from the backwards that start from it. A backward belongs to the
+    micro-batch whose module backwards it runs (a pipeline's 1F1B, a chunked loss's several backwards per
+    micro-batch); the pieces of one micro-batch make one loss (step_state.LossPieces)."""
     original = torch.autograd.backward
 
-    def record_if_loss(tensors, grad_tensors) -> None:
-        loss = _is_loss(tensors, grad_tensors)
-        if loss is not None:
-            tracer.record_loss(loss)
-
     def backward(tensors, grad_tensors=None, *args, **kwargs):
-        tracer.guarded(lambda: record_if_loss(tensors, grad_tensors))
-        return original(tensors, grad_tensors, *args, **kwargs)
+        loss = _is_loss(tensors, grad_tensors)
+        started = None if loss is None else tracer.begin_loss_backward(loss)
+        try:
+            return original(tensors, grad_tensors, *args, **kwargs)
+        finally:
+            if started is not None:
+                tracer.end_loss_backward(started)
 
     return patch_attribute(torch.autograd, "backward", backward)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the machine epsilon of a floating dtype; 0 for integers (their values are exact)."""
+    return torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
+
+
+def scalars_agree(first: float, second: float, dtype: torch.dtype) -> bool:
+    """Whether two computations of one step scalar agree: equal up to a few roundings of their dtype."""
+    if math.isnan(first) or math.isnan(second):
+        return math.isnan(first) and math.isnan(second)
+    return first == second or abs(first - second) <= 4 * unit_roundoff(dtype) * max(abs(first), abs(second))
 
 
 def capture_megatron_losses(tracer: Tracer) -> Undo:

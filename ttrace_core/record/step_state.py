@@ -5,6 +5,7 @@ Plain bookkeeping for the Tracer's hooks; no torch calls.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,13 @@ class StepState:
     seq: int = 0
     root_calls: int = 0
     losses: int = 0
-    """Losses recorded so far: the next one is this local micro-batch's."""
+    """Loss backwards met so far that no module's backward placed (the count is then the micro-batch clock)."""
+    loss_backwards: list[set[int]] = field(default_factory=list)
+    """Per loss backward running now (innermost last): the global micro-batches its module backwards belong to."""
+    loss_pieces: dict[int, LossPieces] = field(default_factory=dict)
+    """Global micro-batch (or NO_MICRO_BATCH for a loss summed over the step) -> the loss its backwards started from."""
+    scalars: dict[tuple[str, str, str, int], float] = field(default_factory=dict)
+    """(phase, fqn, slot, micro-batch) -> value of each step scalar recorded so far (a second record is checked, not kept)."""
     gradients_recorded: bool = False
     forward_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls_in_micro_batch: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
@@ -58,3 +65,34 @@ class StepState:
         return chosen
 
 
+
+
+@dataclass(slots=True)
+class LossPieces:
+    """The loss of one micro-batch, from the one-element tensors its backwards start from.
+
+    A loss may start several backwards per micro-batch: a chunked cross entropy backpropagates each
+    chunk (the pieces add up to the loss), and may then start one more backward from their sum, through
+    the trunk (torchtitan's ChunkedLossWrapper: 8 chunk backwards, then the total). A piece equal to the
+    sum of the pieces before it (up to their rounding) is such a total: it covers them and is not added.
+    The loss is then the pieces' sum, whichever way the code split it."""
+
+    seq: int
+    """Where in the step the first piece started (the loss is recorded there, in execution order)."""
+    dtype: Any
+    total: float = 0.0
+    magnitude: float = 0.0
+    """Sum of the pieces' absolute values: the scale their rounding is judged on."""
+    num_pieces: int = 0
+
+    def add(self, value: float, unit_roundoff: float) -> None:
+        if self.num_pieces and abs(value - self.total) <= 2 * self.num_pieces * unit_roundoff * self.magnitude:
+            self.total = value  # the sum of the pieces so far, started again from the trunk
+            return
+        self.total += value
+        self.magnitude += abs(value)
+        self.num_pieces += 1
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.total)

@@ -59,9 +59,9 @@ from ttrace_core.record.failures import failure_message, never_raises, one_sente
 from ttrace_core.record.layouts import has_partial, plain_layout, with_flat_range
 from ttrace_core.record.module_hooks import ModuleHooks, quiet_hook_warnings
 from ttrace_core.record import selection
-from ttrace_core.record.step_state import StepState
+from ttrace_core.record.step_state import LossPieces, StepState
 from ttrace_core.record.step_scalars import (
-    TORCH_CAPTURES, capture_optimizer_step, learning_rate, record_step_scalars,
+    TORCH_CAPTURES, capture_optimizer_step, learning_rate, record_step_scalars, scalars_agree, unit_roundoff,
 )
 from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.format.datasets import NATIVE_DTYPES, RAW_BITS
@@ -200,19 +200,22 @@ class Tracer:
     def key(self, phase: str, fqn: str, slot: str, micro_batch: int, call: int = 0) -> TensorKey:
         return TensorKey(step=self._state.step, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot, call=call)
 
-    def record(self, key: TensorKey, value: torch.Tensor, *, scale: float | None = None) -> None:
+    def record(self, key: TensorKey, value: torch.Tensor, *, scale: float | None = None, seq: int | None = None) -> None:
         """Store one tensor of the current step under `key` (skipped when its slot kind is not selected).
         `scale`: what the values are multiplied by (default: the loss scale for activation gradients).
+        `seq`: its place in the step, when it was reserved earlier than the value was known (the loss).
         A tensor that cannot be recorded (its layout cannot be mapped, or recording it fails) is left out
         and the step keeps a finding instead: the training goes on."""
+        if key.phase == "backward" and self._state is not None and self._state.loss_backwards:
+            self._state.loss_backwards[-1].add(key.micro_batch)
         try:
-            self._record(key, value, scale)
+            self._record(key, value, scale, seq)
         except UnknownLayoutError as error:
             self._left_out(key, str(error))
         except Exception as error:  # noqa: BLE001 - the run must go on; the error is recorded
             self.record_error(error, key.fqn, key.slot, key)
 
-    def _record(self, key: TensorKey, value: torch.Tensor, scale: float | None) -> None:
+    def _record(self, key: TensorKey, value: torch.Tensor, scale: float | None, seq: int | None = None) -> None:
         if self._recording_stopped or slot_family(key.slot) not in self.config.slots:
             return
         if (name := dtype_name(value.dtype)) not in NATIVE_DTYPES and name not in RAW_BITS:
@@ -231,10 +234,12 @@ class Tracer:
         stats_only = self.config.stats_only and not has_partial(layout.placements)
         meta = TensorMeta(
             key=key, rank=self.rank, dtype=name, local_shape=tuple(local.shape), layout=layout,
-            seq=state.seq, scale=scale or (self.config.loss_scale if key.phase == "backward" else 1.0),
+            seq=state.seq if seq is None else seq,
+            scale=scale or (self.config.loss_scale if key.phase == "backward" else 1.0),
             stats=stats_from_tensor(local), stats_only=stats_only,
         )
-        state.seq += 1
+        if seq is None:
+            state.seq += 1
         try:
             self._writer.write(meta, None if stats_only else local)
         except OSError as error:  # a full disk: the writer's own failure stops the recording
@@ -265,15 +270,80 @@ class Tracer:
 
     @never_raises
     def record_scalar(self, phase: str, fqn: str, name: str, value: torch.Tensor, micro_batch: int = NO_MICRO_BATCH,
-                      scale: float | None = None) -> None:
-        """One of the step's scalars (step_scalars.py) under the pseudo-module `fqn`, slot "scalar.<name>"."""
-        if self.recording():
-            self.record(self.key(phase, fqn, f"scalar.{name}", micro_batch), value, scale=scale)
+                      scale: float | None = None, seq: int | None = None) -> None:
+        """One of the step's scalars (step_scalars.py) under the pseudo-module `fqn`, slot "scalar.<name>".
+        Recorded once per step: code that computes it again (clipping called once per device mesh or per
+        parameter group, with the one total norm) is checked for agreement, and a disagreement is a finding."""
+        if not self.recording():
+            return
+        key = self.key(phase, fqn, f"scalar.{name}", micro_batch)
+        number = float(local_value(value).detach().reshape(()).double())
+        identity = (phase, fqn, key.slot, micro_batch)
+        if (earlier := self._state.scalars.get(identity)) is None:
+            self._state.scalars[identity] = number
+            self.record(key, value, scale=scale, seq=seq)
+        elif not scalars_agree(earlier, number, value.dtype):
+            self.add_finding(key, message=f"computed twice in step {key.step} with different values, {earlier!r} "
+                             f"then {number!r}; the first is kept (clipping per parameter group with separate norms?)")
+
+    @never_raises
+    def begin_loss_backward(self, loss: torch.Tensor) -> tuple[set[int], float, torch.dtype, int] | None:
+        """A backward starts from `loss` (step_scalars.capture_backward_losses); `end_loss_backward` with what
+        this returns after it. Which micro-batch the loss belongs to is what its module backwards belong to."""
+        if not self.recording():
+            return None
+        state = self._state
+        seen: set[int] = set()
+        state.loss_backwards.append(seen)
+        reserved = state.seq
+        state.seq += 1
+        value = local_value(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+        return seen, float(value.detach().reshape(()).double()), value.dtype, reserved
+
+    @never_raises
+    def end_loss_backward(self, started: tuple[set[int], float, torch.dtype, int] | None) -> None:
+        """Add the loss to the micro-batch its backward ran (LossPieces); recorded when the step's
+        gradients are, so a loss in several pieces is recorded once, as its micro-batch's."""
+        state = self._state
+        if started is None or state is None:
+            return
+        seen, value, dtype, reserved = started
+        if seen in state.loss_backwards:
+            state.loss_backwards.remove(seen)
+        micro_batch = self._loss_micro_batch(seen)
+        if micro_batch is not None:
+            pieces = state.loss_pieces.setdefault(micro_batch, LossPieces(seq=reserved, dtype=dtype))
+            pieces.add(value, unit_roundoff(dtype))
+
+    def _loss_micro_batch(self, seen: set[int]) -> int | None:
+        """The global micro-batch of a loss whose backward ran the module backwards of `seen`. None (and a
+        finding) when it cannot be told: one backward over several micro-batches under data parallelism."""
+        state = self._state
+        if len(seen) == 1:
+            return next(iter(seen))
+        if not seen:  # no traced module's backward ran: the root's calls (or else the losses) are the clock
+            local = state.root_calls - 1 if state.root_calls else state.losses
+            state.losses += 1
+            return self.global_micro_batch(local)
+        if self.config.data_parallel_size == 1:
+            return NO_MICRO_BATCH  # a loss summed over the step's micro-batches: one per-step scalar
+        self.add_finding(LOSS_FUNCTION, "scalar.loss", f"one backward ran micro-batches {sorted(seen)} (a loss summed "
+                         f"over the step) on data-parallel rank {self.config.data_parallel_rank}: its share of the step's "
+                         "loss cannot be told apart, so the loss is not recorded; the gradients are compared")
+        return None
+
+    def _record_losses(self) -> None:
+        """The step's losses so far, each once, as its micro-batch's (with the loss scale, like the activation
+        gradients it starts)."""
+        pieces, self._state.loss_pieces = self._state.loss_pieces, {}
+        for micro_batch, loss in sorted(pieces.items(), key=lambda item: item[1].seq):
+            self.record_scalar("forward", LOSS_FUNCTION, "loss", torch.tensor(loss.total, dtype=loss.dtype), micro_batch,
+                               scale=self.config.loss_scale, seq=loss.seq)
 
     @never_raises
     def record_loss(self, loss: torch.Tensor, num_tokens: torch.Tensor | None = None) -> None:
-        """The loss a backward starts from, as the next local micro-batch's (with the loss scale, like the
-        activation gradients it starts), and its token count when the loss function returns one."""
+        """A loss its training code computes per micro-batch in one piece (megatron's schedule says which), as the
+        next local micro-batch's, and its token count when the loss function returns one."""
         if not self.recording():
             return
         micro_batch = self.global_micro_batch(self._state.losses)
@@ -301,6 +371,7 @@ class Tracer:
         Once per step: clipping records them before it scales them (step_scalars.py)."""
         if not self.recording() or self._state.gradients_recorded:
             return
+        self._record_losses()
         self._state.gradients_recorded = True
         for fqn, param in self._named_parameters():
             grad = getattr(param, self.config.grad_attr, None)
@@ -389,6 +460,7 @@ class Tracer:
             self._abandon_step(one_sentence(error))
             raise
         if not self._recording_stopped:
+            self.guarded(self._record_losses)
             self._state = None
             self._to_writer(step, lambda: self._writer.end_step(self.blind_spots))
             self._last_recorded_step = step

@@ -21,7 +21,7 @@ from ttrace_core.errors import LaunchError, TtraceError
 from ttrace_core.format.naming import PSEUDO_MODULES, in_subtree, module_of
 from ttrace_core.format.reader import RunReader, read_manifest
 from ttrace_core.localize.reproduction import check_reproduction
-from ttrace_core.localize.verdicts import Localization, analyze, can_replay_alone
+from ttrace_core.localize.verdicts import STRUCTURAL, Localization, analyze, can_replay_alone
 from ttrace_core.record.command import relaunch
 
 
@@ -80,7 +80,11 @@ def _judge_replay(original: RunComparison, reference_dir: Path, candidate_dir: P
     result.reproduction = asdict(reproduction)
     if reproduction.reproduced is None:
         result.notes.append("reproduction not verified: no tensor of the candidate had only exact sources")
-    if not result.culprits:
+    structural = [c for c in replay.comparisons if not c and c.status in STRUCTURAL]
+    if not result.culprits and structural:
+        result.notes.append(f"{len(structural)} tensors of the replay fail on structure, the first {structural[0].key} "
+                            f"({structural[0].status}: {structural[0].message}); input rewriting cannot explain those")
+    elif not result.culprits:
         reproduced = f"the replay reproduces the candidate ({reproduction.num_checked} tensors checked)" \
             if reproduction.reproduced else "the replay could not be checked against the candidate"
         result.notes.append(f"{reproduced}, yet with "
@@ -119,7 +123,14 @@ def localize(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike,
         notes = ["the candidate matches the reference: nothing to localize"] if original.passed else \
             [f"no compared tensor diverged: nothing to localize; but {lacking}", *original.findings]
         return Localization(reference=str(reference_dir), candidate=str(candidate_dir), replay=None, diverged=False,
-                            command=command, notes=notes)
+                            command=command, notes=notes, original_failed=not original.passed)
+    first = original.first_divergence
+    if first.status in STRUCTURAL:  # no value is wrong yet: what rewriting inputs explains cannot be at fault
+        return Localization(reference=str(reference_dir), candidate=str(candidate_dir), replay=None, diverged=True,
+                            command=command, notes=[
+                                f"the first divergence, {first.key}, is structural ({first.status}: {first.message}); "
+                                "feeding modules the reference's inputs cannot explain it, so nothing was replayed: "
+                                "fix what it says, then compare again"])
     replay_dir = Path(replay_dir) if replay_dir else candidate_dir / ".localize" / ("replay" + (f"-{module}" if module else ""))
     reusable = reuse_replay and (replay_dir / "manifest.json").exists() and list(replay_dir.glob("rank_*.h5")) \
         and not list(replay_dir.glob("*.partial"))
