@@ -85,6 +85,28 @@ def test_replicas_differing_along_tp_name_the_tp_reduction():
     assert wgrad == []
 
 
+@pytest.mark.parametrize("axis_names", [["dp", "tp"], ["fsdp", "tp"], ["dp_shard", "tp"], ["dp_replicate", "tp"],
+                                        ["hsdp", "tp"]], ids=["dp", "fsdp", "dp_shard", "dp_replicate", "hsdp"])
+def test_replicas_differing_along_any_data_parallel_axis_name_the_dp_reduction(axis_names):
+    """torchtitan names its axes dp_shard and dp_replicate: an unreduced gradient there is DP's, not "unknown"."""
+    manifest = RunManifest(role="candidate", world_size=4, degrees={axis_names[0]: 2, "tp": 2}, mesh_shape=[2, 2],
+                           mesh_axis_names=axis_names, rank_coordinates=[[0, 0], [0, 1], [1, 0], [1, 1]])
+    drift = {"ranks": (0, 2), "max_abs_diff": 1.0, "relative_diff": 0.5}
+    replay = run(comparison("forward", "norm", "output.0", True), comparison("grad", "norm.weight", "grad", False, drift=drift))
+    findings, _ = sync_findings(run(), replay, None, None, manifest, module_culprits=[])
+    assert [(f.reduction, f.bug_class) for f in findings] == [("DP", "gradient-sync")]
+
+
+@pytest.mark.parametrize("degrees, expected", [
+    ({"dp": 2, "tp": 2}, 2), ({"dp_shard": 2, "dp_replicate": 2, "tp": 2}, 4), ({"tp": 4}, 1), ({}, 1),
+    ({"fsdp": 4, "pp": 2}, 4),
+], ids=["dp", "torchtitan hsdp", "tp only", "none", "fsdp"])
+def test_data_parallel_degree_reads_every_data_parallel_axis(degrees, expected):
+    from ttrace_core.format.naming import data_parallel_degree
+
+    assert data_parallel_degree(degrees) == expected
+
+
 def test_an_updated_parameter_wrong_with_a_right_gradient_is_the_optimizer():
     manifest = RunManifest(role="candidate", world_size=2, degrees={"dp": 2})
     replay = run(comparison("grad", "w", "grad", True), comparison("param", "w", "value", False))

@@ -8,6 +8,7 @@ A key names one tensor instance (format.schema.TensorKey): `phase` forward | bac
 
 from __future__ import annotations
 
+import math
 import re
 
 from ttrace_core.format.schema import TensorKey
@@ -31,6 +32,17 @@ GRADIENT_CLIPPING = "(gradient clipping)"
 "scalar.clip_coef", "scalar.loss_scale", "scalar.lr", "scalar.skipped_steps"."""
 PSEUDO_MODULES = {LOSS_FUNCTION: "the loss function", GRADIENT_CLIPPING: "the gradient norm / clipping"}
 """Pseudo-module name -> how a verdict names it."""
+
+
+DATA_PARALLEL_AXES = ("dp", "fsdp", "ddp", "dp_shard", "dp_replicate", "data_parallel", "hsdp", "dp_shard_cp")
+"""Mesh axis names (and manifest degrees) that are data parallelism: the micro-batches are spread over
+them, and a gradient reduction over them is data parallelism's (torchtitan names its axes dp_shard and
+dp_replicate, megatron and most scripts dp or fsdp)."""
+
+
+def data_parallel_degree(degrees: dict[str, int]) -> int:
+    """How many data-parallel replicas a run's degrees describe: the product over its data-parallel axes."""
+    return math.prod(size for axis, size in degrees.items() if axis in DATA_PARALLEL_AXES)
 
 
 def layer_of(fqn: str) -> int | None:

@@ -11,11 +11,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ttrace_core.canonicalize.placements import coordinate_from_rank
+from ttrace_core.format.naming import DATA_PARALLEL_AXES
 from ttrace_core.format.schema import RunManifest, strip_wrappers
 from ttrace_core.format.reader import dtype_name
 
-# Mesh axis names read as data parallelism (micro-batch ids are spread over them).
-DATA_PARALLEL_AXES = ("dp", "fsdp", "ddp", "dp_shard", "dp_replicate", "data_parallel", "hsdp", "dp_shard_cp")
 PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 
 

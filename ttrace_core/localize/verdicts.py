@@ -44,7 +44,8 @@ import torch
 from ttrace_core.canonicalize.logical_value import logical_value
 from ttrace_core.compare.results import RunComparison, TensorComparison
 from ttrace_core.format.naming import (
-    GRADIENT_CLIPPING, LOSS_FUNCTION, PSEUDO_MODULES, in_subtree, module_of, owner_of, slot_family,
+    DATA_PARALLEL_AXES, GRADIENT_CLIPPING, LOSS_FUNCTION, PSEUDO_MODULES, in_subtree, module_of, owner_of, slot_family,
+    data_parallel_degree,
 )
 from ttrace_core.format import strict_json
 from ttrace_core.format.records import data_from_json, data_from_record, record_from_data
@@ -301,7 +302,7 @@ def _reduction_name(axes: list[str], manifest: RunManifest) -> str:
         return "TP (sequence parallel)" if manifest.degrees.get("sp") else "TP"
     if "ep" in axes:
         return "EP"
-    return "DP" if "dp" in axes or "fsdp" in axes else "unknown"
+    return "DP" if any(axis in DATA_PARALLEL_AXES for axis in axes) else "unknown"
 
 
 def _scale_factor(reference: RunReader, replay: RunReader, key: TensorKey) -> tuple[float, float]:
@@ -322,7 +323,7 @@ def _classify_gradient(c: TensorComparison, reference: RunReader, replay: RunRea
         if axes:
             return _reduction_name(axes, manifest), "gradient-sync", f"replicas differ along {'/'.join(axes)}"
     s, residual = _scale_factor(reference, replay, c.key)
-    data_parallel = max(manifest.degrees.get("dp", 1), manifest.degrees.get("fsdp", 1), manifest.degrees.get("ep", 1))
+    data_parallel = max(data_parallel_degree(manifest.degrees), manifest.degrees.get("ep", 1))
     # Pure scaling: once divided by the factor, the gradient would pass its own tolerance.
     if residual < max(PURE_SCALE_RESIDUAL, c.tolerance.rel if c.tolerance else 0.0) and data_parallel > 1:
         reduction = "EP" if ".experts." in c.key.fqn and manifest.degrees.get("ep", 1) > 1 else "DP"
