@@ -34,6 +34,9 @@ def test_settings_are_part_of_the_cache_key_and_the_provenance(pair):
     theorem = api.comparison_table(reference, candidate, api.CompareSettings(tolerance="theorem"))
     assert theorem.path != default.path and not theorem.cached
     assert theorem.provenance["settings"]["tolerance"] == "theorem"
+    # the provider behind the step scalars' own tolerances, never "custom"
+    assert theorem.provenance["tolerance_provider"] == "theorem bound"
+    assert default.provenance["tolerance_provider"] == "dtype table"
     assert set(theorem.frame["tolerance_method"].dropna()) == {"theorem"}
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ttrace_core.compare import bounded, engine, metrics
 from ttrace_core.compare.engine import compare_runs
-from ttrace_core.compare.metrics import CHUNK_ELEMENTS, ValueSums, value_sums
+from ttrace_core.compare.metrics import CHUNK_ELEMENTS, ValueSums, metrics_from_sums, value_sums
 from ttrace_core.compare.results import Tolerance
 from ttrace_core.compare.tolerances import select_tolerances
 from ttrace_core.format.reader import RunReader
@@ -185,6 +185,26 @@ def test_nonfinite_values_are_counted_and_left_out() -> None:
     found = value_sums(torch.tensor([math.nan, 1.0, math.inf, 4.0]), torch.tensor([1.0, math.inf, math.inf, 2.0]), TOL)
     assert (found.num_nan, found.num_inf) == ((1, 0), (1, 2))
     assert (found.abs_error, found.reference_norm, found.max_abs, found.num_mismatched) == (2.0, 2.0, (2.0, (3,)), 1)
+
+
+@pytest.mark.parametrize("actual, expected, apart", [
+    ([math.nan, 1.0], [1.0, math.nan], 2),             # the same counts in other places
+    ([math.nan, 1.0], [math.nan, 1.0], 0),
+    ([math.inf, 1.0], [-math.inf, 1.0], 1),            # an Inf of the other sign
+    ([math.inf, -math.inf], [math.inf, -math.inf], 0),
+    ([math.nan, 2.0], [math.inf, 2.0], 1),
+], ids=["nan swapped", "nan alike", "inf sign", "inf alike", "nan for inf"])
+def test_nonfinite_values_in_other_places_are_counted(actual, expected, apart) -> None:
+    found = value_sums(torch.tensor(actual), torch.tensor(expected), TOL)
+    assert found.num_nonfinite_apart == apart
+
+
+def test_nan_in_other_places_fails_though_the_counts_agree(tmp_path) -> None:
+    from ttrace_core.compare.engine import _verdict
+
+    metrics = metrics_from_sums(value_sums(torch.tensor([math.nan, 1.0]), torch.tensor([1.0, math.nan]), TOL), TOL)
+    status, message = _verdict(metrics, None, TOL)
+    assert status == "nonfinite" and message.startswith("NaN/Inf in other places: 2 elements")
 
 
 @pytest.mark.parametrize("name", ["fp32 NaN and Inf", "ties across chunks", "zeros in the reference"])

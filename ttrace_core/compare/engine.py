@@ -70,6 +70,10 @@ def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[s
     if metrics["num_nan"][0] != metrics["num_nan"][1] or metrics["num_inf"][0] != metrics["num_inf"][1]:
         return "nonfinite", f"NaN/Inf counts differ: candidate {metrics['num_nan'][0]}/{metrics['num_inf'][0]}, " \
                             f"reference {metrics['num_nan'][1]}/{metrics['num_inf'][1]}"
+    if apart := metrics["num_nonfinite_apart"]:
+        return "nonfinite", f"NaN/Inf in other places: {apart} elements are NaN or Inf in one run and not the same " \
+                            f"value in the other (counts candidate {metrics['num_nan'][0]}/{metrics['num_inf'][0]}, " \
+                            f"reference {metrics['num_nan'][1]}/{metrics['num_inf'][1]})"
     value_ratio, drift_ratio = metrics["ratio"], _drift_ratio(drift, tolerance)
     mismatch = f"mismatch ratio {value_ratio:.3g} (relative error {metrics['error']:.3g}, tolerance {tolerance.rel:.3g})"
     if drift_ratio > 1:

@@ -47,6 +47,9 @@ class ValueSums:
     max_abs: tuple[float, tuple[int, ...]] | None = None
     max_rel: tuple[float, tuple[int, ...]] | None = None
     num_mismatched: int = 0
+    num_nonfinite_apart: int = 0
+    """Elements NaN or Inf on one side and not the same non-finite value on the other: counts that agree
+    can still sit in other places ([nan, 1] against [1, nan])."""
 
     def add(self, other: ValueSums) -> None:
         self.numel += other.numel
@@ -57,6 +60,7 @@ class ValueSums:
         self.max_abs = _larger_first(self.max_abs, other.max_abs)
         self.max_rel = _larger_first(self.max_rel, other.max_rel)
         self.num_mismatched += other.num_mismatched
+        self.num_nonfinite_apart += other.num_nonfinite_apart
 
 
 def _larger_first(a: tuple[float, tuple] | None, b: tuple[float, tuple] | None) -> tuple[float, tuple] | None:
@@ -117,9 +121,9 @@ def _chunk_sums(actual_flat: torch.Tensor, expected_flat: torch.Tensor, start: i
     chunk = _finite_chunk_sums(a, e, tolerance, work)
     if chunk is None:  # NaN or Inf in the chunk (or values over 1e154): compare where both are finite
         a = _promoted(actual_flat[start:stop], a, scales[0])
-        num_nan, num_inf = _without_nonfinite(a, e, work)
+        num_nan, num_inf, apart = _without_nonfinite(a, e, work)
         chunk = _finite_chunk_sums(a, e, tolerance, work, cleaned=True)
-        chunk.num_nan, chunk.num_inf = num_nan, num_inf
+        chunk.num_nan, chunk.num_inf, chunk.num_nonfinite_apart = num_nan, num_inf, apart
     if start:
         chunk.max_abs = (chunk.max_abs[0], (chunk.max_abs[1][0] + start,))
         chunk.max_rel = (chunk.max_rel[0], (chunk.max_rel[1][0] + start,))
@@ -174,17 +178,20 @@ def _finite_chunk_sums(a: torch.Tensor, e: torch.Tensor, tolerance: Tolerance, w
                      num_mismatched=num_mismatched)
 
 
-def _without_nonfinite(a: torch.Tensor, e: torch.Tensor, work: _Workspace) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(NaN counts, Inf counts) of a and e; then 0 on both sides wherever either is not finite, so
-    those places add nothing to the norms and count as no difference."""
+def _without_nonfinite(a: torch.Tensor, e: torch.Tensor, work: _Workspace) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """(NaN counts, Inf counts) of a and e, and how many places hold a non-finite value on one side and not
+    the same one on the other; then 0 on both sides wherever either is not finite, so those places add
+    nothing to the norms."""
     actual, expected = a.numpy(), e.numpy()
     mask, other = work.mask[:actual.size], work.other_mask[:actual.size]
     counts = [int(np.count_nonzero(test(values, out=mask))) for test in (np.isnan, np.isinf) for values in (actual, expected)]
+    alike = (np.isnan(actual) & np.isnan(expected)) | (np.isinf(actual) & (actual == expected))
     np.logical_or(np.logical_not(np.isfinite(actual, out=mask), out=mask),
                   np.logical_not(np.isfinite(expected, out=other), out=other), out=mask)
+    apart = int(np.count_nonzero(mask & ~alike))
     np.copyto(actual, 0.0, where=mask)
     np.copyto(expected, 0.0, where=mask)
-    return (counts[0], counts[1]), (counts[2], counts[3])
+    return (counts[0], counts[1]), (counts[2], counts[3]), apart
 
 
 def metrics_from_sums(sums: ValueSums, tolerance: Tolerance) -> dict:
@@ -192,7 +199,8 @@ def metrics_from_sums(sums: ValueSums, tolerance: Tolerance) -> dict:
     numel, abs_error, reference_norm = sums.numel, sums.abs_error, sums.reference_norm
     allowed = tolerance.rel * reference_norm + tolerance.abs * math.sqrt(numel)
     metrics = {
-        "shape": sums.shape, "numel": numel, "num_nan": sums.num_nan, "num_inf": sums.num_inf, "abs_error": abs_error,
+        "shape": sums.shape, "numel": numel, "num_nan": sums.num_nan, "num_inf": sums.num_inf,
+        "num_nonfinite_apart": sums.num_nonfinite_apart, "abs_error": abs_error,
         "reference_norm": reference_norm,
         "error": abs_error / reference_norm if reference_norm > 0 else (0.0 if abs_error == 0 else math.inf),
         "ratio": abs_error / allowed if allowed > 0 else (0.0 if abs_error == 0 else math.inf),

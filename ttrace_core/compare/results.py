@@ -184,6 +184,8 @@ class TensorComparison:
     num_nan: tuple[int, int] = (0, 0)
     """(candidate, reference)."""
     num_inf: tuple[int, int] = (0, 0)
+    num_nonfinite_apart: int = 0
+    """Elements NaN or Inf in one run and not the same value in the other (equal counts in other places fail too)."""
     replica_drift: dict | None = None
     """Candidate replicas that differ: {"ranks", "max_abs_diff", "relative_diff"}."""
     stats_only: bool = False

@@ -63,7 +63,7 @@ _ORDER = (
     "drift_ratio", "min_rel_tolerance", "tolerance_rel", "tolerance_abs", "tolerance_drift_rel", "tolerance_method",
     "tolerance_params", "tolerance_source", "max_abs_diff", "max_abs_index", "max_rel_diff", "max_rel_index",
     "num_mismatched", "num_nan_candidate", "num_nan_reference", "num_inf_candidate", "num_inf_reference",
-    "drift_ranks", "drift_max_abs_diff", "drift_relative_diff", "stats_only",
+    "num_nonfinite_apart", "drift_ranks", "drift_max_abs_diff", "drift_relative_diff", "stats_only",
 )
 COLUMNS = _ORDER + tuple(name for name in ROW_PATHS if name not in _ORDER)
 """One row per compared tensor instance; lists and dicts are JSON text, so plain pandas reads every cell."""

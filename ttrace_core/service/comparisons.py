@@ -76,6 +76,13 @@ _PROVIDER_NAMES = {"PerturbationTolerances": "perturbation estimate", "TheoremTo
                    "DtypeTolerances": "dtype table"}
 
 
+def provider_name(tolerances: object) -> str:
+    """How the Runs page and the report name the provider that judged a pair: the one behind the step
+    scalars' own tolerances (StepScalarTolerances.base), which every comparison puts in front."""
+    provider = getattr(tolerances, "base", tolerances)
+    return _PROVIDER_NAMES.get(type(provider).__name__, "custom")
+
+
 class RowStream(Protocol):
     """Where a comparison's rows go as they are made (comparison_jobs.RowChunkWriter)."""
 
@@ -151,8 +158,7 @@ def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike,
         frame = table.table_from_comparison(result, cand_reader)
     if not result.comparisons:
         raise TtraceError(f"{candidate}: no step was completed in both runs, nothing to compare")
-    provenance = _provenance(result, inputs, settings, _PROVIDER_NAMES.get(type(tolerances).__name__, "custom"),
-                             time.perf_counter() - started)
+    provenance = _provenance(result, inputs, settings, provider_name(tolerances), time.perf_counter() - started)
     try:
         if not partitioned or dist.get_rank() == 0:  # one writer of the cache among partitioned workers
             table.write_table(path, frame, provenance)
