@@ -147,3 +147,25 @@ def test_global_shape_from_local_and_coordinates():
     assert pl.global_shape_from_local((2, 4), (2, 2), ("SS(0,2)", "S(0)")) == (8, 4)
     assert pl.coordinate_from_rank(5, (2, 3)) == (1, 2)
     assert pl.all_coordinates((2, 2)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def _layout(global_shape, mesh_shape, coordinate, placements, names):
+    return Layout(global_shape=global_shape, mesh_shape=mesh_shape, coordinate=coordinate, placements=placements,
+                  mesh_axis_names=names)
+
+
+@pytest.mark.parametrize("layout, local_shape, expected", [
+    (_layout((8, 16), (2, 2), (1, 0), ("S(0)", "S(1)"), ("dp_shard", "tp")), (4, 8),
+     _layout((4, 16), (2,), (0,), ("S(1)",), ("tp",))),
+    (_layout((8, 16), (2,), (1,), ("S(0)",), ("dp",)), (4, 16), Layout(global_shape=(4, 16))),
+    (_layout((8, 16), (2, 2), (0, 1), ("S(0)", "S(0)"), ("fsdp", "tp")), (2, 16),
+     _layout((4, 16), (2,), (1,), ("S(0)",), ("tp",))),
+    (_layout((8, 16), (2, 2), (1, 1), ("R", "P(sum)"), ("dp_replicate", "tp")), (8, 16),
+     _layout((8, 16), (2,), (1,), ("P(sum)",), ("tp",))),
+    (_layout((8, 16), (2,), (1,), ("S(0)",), ("tp",)), (4, 16), _layout((8, 16), (2,), (1,), ("S(0)",), ("tp",))),
+    (_layout((8, 16), (2,), (1,), ("SS(0,2)",), ("dp",)), (4, 16), _layout((8, 16), (2,), (1,), ("SS(0,2)",), ("dp",))),
+], ids=["dp batch, tp hidden", "dp alone", "dp and tp on one dim", "replicate over dp", "no dp axis", "strided kept"])
+def test_without_mesh_axes_is_this_ranks_own_micro_batch(layout, local_shape, expected):
+    from ttrace_core.format.naming import DATA_PARALLEL_AXES
+
+    assert pl.without_mesh_axes(layout, DATA_PARALLEL_AXES, local_shape) == expected

@@ -173,3 +173,39 @@ def hang_on_rank_1(config: dict) -> None:
     """Rank 1 sleeps far past any timeout; rank 0 returns."""
     if int(os.environ["RANK"]) == 1:
         time.sleep(600)
+
+
+def record_dtensor_activations_over_dp(config: dict) -> None:
+    """A model whose activations are DTensors sharded over a data-parallel mesh axis (torchtitan's
+    full_dtensor mode): each rank's local batch is its micro-batch, rank r's local micro-batch k the
+    reference's k * 2 + r. With one rank (the reference) the same model runs all micro-batches as plain tensors."""
+    from torch.distributed.tensor import distribute_module
+
+    from ttrace_core.record.tracer import Tracer, TracerConfig
+
+    dist.init_process_group("gloo")
+    try:
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",)) if world_size > 1 else None
+        if mesh is not None:  # weights replicated, gradients all-reduced over dp by DTensor's Partial -> Replicate
+            distribute_module(model, mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        num_micro_batches = 4
+        num_local = num_micro_batches // world_size
+        tracer = Tracer(config["out"], model, role="reference" if world_size == 1 else "candidate", optimizer=optimizer,
+                        config=TracerConfig(loss_scale=1 / num_micro_batches, data_parallel_rank=rank,
+                                            data_parallel_size=world_size))
+        with tracer.step(0):
+            for local_index in range(num_local):
+                inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(local_index * world_size + rank))
+                if mesh is not None:
+                    inputs = DTensor.from_local(inputs, mesh, [Shard(0)])
+                output = model(inputs)
+                loss = output.square().sum() / 3 / num_micro_batches
+                loss.backward()  # a DTensor loss, partial over dp: each rank's part is its micro-batch's
+            optimizer.step()
+        tracer.close()
+    finally:
+        dist.destroy_process_group()

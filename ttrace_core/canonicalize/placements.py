@@ -255,6 +255,29 @@ def global_shape_from_local(local: tuple[int, ...], mesh_shape: tuple[int, ...],
     return tuple(shape)
 
 
+def without_mesh_axes(layout: Layout, axis_names: tuple[str, ...], local_shape: tuple[int, ...]) -> Layout:
+    """This rank's part of `layout` as if the mesh axes named `axis_names` were not there: a Shard over one
+    becomes the whole of the dim this rank holds, a Replicate or Partial over one is dropped. What an
+    activation sharded over data parallelism is under ttrace's micro-batch rule, where a data-parallel
+    rank's local batch is a micro-batch of its own: activations (8, 16) laid out (S(0), S(1)) over
+    (dp 2, tp 2) give rank (dp 1, tp 0) a (4, 8) block, and without dp a (4, 16) tensor, S(1) over tp.
+    A strided or blocked placement over such an axis is kept as recorded."""
+    dropped = [axis for axis, name in enumerate(layout.mesh_axis_names) if name in axis_names]
+    specs = parsed_placements(layout)
+    if not dropped or any(specs[axis].kind not in ("shard", "replicate", "partial") for axis in dropped):
+        return layout
+    kept = [axis for axis in range(len(layout.mesh_shape)) if axis not in dropped]
+    ndim = len(layout.global_shape)
+    global_shape = list(layout.global_shape)
+    for dim in {_normalized_dim(specs[axis].dim, ndim) for axis in dropped if specs[axis].kind == "shard"}:
+        still_sharding = [axis for axis in kept if specs[axis].dim is not None and _normalized_dim(specs[axis].dim, ndim) == dim]
+        global_shape[dim] = local_shape[dim] * math.prod(layout.mesh_shape[axis] for axis in still_sharding)
+    return Layout(global_shape=tuple(global_shape), mesh_shape=tuple(layout.mesh_shape[axis] for axis in kept),
+                  coordinate=tuple(layout.coordinate[axis] for axis in kept),
+                  placements=tuple(layout.placements[axis] for axis in kept),
+                  mesh_axis_names=tuple(layout.mesh_axis_names[axis] for axis in kept), flat_range=layout.flat_range)
+
+
 def all_coordinates(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     coordinates: list[tuple[int, ...]] = [()]
     for size in mesh_shape:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, Replicate, _StridedShard
 
 from ttrace_core.errors import LayoutError
+from ttrace_core.format.naming import DATA_PARALLEL_AXES
 from ttrace_core.format.schema import Layout
 
 
@@ -118,3 +119,13 @@ def declare_parallelize_plan(tracer, plan: dict[str, object], mesh: DeviceMesh) 
     for fqn_glob, style in plan.items():
         for slot, placement in plain_boundary_layouts(style).items():
             tracer.declare(fqn_glob, slot, [placement], mesh)
+
+
+def own_micro_batch_value(value: DTensor) -> torch.Tensor:
+    """This rank's value of a DTensor reduced over every mesh axis but the data-parallel ones (a collective
+    over those axes): a loss that is partial over tensor parallelism (loss parallel) and over data
+    parallelism is, on each data-parallel rank, the loss of its own micro-batch (ttrace's rule)."""
+    names = value.device_mesh.mesh_dim_names or ()
+    placements = [placement if axis < len(names) and names[axis] in DATA_PARALLEL_AXES else Replicate()
+                  for axis, placement in enumerate(value.placements)]
+    return value.redistribute(placements=placements).to_local()

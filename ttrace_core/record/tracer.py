@@ -46,10 +46,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ttrace_core.integrations.dtensor import (
-    layout_from_dtensor, local_value,
+    layout_from_dtensor, local_value, own_micro_batch_value,
 )
 from ttrace_core.format.fingerprint import environment_fingerprint
-from ttrace_core.format.naming import LOSS_FUNCTION, owner_of, slot_family
+from ttrace_core.canonicalize.placements import without_mesh_axes
+from ttrace_core.format.naming import DATA_PARALLEL_AXES, LOSS_FUNCTION, owner_of, slot_family
 from ttrace_core.format.schema import (
     MAX_FINDING_CHARS, NO_MICRO_BATCH, PRE_STEP_SLOT, Finding, Layout, RunManifest, TensorKey, TensorMeta, strip_wrappers,
 )
@@ -182,8 +183,17 @@ class Tracer:
     def layout_of(self, key: TensorKey, value: torch.Tensor) -> Layout:
         """The layout in effect for `value`, recorded (or about to be recorded) under `key`."""
         if isinstance(value, DTensor):
-            return layout_from_dtensor(value)
+            return self._dtensor_layout(key, value)
         return plain_layout(self._declarations, self._state, key, local_value(value))
+
+    @staticmethod
+    def _dtensor_layout(key: TensorKey, value: DTensor) -> Layout:
+        """A DTensor's own layout; for an activation, without its data-parallel mesh axes: a data-parallel
+        rank's local batch is a micro-batch of its own (global_micro_batch), never a shard of a larger one."""
+        layout = layout_from_dtensor(value)
+        if key.phase in ("forward", "backward"):
+            return without_mesh_axes(layout, DATA_PARALLEL_AXES, tuple(value.to_local().shape))
+        return layout
 
     # ---- recording ----------------------------------------------------------------------------
 
@@ -223,7 +233,7 @@ class Tracer:
             return
         state = self._state
         local = local_value(value)
-        layout = layout_from_dtensor(value) if isinstance(value, DTensor) else \
+        layout = self._dtensor_layout(key, value) if isinstance(value, DTensor) else \
             plain_layout(self._declarations, self._state, key, local)
         if (flat_range := self._declarations.flat_ranges.get((key.fqn, key.slot))) is not None:
             local = local.reshape(-1)[flat_range[0]:flat_range[1]]
@@ -297,7 +307,7 @@ class Tracer:
         state.loss_backwards.append(seen)
         reserved = state.seq
         state.seq += 1
-        value = local_value(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+        value = own_micro_batch_value(loss) if isinstance(loss, DTensor) else loss
         return seen, float(value.detach().reshape(()).double()), value.dtype, reserved
 
     @never_raises
