@@ -2,9 +2,11 @@
 
 An adapter answers, for one model: which module to trace, the tracer configuration and the run's
 manifest it implies, each parameter's layout (to draw weights in full logical shape), which of the
-step's scalars to capture (step_scalars.py), and what to declare once the tracer exists. Two
-frameworks: PyTorch-native (DTensor / FSDP2 / DDP / torch.compile; layouts travel with the tensors)
-and megatron-core (plain local tensors; layouts from megatron's attributes and parallel state,
+step's scalars to capture (step_scalars.py), and what to declare once the tracer exists. Three
+frameworks: PyTorch-native (DTensor / FSDP2 / DDP / torch.compile; layouts travel with the tensors),
+Hugging Face Transformers' own tensor parallelism (DTensor parameters; the plain shards its parallel
+styles hand between modules laid out by the model's plan, integrations/transformers.py), and
+megatron-core (plain local tensors; layouts from megatron's attributes and parallel state,
 integrations/megatron.py).
 """
 
@@ -61,6 +63,28 @@ class TorchAdapter:
 
     def declare(self, tracer, optimizer) -> None:
         """Nothing to declare: DTensors say their layouts."""
+
+
+class TransformersAdapter(TorchAdapter):
+    """A transformers model that transformers itself parallelized (`DistributedConfig(tp_size=...)`,
+    `tp_plan="auto"`): its parameters are DTensors (or plain shards, laid out by their style), and the
+    plain local tensors its parallel styles return are declared from the model's TP / EP plan."""
+
+    def __init__(self, model: nn.Module, role: str, world_size: int, selection: TracerSelection) -> None:
+        from ttrace_core.integrations.transformers import applied_plan
+
+        super().__init__(model, role, world_size, selection)
+        self.plan = applied_plan(self.traced)
+
+    def parameter_layout(self, name: str, param: torch.Tensor) -> Layout | None:
+        from ttrace_core.integrations.transformers import parameter_layout
+
+        return parameter_layout(self.plan, name, param)
+
+    def declare(self, tracer, optimizer) -> None:
+        from ttrace_core.integrations.transformers import declare_transformers_layouts
+
+        declare_transformers_layouts(tracer, self.plan, self.traced.named_parameters())
 
 
 class MegatronAdapter:

@@ -3,8 +3,8 @@
 A declaration says which placements, on which mesh, the tensors at matching (fqn glob, slot glob)
 hold; later declarations win. A placement may also be a rule: a function of the local shape that
 returns the placement, or None when no layout is known for that shape (a framework adapter's
-"S(0) for a 3-D hidden state, unknown otherwise"); the tensor is then not recorded and the tracer
-keeps a finding instead (UnknownLayoutError). The layout of a (module, slot, local shape) is resolved once and kept:
+"S(0) for a 3-D hidden state, unknown otherwise"), or raises a LayoutError saying why; the tensor is
+then not recorded and the tracer keeps a finding instead (UnknownLayoutError). The layout of a (module, slot, local shape) is resolved once and kept:
 a Megatron model has hundreds of declarations, and globbing them all on every recorded tensor cost
 more than recording it. Even once per (module, slot, shape) that was 540 globs each, the largest part of a
 first recorded step's layout resolution (0.16 s of 0.29 s of stats-only recording, profiled): an fqn
@@ -116,7 +116,10 @@ def _fitted(fqn: str, slot: str, local_shape: tuple[int, ...], declared: Declara
 def _applied(placement: str | PlacementRule, fqn: str, slot: str, local_shape: tuple[int, ...]) -> str:
     if not callable(placement):
         return placement
-    resolved = placement(local_shape)
+    try:
+        resolved = placement(local_shape)
+    except LayoutError as error:  # a rule that knows why it has no layout says so (an adapter's unknown style)
+        raise UnknownLayoutError(str(error)) from error
     if resolved is None:
         raise UnknownLayoutError(
             f"{fqn} {slot}: no layout is known for a {len(local_shape)}-D tensor of shape {list(local_shape)} at this "

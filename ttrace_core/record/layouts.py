@@ -3,7 +3,8 @@
 Input: the Tracer's declarations (declarations.py), its step state (step_state.py), the tensor's key and
 its local value. Output: the `Layout` recorded with it, which canonicalize reads to place the shard in
 its logical tensor. In order: a declared layout; the layout a parallel style's output had as a DTensor
-before it was made local; a gradient's forward tensor's layout; else the whole tensor, replicated.
+before it was made local; the layout of the plain shard it was produced from, for a module that only
+passes a shard on (producers.py); a gradient's forward tensor's layout; else the whole tensor, replicated.
 
 Declared layouts are resolved once per (module, slot, local shape) and kept until the next declaration
 (declarations.py). The others depend on the call, so they are looked up each time; the layout records
@@ -20,6 +21,7 @@ import torch
 from ttrace_core.format.schema import Layout, TensorKey
 from ttrace_core.integrations.dtensor import layout_of_converted_output
 from ttrace_core.record.declarations import Declarations, UnknownLayoutError
+from ttrace_core.record.producers import ProducerLayouts
 from ttrace_core.record.step_state import StepState
 
 
@@ -42,15 +44,21 @@ def has_partial(placements: tuple[str, ...]) -> bool:
     return any(p.startswith("P(") for p in placements)
 
 
-def plain_layout(declarations: Declarations, state: StepState | None, key: TensorKey, local: torch.Tensor) -> Layout:
+def plain_layout(declarations: Declarations, state: StepState | None, key: TensorKey, local: torch.Tensor,
+                 producers: ProducerLayouts | None = None, value: torch.Tensor | None = None) -> Layout:
     """The layout of a tensor that does not describe its own. A declared one is resolved once per
     (module, slot, local shape) and kept until the next declaration (declarations.py); the others
-    depend on the call (a converted output, a gradient's forward tensor) and are looked up each time."""
+    depend on the call (a converted output, the shard it was produced from, a gradient's forward
+    tensor) and are looked up each time. `value`: the tensor as the module saw it (`local` may be a
+    detached alias), matched by storage against `producers`."""
     shape = tuple(local.shape)
     if (declared := declarations.layout(key.fqn, key.slot, shape)) is not None:
         return declared
     if (converted := _converted_layout(state, key, local)) is not None:
         return converted
+    if producers is not None and state is not None and \
+            (produced := producers.layout_of(state, key, local if value is None else value)) is not None:
+        return produced
     if key.slot.startswith("grad_") and state is not None:
         # The gradient of a tensor is laid out like the tensor itself.
         forward_slot = key.slot.removeprefix("grad_")

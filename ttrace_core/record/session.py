@@ -193,7 +193,9 @@ def attach(model: nn.Module, optimizer=None, *, loss_scale: float = 1.0,
 
     A megatron-core model is recognized by itself: its layouts, degrees, mesh and logical parameter
     shapes come from megatron's own attributes and parallel state, the loss scale from its schedule,
-    and `optimizer` may be the Megatron optimizer (its step is wrapped: it has no step hooks).
+    and `optimizer` may be the Megatron optimizer (its step is wrapped: it has no step hooks). So is a
+    transformers model that transformers parallelized itself: the layouts of the plain shards its
+    parallel styles return come from the model's TP / EP plan (integrations/transformers.py).
 
     optimizer: a torch.optim.Optimizer, or any optimizer whose step() the tracer may wrap.
     loss_scale: the factor each micro-batch loss is multiplied by before backward (1 / local
@@ -248,10 +250,14 @@ def _configured(config: TracerConfig, spec: SessionSpec) -> TracerConfig:
 
 def _adapter_for(model: nn.Module, optimizer, role: str, world_size: int, selection):
     from ttrace_core.integrations.megatron import is_megatron_model
-    from ttrace_core.record.adapters import MegatronAdapter, TorchAdapter
+    from ttrace_core.integrations.transformers import is_transformers_parallel_model
+    from ttrace_core.record.adapters import MegatronAdapter, TorchAdapter, TransformersAdapter
 
     if is_megatron_model(model):
         return MegatronAdapter(model, optimizer, role, world_size, selection)
+    unwrapped = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    if is_transformers_parallel_model(unwrapped):
+        return TransformersAdapter(model, role, world_size, selection)
     return TorchAdapter(model, role, world_size, selection)
 
 
