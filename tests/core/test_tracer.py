@@ -444,3 +444,21 @@ def test_a_declared_placement_that_does_not_fit_names_the_placement_and_the_shap
     assert str(raised.value) == (
         f"block input.1: declared placements ['{placement}'] on mesh [2] do not fit its local shape {list(local_shape)} "
         f"({reason}), so it is not recorded; declare the layout it has with session.declare(fqn, slot, placements, mesh)")
+
+
+@pytest.mark.parametrize("autocast, expected", [(False, "fp32"), (True, "bf16")], ids=["fp32", "autocast bf16"])
+def test_the_manifest_says_the_precision_the_first_step_computed_in(tmp_path, autocast, expected):
+    """fp32 parameters computing in bf16 (autocast, FSDP2's MixedPrecisionPolicy, torchtitan's default) carry
+    bf16 round-off into their fp32 gradients: the manifest says bf16, so the dtype table judges them by it."""
+    import json
+
+    from ttrace_core.format.schema import RunManifest
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = Tracer(tmp_path, model, role="reference", optimizer=optimizer, manifest=RunManifest(role="reference", world_size=1))
+    for step in range(2):
+        with tracer.step(step), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            _train_step(model, optimizer)
+    tracer.close()
+    assert json.loads((tmp_path / "manifest.json").read_text())["precision"] == expected

@@ -16,6 +16,19 @@ from ttrace_core.format.schema import RunManifest, strip_wrappers
 from ttrace_core.format.reader import dtype_name
 
 PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+_MANTISSA_BITS = {"fp64": 52, "fp32": 23, "fp16": 10, "bf16": 7, "fp8": 3}
+
+
+def computed_precision(declared: str, output_dtypes: dict[str, int]) -> str:
+    """The precision a run computes in: `declared` (its parameters' dtype, or what its adapter said), or the
+    most common dtype of its module outputs when that one is coarser: autocast, FSDP2's MixedPrecisionPolicy
+    and torchtitan's bf16 training keep fp32 parameters and compute in bf16, and their fp32 gradients
+    carry bf16 round-off (the dtype table then judges them by bf16's row)."""
+    if not output_dtypes:
+        return declared
+    observed = PRECISION_OF_DTYPE.get(max(output_dtypes, key=output_dtypes.get))
+    coarser = observed is not None and _MANTISSA_BITS[observed] < _MANTISSA_BITS.get(declared, 0)
+    return observed if coarser else declared
 
 
 def _largest_mesh(model: nn.Module):

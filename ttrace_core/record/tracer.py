@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ttrace_core.integrations.torch_native import computed_precision
 from ttrace_core.integrations.dtensor import (
     layout_from_dtensor, local_value, own_micro_batch_value,
 )
@@ -59,6 +61,7 @@ from ttrace_core.record.declarations import Declarations, UnknownLayoutError
 from ttrace_core.record.failures import failure_message, never_raises, one_sentence
 from ttrace_core.record.layouts import has_partial, plain_layout, with_flat_range
 from ttrace_core.record.module_hooks import ModuleHooks, quiet_hook_warnings
+from ttrace_core.record.producers import ProducerLayouts
 from ttrace_core.record import selection
 from ttrace_core.record.step_state import LossPieces, StepState
 from ttrace_core.record.step_scalars import (
@@ -97,6 +100,8 @@ class Tracer:
         writer = RunWriter(run_dir, self.rank)
         self._writer = BackgroundWriter(writer, self.config.writer_queue_bytes) if self.config.writer_queue_bytes else writer
         self._declarations = Declarations()
+        self._producers = ProducerLayouts()
+        """Sharded plain tensors recorded this step, for the modules that only pass them on (producers.py)."""
         self._state: StepState | None = None
         self._handles: list = []
         self._rewriter = rewriter
@@ -109,6 +114,10 @@ class Tracer:
         """Tensors (or module calls) this run left out with a finding so far."""
         self.skipped_steps = 0
         """Steps the optimizer skipped so far (a non-finite gradient under loss scaling)."""
+        self._manifest: RunManifest | None = None
+        """Rank 0's manifest, kept to record the precision the first step shows (`_observed_precision`)."""
+        self._output_dtypes: Counter[str] = Counter()
+        """Floating dtypes of the module outputs recorded in the first step."""
         if self.rank == 0:
             refuse_existing_trace(run_dir, manifest_only=True)
             manifest = manifest or RunManifest(role=role, world_size=world_size)
@@ -118,6 +127,7 @@ class Tracer:
             if rewriter is not None:
                 manifest.tracer |= rewriter.describe()
             write_manifest(run_dir, manifest)
+            self._manifest = manifest
         self._module_hooks = ModuleHooks(self, rewriter)
         self._module_hooks.attach_root(model, self._handles)
         self.blind_spots: dict[str, str] = self.untraced_modules(model)
@@ -184,7 +194,7 @@ class Tracer:
         """The layout in effect for `value`, recorded (or about to be recorded) under `key`."""
         if isinstance(value, DTensor):
             return self._dtensor_layout(key, value)
-        return plain_layout(self._declarations, self._state, key, local_value(value))
+        return plain_layout(self._declarations, self._state, key, local_value(value), self._producers, value)
 
     @staticmethod
     def _dtensor_layout(key: TensorKey, value: DTensor) -> Layout:
@@ -234,12 +244,17 @@ class Tracer:
         state = self._state
         local = local_value(value)
         layout = self._dtensor_layout(key, value) if isinstance(value, DTensor) else \
-            plain_layout(self._declarations, self._state, key, local)
+            plain_layout(self._declarations, self._state, key, local, self._producers, value)
         if (flat_range := self._declarations.flat_ranges.get((key.fqn, key.slot))) is not None:
             local = local.reshape(-1)[flat_range[0]:flat_range[1]]
             layout = with_flat_range(layout, flat_range)
+        if key.phase == "forward" and self._last_recorded_step is None and local.is_floating_point() \
+                and key.slot.startswith("output."):
+            self._output_dtypes[name] += 1
         if key.phase == "forward" and layout.mesh_shape:
             state.forward_layouts[(key.fqn, key.micro_batch, key.call, key.slot)] = layout
+            if type(value) is torch.Tensor:  # a plain shard: modules it is passed on to read its layout here
+                self._producers.remember(state, key, value, layout)
         # A partial sum's statistics cannot be combined into the whole tensor's: it keeps its values.
         stats_only = self.config.stats_only and not has_partial(layout.placements)
         meta = TensorMeta(
@@ -473,7 +488,20 @@ class Tracer:
             self.guarded(self._record_losses)
             self._state = None
             self._to_writer(step, lambda: self._writer.end_step(self.blind_spots))
+            if self._last_recorded_step is None:
+                self.guarded(self._observed_precision)
             self._last_recorded_step = step
+
+    def _observed_precision(self) -> None:
+        """After the first recorded step, the manifest's precision is what the module outputs were computed in
+        when that is coarser than what it said (torch_native.computed_precision)."""
+        manifest = self._manifest
+        if manifest is None or manifest.precision is None:
+            return
+        precision = computed_precision(manifest.precision, self._output_dtypes)
+        if precision != manifest.precision:
+            manifest.precision = precision
+            write_manifest(self._writer.run_dir, manifest)
 
     def _abandon_step(self, why: str = "") -> None:
         """Leave the open step file partial, saying `why` in it; a failing close (a full disk) must not hide why."""
