@@ -148,19 +148,31 @@ def test_loss_pieces(pieces, expected):
     assert loss.total == expected
 
 
-def _clip_twice(run_dir, second_norm_factor: float) -> Tracer:
-    """Clipping once per parameter group with one total norm (transformers' Trainer on mixed device meshes)."""
+def _clip_twice(run_dir, second_norm_factor: float | None, role: str = "reference") -> Tracer:
+    """Clipping once per parameter group with one total norm (transformers' Trainer on mixed device meshes);
+    `second_norm_factor` None: once, over every parameter (clip_grad_norm_)."""
     model = _Trunk()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    tracer = Tracer(run_dir, model, role="reference", optimizer=optimizer)
+    tracer = Tracer(run_dir, model, role=role, optimizer=optimizer)
     with tracer.step(0):
         model.head(model(_batch(0))).square().mean().backward()
-        total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-        torch.nn.utils.clip_grads_with_norm_(list(model.body.parameters()), 0.01, total)
-        torch.nn.utils.clip_grads_with_norm_(list(model.head.parameters()), 0.01, total * second_norm_factor)
+        if second_norm_factor is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        else:
+            total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            torch.nn.utils.clip_grads_with_norm_(list(model.body.parameters()), 0.01, total)
+            torch.nn.utils.clip_grads_with_norm_(list(model.head.parameters()), 0.01, total * second_norm_factor)
         optimizer.step()
     tracer.close()
     return tracer
+
+
+def test_clipping_per_parameter_group_passes_against_clipping_once(tmp_path):
+    _clip_twice(tmp_path / "ref", None)
+    _clip_twice(tmp_path / "cand", 1.0, role="candidate")
+    with RunReader(tmp_path / "ref") as reference, RunReader(tmp_path / "cand") as candidate:
+        result = compare_runs(reference, candidate)
+    assert result.passed and {"scalar.grad_norm", "scalar.clip_coef"} <= {c.key.slot for c in result.comparisons}
 
 
 def test_a_step_scalar_computed_twice_alike_is_recorded_once(tmp_path):
