@@ -24,6 +24,13 @@ CHUNK_ELEMENTS = 1 << 16
 TINY = torch.finfo(torch.float64).tiny
 
 
+def relative_difference(actual: float, expected: float) -> float:
+    """|actual - expected| / |expected| for one element, 0 where the reference is 0: the rule of every
+    relative number ttrace shows (the table's max_rel_diff, the tensor page's worst elements). An element
+    whose reference is 0 still counts in the absolute error and the norm test."""
+    return abs(actual - expected) / abs(expected) if expected != 0 else 0.0
+
+
 def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     index = []
     for size in reversed(shape):

@@ -18,6 +18,7 @@ import torch
 
 from ttrace_core.canonicalize import placements as pl
 from ttrace_core.canonicalize.shards import RecordedShard, canonicalize, shard
+from ttrace_core.compare.metrics import relative_difference
 from ttrace_core.errors import LayoutError, TraceFormatError
 from ttrace_core.format.schema import TensorKey
 from ttrace_core.format.reader import read_manifest
@@ -117,7 +118,7 @@ def _worst_elements(reference: np.ndarray, candidate: np.ndarray, abs_diff: np.n
         index = tuple(int(i) for i in np.unravel_index(position, reference.shape))
         expected, actual = float(reference[index]), float(candidate[index])
         rows.append({"index": index, "reference": expected, "candidate": actual, "abs_diff": float(abs_diff[index]),
-                     "rel_diff": abs(actual - expected) / abs(expected) if expected != 0 else math.inf})
+                     "rel_diff": relative_difference(actual, expected)})
     return rows
 
 
