@@ -208,3 +208,28 @@ def test_the_dtype_table_judges_only_when_there_is_no_estimate_and_says_so(pair)
     sources = {row["tolerance"]["source"].split(" (")[0] for row in json.loads(result.stdout)["comparisons"]
                if row.get("tolerance") and row["key"]["phase"] != "step" and not row["key"]["slot"].startswith("scalar")}
     assert result.returncode == 0 and sources == {"dtype default"}, sources
+
+
+@pytest.mark.parametrize("dataset", [TENSOR_INDEX, "findings"], ids=["tensor_index", "findings"])
+@pytest.mark.parametrize("partial", [False, True], ids=["complete", "partial"])
+def test_a_group_where_a_step_files_dataset_belongs_is_one_line(pair, dataset, partial):
+    """Another tool's file with an HDF5 group in place of the tensor index or the findings: one line naming
+    the file and the object (exit 2), never an AttributeError from h5py (exit 3); a partial step file's
+    damage is absorbed like its other errors."""
+    import h5py
+
+    reference, candidate = pair
+    path = candidate / STEP_FILE
+    with h5py.File(path, "a") as handle:
+        if dataset in handle:
+            del handle[dataset]
+        handle.create_group(dataset)
+    if partial:
+        path = path.rename(path.with_name(path.name + ".partial"))
+        result = _answer("inspect", str(candidate))
+        assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr
+        return
+    line = _error_line("inspect", str(candidate))
+    assert line == (f"ttrace: error: {path}:{dataset}: is an HDF5 group where ttrace writes a dataset (written by "
+                    "another tool, or damaged); re-record this rank")
+    assert _error_line("compare", str(reference), str(candidate)) == line

@@ -90,6 +90,11 @@ def _keeps_values_elsewhere(dataset_id) -> bool:
 
 
 def refuse_external_storage(dataset_id, where: str) -> None:
+    """Refuse what is not a dataset whose values live in this file: a group (or any other object) where a
+    dataset belongs, a virtual dataset, external storage."""
+    if not isinstance(dataset_id, h5py.h5d.DatasetID):
+        raise TraceFormatError(f"{where}: is an HDF5 {type(dataset_id).__name__.removesuffix('ID').lower()} where "
+                               "ttrace writes a dataset (written by another tool, or damaged); re-record this rank")
     if _keeps_values_elsewhere(dataset_id):
         raise TraceFormatError(f"{where}: keeps its values in another file (a virtual dataset or external storage); "
                                "ttrace reads nothing outside the trace directory, re-record this rank")
