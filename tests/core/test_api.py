@@ -153,3 +153,33 @@ def test_big_tensors_are_max_pooled_so_a_single_bad_element_shows():
     assert image.shape == (100, 100) and block == (10, 7) and image.max() == 5.0 and image[77, 0] == 5.0
     assert as_matrix(np.arange(10.0)).shape == (3, 4)  # a vector wraps into a near-square grid
     assert as_matrix(np.zeros((2, 3, 4))).shape == (6, 4)
+
+
+def test_values_rewritten_in_place_with_size_and_mtime_kept_are_compared_again(pair):
+    """The cache key holds what the file system changes on every write (ctime, inode), not only size and mtime."""
+    import h5py
+
+    reference, candidate = pair
+    first = api.comparison_table(reference, candidate)
+    step_file = candidate / "rank_00001.step_000000.h5"
+    before = step_file.stat()
+    with h5py.File(step_file, "a") as handle:
+        found = []
+        handle.visititems(lambda name, obj: found.append(obj) if isinstance(obj, h5py.Dataset) and obj.dtype.kind == "f"
+                          and obj.size > 1 else None)
+        found[0][...] = found[0][...] * 2
+    os.utime(step_file, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert step_file.stat().st_size == before.st_size and step_file.stat().st_mtime_ns == before.st_mtime_ns
+    again = api.comparison_table(reference, candidate)
+    assert not again.cached and again.path != first.path
+
+
+def test_a_copied_run_is_not_judged_by_the_tables_of_the_run_it_was_copied_from(pair, tmp_path):
+    import shutil
+
+    reference, candidate = pair
+    api.comparison_table(reference, candidate)
+    copy = tmp_path / "copy"
+    shutil.copytree(candidate, copy, copy_function=shutil.copy2)  # the cache directory and every mtime with it
+    copied = api.comparison_table(reference, copy)
+    assert not copied.cached and copied.provenance["candidate"] == str(copy)

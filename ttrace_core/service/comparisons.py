@@ -42,22 +42,26 @@ def ttrace_version() -> str:
 
 
 def run_fingerprint(run_dir: Path) -> list:
-    """What a comparison depends on in a run directory: its manifest's bytes and its data files' stats."""
+    """What a comparison depends on in a run directory: where it is (a table is bound to the runs it was
+    computed for: a copied run is compared again, and its report names the directories the user passed),
+    its manifest's bytes and its data files' identities."""
     manifest = regular_file_bytes(contained(run_dir, MANIFEST_NAME))
     estimates = {path.name for path in estimate_files(run_dir).values()}
     names = sorted(p for p in os.listdir(run_dir) if p.endswith((".h5", ".partial")) or p in estimates)
-    stats = [(name, *_size_and_mtime(run_dir / name)) for name in names]
-    return [hashlib.sha256(manifest).hexdigest(), stats]
+    stats = [(name, *_file_identity(run_dir / name)) for name in names]
+    return [str(run_dir.resolve()), hashlib.sha256(manifest).hexdigest(), stats]
 
 
-def _size_and_mtime(path: Path) -> tuple[int, int]:
-    """Of the file a name leads to; of the link itself when it leads nowhere (a loop, a dangling link:
-    the reader refuses those with one line, the fingerprint must not fail first)."""
+def _file_identity(path: Path) -> tuple[int, int, int, int]:
+    """(inode, size, mtime, ctime) of the file a name leads to; of the link itself when it leads nowhere (a
+    loop, a dangling link: the reader refuses those with one line, the fingerprint must not fail first).
+    The ctime changes on every write and cannot be set back (an mtime can): values rewritten in place with
+    the size and mtime kept still make a new fingerprint, and so does a file replaced by another (inode)."""
     try:
         info = path.stat()
     except OSError:
         info = path.lstat()
-    return info.st_size, info.st_mtime_ns
+    return info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
 
 def cache_path(reference: Path, candidate: Path, settings: CompareSettings) -> tuple[Path, dict]:
@@ -104,7 +108,7 @@ def _provenance(result: RunComparison, inputs: dict, settings: CompareSettings, 
     return {
         "ttrace_version": inputs["ttrace"], "table_format": table.TABLE_FORMAT_VERSION, "trace_format": FORMAT_VERSION,
         "reference": result.reference, "candidate": result.candidate,
-        "reference_manifest_sha256": inputs["reference"][0], "candidate_manifest_sha256": inputs["candidate"][0],
+        "reference_manifest_sha256": inputs["reference"][1], "candidate_manifest_sha256": inputs["candidate"][1],
         "settings": settings.to_data(), "tolerance_provider": tolerance_kind,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(seconds, 3),
         "steps_compared": result.steps_compared, "notes": result.notes,
