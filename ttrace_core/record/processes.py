@@ -1,28 +1,27 @@
 """Which process is which: a pid told apart from a later process that reuses it, and whether it runs.
 
 Used by the recording session (is the `ttrace record` that launched this rank still there?) and by
-the service's jobs (is a job's supervisor alive, may we signal it?).
+the service's jobs (is a job's supervisor alive, may we signal it?). psutil answers on every platform
+it supports (Linux, macOS, Windows), so a running job is never taken for a dead one off Linux.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
+
+import psutil
 
 
 def boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
+    """This machine's boot, as the boot time in whole seconds: a process of another boot is not ours."""
+    return str(int(psutil.boot_time()))
 
 
-def start_ticks(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks since boot (with the boot id, a pid's identity)."""
+def start_time_ms(pid: int) -> int | None:
+    """When process `pid` started, in milliseconds since the epoch (with the boot, a pid's identity)."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return round(psutil.Process(pid).create_time() * 1000)
+    except (psutil.Error, OSError, ValueError):
         return None
 
 
@@ -37,11 +36,11 @@ class ProcessRef:
 
     @staticmethod
     def of(pid: int) -> ProcessRef:
-        return ProcessRef(pid=pid, start=start_ticks(pid), boot=boot_id())
+        return ProcessRef(pid=pid, start=start_time_ms(pid), boot=boot_id())
 
     def alive(self) -> bool:
         return (self.pid > 1 and self.boot == boot_id() and process_alive(self.pid)
-                and self.start is not None and start_ticks(self.pid) == self.start)
+                and self.start is not None and start_time_ms(self.pid) == self.start)
 
     def encode(self) -> str:
         return f"{self.pid} {self.start} {self.boot}"
@@ -55,16 +54,12 @@ class ProcessRef:
 
 
 def process_alive(pid: int | None) -> bool:
-    """Whether process `pid` is running (a zombie is not)."""
+    """Whether process `pid` is running (a zombie, exited but not yet reaped by its parent, is not)."""
     if not pid:
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) is not running
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (OSError, IndexError):
+    except psutil.AccessDenied:
         return True
