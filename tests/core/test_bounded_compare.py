@@ -64,3 +64,31 @@ def test_max_memory_bounds_peak_rss_of_a_trace_larger_than_it(tmp_path):
     assert unbounded["over_margin"] > 3 * 8 * MIB, "the pair is too small to show the budget"
     assert bounded["over_margin"] <= 8 * MIB + 4 * MIB, f"peak {bounded['over_margin'] / MIB:.1f} MiB above the margin"
     assert compare_memory.same_rows(bounded["table"], unbounded["table"])
+
+
+def test_the_compared_whole_note_survives_rows_compared_by_partitioned_workers(tmp_path):
+    """`--workers N --max-memory M`: the workers' rows come back precomputed, and the note that some tensors
+    could not be cut into slabs must still be made (it was lost: only compare_key made it)."""
+    import torch
+    from torch import nn
+
+    from ttrace_core.record.tracer import Tracer
+
+    for name in ("ref", "cand"):  # the candidate's weight gradient is a flat range of its block: no slab cuts it
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        tracer = Tracer(tmp_path / name, model, role="reference" if name == "ref" else "candidate", optimizer=optimizer)
+        if name == "cand":
+            tracer.declare_flat_range("0.weight", "grad", 0, 64)
+        with tracer.step(0):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(0))).sum().backward()
+            optimizer.step()
+        tracer.close()
+    reference, candidate = tmp_path / "ref", tmp_path / "cand"
+    with RunReader(reference) as ref, RunReader(candidate) as cand:
+        alone = compare_runs(ref, cand, max_bytes=1)
+        precomputed = {row.key: row for row in alone.comparisons}
+        partitioned = compare_runs(ref, cand, max_bytes=1, precomputed=precomputed)
+    whole = [note for note in alone.notes if "were compared whole" in note]
+    assert whole and [note for note in partitioned.notes if "were compared whole" in note] == whole

@@ -339,9 +339,6 @@ def compare_key(key: TensorKey, reference: RunReader, candidate: RunReader, plan
     if comparison is not None:
         return comparison
     exact_inputs = (plan.exact_inputs_k, num_terms) if num_terms and plan.exact_inputs_k else None
-    metas = candidate.index[key]
-    if slab_dims(reference.index[key], metas, plan.max_bytes) == []:
-        plan.compared_whole[key] = working_bytes(metas)
     return compare_tensor(key, reference, candidate, plan.tolerances, ignore_dtype=plan.ignore_dtype,
                           exact_inputs=exact_inputs, max_bytes=plan.max_bytes)
 
@@ -377,6 +374,9 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
             known = None if precomputed is None or num_terms else precomputed.get(key)
             # (a failing row is falsy: no `or` here)
             comparison = known if known is not None else compare_key(key, reference, candidate, plan, num_terms)
+            # noted here, not where it was compared: a row a partitioned worker compared counts too
+            if comparison.status != "inconsistent" and slab_dims(reference.index[key], candidate.index[key], plan.max_bytes) == []:
+                plan.compared_whole[key] = working_bytes(candidate.index[key])
             exact.mark(key, comparison.exact)
             result.comparisons.append(comparison)
         else:
