@@ -251,3 +251,25 @@ def test_a_layout_never_learned_fails_on_shape_and_localize_says_so_without_blam
     assert localization.exit_code == 4 and localization.replay is None and not localization.culprits
     assert localization.notes[0].startswith(f"the first divergence, {first.key}, is structural (shape")
     assert not any("carried" in note for note in localization.notes)
+
+
+def test_activations_the_candidate_leaves_out_by_configuration_are_not_missing_evidence(tmp_path):
+    """An adapter's blind spot (torchtitan's experts under expert parallelism: exclude_activations) is said in
+    a note, and the pair still passes; a module left out without saying so would be missing evidence."""
+    import torch
+    from torch import nn
+
+    from ttrace_core.record.tracer import Tracer, TracerConfig
+
+    for name, config in (("ref", None), ("cand", TracerConfig(exclude_activations=("1",)))):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        tracer = Tracer(tmp_path / name, model, role="reference" if name == "ref" else "candidate", config=config)
+        with tracer.step(0):
+            model(torch.randn(3, 4, generator=torch.Generator().manual_seed(0))).sum().backward()
+        tracer.close()
+    with RunReader(tmp_path / "ref") as reference, RunReader(tmp_path / "cand") as candidate:
+        result = compare_runs(reference, candidate)
+    assert result.passed, result.findings
+    assert not any(c.key.fqn == "1" for c in result.comparisons)
+    assert any("tracer configuration leaves out" in note and "activations" in note for note in result.notes)

@@ -32,7 +32,7 @@ from ttrace_core.compare.structure import (REPLICA_UPDATE, bias_to_value, detect
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.evidence import (
     check_comparable, data_mismatch_finding, inconsistency, quantization_only, shape_mismatch_message, tally_coverage,
-    unrecorded_keys,
+    unrecorded_keys, untraced_by_configuration,
 )
 from ttrace_core.format.schema import TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, pre_step_key
@@ -324,6 +324,12 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
     unrecorded = unrecorded_keys(reference, candidate)  # counted as not compared by the coverage block
     ref_keys = [k for k in reference.index if k.step in steps and k not in unrecorded]
     cand_keys = [k for k in candidate.index if k.step in steps and k not in unrecorded]
+    for name, run, others in (("candidate", candidate, set(ref_keys) - set(cand_keys)),
+                              ("reference", reference, set(cand_keys) - set(ref_keys))):
+        if skipped := set(untraced_by_configuration(sorted(others), run.manifest)):
+            ref_keys, cand_keys = [k for k in ref_keys if k not in skipped], [k for k in cand_keys if k not in skipped]
+            result.notes.append(f"{len(skipped)} activations of modules the {name}'s tracer configuration leaves out "
+                                f"(exclude / exclude_activations, e.g. {min(skipped)}) were not compared")
     common = set(ref_keys) & set(cand_keys)
     plan = ComparePlan(ordered=sorted(ref_keys, key=lambda k: _execution_order(reference, k)), common=common,
                        extras=sorted(set(cand_keys) - common, key=lambda k: _execution_order(candidate, k)),

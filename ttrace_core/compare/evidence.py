@@ -19,6 +19,7 @@ one that catches an unreduced gradient, with nothing to compare.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -250,3 +251,15 @@ def local_shard_dim(reference_shape: tuple[int, ...], candidate_shape: tuple[int
     dim = differing[0]
     reference_size, candidate_size = reference_shape[dim], candidate_shape[dim]
     return dim if 0 < candidate_size < reference_size and reference_size % candidate_size == 0 else None
+
+
+def untraced_by_configuration(keys: list[TensorKey], manifest: RunManifest) -> list[TensorKey]:
+    """The activations among `keys` (recorded by the other run) of modules this run's tracer configuration
+    leaves out on purpose (`exclude`, `exclude_activations`: an adapter's blind spot, such as experts that
+    compute on tokens dispatched from every rank): not compared, and not missing evidence either."""
+    tracer = manifest.tracer or {}
+    globs = [*tracer.get("exclude", ()), *tracer.get("exclude_activations", ())]
+    if not globs:
+        return []
+    return [key for key in keys if key.phase in ("forward", "backward")
+            and any(fnmatch.fnmatchcase(key.fqn, glob) for glob in globs)]

@@ -238,6 +238,8 @@ class Tracer:
     def _record(self, key: TensorKey, value: torch.Tensor, scale: float | None, seq: int | None = None) -> None:
         if self._recording_stopped or slot_family(key.slot) not in self.config.slots:
             return
+        if key.phase == "backward" and not (value.is_floating_point() or value.is_complex()):
+            return  # the "gradient" of an integer input (token ids, positions): autograd's placeholder, no values
         if (name := dtype_name(value.dtype)) not in NATIVE_DTYPES and name not in RAW_BITS:
             self._left_out(key, f"{key.fqn} {key.slot}: not recorded, ttrace cannot store dtype {name}")
             return
