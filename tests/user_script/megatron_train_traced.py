@@ -71,8 +71,9 @@ def inject(bug, ddp, optimizer):
         fc2.register_forward_hook(lambda module, args, output: (output[0] * 1.001, output[1]))
     else:
         for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-            grads_for_norm = inner.get_main_grads_for_grad_norm
-            inner.get_main_grads_for_grad_norm = lambda f=grads_for_norm: [g for g in f() if g.shape != (128, 64)]
+            # megatron-core 0.19 renamed get_main_grads_for_grad_norm() to get_grads_for_grad_norm(group=None).
+            name = next(n for n in ("get_main_grads_for_grad_norm", "get_grads_for_grad_norm") if hasattr(inner, n))
+            setattr(inner, name, lambda *args, f=getattr(inner, name): [g for g in f(*args) if g.shape != (128, 64)])
 
 
 def batches(step):
