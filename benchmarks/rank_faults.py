@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 
 from ttrace_core.errors import TtraceError
-from ttrace_core.record.processes import start_ticks
+from ttrace_core.record.processes import start_time_ms
 from ttrace_core.format.reader import STEP_FILE, RunReader
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +66,7 @@ def rank_pids(launcher_pid: int, timeout_s: float = 120.0) -> list[int]:
                 except OSError:
                     pass
         if len(ranks) == WORLD_SIZE:
-            return sorted(ranks, key=lambda pid: start_ticks(pid) or 0)
+            return sorted(ranks, key=lambda pid: start_time_ms(pid) or 0)
         time.sleep(0.05)
     raise TimeoutError(f"the launcher {launcher_pid} did not start {WORLD_SIZE} ranks in {timeout_s:.0f} s")
 

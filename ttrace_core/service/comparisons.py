@@ -42,21 +42,30 @@ def ttrace_version() -> str:
 
 
 def run_fingerprint(run_dir: Path) -> list:
-    """What a comparison depends on in a run directory: where it is (a table is bound to the runs it was
-    computed for: a copied run is compared again, and its report names the directories the user passed),
-    its manifest's bytes and its data files' identities."""
+    """What a replay job depends on in a run directory: its manifest's bytes and its data files' names,
+    sizes and mtimes (a candidate shared with its finished replay job finds it again: service/replays.py)."""
     manifest = regular_file_bytes(contained(run_dir, MANIFEST_NAME))
-    estimates = {path.name for path in estimate_files(run_dir).values()}
-    names = sorted(p for p in os.listdir(run_dir) if p.endswith((".h5", ".partial")) or p in estimates)
-    stats = [(name, *_file_identity(run_dir / name)) for name in names]
+    return [hashlib.sha256(manifest).hexdigest(), [(name, *_file_stat(run_dir / name)[1:3]) for name in _data_files(run_dir)]]
+
+
+def comparison_fingerprint(run_dir: Path) -> list:
+    """What a cached comparison is bound to: where the run is (a copied run is compared again, and its report
+    names the directories the user passed), its manifest's bytes and each data file's inode, size, mtime and
+    ctime. The ctime changes on every write and cannot be set back (an mtime can), so values rewritten in
+    place with the size and mtime kept still make a new fingerprint."""
+    manifest = regular_file_bytes(contained(run_dir, MANIFEST_NAME))
+    stats = [(name, *_file_stat(run_dir / name)) for name in _data_files(run_dir)]
     return [str(run_dir.resolve()), hashlib.sha256(manifest).hexdigest(), stats]
 
 
-def _file_identity(path: Path) -> tuple[int, int, int, int]:
+def _data_files(run_dir: Path) -> list[str]:
+    estimates = {path.name for path in estimate_files(run_dir).values()}
+    return sorted(p for p in os.listdir(run_dir) if p.endswith((".h5", ".partial")) or p in estimates)
+
+
+def _file_stat(path: Path) -> tuple[int, int, int, int]:
     """(inode, size, mtime, ctime) of the file a name leads to; of the link itself when it leads nowhere (a
-    loop, a dangling link: the reader refuses those with one line, the fingerprint must not fail first).
-    The ctime changes on every write and cannot be set back (an mtime can): values rewritten in place with
-    the size and mtime kept still make a new fingerprint, and so does a file replaced by another (inode)."""
+    loop, a dangling link: the reader refuses those with one line, the fingerprint must not fail first)."""
     try:
         info = path.stat()
     except OSError:
@@ -65,7 +74,8 @@ def _file_identity(path: Path) -> tuple[int, int, int, int]:
 
 
 def cache_path(reference: Path, candidate: Path, settings: CompareSettings) -> tuple[Path, dict]:
-    inputs = {"reference": run_fingerprint(reference), "candidate": run_fingerprint(candidate), "settings": settings.to_data(),
+    inputs = {"reference": comparison_fingerprint(reference), "candidate": comparison_fingerprint(candidate),
+              "settings": settings.to_data(),
               "ttrace": ttrace_version(), "table_format": table.TABLE_FORMAT_VERSION}
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
     name = f"comparison-{digest}.parquet"
