@@ -5,7 +5,6 @@ Plain bookkeeping for the Tracer's hooks; no torch calls.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,7 +91,3 @@ class LossPieces:
         self.total += value
         self.magnitude += abs(value)
         self.num_pieces += 1
-
-    @property
-    def finite(self) -> bool:
-        return math.isfinite(self.total)
