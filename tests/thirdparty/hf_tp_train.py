@@ -56,6 +56,10 @@ def main() -> None:
     parser.add_argument("--arch", choices=("llama", "qwen3_moe"), default="llama")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (the model's base_model_ep_plan)")
+    parser.add_argument("--ep-implementation", default="auto", help="DistributedConfig.ep_implementation")
+    parser.add_argument("--experts", default=None, help="experts_implementation (default: transformers' choice)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--models", default="models")
@@ -65,8 +69,12 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, DistributedConfig
 
     path = model_dir(Path(args.models).resolve(), args.arch)
-    distributed = DistributedConfig(tp_size=args.tp, fsdp_size=args.dp) if args.tp * args.dp > 1 else None
-    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=distributed, dtype=torch.float32)
+    expert_parallel = dict(ep_size=args.ep, ep_implementation=args.ep_implementation) if args.ep > 1 else {}
+    distributed = (DistributedConfig(tp_size=args.tp, fsdp_size=args.dp, **expert_parallel)
+                   if args.tp * args.dp > 1 else None)
+    experts = {"experts_implementation": args.experts} if args.experts else {}
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=distributed, dtype=getattr(torch, args.dtype),
+                                                 **experts)
     model.train()
     if args.bug:
         from hf_bugs import inject  # beside this script

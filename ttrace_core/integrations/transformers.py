@@ -25,6 +25,9 @@ shard that says nothing of its layout. The style says it, and this adapter reads
       local_params, replicate
     grouped_gemm (EP)                  -            -            S(0) on the ep mesh
     ep_dispatch_experts (EP)           -            -            -   (its tokens are this rank's own batch)
+                                                                  (the modules inside it compute on the rows
+                                                                  its EP implementation brought them: their
+                                                                  activations are left out)
 
 "S(last)" is the tensor's last dim: rank 1 of 2 of a colwise q_proj with 64 output features holds
 features 32:64 of every token. A module no style converts (an activation, Qwen3's q_norm) gets its
@@ -200,6 +203,16 @@ class AppliedPlan:
     """(module name, tp mesh) of the modules inside tensor-parallel experts (their activation), which
     compute on each expert's intermediate features between the colwise gate_up and the rowwise down
     projection: this rank's share of them, its last dim."""
+
+    @property
+    def expert_parallel_internals(self) -> tuple[str, ...]:
+        """Globs of the modules inside expert-parallel experts (`ep_dispatch_experts`): they run this rank's
+        experts on the rows its EP implementation brought them (the tokens routed here from every rank, or
+        the whole batch with the other ranks' routes masked), which no layout maps onto the reference's
+        tokens. Their activations are left out (tracer `exclude_activations`, said in compare's note); the
+        experts module's own input and output are this rank's batch and stay compared, and so do the
+        experts' weights and gradients (DTensors, `S(0)` on the ep mesh)."""
+        return tuple(f"{p.name}.?*" for p in self.modules if _known({"EpDispatchExpertsParallel": True}, p.style))
 
 
 def applied_plan(model: nn.Module) -> AppliedPlan:

@@ -12,7 +12,7 @@ integrations/megatron.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -75,6 +75,12 @@ class TransformersAdapter(TorchAdapter):
 
         super().__init__(model, role, world_size, selection)
         self.plan = applied_plan(self.traced)
+
+    @cached_property
+    def config(self) -> TracerConfig:
+        config = super().config
+        internals = self.plan.expert_parallel_internals
+        return replace(config, exclude_activations=config.exclude_activations + internals) if internals else config
 
     def parameter_layout(self, name: str, param: torch.Tensor) -> Layout | None:
         from ttrace_core.integrations.transformers import parameter_layout
