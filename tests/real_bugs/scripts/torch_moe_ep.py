@@ -65,6 +65,10 @@ class _ReduceScatterTokens(torch.autograd.Function):
 
 
 class Experts(nn.Module):
+    scale_hidden = False
+    """Weight each token by its router probability before the second matrix instead of after it: the
+    same product in another order (control: an equivalent reordering, rounded differently)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.randn(NUM_EXPERTS, DIM, HIDDEN) * 0.1)
@@ -78,7 +82,11 @@ class Experts(nn.Module):
         first = dist.get_rank() * w1.shape[0] if isinstance(self.w1, torch.distributed.tensor.DTensor) else 0
         out = tokens.new_zeros(tokens.shape)
         for local in range(w1.shape[0]):
-            out = out + (F.gelu(tokens @ w1[local]) @ w2[local]) * probs[:, first + local, None]
+            weight = probs[:, first + local, None]
+            if Experts.scale_hidden:
+                out = out + (F.gelu(tokens @ w1[local]) * weight) @ w2[local]
+            else:
+                out = out + (F.gelu(tokens @ w1[local]) @ w2[local]) * weight
         return out
 
 
@@ -162,14 +170,20 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=2, help="global micro-batches per step")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--revert-pr-167178", action="store_true")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="parameter and compute dtype")
+    parser.add_argument("--divide-expert-grads", action="store_true",
+                        help="control: with the pre-fix FSDP2, divide the expert grads by the DP size by hand")
+    parser.add_argument("--scale-hidden", action="store_true",
+                        help="control: apply the router weight to the experts' hidden activations (reordered product)")
     args = parser.parse_args()
+    Experts.scale_hidden = args.scale_hidden
     if args.ep > 1:
         dist.init_process_group("gloo")
         assert dist.get_world_size() == args.ep, "EP spans the world: --ep equals the number of ranks"
     if args.revert_pr_167178:
         revert_pr_167178()
     torch.manual_seed(0)
-    model = Model(expert_parallel=args.ep > 1)
+    model = Model(expert_parallel=args.ep > 1).to(torch.bfloat16 if args.precision == "bf16" else torch.float32)
     if args.ep > 1:
         parallelize(model, args.ep)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
@@ -186,6 +200,9 @@ def main() -> None:
                 inputs, targets = micro_batch(step * args.micro_batches + local * args.ep + rank)
                 loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()) / local_micro_batches
                 loss.backward()
+            if args.divide_expert_grads:
+                for param in model.moe.experts.parameters():
+                    param.grad.div_(args.ep)
             optimizer.step()
     if dist.is_initialized():
         dist.destroy_process_group()
