@@ -52,8 +52,12 @@ def add_example_parser(commands) -> None:
                           help="trace only the first N of --steps (every step trains and logs its loss)")
     megatron.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated linear unit)")
     megatron.add_argument("--tie-embeddings", action="store_true", help="share input embedding and output layer")
-    megatron.add_argument("--moe", action="store_true", help="MoE MLP with 2 experts (top-2, all-gather dispatcher)")
+    megatron.add_argument("--moe", action="store_true", help="MoE MLP (2 experts, top-2, all-gather dispatcher unless set below)")
     megatron.add_argument("--ep", type=int, default=1, help="expert-parallel degree (over the DP ranks; needs --moe)")
+    megatron.add_argument("--num-experts", type=int, default=2, help="experts per MoE layer (with --moe)")
+    megatron.add_argument("--topk", type=int, default=2, help="experts per token (with --moe)")
+    megatron.add_argument("--dispatcher", default="allgather", choices=["allgather", "alltoall"],
+                          help="megatron's MoE token dispatcher (with --moe)")
     example.set_defaults(handler=run_example)
 
 
@@ -76,7 +80,9 @@ def _megatron_gpt_config(args: argparse.Namespace):
         precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
         record_steps=args.record_steps, num_micro_batches=args.micro_batches,
         model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, seq_len=args.seq_len,
-                                  swiglu=args.swiglu, tie_embeddings=args.tie_embeddings, num_experts=2 if args.moe else 0))
+                                  swiglu=args.swiglu, tie_embeddings=args.tie_embeddings,
+                                  num_experts=args.num_experts if args.moe else 0, moe_topk=args.topk,
+                                  moe_dispatcher=args.dispatcher))
 
 
 def run_example(args: argparse.Namespace) -> int:

@@ -167,7 +167,7 @@ RECIPES: dict[str, Recipe] = {
     "mcore-moe-router-sp-replica": Recipe(candidate={"tp": 2, "sp": True, **MOE}, revert=revert_pr_619),
     "mcore-gathered-logits-ce": Recipe(candidate={"tp": 2, "model": SMALL}, revert=gather_output_logits),
     "mcore-label-smoothing-tp": Recipe(candidate={"tp": 2, "model": SMALL}, setup=label_smoothed_loss),
-    "mcore-moe-grad-norm-ep-tp": Recipe(candidate={"tp": 2, "dp": 2, "ep": 2, **MOE}, setup=clip_gradients),
+    "mcore-moe-grad-norm-ep-tp": Recipe(candidate={"tp": 2, "sp": True, "dp": 2, "ep": 2, **MOE}, setup=clip_gradients),
     "mcore-control-router-fix-by-hook": Recipe(candidate={"tp": 2, "sp": True, **MOE}, revert=fix_599_with_a_grad_hook),
 }
 
@@ -203,7 +203,7 @@ CASES: tuple[RealBug, ...] = (
           source="https://github.com/NVIDIA/Megatron-LM/pull/5916",
           fix="https://github.com/NVIDIA/Megatron-LM/pull/5916",
           reproduced_by="as shipped", moe=True, slow=True,
-          summary="TP 2 x EP 2 (4 ranks), clipping on: the gradient norm drops the experts held by TP ranks other "
+          summary="TP 2 + SP x EP 2 (4 ranks), clipping on: the gradient norm drops the experts held by TP ranks other "
                   "than 0 (the TP duplicate filter), so the norm and the clipping coefficient are wrong.",
           touched="gradient norm (optimizer get_grad_norm: tensor-parallel duplicate filter of expert params)",
           expected_culprits=("(gradient clipping)*", "*experts*")),

@@ -21,6 +21,7 @@ from torch import nn
 from ttrace_core.format.schema import Layout, RunManifest
 from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.integrations import megatron
+from ttrace_core.integrations.megatron_moe import untraceable_expert_activations
 from ttrace_core.integrations.torch_native import compiled_modules, data_parallel_of, manifest_from_model
 from ttrace_core.record.step_scalars import TORCH_CAPTURES, capture_megatron_losses, capture_torch_clipping
 
@@ -109,7 +110,8 @@ class MegatronAdapter:
         dp_rank, dp_size = self.selection.data_parallel or megatron.megatron_data_parallel()
         return megatron.megatron_tracer_config(
             include=self.selection.include, loss_scale=self.selection.loss_scale, rename=megatron.megatron_rename(self.traced),
-            data_parallel_rank=dp_rank, data_parallel_size=dp_size, extra_exclude=self.selection.exclude)
+            data_parallel_rank=dp_rank, data_parallel_size=dp_size, extra_exclude=self.selection.exclude,
+            exclude_activations=untraceable_expert_activations(self.traced))
 
     def manifest(self) -> RunManifest:
         return megatron.megatron_manifest(self.model, self.optimizer, self.role, self.world_size)

@@ -50,7 +50,11 @@ class MegatronModelConfig:
     tie_embeddings: bool = False
     """Share the input embedding with the output layer (summed across the first and last stage under PP)."""
     num_experts: int = 0
-    """MoE with this many experts (top-2, all-gather token dispatcher); 0 is a dense MLP."""
+    """MoE with this many experts; 0 is a dense MLP."""
+    moe_topk: int = 2
+    """Experts per token (at most num_experts)."""
+    moe_dispatcher: str = "allgather"
+    """megatron's token dispatcher: "allgather" or "alltoall"."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,10 +139,14 @@ def transformer_config(config: MegatronGPTRunConfig):
 def _moe_fields(config: MegatronGPTRunConfig) -> dict:
     if not config.model.num_experts:
         return {}
-    # top-2 of 2 experts: every token reaches every expert, so routing is smooth in the weights and
-    # round-off cannot flip a token to another expert. No linear biases: the CPU MoE path lacks them.
-    return dict(num_moe_experts=config.model.num_experts, moe_router_topk=min(2, config.model.num_experts),
-                moe_token_dispatcher_type="allgather", add_bias_linear=False, expert_model_parallel_size=config.ep,
+    # The default, top-2 of 2 experts, sends every token to every expert, so routing is smooth in the
+    # weights and round-off cannot flip a token to another expert. With more experts than top-k, a
+    # token whose k-th and (k+1)-th scores are within round-off of each other can be routed apart.
+    # No linear biases: the CPU MoE path lacks them.
+    m = config.model
+    return dict(num_moe_experts=m.num_experts, moe_router_topk=min(m.moe_topk, m.num_experts),
+                moe_token_dispatcher_type=m.moe_dispatcher, add_bias_linear=False, expert_model_parallel_size=config.ep,
+                moe_router_pre_softmax=m.moe_topk == 1,  # megatron asks for it at top-1 (softmax over one expert is 1)
                 expert_tensor_parallel_size=1 if config.ep > 1 else None)
 
 
