@@ -24,7 +24,8 @@ with warnings.catch_warnings():
 WORKERS = "tests.examples.megatron_bug_workers"
 NAMES = ("sp-final-norm-grad", "sp-router-replica", "attn-dq-wrong", "cp-attn-backward", "pp-tied-embedding-grad",
          "distopt-stale-params", "vocab-embedding-mask", "row-parallel-bias-per-rank", "sp-gather-wrong-dim",
-         "swiglu-tp-shard", "fp8-amax-wrong-group", "expert-grad-scale", "loss-scale-dp-cp", "dp-grad-avg-twice")
+         "swiglu-tp-shard", "fp8-amax-wrong-group", "expert-grad-scale", "expert-probs-twice", "loss-scale-dp-cp",
+         "dp-grad-avg-twice")
 LAYOUT_FLAGS = ("--tp", "--sp", "--pp", "--dp", "--dist-opt", "--precision", "--moe", "--ep", "--swiglu",
                 "--tie-embeddings", "--cp")
 
@@ -44,6 +45,7 @@ PATCHED = {
     "swiglu-tp-shard": ("megatron.core.transformer.mlp", "MLP", "forward"),
     "fp8-amax-wrong-group": ("ttrace_core.integrations.fp8", None, "reduced_amaxes"),
     "expert-grad-scale": ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel", "__init__"),
+    "expert-probs-twice": ("megatron.core.transformer.mlp", "MLP", "forward"),
     "loss-scale-dp-cp": ("megatron.core.pipeline_parallel.schedules", None, "forward_step_calc_loss"),
     "dp-grad-avg-twice": (BUFFER, "_ParamAndGradBucketGroup", "start_grad_sync"),
 }

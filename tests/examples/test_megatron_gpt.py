@@ -35,11 +35,13 @@ def test_integration_takes_at_most_10_lines():
 
 
 def test_moe_under_expert_parallelism_matches_the_reference(traces, megatron_moe_reference):
-    """Experts of EP rank r are global experts r * num_local + i; their gradients map back."""
+    """Experts of EP rank r are global experts r * num_local + i; their gradients map back, and their
+    activations are traced by token through megatron's allgather dispatcher."""
     out = traces / "megatron-moe-dp2-ep2"
     run_ttrace("example", "megatron-gpt", *MEGATRON_SIZE, "--moe", "--dp", "2", "--ep", "2", "--out", str(out), check_codes=(0,))
     report = traces / "megatron-moe-dp2-ep2.json"
     result = run_ttrace("compare", str(megatron_moe_reference), str(out), "--json", str(report))
     assert result.returncode == 0, result.stdout + result.stderr
     fqns = {c.key.fqn for c in load_comparison(report).comparisons}
-    assert {"decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", "decoder.layers.0.mlp.router.weight"} <= fqns
+    assert {"decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", "decoder.layers.0.mlp.router.weight",
+            "decoder.layers.0.mlp.experts.local_experts.1", "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2"} <= fqns

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ttrace_core.canonicalize.placements import global_shape_from_local
+from ttrace_core.integrations.megatron_moe import ExpertTokenTracing, expert_layout, expert_roots, is_inside_expert
 from ttrace_core.format.naming import owner_of
 from ttrace_core.format.schema import Layout, RunManifest, global_fqn
 
@@ -36,8 +37,9 @@ from ttrace_core.format.schema import Layout, RunManifest, global_fqn
 # last children). The masked softmax fills its input in place and the vocab-parallel cross entropy
 # its logits (output_layer's output): a full backward hook, which wraps both, forbids that.
 TRACER_EXCLUDE = ("", "decoder")
-# MoE experts see tokens permuted by expert (and, under expert parallelism, gathered from several
-# data-parallel ranks): only their parameters are mapped so far.
+# Every MoE experts container, whose tokens are those of all its local experts, and everything inside
+# experts that are not traced by token (megatron_moe.py: grouped experts, or a tracer built without the
+# adapter). `attach` traces each expert of a SequentialMLP by token instead (untraceable_expert_activations).
 TRACER_EXCLUDE_ACTIVATIONS = ("*.mlp.experts", "*.mlp.experts.*")
 TRACER_FORWARD_ONLY = ("*.scale_mask_softmax", "output_layer", "*.fp8_scale_inv")
 
@@ -94,11 +96,14 @@ _BY_NAME_SUFFIX: dict[str, dict[str, str]] = {
 }
 
 
-def megatron_tracer_config(*, extra_exclude: tuple[str, ...] = (), **fields):
-    """A TracerConfig for megatron-core: main_grad, and the exclusions above (plus `extra_exclude`), plus `fields`."""
+def megatron_tracer_config(*, extra_exclude: tuple[str, ...] = (),
+                           exclude_activations: tuple[str, ...] = TRACER_EXCLUDE_ACTIVATIONS, **fields):
+    """A TracerConfig for megatron-core: main_grad, and the exclusions above (plus `extra_exclude`), plus `fields`.
+    `exclude_activations`: the model's own (megatron_moe.untraceable_expert_activations) when its experts
+    are traced by token."""
     from ttrace_core.format.tracer_config import TracerConfig
 
-    return TracerConfig(exclude=TRACER_EXCLUDE + tuple(extra_exclude), exclude_activations=TRACER_EXCLUDE_ACTIVATIONS,
+    return TracerConfig(exclude=TRACER_EXCLUDE + tuple(extra_exclude), exclude_activations=exclude_activations,
                         forward_only=TRACER_FORWARD_ONLY, grad_attr="main_grad", **fields)
 
 
@@ -250,13 +255,16 @@ def megatron_declarations(model: nn.Module, *, sequence_parallel: bool,
     mesh = _tp_mesh()
     gated = gated_fc1_modules(model)
     for fqn, module in model.named_modules():
-        layout = _boundary_layout(fqn, module)
+        layout, module_mesh = _boundary_layout(fqn, module), mesh
+        if is_inside_expert(fqn):
+            module_mesh = parameter_mesh(f"{fqn}.weight")
+            layout = expert_layout([cls.__name__ for cls in type(module).__mro__], module_mesh[0][0])
         if fqn in gated and layout is not None:
             layout = {**layout, "output.0": "SB(-1,2)", "output.1": "SB(0,2)"}
         if layout is not None and any(glob.startswith("input.") or glob == "*" for glob in layout):
             layout = {**layout, **{slot: p for slot, p in _AUXILIARY_INPUTS.items() if slot not in layout}}
         for slot_glob, placement in (layout or {}).items():
-            yield global_fqn(fqn, rename), slot_glob, _resolve(placement, sequence_parallel), mesh
+            yield global_fqn(fqn, rename), slot_glob, _resolve(placement, sequence_parallel), module_mesh
     for fqn, layout in parameter_layouts(model).items():
         yield global_fqn(fqn, rename), "*", layout.placements[0], (layout.mesh_shape, layout.coordinate, layout.mesh_axis_names)
 
@@ -369,3 +377,5 @@ def declare_megatron_run(tracer, model: nn.Module, optimizer) -> None:
                              rename=rename)
     if optimizer is not None:
         declare_distributed_optimizer_ranges(tracer, model, optimizer, rename=rename)
+    if expert_roots(tracer.model):
+        tracer.on_close(ExpertTokenTracing(tracer, tracer.model).close)

@@ -25,7 +25,8 @@ Global ``torch`` attributes (there is no CUDA device on such a machine that they
   distributed/param_and_grad_buffer.py _ParamAndGradBuffer.__init__.
 - ``torch.cuda.synchronize/Stream/Event/stream/current_stream/default_stream`` -> no-ops:
   p2p_communication.py _communicate; distributed_data_parallel.py and param_and_grad_buffer.py
-  (streams of multi-instance distributed optimizers).
+  (streams of multi-instance distributed optimizers); transformer/moe/token_dispatcher.py
+  MoEAlltoAllTokenDispatcher (its device-to-host copy stream and the event it waits on).
 - ``torch.cuda.manual_seed/get_rng_state/set_rng_state/default_generators`` -> the CPU default
   generator: tensor_parallel/random.py model_parallel_cuda_manual_seed, CudaRNGStatesTracker.add;
   rerun_state_machine.py.
@@ -49,6 +50,8 @@ Megatron attributes:
   optimizer/optimizer.py Float16OptimizerWithFloat16Params.__init__; optimizer/distrib_optimizer.py
   DistributedOptimizer.__init__; optimizer/clip_grads.py clip_grad_by_total_norm_fp32 (also its
   copy imported into optimizer/optimizer.py).
+- transformer/moe/token_dispatcher.py ``maybe_move_tensor_to_cpu`` -> returns host tensors as numpy
+  arrays when asked, as it does for device tensors (the alltoall dispatcher's split sizes).
 - transformer/moe/moe_utils.py ``te_general_gemm`` -> None when TransformerEngine is absent (the
   MoE router reads it; megatron binds it only when TE imports).
 - a logging filter on tensor_parallel/random.py's logger drops "CPU RNG state changed within GPU
@@ -152,8 +155,13 @@ class _NullStream:
         pass
 
     def __getattr__(self, name: str) -> Callable[..., None]:
-        # wait_stream, wait_event, record, record_event, synchronize, query...: all no-ops.
+        # wait_stream, wait_event, record, synchronize, query...: all no-ops.
         return lambda *args, **kwargs: None
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _NullStream:
+        """An event that is already complete: the alltoall token dispatcher synchronizes on it
+        (token_dispatcher.py MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)."""
+        return _NullStream()
 
 
 def _null_stream(*args: Any, **kwargs: Any) -> _NullStream:
@@ -210,6 +218,9 @@ def _patch_megatron() -> None:
         # The MoE router reads this name, which megatron binds only when TransformerEngine imports;
         # None selects its torch path.
         _set(moe_utils, "te_general_gemm", None)
+    # The alltoall dispatcher turns its split sizes into host lists at its device-to-host point; for
+    # a tensor already on the host megatron's helper leaves it a tensor, which gloo's all_to_all refuses.
+    _set(_megatron("transformer.moe.token_dispatcher"), "maybe_move_tensor_to_cpu", _host_values)
     _patch_rng_helpers(_megatron("tensor_parallel.random"))
     _patch_torch_norm(_megatron("transformer.torch_norm"))
     for name in _PROXIED_MODULES:
@@ -217,6 +228,13 @@ def _patch_megatron() -> None:
         _attr(module, "torch")
         _set(module, "torch", _CpuTorch("torch"))
     _patch_type_checks()
+
+
+def _host_values(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """moe_utils.maybe_move_tensor_to_cpu for host tensors: as a numpy array when asked, as on a GPU."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def _graph_safe_error(graph_safe: bool) -> None:

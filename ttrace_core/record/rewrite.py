@@ -34,6 +34,7 @@ from ttrace_core.canonicalize.logical_value import logical_value
 from ttrace_core.format.naming import in_subtree
 from ttrace_core.format.schema import TensorKey
 from ttrace_core.format.reader import RunReader
+from ttrace_core.canonicalize.token_rows import expert_fqn
 
 if TYPE_CHECKING:
     from ttrace_core.record.tracer import Tracer
@@ -79,6 +80,26 @@ class InputRewriter:
         return in_subtree(fqn, self.module)
 
     def _reference_local(self, key: TensorKey, like: torch.Tensor, scale: float) -> torch.Tensor | None:
+        rows = self.tracer.routed.rows_for(key.fqn, key.micro_batch, key.call)
+        if rows is not None and like.dim() and like.shape[0] == rows.num_rows and not isinstance(like, DTensor):
+            return self._reference_rows(key, like, scale, rows)
+        return self._reference_block(key, like, scale)
+
+    def _reference_rows(self, key: TensorKey, like: torch.Tensor, scale: float, rows) -> torch.Tensor | None:
+        """A routed module's rows (token_rows.py): each source micro-batch's reference tensor, in token order,
+        put back where this call holds those tokens; rows of padding keep the candidate's values. None
+        when any micro-batch's reference holds other tokens (routing differs): the candidate's value stays."""
+        local = like.detach().clone()
+        for micro_batch, expert, index in rows.pieces():
+            piece_key = TensorKey(step=key.step, micro_batch=micro_batch, phase=key.phase,
+                                  fqn=expert_fqn(key.fqn, expert), slot=key.slot, call=key.call)
+            piece = self._reference_block(piece_key, like.detach().index_select(0, index), scale)
+            if piece is None:
+                return None
+            local[index] = piece
+        return local
+
+    def _reference_block(self, key: TensorKey, like: torch.Tensor, scale: float) -> torch.Tensor | None:
         if key not in self.reference.index:
             return None
         layout = self.tracer.layout_of(key, like)

@@ -64,6 +64,8 @@ from ttrace_core.record.module_hooks import ModuleHooks, quiet_hook_warnings
 from ttrace_core.record.producers import ProducerLayouts
 from ttrace_core.record import selection
 from ttrace_core.record.step_state import LossPieces, StepState
+from ttrace_core.canonicalize.token_rows import expert_fqn
+from ttrace_core.record.token_rows import RoutedTokens
 from ttrace_core.record.step_scalars import (
     TORCH_CAPTURES, capture_optimizer_step, learning_rate, record_step_scalars, scalars_agree, unit_roundoff,
 )
@@ -102,6 +104,9 @@ class Tracer:
         self._declarations = Declarations()
         self._producers = ProducerLayouts()
         """Sharded plain tensors recorded this step, for the modules that only pass them on (producers.py)."""
+        self.routed = RoutedTokens()
+        """The routed modules (MoE experts) whose activations are recorded by token (token_rows.py): an
+        adapter names them (`route_tokens`) and tells, per call, which token each row holds."""
         self._state: StepState | None = None
         self._handles: list = []
         self._rewriter = rewriter
@@ -184,6 +189,16 @@ class Tracer:
         """
         self._declarations.declare(fqn_glob, slot_glob, placements, mesh)
 
+    def route_tokens(self, roots: Sequence[str]) -> None:
+        """Record the activations of the modules named `roots` (global names) and of everything inside them
+        by token (token_rows.py): the adapter that names them registers each call's `TokenRows` with
+        `self.routed.expect(...)` before the call's forward runs."""
+        self.routed.roots = frozenset(roots)
+
+    def on_close(self, undo: Callable[[], None]) -> None:
+        """Call `undo` when the tracer closes: an adapter's own watch over the model (a wrapped dispatcher)."""
+        self._undo.append(undo)
+
     def declare_flat_range(self, fqn: str, slot: str, start: int, end: int) -> None:
         """This rank's values of tensor (fqn, slot) are only elements [start, end) of its flattened
         local block, e.g. the gradient shard a distributed optimizer reduced onto this rank; the
@@ -229,11 +244,27 @@ class Tracer:
         if key.phase == "backward" and self._state is not None and self._state.loss_backwards:
             self._state.loss_backwards[-1].add(key.micro_batch)
         try:
+            if self.routed.roots and key.phase in ("forward", "backward") and self._record_by_token(key, value, scale):
+                return
             self._record(key, value, scale, seq)
         except UnknownLayoutError as error:
             self._left_out(key, str(error))
         except Exception as error:  # noqa: BLE001 - the run must go on; the error is recorded
             self.record_error(error, key.fqn, key.slot, key)
+
+    def _record_by_token(self, key: TensorKey, value: torch.Tensor, scale: float | None) -> bool:
+        """A routed module's tensor with one row per token, recorded as one tensor per source micro-batch in
+        token order (token_rows.py); False when `key` is no such tensor."""
+        rows = self.routed.rows_for(key.fqn, key.micro_batch, key.call)
+        local = local_value(value)
+        if rows is None or not local.dim() or local.shape[0] != rows.num_rows:
+            return False
+        with torch.no_grad():
+            for micro_batch, expert, index in rows.pieces():
+                piece_key = TensorKey(step=key.step, micro_batch=micro_batch, phase=key.phase,
+                                      fqn=expert_fqn(key.fqn, expert), slot=key.slot, call=key.call)
+                self._record(piece_key, local.index_select(0, index), scale)
+        return True
 
     def _record(self, key: TensorKey, value: torch.Tensor, scale: float | None, seq: int | None = None) -> None:
         if self._recording_stopped or slot_family(key.slot) not in self.config.slots:
@@ -476,6 +507,7 @@ class Tracer:
         self._to_writer(step, lambda: self._writer.begin_step(step))
         if not self._recording_stopped:
             self._state = StepState(step=step)
+            self.routed.calls.clear()
             held, self._held_findings = self._held_findings, []
             for finding in held:
                 self._keep_finding(*finding)

@@ -141,6 +141,37 @@ def apply_expert_grad_scale() -> Undo:
     return replace(ddp_module.DistributedDataParallel, "__init__", init)
 
 
+def apply_expert_probs_twice() -> Undo:
+    """Marks local expert 0 of expert-parallel rank 1 as each SequentialMLP is built; MLP.forward then
+    applies that expert's routing probabilities a second time."""
+    experts_module, mlp_module = _megatron("transformer.moe.experts"), _megatron("transformer.mlp")
+    original_init, original_forward = experts_module.SequentialMLP.__init__, mlp_module.MLP.forward
+
+    @functools.wraps(original_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        from megatron.core import parallel_state
+
+        if parallel_state.get_expert_model_parallel_rank() == 1 and len(self.local_experts):
+            self.local_experts[0].probs_applied_twice = True
+
+    @functools.wraps(original_forward)
+    def forward(self: Any, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs: Any):
+        output, bias = original_forward(self, hidden_states, per_token_scale, **kwargs)
+        if getattr(self, "probs_applied_twice", False) and per_token_scale is not None:
+            # BUG: the expert scales its output by the routing probabilities it already applied.
+            output = output * per_token_scale.unsqueeze(-1).to(output.dtype)
+        return output, bias
+
+    undo_init = replace(experts_module.SequentialMLP, "__init__", init)
+    undo_forward = replace(mlp_module.MLP, "forward", forward)
+
+    def undo() -> None:
+        undo_forward()
+        undo_init()
+    return undo
+
+
 def _skip_param_all_gather(self: Any, force_sync: bool = False) -> None:
     # BUG: after the distributed optimizer's step no all-gather: each DP rank keeps stale values
     # in every parameter shard it does not own.

@@ -26,6 +26,7 @@ Bugs (name: what is patched -> trigger):
 - swiglu-tp-shard: MLP.forward swaps gate/up halves on odd TP ranks -> --tp 2 with SwiGLU
 - fp8-amax-wrong-group: ttrace_core.integrations.fp8.reduced_amaxes uses the DP group -> --tp 2 fp8
 - expert-grad-scale: DistributedDataParallel.__init__ mis-scales the expert buffers -> --dp 2 --ep 2
+- expert-probs-twice: MLP.forward of EP rank 1's first expert applies the routing probs again -> --dp 2 --ep 2
 - loss-scale-dp-cp: schedules.forward_step_calc_loss divides by global micro-batches -> --dp 2
 - dp-grad-avg-twice: _ParamAndGradBucketGroup.start_grad_sync divides by dp again -> --dp 2
 
@@ -189,6 +190,16 @@ _BUGS = (
         first_divergence="grad / decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight / grad",
         runs_on="megatron-core", apply=patches.apply_expert_grad_scale),
     ZooBug(
+        name="expert-probs-twice", upstream="Megatron-LM MoE probs applied in expert and unpermute (class)",
+        bug_class="scaling",
+        description="One expert-parallel rank's first expert multiplies its output by the tokens' routing "
+                    "probabilities a second time (an old code path on one rank applying the probs in the "
+                    "expert and again at unpermute), so that expert's output is wrong only on that rank.",
+        triggers=("--dp 2 --ep 2 --moe --num-experts 4 --dispatcher alltoall",),
+        culprit="decoder.layers.*.mlp.experts.local_experts.2 (global expert 2, local expert 0 of EP rank 1)",
+        first_divergence="forward / decoder.layers.0.mlp.experts.local_experts.2 / output.0",
+        runs_on="megatron-core", apply=patches.apply_expert_probs_twice),
+    ZooBug(
         name="loss-scale-dp-cp", upstream="Megatron-LM loss scaling under DP/CP (class)", bug_class="scaling",
         description="The schedule divides each micro-batch loss by the global number of micro-batches "
                     "(local x DP) while DDP also averages over DP, so every gradient is dp times too small.",
@@ -254,6 +265,7 @@ CULPRITS: dict[str, CulpritTruth] = {
     "fp8-amax-wrong-group": CulpritTruth(modules=("decoder.layers.*.linear_qkv", "decoder.layers.*.linear_proj",
                                                   "decoder.layers.*.linear_fc1", "decoder.layers.*.linear_fc2")),
     "expert-grad-scale": CulpritTruth(params="decoder.layers.*.mlp.experts.*", reduction="EP"),
+    "expert-probs-twice": CulpritTruth(modules=("decoder.layers.*.mlp.experts.local_experts.2",)),
     "loss-scale-dp-cp": CulpritTruth(modules=(LOSS_FUNCTION,)),
     "dp-grad-avg-twice": CulpritTruth(params="*", reduction="DP"),
 }

@@ -1,0 +1,109 @@
+"""canonicalize/token_rows.py and record/token_rows.py: a routed module's rows cut by source micro-batch and put in token order, and the
+tracer recording them so (in-process, one rank)."""
+
+import pytest
+import torch
+from torch import nn
+
+from ttrace_core.format.reader import RunReader
+from ttrace_core.canonicalize.token_rows import TokenRows
+from ttrace_core.record.token_rows import RoutedTokens
+from ttrace_core.record.tracer import Tracer
+
+# (ids, tokens per micro-batch, micro-batches of the call) -> {micro-batch: rows in token order}
+PIECES = {
+    "one micro-batch, permuted": ([5, 1, 3], 8, (0,), {0: [1, 2, 0]}),
+    "two micro-batches interleaved": ([9, 2, 8, 0], 8, (0, 1), {0: [3, 1], 1: [2, 0]}),
+    "a micro-batch that sent nothing": ([17, 16], 8, (1, 2), {1: [], 2: [1, 0]}),
+    "padding rows dropped": ([-1, 4, -1, 3], 8, (0,), {0: [3, 1]}),
+    "no rows at all": ([], 8, (0, 1), {0: [], 1: []}),
+}
+
+
+@pytest.mark.parametrize("ids, per_micro_batch, micro_batches, expected", PIECES.values(), ids=list(PIECES))
+def test_pieces_are_source_micro_batches_in_token_order(ids, per_micro_batch, micro_batches, expected):
+    rows = TokenRows(ids=torch.tensor(ids, dtype=torch.int64), tokens_per_micro_batch=per_micro_batch,
+                     micro_batches=micro_batches)
+    assert {m: index.tolist() for m, expert, index in rows.pieces()} == expected
+
+
+def test_rows_of_an_unlisted_micro_batch_are_refused():
+    rows = TokenRows(ids=torch.tensor([3, 12]), tokens_per_micro_batch=8, micro_batches=(0,))
+    with pytest.raises(ValueError, match=r"micro-batches \[1\]"):
+        rows.pieces()
+
+
+def test_a_module_inside_a_routed_root_shares_its_rows():
+    routed = RoutedTokens(roots=frozenset({"mlp.experts.local_experts.1"}))
+    rows = TokenRows(ids=torch.tensor([0]), tokens_per_micro_batch=4, micro_batches=(0,))
+    routed.expect("mlp.experts.local_experts.1", 0, 0, rows)
+    assert routed.rows_for("mlp.experts.local_experts.1.linear_fc1", 0, 0) is rows
+    assert routed.rows_for("mlp.experts.local_experts.10", 0, 0) is None
+    assert routed.rows_for("mlp.experts.local_experts.1", 1, 0) is None
+    with pytest.raises(ValueError, match="not a routed module"):
+        routed.expect("mlp.router", 0, 0, rows)
+
+
+class _Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.linear(tokens)
+
+
+class _Routed(nn.Module):
+    """An 'expert' that receives tokens of micro-batches 0 and 1 in one call (as under expert parallelism)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expert = _Expert()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.expert(tokens)
+
+
+def test_the_tracer_records_a_routed_call_per_source_micro_batch_in_token_order(tmp_path):
+    model = _Routed()
+    tracer = Tracer(tmp_path / "run", model, role="candidate")
+    tracer.route_tokens(["expert"])
+    tokens = torch.arange(12, dtype=torch.float32).reshape(4, 3).requires_grad_()
+    # rows hold tokens (mb 1, pos 2), (mb 0, pos 3), (mb 1, pos 0), (mb 0, pos 1) of 4-token micro-batches
+    ids = torch.tensor([6, 3, 4, 1])
+    with tracer.step(0):
+        tracer.routed.expect("expert", 0, 0, TokenRows(ids=ids, tokens_per_micro_batch=4, micro_batches=(0, 1, 2)))
+        model(tokens).sum().backward()
+    tracer.close()
+    reader = RunReader(tmp_path / "run")
+    values = {(k.micro_batch, k.fqn, k.slot): reader.read(metas[0]) for k, metas in reader.index.items()
+              if k.fqn.startswith("expert") and k.phase == "forward"}
+    reader.close()
+    assert values[(0, "expert", "input.0")].tolist() == [tokens[3].tolist(), tokens[1].tolist()]
+    assert values[(1, "expert", "input.0")].tolist() == [tokens[2].tolist(), tokens[0].tolist()]
+    assert values[(2, "expert", "input.0")].shape == (0, 3)
+    assert values[(0, "expert.linear", "output.0")].shape == (2, 2)
+
+
+def test_a_call_of_several_experts_is_cut_per_expert_too():
+    """torchtitan's grouped experts: rows for experts 2 and 3 of micro-batches 0 and 1, expert-major."""
+    rows = TokenRows(ids=torch.tensor([1, 5, 0, 4]), tokens_per_micro_batch=4, micro_batches=(0, 1),
+                     experts=torch.tensor([2, 2, 3, 3]), experts_held=(2, 3))
+    assert [(m, e, index.tolist()) for m, e, index in rows.pieces()] == \
+        [(0, 2, [0]), (0, 3, [2]), (1, 2, [1]), (1, 3, [3])]
+
+
+@pytest.mark.parametrize("layout_shape, local_shape, expected", [
+    (None, (2, 3), [[0, 1, 2], [3, 4, 5]]),
+    # rank 1 of 2 holding the second half of dim 1 (sequence parallelism over [batch, sequence])
+    ((2, 4), (2, 2), [[2, 3], [6, 7]]),
+], ids=["whole", "sequence shard"])
+def test_token_ids_follow_the_layout(layout_shape, local_shape, expected):
+    from ttrace_core.format.schema import Layout
+    from ttrace_core.canonicalize.token_rows import token_ids
+
+    layout = None if layout_shape is None else Layout(global_shape=(*layout_shape, 8), mesh_shape=(2,), coordinate=(1,),
+                                                      placements=("S(1)",), mesh_axis_names=("tp",))
+    ids, per_micro_batch = token_ids(1, local_shape, layout)
+    assert per_micro_batch == (6 if layout is None else 8)
+    assert (ids - per_micro_batch).tolist() == expected
