@@ -8,12 +8,15 @@ parallel axis, plus the `TracerConfig.rename` that maps pipeline-stage names to 
   replicated (and `sequence_parallel` ones are all-reduced over TP by finalize_model_grads);
 - module boundaries, by class, for activations laid out [s, b, h]:
   hidden states between layers are S(0) (sequence shards) under sequence parallelism, else R;
-  ColumnParallelLinear outputs are S(-1) (unless gather_output) and its returned bias S(0);
+  ColumnParallelLinear outputs are S(-1) (unless gather_output) and its returned bias S(0), a
+  weight handed to it S(0) (tied embeddings);
   RowParallelLinear inputs are S(-1), its outputs hidden states, its returned bias R;
   core attention's q/k/v [s, b, heads, d] are S(2) (heads; GQA groups stay whole per rank) and
   its output S(-1); softmax and attention dropout [b, heads, s, s] are S(1);
   a SwiGLU fc1 holds [gate; up] shards per rank: its weight, bias and output are SB(d,2) blocks;
   the vocab-parallel embedding returns its all-reduced output (R);
+  the multi-token prediction block returns the decoder's and each MTP layer's hidden states
+  concatenated along s: SS(0, 1 + its layers) under sequence parallelism (HIDDEN_PIECES), else R;
 - pipeline stages: `decoder.layers.<local>` becomes `decoder.layers.<layer_number - 1>`.
 
 Only modules and parameters of megatron-core's local spec are covered; an unknown module class
@@ -56,6 +59,11 @@ rank) or the learnable sinks ([heads], this rank's heads): told apart by their r
 BIAS_GRAD = "bias-grad"
 """The gradient of a replicated bias added to hidden states: under sequence parallelism each rank
 sums it over its own sequence shard only, so it is P(sum) over TP; otherwise R."""
+HIDDEN_PIECES = "hidden-pieces:"
+"""Placeholder `hidden-pieces:N` for N hidden states [s, b, h] concatenated along s (the multi-token
+prediction block's output: the decoder's and each MTP layer's). Under sequence parallelism each rank
+concatenates its own sequence shard of each, which is SS(0,N) of the global concatenation: with s = 16,
+N = 2 and TP 2, rank 1 holds rows [8:16, 24:32]. R otherwise."""
 
 # Keyword inputs megatron passes by name to the layers, attention and MoE modules.
 _AUXILIARY_INPUTS = {"input.attention_mask": "R", "input.rotary_pos_emb": "R", "input.rotary_pos_cos": "R",
@@ -73,7 +81,9 @@ _BOUNDARY_LAYOUTS: dict[str, dict[str, str]] = {
     "WrappedTorchNorm": {"*": HIDDEN},
     "SelfAttention": {"input.*": HIDDEN, "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
     "MLP": {"input.*": HIDDEN, "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
-    "ColumnParallelLinear": {"input.*": HIDDEN, "output.0": "S(-1)", "output.1": "S(0)"},
+    # A weight handed in (GPTModel's output layer under tied embeddings gets the vocab-parallel word
+    # embedding's) is a shard of rows like the layer's own weight: S(0).
+    "ColumnParallelLinear": {"input.*": HIDDEN, "input.weight": "S(0)", "output.0": "S(-1)", "output.1": "S(0)"},
     "RowParallelLinear": {"input.*": "S(-1)", "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
     # query, key, value [s, b, heads, d] come first; an attention mask after them is whole.
     "DotProductAttention": {"input.*": "R", "input.0": "S(2)", "input.1": "S(2)", "input.2": "S(2)", "output.*": "S(-1)"},
@@ -84,6 +94,9 @@ _BOUNDARY_LAYOUTS: dict[str, dict[str, str]] = {
     "MoELayer": {"input.*": HIDDEN, "output.0": HIDDEN, "output.1": "R", "grad_output.1": BIAS_GRAD},
     # The fp8 scales a linear cast with: one per logical tensor, so the same on every TP rank.
     "Fp8ScaleInv": {"*": "R"},
+    # Its output is torch.cat([decoder hidden states, MTP layer 1's, ...], dim=0): the piece count is
+    # filled in from the block (_boundary_layout).
+    "MultiTokenPredictionBlock": {"output.0": HIDDEN_PIECES},
 }
 # Modules whose class is generic: the layout depends on where they sit.
 _BY_NAME_SUFFIX: dict[str, dict[str, str]] = {
@@ -224,6 +237,10 @@ def _boundary_layout(fqn: str, module: nn.Module) -> dict[str, str] | None:
     layout = _BOUNDARY_LAYOUTS.get(known) if known else None
     if layout is not None and known == "ColumnParallelLinear" and getattr(module, "gather_output", False):
         layout = {**layout, "output.0": HIDDEN}
+    if known == "MultiTokenPredictionBlock":
+        # The decoder's hidden states, then one piece per MTP layer this block holds (megatron keeps
+        # every MTP layer in one block: get_gpt_mtp_block_spec_for_backend).
+        layout = {"output.0": f"{HIDDEN_PIECES}{1 + len(module.layers)}"}
     return layout
 
 
@@ -245,6 +262,8 @@ def _resolve(placement: str, sequence_parallel: bool):
         return "S(1)" if sequence_parallel else "R"
     if placement == SCORES_EXTRA:
         return _sinks_or_mask
+    if placement.startswith(HIDDEN_PIECES):
+        return f"SS(0,{placement.removeprefix(HIDDEN_PIECES)})" if sequence_parallel else "R"
     return placement
 
 
