@@ -200,3 +200,39 @@ def test_a_step_scalar_computed_twice_differently_is_a_finding_naming_both_value
 ], ids=["equal", "one ulp", "apart", "both nan", "counts"])
 def test_scalars_agree(first, second, dtype, agree):
     assert scalars_agree(first, second, dtype) is agree
+
+
+def test_an_aux_loss_is_the_running_routers_scalar_of_its_micro_batch(tmp_path):
+    """megatron's router logs its aux losses while its forward runs (step_scalars.capture_megatron_aux_losses):
+    they are recorded as that router's step scalars, per micro-batch."""
+    from ttrace_core.record.step_scalars import _record_aux_loss
+
+    class Router(nn.Module):
+        def __init__(self, tracer_box: list) -> None:
+            super().__init__()
+            self.gate = nn.Linear(4, 2)
+            self.tracer_box = tracer_box
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits = self.gate(x)
+            _record_aux_loss(self.tracer_box[0], "load_balancing_loss", logits.square().mean())
+            return logits
+
+    box: list = []
+    model = nn.Sequential()
+    model.add_module("mlp", nn.Module())
+    model.mlp.add_module("router", Router(box))
+    model.forward = lambda x: model.mlp.router(x)  # the root is called once per micro-batch
+    tracer = Tracer(tmp_path / "run", model, role="candidate")
+    box.append(tracer)
+    inputs = [torch.randn(3, 4), torch.randn(3, 4)]
+    with tracer.step(0):
+        for x in inputs:
+            model(x)
+    tracer.close()
+    with RunReader(tmp_path / "run") as reader:
+        recorded = {key.micro_batch: float(reader.read(metas[0])) for key, metas in reader.index.items()
+                    if key.slot == "scalar.load_balancing_loss" and key.fqn == "mlp.router"}
+    with torch.no_grad():
+        expected = {m: float(model.mlp.router.gate(x).square().mean()) for m, x in enumerate(inputs)}
+    assert recorded == pytest.approx(expected)

@@ -23,7 +23,9 @@ from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.integrations import megatron
 from ttrace_core.integrations.megatron_moe import untraceable_expert_activations
 from ttrace_core.integrations.torch_native import compiled_modules, data_parallel_of, manifest_from_model
-from ttrace_core.record.step_scalars import TORCH_CAPTURES, capture_megatron_losses, capture_torch_clipping
+from ttrace_core.record.step_scalars import (
+    TORCH_CAPTURES, capture_megatron_aux_losses, capture_megatron_losses, capture_torch_clipping,
+)
 
 
 
@@ -98,7 +100,7 @@ class MegatronAdapter:
     """A megatron-core model (inside Megatron's DDP / Float16Module): layouts, degrees and the loss scale
     come from megatron itself; the Megatron optimizer's step is wrapped (it has no step hooks)."""
 
-    captures = (capture_megatron_losses, capture_torch_clipping)
+    captures = (capture_megatron_losses, capture_megatron_aux_losses, capture_torch_clipping)
     compiled: list[str] = []
 
     def __init__(self, model: nn.Module, optimizer, role: str, world_size: int, selection: TracerSelection) -> None:

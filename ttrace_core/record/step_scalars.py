@@ -150,6 +150,33 @@ def _record_megatron_loss(tracer: Tracer, arguments: dict, output: Any, num_toke
         tracer.record_loss(output, num_tokens=num_tokens if isinstance(num_tokens, torch.Tensor) and num_tokens.item() else None)
 
 
+def capture_megatron_aux_losses(tracer: Tracer) -> Undo:
+    """Record each MoE router's auxiliary losses (load balancing, sequence or global load balancing, z-loss)
+    where megatron's router logs them (router.py calls moe_utils.save_to_aux_losses_tracker with the loss
+    divided by its coefficient): a step scalar "scalar.<name>" of the router that is running, per micro-batch.
+    A wrong token count or an SP-sharded shape in the loss shows there, before the gradients it adds to."""
+    from megatron.core.transformer.moe import router
+
+    original = router.save_to_aux_losses_tracker
+
+    def save_to_aux_losses_tracker(name, loss, *args, **kwargs):
+        tracer.guarded(lambda: _record_aux_loss(tracer, name, loss))
+        return original(name, loss, *args, **kwargs)
+
+    return patch_attribute(router, "save_to_aux_losses_tracker", save_to_aux_losses_tracker)
+
+
+def _record_aux_loss(tracer: Tracer, name: str, loss: Any) -> None:
+    state = tracer.state
+    if state is None or not tracer.recording() or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        return
+    running = [fqn for fqn, pending in state.pending_forward.items() if pending and pending[-1] is not None
+               and fqn.rsplit(".", 1)[-1] == "router"]
+    if len(running) == 1:
+        micro_batch, _ = state.pending_forward[running[0]][-1]
+        tracer.record_scalar("forward", running[0], name, loss.detach(), micro_batch)
+
+
 # ---- clipping and the optimizer step -----------------------------------------------------------
 
 def capture_torch_clipping(tracer: Tracer) -> Undo:
