@@ -107,3 +107,22 @@ def test_token_ids_follow_the_layout(layout_shape, local_shape, expected):
     ids, per_micro_batch = token_ids(1, local_shape, layout)
     assert per_micro_batch == (6 if layout is None else 8)
     assert (ids - per_micro_batch).tolist() == expected
+
+
+def test_routing_bookkeeping_of_a_routed_call_is_not_recorded(tmp_path):
+    """An integer input that is not one row per token (tokens per expert) says nothing the pieces' shapes do not."""
+
+    class Counted(nn.Module):
+        def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            return tokens * 2
+
+    model = Counted()
+    tracer = Tracer(tmp_path / "run", model, role="candidate")
+    tracer.route_tokens([""])
+    with tracer.step(0):
+        tracer.routed.expect("", 0, 0, TokenRows(ids=torch.tensor([1, 0]), tokens_per_micro_batch=2, micro_batches=(0,)))
+        model(torch.ones(2, 3), torch.tensor([2]))
+    tracer.close()
+    with RunReader(tmp_path / "run") as reader:
+        slots = {key.slot for key in reader.index if key.phase == "forward"}
+    assert slots == {"input.0", "output.0"}

@@ -19,8 +19,11 @@ A module that computes several experts in one call (torchtitan's grouped experts
 expert, as "<module>.<expert>" (expert 3 of `inner_experts` is `inner_experts.3`), in every run alike,
 so each expert is a row of its own however the experts are dealt out over expert-parallel ranks.
 
-Only tensors whose dim 0 has one entry per row are rearranged (inputs, outputs, their gradients);
-anything else recorded in such a call (a bias) is recorded as it is.
+Only tensors whose dim 0 has one entry per row are rearranged (inputs, outputs, their gradients). An
+integer tensor of another shape in such a call is routing bookkeeping (torchtitan hands its grouped
+experts the tokens per local expert, summed over the micro-batches of the call) and is not recorded:
+each piece's row count says the same per micro-batch and expert. A floating one (a bias) is recorded
+as it is.
 """
 
 from __future__ import annotations

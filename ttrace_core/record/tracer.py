@@ -256,9 +256,13 @@ class Tracer:
         """A routed module's tensor with one row per token, recorded as one tensor per source micro-batch in
         token order (token_rows.py); False when `key` is no such tensor."""
         rows = self.routed.rows_for(key.fqn, key.micro_batch, key.call)
-        local = local_value(value)
-        if rows is None or not local.dim() or local.shape[0] != rows.num_rows:
+        if rows is None:
             return False
+        local = local_value(value)
+        if not local.dim() or local.shape[0] != rows.num_rows:
+            # Routing bookkeeping handed to the experts (torchtitan's tokens per local expert): it counts the
+            # rows of several micro-batches at once, and each piece's shape already says its count.
+            return not (local.is_floating_point() or local.is_complex())
         with torch.no_grad():
             for micro_batch, expert, index in rows.pieces():
                 piece_key = TensorKey(step=key.step, micro_batch=micro_batch, phase=key.phase,

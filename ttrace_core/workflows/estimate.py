@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,11 +49,18 @@ class SampleDeviation:
     """compare/structure.py's statistics of (perturbed - reference) on the reference."""
 
 
-def deviations(reference: RunReader, perturbed: RunReader) -> dict[TensorKey, SampleDeviation]:
-    """Every tensor both runs hold: its deviation and its structure statistics."""
+def deviations(reference: RunReader, perturbed: RunReader,
+               reshaped: set[TensorKey] | None = None) -> dict[TensorKey, SampleDeviation]:
+    """Every tensor both runs hold in the same logical shape: its deviation and its structure statistics.
+    A tensor whose shape the perturbation changed (a MoE expert that the perturbed router sent other
+    tokens, record/token_rows.py) has no deviation to measure: it is added to `reshaped`."""
     result = {}
     for key in reference.index:
         if key not in perturbed.index or reference.index[key][0].stats_only:
+            continue
+        if reference.index[key][0].layout.global_shape != perturbed.index[key][0].layout.global_shape:
+            if reshaped is not None:
+                reshaped.add(key)
             continue
         diff, expected = _finite_difference(reference, perturbed, key)
         before_key = pre_step_key(reference, key)
@@ -118,10 +126,16 @@ def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, rela
         _check_precision_honoured(run_dir, outs, for_precision)
     estimate = PerturbationEstimate(precision=for_precision or manifest.precision, num_samples=num_samples,
                                     relative=relative, reference_precision=manifest.precision)
+    reshaped: set[TensorKey] = set()
     with RunReader(run_dir) as reference:
         for out in outs:
             with RunReader(out) as perturbed:
-                _merge(estimate, deviations(reference, perturbed))
+                _merge(estimate, deviations(reference, perturbed, reshaped))
+    for key in reshaped:  # measured in some re-runs only: judged by the per-dtype table, as unmeasured tensors are
+        estimate.tensors.pop(key, None)
+    if reshaped:
+        print(f"ttrace: estimate: {len(reshaped)} tensors changed shape in a perturbed re-run (routed experts that "
+              f"received other tokens, e.g. {min(reshaped)}); they keep the per-dtype tolerance", file=sys.stderr)
     estimate.seconds = time.monotonic() - started
     if not keep_samples:
         shutil.rmtree(work, ignore_errors=True)
