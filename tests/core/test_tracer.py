@@ -462,3 +462,82 @@ def test_the_manifest_says_the_precision_the_first_step_computed_in(tmp_path, au
             _train_step(model, optimizer)
     tracer.close()
     assert json.loads((tmp_path / "manifest.json").read_text())["precision"] == expected
+
+
+class _Stack(nn.Module):
+    """Layers in a ModuleList, then (on the last chunk) one head applied twice: two calls per micro-batch."""
+
+    def __init__(self, num_layers: int, head: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(num_layers))
+        self.head = nn.Linear(4, 4) if head else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x if self.head is None else self.head(self.head(x))
+
+
+def _interleaved_order(num_micro_batches: int) -> list[tuple[str, int, int]]:
+    """(F or B, chunk, micro-batch) as megatron's interleaved 1F1B runs 2 chunks in groups of 2 micro-batches:
+    chunk 0 runs micro-batch 1's forward before chunk 1 runs micro-batch 0's."""
+    order = []
+    for first in range(0, num_micro_batches, 2):
+        a, b = first, first + 1
+        order += [("F", 0, a), ("F", 0, b), ("F", 1, a), ("B", 1, a), ("F", 1, b), ("B", 0, a), ("B", 1, b), ("B", 0, b)]
+    return order
+
+
+def _micro_batch_input(index: int) -> torch.Tensor:
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(index))
+
+
+def test_model_chunks_keep_one_micro_batch_clock_each_under_the_interleaved_order(tmp_path):
+    """Two chunks run in megatron's interleaved order carry the reference's micro-batch ids and call indices,
+    under the reference's layer names: a clock shared by both roots would call chunk 1's first forward
+    micro-batch 2, and counting each module's own calls would call the head's second call the next micro-batch."""
+    num_micro_batches = 4
+    torch.manual_seed(0)
+    reference = _Stack(4, head=True)
+    tracer = Tracer(tmp_path / "ref", reference, role="reference", config=TracerConfig(exclude=("",)))
+    with tracer.step(0):
+        for index in range(num_micro_batches):
+            (reference(_micro_batch_input(index)).square().mean() / num_micro_batches).backward()
+        tracer.record_gradients()
+    tracer.close()
+
+    chunks = nn.ModuleList([_Stack(2, head=False), _Stack(2, head=True)])
+    with torch.no_grad():
+        for local in range(4):
+            chunks[local // 2].layers[local % 2].load_state_dict(reference.layers[local].state_dict())
+        chunks[1].head.load_state_dict(reference.head.state_dict())
+    rename = (("0.layers.0", "layers.0"), ("0.layers.1", "layers.1"), ("1.layers.0", "layers.2"), ("1.layers.1", "layers.3"),
+              ("0", ""), ("1", ""))
+    tracer = Tracer(tmp_path / "cand", chunks, role="candidate",
+                    config=TracerConfig(exclude=("",), rename=rename, model_chunks=2))
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    inputs: dict[int, torch.Tensor] = {}
+    with tracer.step(0):
+        for kind, chunk, index in _interleaved_order(num_micro_batches):
+            if kind == "F" and chunk == 0:
+                outputs[0, index] = chunks[0](_micro_batch_input(index))
+            elif kind == "F":
+                inputs[index] = outputs[0, index].detach().requires_grad_(True)
+                outputs[1, index] = chunks[1](inputs[index])
+            elif chunk == 1:
+                (outputs[1, index].square().mean() / num_micro_batches).backward()
+            else:
+                outputs[0, index].backward(inputs[index].grad)
+        tracer.record_gradients()
+    tracer.close()
+
+    with RunReader(tmp_path / "ref") as ref, RunReader(tmp_path / "cand") as cand:
+        result = compare_runs(ref, cand)
+        reference_keys, candidate_keys = set(ref.keys()), set(cand.keys())
+    assert result, [c for c in result.comparisons if not c][:3]
+    assert candidate_keys == reference_keys and len(result.comparisons) == len(reference_keys)
+    heads = {(k.micro_batch, k.call) for k in candidate_keys if k.fqn == "head" and k.slot == "output.0"}
+    assert heads == {(index, call) for index in range(num_micro_batches) for call in (0, 1)}
+    assert {k.micro_batch for k in candidate_keys if k.fqn == "layers.2" and k.phase == "backward"} == set(range(num_micro_batches))
+    grads = {k.fqn for k in candidate_keys if k.phase == "grad"}
+    assert grads == {f"layers.{i}.{p}" for i in range(4) for p in ("weight", "bias")} | {"head.weight", "head.bias"}

@@ -42,6 +42,11 @@ class TracerConfig:
     """(local prefix, global prefix) pairs mapping this rank's module names to the reference's, e.g.
     (("layers.0", "layers.2"),) on a pipeline stage whose local layer 0 is global layer 2. A prefix
     matches whole name components: "layers.1" renames "layers.1.attn", never "layers.10"."""
+    model_chunks: int = 0
+    """The traced model is an nn.ModuleList of this many chunks, each called on its own once per
+    micro-batch (megatron's virtual pipeline stages under the interleaved schedule); 0: one model.
+    Chunk i's names start with "i." ("1.decoder.layers.0"): `rename` maps those full names, while
+    include/exclude globs match the name within its chunk ("decoder.layers.0"; the chunk's root is "")."""
 
     def __post_init__(self) -> None:
         unknown = set(self.slots) - set(SLOT_FAMILIES)
@@ -51,5 +56,7 @@ class TracerConfig:
             raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is outside data_parallel_size {self.data_parallel_size}")
         if self.writer_queue_bytes < 0:
             raise ValueError(f"TracerConfig.writer_queue_bytes is {self.writer_queue_bytes}; give 0 (no writer thread) or a byte count")
+        if self.model_chunks < 0:
+            raise ValueError(f"TracerConfig.model_chunks is {self.model_chunks}; give 0 (one model) or the chunk count")
         if self.loss_scale == 0:
             raise ValueError("loss_scale 0 would zero every gradient; pass the factor the loss is multiplied by")

@@ -134,6 +134,23 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def traced_model(model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> nn.Module:
+    """What the tracer hooks: the model inside megatron's wrappers or, for a model given as a list
+    of chunks (virtual pipeline stages, as the interleaved schedule takes it), one nn.ModuleList of
+    the unwrapped chunks, whose names start with the chunk's index (TracerConfig.model_chunks)."""
+    if isinstance(model, (list, tuple)):
+        return nn.ModuleList([unwrap(chunk) for chunk in model])
+    return unwrap(model)
+
+
+def model_config(model: nn.Module):
+    """Megatron's TransformerConfig of a model (of its first chunk, for a model given as chunks), or None."""
+    inner = unwrap(model)
+    if isinstance(inner, nn.ModuleList):
+        inner = unwrap(inner[0]) if len(inner) else inner
+    return getattr(inner, "config", None)
+
+
 def expert_rename(model: nn.Module) -> tuple[tuple[str, str], ...]:
     """Under expert parallelism local expert i of EP rank r is global expert r * num_local + i."""
     from megatron.core import parallel_state
@@ -167,7 +184,14 @@ def pipeline_rename(model: nn.Module) -> tuple[tuple[str, str], ...]:
 
 
 def megatron_rename(model: nn.Module) -> tuple[tuple[str, str], ...]:
-    """Local -> global names on this rank: experts (most specific, first) then pipeline layers."""
+    """Local -> global names on this rank: experts (most specific, first) then pipeline layers. For
+    chunks (an nn.ModuleList, `traced_model`) each chunk's pairs under its "i." prefix, then the
+    prefix itself dropped: with pp 2 x vpp 2 and 4 layers, rank 0's chunk 1 holds global layer 2,
+    so "1.decoder.layers.0" -> "decoder.layers.2" and "1.decoder" -> "decoder"."""
+    if isinstance(model, nn.ModuleList):
+        pairs = [(f"{index}.{local}", global_) for index, chunk in enumerate(model)
+                 for local, global_ in megatron_rename(chunk)]
+        return tuple(pairs) + tuple((str(index), "") for index in range(len(model)))
     pipeline = pipeline_rename(model)
     experts = tuple((local, global_fqn(target, pipeline)) for local, target in expert_rename(model))
     return experts + pipeline
@@ -335,7 +359,7 @@ def is_megatron_model(model: nn.Module) -> bool:
 
 def megatron_precision(model: nn.Module) -> str:
     """fp8 (TransformerEngine's recipe, or ttrace's emulation of it), bf16, fp16, or the params' dtype."""
-    config = getattr(unwrap(model), "config", None)
+    config = model_config(model)
     emulated = any(type(m).__module__ == "ttrace_core.integrations.fp8" for m in model.modules())
     if emulated or getattr(config, "fp8", None):
         return "fp8"
@@ -362,7 +386,7 @@ def megatron_manifest(model: nn.Module, optimizer, role: str, world_size: int) -
     from megatron.core import parallel_state as ps
 
     inner = unwrap(model)
-    config = getattr(inner, "config", None)
+    config = model_config(inner)
     sizes = {"pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
              "cp": ps.get_context_parallel_world_size(), "tp": ps.get_tensor_model_parallel_world_size()}
     coordinate = [ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(), ps.get_context_parallel_rank(),
@@ -377,6 +401,8 @@ def megatron_manifest(model: nn.Module, optimizer, role: str, world_size: int) -
         shapes = {name: shape for _, by_rank in gathered for name, shape in by_rank.items()}
     degrees = {**sizes, "sp": int(bool(getattr(config, "sequence_parallel", False))),
                "ep": ps.get_expert_model_parallel_world_size(), "dist_opt": int(bool(_distributed_optimizers(optimizer)))}
+    if (vpp := ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+        degrees["vpp"] = vpp  # model chunks per pipeline rank: not a mesh axis, the layers are only dealt out finer
     describes_world = math.prod(sizes.values()) == world_size
     model_facts = {"parameters": dict(sorted(shapes.items()))}
     if isinstance(getattr(config, "num_layers", None), int):
@@ -390,7 +416,7 @@ def megatron_manifest(model: nn.Module, optimizer, role: str, world_size: int) -
 def declare_megatron_run(tracer, model: nn.Module, optimizer) -> None:
     """Every layout `attach` declares for a megatron model: TP layouts of parameters and module
     boundaries, and the distributed optimizer's gradient ranges."""
-    config = getattr(unwrap(model), "config", None)
+    config = model_config(model)
     rename = megatron_rename(model)
     declare_megatron_layouts(tracer, model, sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
                              rename=rename)

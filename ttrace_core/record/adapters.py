@@ -97,15 +97,19 @@ class TransformersAdapter(TorchAdapter):
 
 
 class MegatronAdapter:
-    """A megatron-core model (inside Megatron's DDP / Float16Module): layouts, degrees and the loss scale
-    come from megatron itself; the Megatron optimizer's step is wrapped (it has no step hooks)."""
+    """A megatron-core model (inside Megatron's DDP / Float16Module), or its list of chunks (virtual
+    pipeline stages, each in its own DDP, as the interleaved schedule takes them): layouts, degrees and
+    the loss scale come from megatron itself; the Megatron optimizer's step is wrapped (it has no step
+    hooks). Chunks are traced as one nn.ModuleList (megatron.traced_model), each its own micro-batch clock."""
 
     captures = (capture_megatron_losses, capture_megatron_aux_losses, capture_torch_clipping)
     compiled: list[str] = []
 
-    def __init__(self, model: nn.Module, optimizer, role: str, world_size: int, selection: TracerSelection) -> None:
+    def __init__(self, model: nn.Module | list[nn.Module], optimizer, role: str, world_size: int,
+                 selection: TracerSelection) -> None:
         self.model, self.optimizer, self.role, self.world_size, self.selection = model, optimizer, role, world_size, selection
-        self.traced = megatron.unwrap(model)
+        self.traced = megatron.traced_model(model)
+        self.num_chunks = len(model) if isinstance(model, (list, tuple)) else 0
 
     @cached_property
     def config(self) -> TracerConfig:
@@ -113,10 +117,10 @@ class MegatronAdapter:
         return megatron.megatron_tracer_config(
             include=self.selection.include, loss_scale=self.selection.loss_scale, rename=megatron.megatron_rename(self.traced),
             data_parallel_rank=dp_rank, data_parallel_size=dp_size, extra_exclude=self.selection.exclude,
-            exclude_activations=untraceable_expert_activations(self.traced))
+            exclude_activations=untraceable_expert_activations(self.traced), model_chunks=self.num_chunks)
 
     def manifest(self) -> RunManifest:
-        return megatron.megatron_manifest(self.model, self.optimizer, self.role, self.world_size)
+        return megatron.megatron_manifest(self.traced, self.optimizer, self.role, self.world_size)
 
     @cached_property
     def _layouts(self) -> dict[str, Layout]:
@@ -132,4 +136,4 @@ class MegatronAdapter:
             optimizer.reload_model_params()
 
     def declare(self, tracer, optimizer) -> None:
-        megatron.declare_megatron_run(tracer, self.model, optimizer)
+        megatron.declare_megatron_run(tracer, self.traced, optimizer)

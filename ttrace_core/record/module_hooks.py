@@ -94,13 +94,18 @@ class ModuleHooks:
         self._tracer = tracer
         self._rewriter = rewriter
 
-    def attach_root(self, model: nn.Module, handles: list) -> None:
-        """The micro-batch clock (step_state.py): registered before any other hook on the root."""
-        handles.append(model.register_forward_pre_hook(self.guarded("", self._count_root_call)))
+    def attach_root(self, roots: list[nn.Module], handles: list) -> None:
+        """The micro-batch clocks (step_state.py), one per root (the model, or each of its chunks):
+        registered before any other hook on the root."""
+        for chunk, root in enumerate(roots):
+            handles.append(root.register_forward_pre_hook(self.guarded("", self._root_call_counter(chunk))))
 
-    def attach(self, model: nn.Module, handles: list) -> None:
+    def attach(self, model: nn.Module, handles: list, roots: list[nn.Module] | None = None) -> None:
+        """Hooks on every traced module of `model`; each reads the clock of the root in `roots` it belongs to."""
+        chunk_of = {id(module): chunk for chunk, root in enumerate(roots or [model]) for module in root.modules()}
         for fqn, module, backward in self._tracer.traced_modules(model):
-            handles.append(module.register_forward_pre_hook(self.guarded(fqn, self._pre_hook(fqn)), with_kwargs=True))
+            pre_hook = self._pre_hook(fqn, chunk_of.get(id(module), 0))
+            handles.append(module.register_forward_pre_hook(self.guarded(fqn, pre_hook), with_kwargs=True))
             handles.append(module.register_forward_hook(self.guarded(fqn, self._forward_hook(fqn, backward))))
             # Before a parallel style's own output hook: the DTensor it is about to make local.
             handles.append(module.register_forward_hook(self.guarded(fqn, self._see_output_dtensors(fqn)), prepend=True))
@@ -118,11 +123,15 @@ class ModuleHooks:
                 record_error(error, fqn)
         return guarded
 
-    def _count_root_call(self, module: nn.Module, args: tuple) -> None:
-        if self._tracer.recording() and not any(t.is_meta for t in tensors_of(args)):
-            self._tracer.state.root_calls += 1
+    def _root_call_counter(self, chunk: int) -> Callable[[nn.Module, tuple], None]:
+        tracer = self._tracer
 
-    def _pre_hook(self, fqn: str) -> Callable[[nn.Module, tuple, dict], None]:
+        def count(module: nn.Module, args: tuple) -> None:
+            if tracer.recording() and not any(t.is_meta for t in tensors_of(args)):
+                tracer.state.root_calls[chunk] += 1
+        return count
+
+    def _pre_hook(self, fqn: str, chunk: int = 0) -> Callable[[nn.Module, tuple, dict], None]:
         tracer = self._tracer
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -133,7 +142,7 @@ class ModuleHooks:
             if any(t.is_meta for t in inputs) or (kwargs and any(t.is_meta for t in tensors_of(kwargs))):
                 state.pending_forward[fqn].append(None)  # shape inference (pipelining): not a micro-batch
                 return
-            local, call = state.next_forward_call(fqn)
+            local, call = state.next_forward_call(fqn, chunk)
             micro_batch = tracer.global_micro_batch(local)
             state.pending_forward[fqn].append((micro_batch, call))
             for index, value in enumerate(inputs):

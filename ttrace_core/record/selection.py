@@ -35,10 +35,24 @@ def global_name(config: TracerConfig, local_fqn: str) -> str:
     return global_fqn(strip_wrappers(local_fqn), config.rename)
 
 
+def name_in_chunk(config: TracerConfig, local_fqn: str) -> str:
+    """The name globs match: for a model given as chunks (config.model_chunks), the name within its
+    chunk ("1.decoder.layers.0" -> "decoder.layers.0", the chunk's root "1" -> ""), so that one glob
+    selects the same modules in every chunk; otherwise the name itself."""
+    if not config.model_chunks:
+        return local_fqn
+    head, _, rest = local_fqn.partition(".")
+    return rest if head.isdigit() else local_fqn
+
+
+def _matches(name: str, globs: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
 def is_selected(config: TracerConfig, local_fqn: str) -> bool:
     """Whether the configuration's include and exclude globs select this (local, wrapper-free) name."""
-    return any(fnmatch.fnmatchcase(local_fqn, g) for g in config.include) and \
-        not any(fnmatch.fnmatchcase(local_fqn, g) for g in config.exclude)
+    name = name_in_chunk(config, local_fqn)
+    return _matches(name, config.include) and not _matches(name, config.exclude)
 
 
 def traced_modules(config: TracerConfig, model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
@@ -50,9 +64,9 @@ def traced_modules(config: TracerConfig, model: nn.Module) -> Iterator[tuple[str
     for local_fqn, module in model.named_modules():
         name = strip_wrappers(local_fqn)
         if (local_fqn and _is_wrapper(module)) or id(module) in wrapped_root or not is_selected(config, name) or \
-                any(fnmatch.fnmatchcase(name, g) for g in config.exclude_activations):
+                _matches(name_in_chunk(config, name), config.exclude_activations):
             continue
-        backward = not any(fnmatch.fnmatchcase(name, g) for g in config.forward_only)
+        backward = not _matches(name_in_chunk(config, name), config.forward_only)
         yield global_name(config, local_fqn), module, backward
 
 
@@ -66,10 +80,10 @@ def untraced_modules(config: TracerConfig, model: nn.Module) -> dict[str, str]:
             continue
         if not is_selected(config, name):
             why = "not traced (tracer configuration: exclude): its own inputs and outputs are not recorded"
-        elif any(fnmatch.fnmatchcase(name, g) for g in config.exclude_activations):
+        elif _matches(name_in_chunk(config, name), config.exclude_activations):
             why = ("activations not traced (tracer configuration: exclude_activations): its parameters, "
                    "gradients and updates are recorded, its inputs and outputs are not")
-        elif any(fnmatch.fnmatchcase(name, g) for g in config.forward_only):
+        elif _matches(name_in_chunk(config, name), config.forward_only):
             why = ("backward not hooked (tracer configuration: forward_only): its grad_output is recorded "
                    "through tensor hooks on its outputs, its grad_input is not")
         else:

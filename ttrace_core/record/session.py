@@ -169,12 +169,15 @@ class Session:
         on the candidate's recorded inputs (see replay_one_module); None otherwise."""
         return None if self.spec is None or not self.spec.rewrite else self.spec.rewrite.get("alone")
 
-    def replay_one_module(self, model: nn.Module) -> None:
+    def replay_one_module(self, model: nn.Module | list[nn.Module]) -> None:
         """Instead of training: call the module `one_module_replay` names once per recorded micro-batch
-        (module_replay.py). A script that offers it checks `one_module_replay` after attach."""
+        (module_replay.py). A script that offers it checks `one_module_replay` after attach. For a model
+        given as chunks, the chunks attach traced (their names carry the chunk's index)."""
         from ttrace_core.record.module_replay import drive_module
 
         replay = self.one_module_replay
+        if isinstance(model, (list, tuple)):
+            model = self.tracer.model
         drive_module(self.tracer, model, replay["candidate"], self.spec.rewrite["module"], replay.get("step", 0))
         self.tracer = None  # drive_module closed it
 
@@ -184,7 +187,7 @@ class Session:
             self.tracer = None
 
 
-def attach(model: nn.Module, optimizer=None, *, loss_scale: float = 1.0,
+def attach(model: nn.Module | list[nn.Module], optimizer=None, *, loss_scale: float = 1.0,
            data_parallel: tuple[int, int] | None = None, weights: str = "reinit", include: tuple[str, ...] = ("*",),
            exclude: tuple[str, ...] = (), config: TracerConfig | None = None,
            manifest: RunManifest | None = None) -> Session:
@@ -196,6 +199,10 @@ def attach(model: nn.Module, optimizer=None, *, loss_scale: float = 1.0,
     and `optimizer` may be the Megatron optimizer (its step is wrapped: it has no step hooks). So is a
     transformers model that transformers parallelized itself: the layouts of the plain shards its
     parallel styles return come from the model's TP / EP plan (integrations/transformers.py).
+
+    model: the model, or megatron-core's list of model chunks (virtual pipeline stages, each in its own
+        DDP) as passed to the interleaved schedule: every chunk is traced, under the reference's global
+        layer names, with micro-batch ids counted per chunk.
 
     optimizer: a torch.optim.Optimizer, or any optimizer whose step() the tracer may wrap.
     loss_scale: the factor each micro-batch loss is multiplied by before backward (1 / local
@@ -248,17 +255,33 @@ def _configured(config: TracerConfig, spec: SessionSpec) -> TracerConfig:
     return config
 
 
-def _adapter_for(model: nn.Module, optimizer, role: str, world_size: int, selection):
+def _adapter_for(model: nn.Module | list[nn.Module], optimizer, role: str, world_size: int, selection):
     from ttrace_core.integrations.megatron import is_megatron_model
     from ttrace_core.integrations.transformers import is_transformers_parallel_model
     from ttrace_core.record.adapters import MegatronAdapter, TorchAdapter, TransformersAdapter
 
+    if isinstance(model, (list, tuple)):
+        return MegatronAdapter(_megatron_chunks(model), optimizer, role, world_size, selection)
     if is_megatron_model(model):
         return MegatronAdapter(model, optimizer, role, world_size, selection)
     unwrapped = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     if is_transformers_parallel_model(unwrapped):
         return TransformersAdapter(model, role, world_size, selection)
     return TorchAdapter(model, role, world_size, selection)
+
+
+def _megatron_chunks(model: list[nn.Module] | tuple[nn.Module, ...]) -> nn.Module | list[nn.Module]:
+    """A model given as a list: megatron-core chunks (virtual pipeline stages), as the interleaved
+    schedule takes them; a list of one is that model. Anything else is refused in one line, before
+    the training starts."""
+    from ttrace_core.integrations.megatron import is_megatron_model
+
+    chunks = list(model)
+    kinds = [type(chunk).__name__ for chunk in chunks]
+    if not chunks or not all(isinstance(chunk, nn.Module) and is_megatron_model(chunk) for chunk in chunks):
+        raise ValueError(f"attach() got a list of {len(chunks)} ({', '.join(kinds) or 'empty'}): a list is read as "
+                         "megatron-core model chunks (virtual pipeline stages) and these are not; pass one nn.Module")
+    return chunks[0] if len(chunks) == 1 else chunks
 
 
 def _described(manifest: RunManifest, spec: SessionSpec, role: str, world_size: int, compiled: list[str]) -> RunManifest:

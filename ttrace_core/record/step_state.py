@@ -18,12 +18,16 @@ class StepState:
 
     The root module's forward calls are the micro-batch clock: the k-th root call of a rank is its
     local micro-batch k, and a module called while (or after) it runs belongs to it, with a call
-    index counting its calls within that micro-batch (a chunked loss, a tied layer). When the root
-    is never called (a module driven alone), each call of a module is its next micro-batch."""
+    index counting its calls within that micro-batch (a chunked loss, a tied layer). A model given
+    as chunks (virtual pipeline stages) has one clock per chunk: the interleaved schedule runs chunk
+    0's forward of micro-batches 0 and 1 before chunk 1's of micro-batch 0, but each chunk's root is
+    called once per micro-batch, in order. When the root is never called (a module driven alone),
+    each call of a module is its next micro-batch."""
 
     step: int
     seq: int = 0
-    root_calls: int = 0
+    root_calls: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Chunk (0 for a model in one piece) -> its root's forward calls so far this step."""
     losses: int = 0
     """Loss backwards met so far that no module's backward placed (the count is then the micro-batch clock)."""
     loss_backwards: list[set[int]] = field(default_factory=list)
@@ -43,13 +47,18 @@ class StepState:
     converted_outputs: dict[str, list[Any]] = field(default_factory=dict)
     """Per module, its outputs as DTensors before a parallel style turned them into local tensors."""
 
-    def next_forward_call(self, fqn: str) -> tuple[int, int]:
-        """(local micro-batch, call index) of a forward call of `fqn` that starts now."""
-        local = self.root_calls - 1 if self.root_calls else self.forward_calls[fqn]
+    def next_forward_call(self, fqn: str, chunk: int = 0) -> tuple[int, int]:
+        """(local micro-batch, call index) of a forward call of `fqn`, a module of `chunk`, that starts now."""
+        local = self.root_calls[chunk] - 1 if self.root_calls.get(chunk) else self.forward_calls[fqn]
         self.forward_calls[fqn] += 1
         call = self.calls_in_micro_batch[(fqn, local)]
         self.calls_in_micro_batch[(fqn, local)] += 1
         return local, call
+
+    def last_root_micro_batch(self) -> int | None:
+        """The local micro-batch of the last chunk's latest root call (the one a loss follows); None when no
+        root was called."""
+        return self.root_calls[max(self.root_calls)] - 1 if self.root_calls else None
 
     def next_backward_call(self, fqn: str, *, pop: bool) -> tuple[int, int] | None:
         """The forward call a backward of `fqn` belongs to: micro-batches run their backward in the order

@@ -134,12 +134,17 @@ class Tracer:
             write_manifest(run_dir, manifest)
             self._manifest = manifest
         self._module_hooks = ModuleHooks(self, rewriter)
-        self._module_hooks.attach_root(model, self._handles)
+        # A model given as chunks (config.model_chunks) is a ModuleList of roots, each a micro-batch clock.
+        self._roots = list(model) if self.config.model_chunks else [model]
+        if len(self._roots) != max(self.config.model_chunks, 1):
+            raise ValueError(f"TracerConfig.model_chunks is {self.config.model_chunks} but the model has "
+                             f"{len(self._roots)} chunks; pass the chunks as one nn.ModuleList")
+        self._module_hooks.attach_root(self._roots, self._handles)
         self.blind_spots: dict[str, str] = self.untraced_modules(model)
         """Module -> what the trace of it misses: the configuration's exclusions, and modules whose
         backward hooks cannot fire (found during the run); written with every step file."""
         quiet_hook_warnings()
-        self._module_hooks.attach(model, self._handles)
+        self._module_hooks.attach(model, self._handles, self._roots)
         if rewriter is not None:
             rewriter.attach(self, model, self._handles)
         self._undo = [capture(self) for capture in (TORCH_CAPTURES if captures is None else captures)]
@@ -384,7 +389,8 @@ class Tracer:
         if len(seen) == 1:
             return next(iter(seen))
         if not seen:  # no traced module's backward ran: the root's calls (or else the losses) are the clock
-            local = state.root_calls - 1 if state.root_calls else state.losses
+            local = state.last_root_micro_batch()
+            local = state.losses if local is None else local
             state.losses += 1
             return self.global_micro_batch(local)
         if self.config.data_parallel_size == 1:
