@@ -45,6 +45,8 @@ def add_example_parser(commands) -> None:
     megatron = workloads.add_parser("megatron-gpt", help="megatron-core GPTModel (local spec) with Megatron DDP/optimizer")
     _add_common_example_flags(megatron)
     megatron.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
+    megatron.add_argument("--vpp", type=int, default=1,
+                          help="virtual pipeline stages per pipeline rank (model chunks, interleaved 1F1B; needs --pp 2+)")
     megatron.add_argument("--precision", default="fp32", choices=["fp64", "fp32", "bf16", "fp8"],
                           help="fp8: bf16 with emulated FP8 GEMMs (quantize, dequantize, fp32 GEMM)")
     megatron.add_argument("--hidden-size", type=int, default=64)
@@ -76,7 +78,7 @@ def _megatron_gpt_config(args: argparse.Namespace):
     from ttrace_examples.megatron_gpt.train import ENTRYPOINT, MegatronGPTRunConfig, MegatronModelConfig
 
     return ENTRYPOINT, MegatronGPTRunConfig(
-        tp=args.tp, sp=args.sp, pp=args.pp, dp=args.dp, dist_opt=args.dist_opt, ep=args.ep,
+        tp=args.tp, sp=args.sp, pp=args.pp, vpp=args.vpp, dp=args.dp, dist_opt=args.dist_opt, ep=args.ep,
         precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
         record_steps=args.record_steps, num_micro_batches=args.micro_batches,
         model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, seq_len=args.seq_len,

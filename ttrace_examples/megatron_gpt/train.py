@@ -66,6 +66,9 @@ class MegatronGPTRunConfig:
     sp: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
     pp: int = 1
+    vpp: int = 1
+    """Virtual pipeline stages per pipeline rank (megatron's virtual_pipeline_model_parallel_size): the
+    model is built as this many chunks per rank and trained with the interleaved 1F1B schedule."""
     dp: int = 1
     dist_opt: bool = False
     """Megatron's distributed optimizer (shards optimizer state over DP)."""
@@ -99,9 +102,15 @@ class MegatronGPTRunConfig:
             raise ValueError(f"--ep {self.ep} needs --moe and divides both dp ({self.dp}) and the experts ({self.model.num_experts})")
         if self.num_micro_batches % self.dp:
             raise ValueError(f"num_micro_batches {self.num_micro_batches} is not a multiple of dp {self.dp}")
+        if self.vpp < 1 or (self.vpp > 1 and self.pp == 1):
+            raise ValueError(f"--vpp {self.vpp} needs --pp 2 or more (1 for no virtual pipeline)")
+        if self.vpp > 1 and (self.num_micro_batches // self.dp) % self.pp:
+            # megatron's interleaved schedule runs micro-batches in groups of pp per virtual stage
+            raise ValueError(f"--vpp {self.vpp}: the micro-batches per DP rank "
+                             f"({self.num_micro_batches // self.dp}) must be a multiple of pp {self.pp}")
         m = self.model
-        if m.num_layers % self.pp or m.num_attention_heads % self.tp or m.vocab_size % self.tp or m.seq_len % self.tp:
-            raise ValueError(f"the model ({m}) does not divide evenly over tp {self.tp} / pp {self.pp}")
+        if m.num_layers % (self.pp * self.vpp) or m.num_attention_heads % self.tp or m.vocab_size % self.tp or m.seq_len % self.tp:
+            raise ValueError(f"the model ({m}) does not divide evenly over tp {self.tp} / pp {self.pp} x vpp {self.vpp}")
         if self.bug is not None:
             from ttrace_examples.megatron_gpt.bugs import ZOO
 
@@ -129,11 +138,22 @@ def transformer_config(config: MegatronGPTRunConfig):
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         use_cpu_initialization=True, tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
+        virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
+        **_interleaved_p2p_fields(config),
         sequence_parallel=config.sp, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gated_linear_unit=m.swiglu, activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
         **_moe_fields(config))
+
+
+def _interleaved_p2p_fields(config: MegatronGPTRunConfig) -> dict:
+    """Under --vpp, the p2p settings Megatron-LM's training gives the interleaved schedule by default
+    (overlap_p2p_comm on, hence batch_p2p_comm off): separate sends and receives in even/odd rank
+    order (p2p_communication._p2p_ops). megatron-core's own default, one batch_isend_irecv, posts a
+    rank's two sends to its one neighbour at pp 2 in an order the neighbour does not receive them in:
+    on gloo the activation of one chunk lands in the other's gradient buffer (same shape, no error)."""
+    return dict(overlap_p2p_comm=True, batch_p2p_comm=False) if config.vpp > 1 else {}
 
 
 def _moe_fields(config: MegatronGPTRunConfig) -> dict:
@@ -222,46 +242,71 @@ def layer_spec(config: MegatronGPTRunConfig):
 
 
 def _build(config: MegatronGPTRunConfig):
+    """(DDP model, optimizer, local -> global renames) of a run without virtual pipeline stages."""
+    chunks, optimizer = build_chunks(config)
+    if len(chunks) != 1:
+        raise ValueError(f"--vpp {config.vpp}: the model is {len(chunks)} chunks; call build_chunks")
+    return chunks[0], optimizer, megatron_rename(chunks[0])
+
+
+def build_chunks(config: MegatronGPTRunConfig):
+    """This rank's model as megatron users build it: one GPTModel per virtual pipeline stage (one
+    without --vpp), each with its own layers (vp_stage sets their global layer numbers), embedding on
+    the first stage's first chunk, output layer on the last stage's last chunk, each inside its own
+    Megatron DDP, and one Megatron optimizer over all of them. Returns (DDP chunks, optimizer)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
 
     parallel_state.initialize_model_parallel(config.tp, config.pp, expert_model_parallel_size=config.ep,
+                                             virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
                                              expert_tensor_parallel_size=1 if config.ep > 1 else None)
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
     tconfig = transformer_config(config)
-    model = GPTModel(tconfig, layer_spec(config), vocab_size=config.model.vocab_size,
-                     max_sequence_length=config.model.seq_len, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=config.model.tie_embeddings)
-    if config.precision == "fp64":  # the local spec's torch norms ignore params_dtype
-        model = model.double()
-    rename = megatron_rename(model)
-    init_weights(model, config.seed, rename, ttrace.weight_perturbation())  # ttrace
-    wrapped = Float16Module(tconfig, model) if tconfig.bf16 else model
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.precision != "fp64",
                                                use_distributed_optimizer=config.dist_opt)
-    ddp = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=wrapped)
-    tconfig.no_sync_func = ddp.no_sync
+    vp_stages = list(range(config.vpp)) if config.vpp > 1 else [None]
+    # As Megatron-LM's training.py does: only the first chunk's grad buffer is bucketed.
+    chunks = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=_model_chunk(config, tconfig, vp_stage),
+                                      disable_bucketing=index > 0) for index, vp_stage in enumerate(vp_stages)]
+    no_sync = [chunk.no_sync for chunk in chunks]
+    tconfig.no_sync_func = no_sync[0] if len(chunks) == 1 else no_sync
     tconfig.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=config.lr, adam_eps=config.adam_eps, weight_decay=0.0, clip_grad=0.0, bf16=tconfig.bf16,
-        params_dtype=PRECISIONS[config.precision], use_distributed_optimizer=config.dist_opt), [ddp])
-    return ddp, optimizer, rename
+        params_dtype=PRECISIONS[config.precision], use_distributed_optimizer=config.dist_opt), chunks)
+    return chunks, optimizer
+
+
+def _model_chunk(config: MegatronGPTRunConfig, tconfig, vp_stage: int | None) -> torch.nn.Module:
+    """The GPTModel of one virtual pipeline stage (the whole stage when vp_stage is None), its weights
+    drawn from their global names, in Float16Module under bf16."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    model = GPTModel(tconfig, layer_spec(config), vocab_size=config.model.vocab_size,
+                     max_sequence_length=config.model.seq_len,
+                     pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                     post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                     share_embeddings_and_output_weights=config.model.tie_embeddings, vp_stage=vp_stage)
+    if config.precision == "fp64":  # the local spec's torch norms ignore params_dtype
+        model = model.double()
+    init_weights(model, config.seed, megatron_rename(model), ttrace.weight_perturbation())  # ttrace
+    return Float16Module(tconfig, model) if tconfig.bf16 else model
 
 
 def _train(config: MegatronGPTRunConfig) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp, optimizer, rename = _build(config)
+    chunks, optimizer = build_chunks(config)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     local_micro_batches = config.num_micro_batches // dp_size
+    ddp = chunks[0] if len(chunks) == 1 else chunks  # the list of chunks under --vpp
     session = ttrace.attach(ddp, optimizer, weights="own")  # ttrace
     if session.one_module_replay:  # `ttrace localize --module`: only that module runs, on recorded inputs
-        session.replay_one_module(unwrap(ddp))
+        session.replay_one_module(ddp if len(chunks) > 1 else unwrap(ddp))
         return
     forward_backward = get_forward_backward_func()
     losses = []
@@ -269,9 +314,12 @@ def _train(config: MegatronGPTRunConfig) -> None:
         batches = [micro_batch(config, local * dp_size + dp_rank) for local in range(local_micro_batches)]
         recorded = config.record_steps is None or step < config.record_steps
         with session.step(step) if recorded else nullcontext():  # ttrace
-            ddp.zero_grad_buffer()
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
             optimizer.zero_grad()
-            reduced = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
+            # The interleaved schedule reads one data iterator per chunk.
+            data = iter(batches) if len(chunks) == 1 else [iter(batches) for _ in chunks]
+            reduced = forward_backward(forward_step_func=forward_step, data_iterator=data, model=chunks,
                                        num_microbatches=local_micro_batches, seq_length=config.model.seq_len,
                                        micro_batch_size=config.micro_batch_size, forward_only=False)
             optimizer.step()
