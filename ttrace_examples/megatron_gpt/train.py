@@ -23,6 +23,7 @@ import ttrace_core as ttrace
 from ttrace_core.record.generator import WeightPerturbation, normal_full, tokens_full
 from ttrace_core.canonicalize.shards import shard
 from ttrace_core.integrations import megatron_cpu
+from ttrace_examples.megatron_gpt import features
 from ttrace_core.integrations.megatron import megatron_rename, parameter_layouts, unwrap
 from ttrace_core.format.schema import global_fqn
 
@@ -87,6 +88,21 @@ class MegatronGPTRunConfig:
     stats_only: bool = False
     record_steps: int | None = None
     """Trace only the first this many steps (None: all); every step trains and logs its loss."""
+    # --- feature-matrix fields (features.py; benchmarks/feature_matrix.py, docs/findings.md) ---
+    moe_aux_loss: str | None = None
+    """megatron's moe_router_load_balancing_type: aux_loss, seq_aux_loss or global_aux_loss (None: off)."""
+    moe_aux_loss_coeff: float = 0.01
+    moe_z_loss_coeff: float = 0.0
+    """The router's z-loss coefficient (0: off)."""
+    moe_shared_expert_size: int = 0
+    """A shared expert of this intermediate size beside the routed ones (0: none)."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction layers (0: none)."""
+    per_token_loss: bool = False
+    """megatron's calculate_per_token_loss: gradients divided by the step's global token count."""
+    moe_global_aux_loss_dp_scaled: bool = False
+    """A control, not a megatron option: global_aux_loss scaled by the DP size (features.py)."""
+    # --- end of feature-matrix fields ---
     model: MegatronModelConfig = field(default_factory=MegatronModelConfig)
 
     def __post_init__(self) -> None:
@@ -116,6 +132,7 @@ class MegatronGPTRunConfig:
 
             if self.bug not in ZOO:
                 raise ValueError(f"unknown bug {self.bug!r}; `ttrace bugs` lists the zoo: {', '.join(sorted(ZOO))}")
+        features.check_features(self)
 
     @property
     def world_size(self) -> int:
@@ -144,7 +161,7 @@ def transformer_config(config: MegatronGPTRunConfig):
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gated_linear_unit=m.swiglu, activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
-        **_moe_fields(config))
+        **_moe_fields(config), **features.feature_transformer_fields(config))
 
 
 def _interleaved_p2p_fields(config: MegatronGPTRunConfig) -> dict:
@@ -198,8 +215,13 @@ def micro_batch(config: MegatronGPTRunConfig, global_id: int) -> dict[str, torch
 
 
 def forward_step(data_iterator, model):
+    from megatron.core.utils import get_attr_wrapped_model
+
     batch = next(data_iterator)
     per_token_loss = model(batch["tokens"], batch["positions"], None, labels=batch["labels"])
+
+    if get_attr_wrapped_model(model, "config").calculate_per_token_loss:
+        return per_token_loss, features.per_token_loss_func
 
     def loss_func(output: torch.Tensor):
         loss = output.float().mean()
@@ -214,6 +236,7 @@ def _in_process_group(config: MegatronGPTRunConfig, body) -> None:
         from ttrace_examples.megatron_gpt.bugs import apply_bug
 
         apply_bug(config.bug)
+    features.apply_upstream_patches(config)
     dist.init_process_group("gloo")
     try:
         body(config)
@@ -289,7 +312,8 @@ def _model_chunk(config: MegatronGPTRunConfig, tconfig, vp_stage: int | None) ->
                      max_sequence_length=config.model.seq_len,
                      pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                      post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                     share_embeddings_and_output_weights=config.model.tie_embeddings, vp_stage=vp_stage)
+                     share_embeddings_and_output_weights=config.model.tie_embeddings, vp_stage=vp_stage,
+                     **features.gpt_model_kwargs(config, tconfig, layer_spec(config), vp_stage))
     if config.precision == "fp64":  # the local spec's torch norms ignore params_dtype
         model = model.double()
     init_weights(model, config.seed, megatron_rename(model), ttrace.weight_perturbation())  # ttrace
