@@ -3,9 +3,9 @@
 Writes one rank of a 48-layer-sized step through RunWriter (15,838 tensors, as a 48-layer Megatron
 GPT run records: every module's inputs, outputs and gradients over micro-batches, and every
 parameter's gradient and value; a module's output is the next one's input, recorded twice, so about
-a fifth of the tensors are links), then the same step as format 3 wrote it (`write_legacy_copy`: every
-dataset carries its metadata as an attribute). Times `RunReader(run)` (the whole index) on each, the
-two interleaved round by round, and reports medians and their ratio, with where the new open's time
+a fifth of the tensors are links), then the same step as format 3 wrote it (`write_legacy_copy` of
+tests/faults/meta_rows.py: every dataset carries its metadata as an attribute). Times `RunReader(run)`
+(the whole index) on each, the two interleaved round by round, and reports medians and their ratio, with where the new open's time
 goes. Values are small: opening reads metadata only. Writes results/index_open.{md,json}.
 
     python benchmarks/index_open.py [--rounds 9] [--work /tmp/ttrace-index-open]
@@ -17,19 +17,19 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import h5py
-import msgspec
-import numpy as np
 import torch
 
-from ttrace_core.format.findings import FINDINGS
-from ttrace_core.format.reader import INVENTORY_ATTR, MANIFEST_NAME, STATS_ONLY_METAS, RunReader, step_file_name
-from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta, TensorStats
-from ttrace_core.format.tensor_index import read_rows, tensor_names
-from ttrace_core.format.writer import RunWriter, write_manifest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's tests/ package
+from tests.faults.meta_rows import write_legacy_copy  # noqa: E402
+from ttrace_core.format.reader import RunReader, step_file_name  # noqa: E402
+from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta, TensorStats  # noqa: E402
+from ttrace_core.format.tensor_index import read_rows, tensor_names  # noqa: E402
+from ttrace_core.format.writer import RunWriter, write_manifest  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 NUM_LAYERS = 48
@@ -90,34 +90,6 @@ def write_run(run_dir: Path) -> tuple[int, int]:
         writer.write(_meta(key, value, seq), value)
     writer.end_step()
     return len(tensors), writer.num_links_written
-
-
-_LEGACY_META = msgspec.json.Encoder()
-
-
-def write_legacy_copy(run_dir: Path, legacy_dir: Path) -> None:
-    """A format-4 run rewritten as format 3 wrote it: a dataset per tensor (links become copies) carrying its
-    metadata as its `meta` attribute, stats-only records in STATS_ONLY_METAS, findings as they are."""
-    legacy_dir.mkdir(parents=True, exist_ok=True)
-    manifest = json.loads((run_dir / MANIFEST_NAME).read_text())
-    (legacy_dir / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 3}))
-    for path in sorted(run_dir.glob("rank_*.step_*.h5")):
-        with h5py.File(path, "r") as source, h5py.File(legacy_dir / path.name, "w") as legacy:
-            for name, value in source.attrs.items():
-                legacy.attrs[name] = value
-            legacy.attrs["format_version"] = 3
-            del legacy.attrs["num_links"]
-            rows = read_rows(source, str(path))
-            for row in rows:
-                if row.dataset is not None:
-                    legacy[row.dataset] = source[row.dataset][()]
-                    legacy[row.dataset].attrs["meta"] = _LEGACY_META.encode(row.meta).decode()
-            stats_only = [_LEGACY_META.encode(row.meta) for row in rows if row.dataset is None]
-            if stats_only:
-                legacy[STATS_ONLY_METAS] = np.frombuffer(b"\n".join(stats_only), dtype=np.uint8)
-            if FINDINGS in source:
-                legacy[FINDINGS] = source[FINDINGS][()]
-            legacy.attrs[INVENTORY_ATTR] = len(rows)
 
 
 def open_seconds(run_dir: Path) -> tuple[float, int]:

@@ -29,13 +29,12 @@ def load_comparison(path: Path):
 
 @pytest.fixture(scope="session")
 def robustness_base(tmp_path_factory) -> tuple[Path, Path]:
-    """The robustness benchmark's own base (benchmarks/robustness.py): a 1-layer megatron-core pair, a
+    """The robustness benchmark's own base (tests/faults/damage_runner.py): a 1-layer megatron-core pair, a
     1-rank reference with its tolerance estimate and a TP2 + SP candidate with a finished replay job
     (about 30 s), small enough to damage a few hundred copies of in CI."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import robustness
+    from tests.faults.damage_runner import record_base
 
-    return robustness.record_base(tmp_path_factory.mktemp("robustness"))
+    return record_base(tmp_path_factory.mktemp("robustness"))
 
 
 @pytest.fixture(scope="session")

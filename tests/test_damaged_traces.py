@@ -3,7 +3,7 @@ by `ttrace inspect` or `ttrace compare` in a subprocess with a time limit (a han
 does not stall the suite) with the exact line or finding, and never a traceback.
 
 The damage is applied to a copy of the robustness benchmark's base pair (conftest.robustness_base)
-with the benchmark's own tools (benchmarks/byte_damage.py, size_lies.py).
+with the benchmark's own tools (tests/faults/byte_damage.py, size_lies.py, meta_rows.py).
 """
 
 from __future__ import annotations
@@ -12,18 +12,15 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_ttrace
+from tests.conftest import run_ttrace
+from tests.faults import byte_damage, size_lies
+from tests.faults.meta_rows import write_legacy_copy
 from ttrace_core.format.tensor_index import TENSOR_INDEX
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import byte_damage  # noqa: E402
-import index_open  # noqa: E402
-import size_lies  # noqa: E402
 
 TIME_LIMIT_S = 120
 """Seconds one command may take: a clean compare of this pair takes about 3 (imports included)."""
@@ -110,7 +107,7 @@ def test_a_flipped_bit_that_makes_meta_a_sequence_is_one_line_not_a_segfault(pai
     base type, whose conversion crashed h5py (SIGSEGV, no traceback: found by the benchmark). Format 4
     has no such attribute: the candidate is rewritten as format 3 wrote it, which is still read."""
     reference, candidate = pair
-    index_open.write_legacy_copy(candidate, tmp_path / "format3")
+    write_legacy_copy(candidate, tmp_path / "format3")
     for legacy in (tmp_path / "format3").iterdir():
         shutil.copy(legacy, candidate / legacy.name)
     path = candidate / STEP_FILE

@@ -7,15 +7,10 @@ an error that names nothing, or pass silently."""
 from __future__ import annotations
 
 import random
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-from tests.conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import corruptions  # noqa: E402
-import robustness  # noqa: E402
+from tests.faults import corruptions, damage_runner
 
 CASES_PER_CLASS = 10
 """280 cases over the 28 classes (fewer where a class has fewer)."""
@@ -29,8 +24,8 @@ CLASSES = {"bit flip", "truncation", "lying metadata", "attributes", "values", "
 
 
 def _bad_answers(results: list[dict]) -> list:
-    return [(r["kind"], r["name"], {c: r[c] for c in robustness.COMMANDS}) for r in results
-            if r["silent"] or any(r[c]["outcome"] in ("crash", "hang", "unclear error", "not run") for c in robustness.COMMANDS)]
+    return [(r["kind"], r["name"], {c: r[c] for c in damage_runner.COMMANDS}) for r in results
+            if r["silent"] or any(r[c]["outcome"] in ("crash", "hang", "unclear error", "not run") for c in damage_runner.COMMANDS)]
 
 
 def _slice(cases, per_class: int):
@@ -42,9 +37,9 @@ def _slice(cases, per_class: int):
 
 
 def test_no_damaged_trace_crashes_hangs_or_passes_silently(robustness_base, tmp_path):
-    cases = _slice(robustness.catalogue(robustness_base, seed=0, scale=1), CASES_PER_CLASS)
+    cases = _slice(damage_runner.catalogue(robustness_base, seed=0, scale=1), CASES_PER_CLASS)
     assert {case.kind for case in cases} == CLASSES
-    results = robustness.run_all(cases, robustness_base, tmp_path, jobs=2)
+    results = damage_runner.run_all(cases, robustness_base, tmp_path, jobs=2)
     assert len(results) == len(cases) >= 270
     bad = _bad_answers(results)
     assert not bad and not any(r["read_outside"] for r in results), bad
@@ -64,7 +59,7 @@ def test_a_shared_replay_job_is_read_as_untrusted(robustness_base, tmp_path):
     cancel) never crashes, never signals a process it names, never reads a result outside the trace."""
     cases = [case for case in corruptions.job_file_damage() if case.name in JOB_CASES]
     assert len(cases) == len(JOB_CASES)
-    results = robustness.run_all(cases, robustness_base, tmp_path, jobs=2)
+    results = damage_runner.run_all(cases, robustness_base, tmp_path, jobs=2)
     assert not _bad_answers(results) and not any(r["read_outside"] for r in results), _bad_answers(results)
     assert {r["api"]["outcome"] for r in results} == {"pass", "error"}, [r["api"] for r in results]
 

@@ -1,9 +1,9 @@
 """Nothing outside a trace directory is ever read (ttrace_core/format/containment.py).
 
 Each case plants, in a copy of a recorded sample candidate, a way out of the directory that leads to
-an exact copy of the data it replaces, so following it would pass (benchmarks/corruptions.py, the
-robustness benchmark's own plants). The copy lives on tmpfs (/dev/shm, relatime) with its access time
-set before its modification time: any read would move it.
+an exact copy of the data it replaces, so following it would pass (tests/faults/corruptions.py,
+the robustness benchmark's own plants). The copy lives on tmpfs (/dev/shm, relatime) with its access
+time set before its modification time: any read would move it.
 """
 
 from __future__ import annotations
@@ -12,17 +12,14 @@ import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.cli_support import run_main
-from tests.conftest import ROOT
+from tests.faults import corruptions
 from ttrace_core.format.reader import step_file_name
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import corruptions  # noqa: E402
 
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_traces" / "fp32"
 DATASET = "forward/mb_0000/decoder.layers.0.self_attention.linear_qkv#output.0"

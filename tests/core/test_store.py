@@ -1,20 +1,17 @@
 import json
 import os
-import sys
 
 import h5py
 import pytest
 import torch
 
+from tests.faults.meta_rows import write_meta
 from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, step_file_name
 from ttrace_core.format.tensor_index import TENSOR_INDEX
 from ttrace_core.format.writer import RunWriter, write_manifest
-from tests.conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from meta_rows import write_meta  # noqa: E402
 
 
 def _meta(rank: int, step: int, value: torch.Tensor, fqn: str = "lin") -> TensorMeta:

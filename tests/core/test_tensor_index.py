@@ -5,13 +5,12 @@ and a tensor recorded twice in a step is one dataset behind two names."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import h5py
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.faults.meta_rows import drop_meta, index_rows, read_meta, write_index_rows, write_legacy_copy, write_meta
 from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.reader import RunReader, dataset_path, step_file_name
 from ttrace_core.format.shard_reads import read_shards
@@ -19,9 +18,6 @@ from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
 from ttrace_core.format.tensor_index import LINKS_ATTR, TENSOR_INDEX
 from ttrace_core.format.writer import RunWriter, write_manifest
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from index_open import write_legacy_copy  # noqa: E402
-from meta_rows import drop_meta, index_rows, read_meta, write_index_rows, write_meta  # noqa: E402
 
 STEP_FILE = step_file_name(0, 0)
 FIRST = "forward/mb_0000/m0#output.0"

@@ -1,4 +1,4 @@
-"""Special files where a run has a file, for the robustness benchmark: a FIFO, a socket, a device, a
+"""Special files where a run has a file, for the robustness cases: a FIFO, a socket, a device, a
 directory or a broken symlink (a loop, or a link to nothing) in place of every file of the pair:
 manifests, step files, losses.json, the replay job's files and the tolerance estimate.
 
@@ -6,6 +6,9 @@ Opening a FIFO blocks until someone writes to it, a device reads without end (/d
 a symlink loop never resolves: ttrace must refuse each with one line, never hang or crash. Replacing
 a manifest, a step file or the estimate is material (the evidence is gone); losses.json and the job's
 files are not evidence, so ttrace may pass, and must not hang on them either.
+
+Used by damage_runner.py (the special-file and unreadable-estimate classes) and, through it,
+benchmarks/robustness.py.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from corruptions import Corruption, job_dir_of
+from tests.faults.corruptions import Corruption, job_dir_of
 from ttrace_core.compare.estimate_file import ESTIMATE_FILE
 
 

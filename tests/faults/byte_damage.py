@@ -1,4 +1,4 @@
-"""Byte-level damage of step files for the robustness benchmark: ranges zeroed or overwritten at
+"""Byte-level damage of step files, for the robustness cases: ranges zeroed or overwritten at
 random offsets, and bit flips aimed inside the HDF5 structures a reader walks.
 
 `corruptions.bit_flips` and `truncations` hit random bytes and structural boundaries; most bytes of a
@@ -8,6 +8,9 @@ datatype, dataspace, layout and attribute messages), the global heap collections
 variable-length `meta` strings, and the group B-trees, local heaps, symbol-table nodes and the
 superblock. Where each structure lies is read from the file itself (`Structures`): the object
 headers are found through h5py and parsed as version-1 headers, which is what h5py writes by default.
+
+Used by damage_runner.py (its byte-level classes), tests/test_damaged_traces.py (`structures_of`,
+`message_of`, `flip_bit` aimed at one structure) and, through damage_runner.py, benchmarks/robustness.py.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import h5py
 
-from corruptions import Corruption, step_files
+from tests.faults.corruptions import Corruption, step_files
 
 MESSAGE_TYPES = {"dataspace": 0x0001, "datatype": 0x0003, "layout": 0x0008, "attribute": 0x000C}
 CONTINUATION = 0x0010

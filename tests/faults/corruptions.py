@@ -6,6 +6,13 @@ values beyond their tolerance or makes the evidence incomplete or inconsistent. 
 corruption that still yields a pass is a silent pass. Corruptions whose effect is not known in
 advance (a random bit flip in a file, a truncation) leave `material` as None; the benchmark then
 decides it by diffing the damaged files against the pristine ones (`Pristine.material_change`).
+
+Also the ways out of a trace (`PLANTS`: links, virtual datasets, external storage, symlinks to an
+exact copy outside) with their read detector (`outside_of`, `untouched`, `was_read`), and damaged
+replay-job files (`job_file_damage`).
+
+Used by damage_runner.py (every case), tests/test_robustness.py, tests/core/test_containment.py (the
+ways out) and, through damage_runner.py, benchmarks/robustness.py.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from meta_rows import drop_meta, read_meta, write_meta
+from tests.faults.meta_rows import drop_meta, read_meta, write_meta
 from ttrace_core.format.reader import INVENTORY_ATTR, MANIFEST_NAME
 from ttrace_core.format.tensor_index import TENSOR_INDEX
 

@@ -1,4 +1,4 @@
-"""Sizes that lie, for the robustness benchmark: datasets whose declared shape the file holds no
+"""Sizes that lie, for the robustness cases: datasets whose declared shape the file holds no
 storage for, and tensor metadata claiming enormous sizes, told the same way by every shard of a
 tensor in both runs, so that nothing short of the size itself gives the lie away.
 
@@ -8,6 +8,9 @@ tensor in both runs, so that nothing short of the size itself gives the lie away
   10**9 ranks, a split or block factor of 10**12, all over the recorded values.
 
 Reading either must be refused before anything of that size is allocated or enumerated.
+
+Used by damage_runner.py (two classes of cases), tests/test_damaged_traces.py (`apply_everywhere` of
+one named lie) and, through damage_runner.py, benchmarks/robustness.py.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from corruptions import Corruption, datasets_of, step_files
-from meta_rows import read_meta, write_meta
+from tests.faults.corruptions import Corruption, datasets_of, step_files
+from tests.faults.meta_rows import read_meta, write_meta
 
 BIG = 10**12
 HUGE_MESH = 10**9

@@ -1,4 +1,4 @@
-"""The robustness benchmark's oracle: is a damaged trace pair *materially* different from the pristine one?
+"""The robustness cases' oracle: is a damaged trace pair *materially* different from the pristine one?
 
 Material: a recorded value moved by more than the tolerance its tensor was judged with in the
 pristine comparison (NaN or Inf introduced counts), a dataset or file missing or unreadable, or
@@ -8,6 +8,9 @@ fact removed contradicts nothing). Read with plain h5py and json, independently 
 ttrace's reader, so that the oracle does not share ttrace's blind spots; only a file whose global
 heap would make HDF5 loop forever is found with ttrace's own check (global_heap.py), since h5py
 cannot read it either.
+
+Used by damage_runner.py (a case whose `material` is None is decided here, in a process of its own),
+so by tests/test_robustness.py and benchmarks/robustness.py.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from ttrace_core.format.global_heap import refuse_looping_heaps
 from ttrace_core.format.reader import MANIFEST_NAME, tensor_from_array
 from ttrace_core.format.tensor_index import TENSOR_INDEX
 
-from meta_rows import dataset_names, metas_by_dataset
+from tests.faults.meta_rows import dataset_names, metas_by_dataset
 
 # Manifest fields that say how the run was laid out or what it computed.
 JUDGED_MANIFEST = ("format_version", "role", "world_size", "degrees", "mesh_shape", "mesh_axis_names",

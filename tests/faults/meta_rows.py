@@ -1,18 +1,27 @@
 """Reading and rewriting one tensor's recorded metadata in a step file, whatever its trace format:
 the dataset's own `meta` attribute up to format 3, its row of the tensor index from format 4.
 
-The damage benchmarks (size_lies.py, corruptions.py) and the tests that make a trace lie use these,
-so one lie is told the same way to both formats.
+Also `write_legacy_copy`: a format-4 run rewritten as format 3 wrote it (an attribute per dataset).
+
+Used by the damage families (corruptions.py, size_lies.py, pristine.py), by the tests that make a trace
+lie or read an old format (tests/core/test_store.py, tests/core/test_tensor_index.py,
+tests/test_damaged_traces.py), and by benchmarks/index_open.py (the format-3 copy it times), so one lie
+is told the same way to both formats.
 """
 
 from __future__ import annotations
 
 import json
 
+from pathlib import Path
+
 import h5py
+import msgspec
 import numpy as np
 
-from ttrace_core.format.tensor_index import TENSOR_INDEX
+from ttrace_core.format.findings import FINDINGS
+from ttrace_core.format.reader import INVENTORY_ATTR, MANIFEST_NAME, STATS_ONLY_METAS
+from ttrace_core.format.tensor_index import TENSOR_INDEX, read_rows
 
 
 def index_rows(handle: h5py.File) -> list[dict]:
@@ -84,3 +93,31 @@ def dataset_names(handle: h5py.File) -> list[str]:
     handle.id.links.visit(lambda name: names.append(name.decode()))
     return [name for name in names if isinstance(handle.get(name, getlink=True), h5py.HardLink)
             and isinstance(handle.get(name), h5py.Dataset)]
+
+
+_LEGACY_META = msgspec.json.Encoder()
+
+
+def write_legacy_copy(run_dir: Path, legacy_dir: Path) -> None:
+    """A format-4 run rewritten as format 3 wrote it: a dataset per tensor (links become copies) carrying its
+    metadata as its `meta` attribute, stats-only records in STATS_ONLY_METAS, findings as they are."""
+    legacy_dir.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads((run_dir / MANIFEST_NAME).read_text())
+    (legacy_dir / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 3}))
+    for path in sorted(run_dir.glob("rank_*.step_*.h5")):
+        with h5py.File(path, "r") as source, h5py.File(legacy_dir / path.name, "w") as legacy:
+            for name, value in source.attrs.items():
+                legacy.attrs[name] = value
+            legacy.attrs["format_version"] = 3
+            del legacy.attrs["num_links"]
+            rows = read_rows(source, str(path))
+            for row in rows:
+                if row.dataset is not None:
+                    legacy[row.dataset] = source[row.dataset][()]
+                    legacy[row.dataset].attrs["meta"] = _LEGACY_META.encode(row.meta).decode()
+            stats_only = [_LEGACY_META.encode(row.meta) for row in rows if row.dataset is None]
+            if stats_only:
+                legacy[STATS_ONLY_METAS] = np.frombuffer(b"\n".join(stats_only), dtype=np.uint8)
+            if FINDINGS in source:
+                legacy[FINDINGS] = source[FINDINGS][()]
+            legacy.attrs[INVENTORY_ATTR] = len(rows)
