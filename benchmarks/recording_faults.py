@@ -7,7 +7,7 @@ done" as each step file is completed. Every trial is checked against one uninter
   must be complete, readable and bitwise equal to the uninterrupted run's; a step cut short must be
   named partial; the trace must open (no error) in every trial.
 - A rank that dies: the example GPT with TP 2, one rank (chosen at random) SIGKILLed at a random time
-  (rank_faults.py): no finished step lost, every completed file bitwise the uninterrupted run's, the
+  (tests/faults/rank_faults.py): no finished step lost, every completed file bitwise the uninterrupted run's, the
   launcher stops without a hang, and the trace names the dead rank.
 - A full disk: the run records into a tmpfs of a few sizes (mounted here; it needs root) or, where
   mounting is refused, under a file-size limit (RLIMIT_FSIZE). The recording must stop with one clear
@@ -32,12 +32,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import rank_faults
 from fault_summary import FaultRow, write_rows
-from ttrace_core.compare.engine import compare_runs
-from ttrace_core.errors import TtraceError
-from ttrace_core.format.reader import RunReader
-from ttrace_core.compare.tolerances import DtypeTolerances
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's tests/ package, where the rank faults live
+from tests.faults import rank_faults  # noqa: E402
+from ttrace_core.compare.engine import compare_runs  # noqa: E402
+from ttrace_core.errors import TtraceError  # noqa: E402
+from ttrace_core.format.reader import RunReader  # noqa: E402
+from ttrace_core.compare.tolerances import DtypeTolerances  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOAD = Path(__file__).parent / "record_steps.py"

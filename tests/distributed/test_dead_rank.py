@@ -1,20 +1,17 @@
-"""A rank SIGKILLed in the middle of a TP 2 recording (benchmarks/rank_faults.py, one fixed kill
-point): the launcher stops at once naming it, no finished step is lost, every file a rank completed is
-bitwise the uninterrupted run's, and the trace names the dead rank while the survivor says what
-stopped it."""
+"""A rank SIGKILLed in the middle of a TP 2 recording (tests/faults/rank_faults.py, one fixed
+kill point): the launcher stops at once naming it, no finished step is lost, every file a rank
+completed is bitwise the uninterrupted run's, and the trace names the dead rank while the survivor
+says what stopped it."""
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.faults import rank_faults
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import rank_faults  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 STEPS = 3

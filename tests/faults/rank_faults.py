@@ -1,6 +1,7 @@
 """A rank that dies in a multi-rank recording: the example GPT with TP 2 (`ttrace example torch-gpt
---tp 2`), one rank SIGKILLed while the other goes on. Used by recording_faults.py (random kill
-times) and tests/distributed/test_dead_rank.py (one kill at a fixed point).
+--tp 2`), one rank SIGKILLed while the other goes on. Generates the recording (`launch`), the kill
+(`kill_one_rank`) and the checked trial (`RankTrial`). Used by benchmarks/recording_faults.py (random
+kill times) and tests/distributed/test_dead_rank.py (one kill at a fixed point).
 
 A trial checks, against one uninterrupted run of the same command:
 - the launcher stops (no hang) with one line naming the dead rank;
@@ -28,7 +29,7 @@ from ttrace_core.errors import TtraceError
 from ttrace_core.record.processes import start_time_ms
 from ttrace_core.format.reader import STEP_FILE, RunReader
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
 STOP_LIMIT_S = 90.0
 """A launcher still running this long after the kill is a hang."""
