@@ -6,14 +6,10 @@ cancels and hostile job files with small commands.)"""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from tests.conftest import ROOT
+from tests.faults import replay_faults
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import replay_faults  # noqa: E402
 
 EXPECTED = ["decoder.layers.0.self_attention.linear_proj", "decoder.layers.0.mlp.linear_fc2"]
 
