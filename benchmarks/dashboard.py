@@ -19,14 +19,11 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -36,8 +33,9 @@ import plotly
 import plotly.offline
 from playwright.sync_api import Page, sync_playwright
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `app` of this checkout (not an installed package)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `app` and `tests` of this checkout (not installed)
 
+from tests.faults.dashboard_sessions import CHROMIUM, IDLE, free_port, start_dashboard, stop_dashboard  # noqa: E402
 from ttrace_dashboard import cells, figures  # noqa: E402
 from ttrace_core import api  # noqa: E402
 from ttrace_core.errors import TtraceError  # noqa: E402
@@ -49,8 +47,6 @@ RUNS = {  # run directory name -> extra flags of `ttrace example megatron-gpt`
     "ref": [],
     "cand": ["--tp", "2", "--bug", "row-parallel-bias-per-rank"],
 }
-CHROMIUM = "/usr/bin/chromium"
-IDLE = "[data-test-script-state=notRunning]"
 NUM_TENSOR_CHARTS = 5
 """The tensor page draws shard map, per rank, |difference|, histogram and history; the heatmap page two."""
 PAGE_TIMEOUT_MS = 900_000
@@ -111,40 +107,6 @@ def _open_index(run_dir: Path) -> int:
 
 def _trace_mib(run_dir: Path) -> float:
     return sum(p.stat().st_size for p in run_dir.glob("*.h5")) / 2**20
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_dashboard(root: Path, port: int, log: Path) -> subprocess.Popen:
-    """`ttrace dashboard ROOT` in its own process group (it spawns `streamlit run`), once healthy."""
-    server = subprocess.Popen(["ttrace", "dashboard", str(root), "--port", str(port)], stdout=log.open("w"),
-                              stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"ttrace dashboard exited with {server.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as response:
-                if response.read().strip() == b"ok":
-                    return server
-        except OSError:
-            pass
-        time.sleep(0.2)
-    stop_dashboard(server)
-    raise RuntimeError(f"ttrace dashboard not healthy on port {port} after 60 s; see {log}")
-
-
-def stop_dashboard(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
 
 
 def _drawn(page: Page, num_charts: int, timeout_ms: int, *, markers: bool) -> None:
