@@ -1,7 +1,7 @@
 """Compare in bounded memory: peak RSS of `ttrace compare` with and without `--max-memory`, on a
 trace several times larger than the budget.
 
-Writes a synthetic pair (a 1-rank reference, a 2-rank candidate whose tensors are split over rows
+Writes a synthetic pair (tests/support/bounded_pair.py: a 1-rank reference, a 2-rank candidate whose tensors are split over rows
 S(0) or replicated, one mismatching and one with replica drift), then runs `ttrace compare` in a
 fresh process for each budget and reads its peak RSS (ru_maxrss). The fixed margin is the peak of
 the same command on a pair of tiny tensors: the interpreter, torch, h5py and the run's index.
@@ -17,54 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
-
-import torch
 
 from compare_throughput import measured_compare
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's tests/ package, where the pair is written
+from tests.support.bounded_pair import DEPTH, WIDTH, same_rows, write_pair  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
-WIDTH, DEPTH = 8, 512
-"""Each tensor is (rows, WIDTH, DEPTH): rows split over the candidate's ranks, the other dims free to slab."""
-
-
-def _layout(shape: tuple[int, ...], rank: int, split: bool):
-    from ttrace_core.format.schema import Layout
-
-    if not split:
-        return Layout.replicated(shape)
-    return Layout(global_shape=shape, mesh_shape=(2,), coordinate=(rank,), placements=("S(0)",), mesh_axis_names=("tp",))
-
-
-def write_pair(root: Path, *, num_tensors: int, rows: int) -> tuple[Path, Path]:
-    """A reference and a candidate of `num_tensors` fp32 tensors of (rows, WIDTH, DEPTH): even ones split
-    over rows, odd ones replicated; tensor 1's rank-1 replica drifts by 1e-3, tensor 2 mismatches in one element."""
-    from ttrace_core.format.schema import RunManifest, TensorKey, TensorMeta
-    from ttrace_core.format.writer import RunWriter, write_manifest
-
-    shape = (rows, WIDTH, DEPTH)
-    for role, world_size in (("reference", 1), ("candidate", 2)):
-        run_dir = root / role
-        write_manifest(run_dir, RunManifest(role=role, world_size=world_size, degrees={"tp": world_size},
-                                            model={"tensors": num_tensors, "shape": list(shape)},
-                                            mesh_shape=[world_size], mesh_axis_names=["tp"],
-                                            rank_coordinates=[[r] for r in range(world_size)]))
-        for rank in range(world_size):
-            writer = RunWriter(run_dir, rank)
-            writer.begin_step(0)
-            for index in range(num_tensors):
-                full = torch.randn(shape, generator=torch.Generator().manual_seed(index))
-                split = role == "candidate" and index % 2 == 0
-                local = full[rank * rows // 2:(rank + 1) * rows // 2].clone() if split else full
-                if role == "candidate" and index == 1 and rank == 1:
-                    local = local * (1 + 1e-3)
-                if role == "candidate" and index == 2 and rank == 1:
-                    local[0, 2, 1] += 1.0
-                key = TensorKey(step=0, micro_batch=0, phase="forward", fqn=f"layers.{index}", slot="output.0")
-                writer.write(TensorMeta(key=key, rank=rank, dtype="float32", local_shape=tuple(local.shape),
-                                        layout=_layout(shape, rank, split), seq=index), local)
-            writer.end_step()
-    return root / "reference", root / "candidate"
 
 
 def measure(work: Path, *, num_tensors: int, rows: int, budgets: list[str]) -> dict:
@@ -86,19 +47,6 @@ def measure(work: Path, *, num_tensors: int, rows: int, budgets: list[str]) -> d
     numel = rows * WIDTH * DEPTH
     return {"trace_bytes": trace_bytes, "margin": margin, "numel_per_tensor": numel, "num_tensors": num_tensors,
             "bytes_per_element_unbounded": rows_out[0]["over_margin"] / numel, "rows": rows_out}
-
-
-def same_rows(a: dict, b: dict) -> bool:
-    """The two comparisons agree row for row: statuses and indices equal, numbers within float rounding."""
-    def close(x, y) -> bool:
-        if isinstance(x, float) and isinstance(y, float):
-            return x == y or abs(x - y) <= 1e-9 * max(abs(x), abs(y))
-        if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
-            return len(x) == len(y) and all(close(u, v) for u, v in zip(x, y))
-        if isinstance(x, dict) and isinstance(y, dict):
-            return x.keys() == y.keys() and all(close(x[k], y[k]) for k in x)
-        return x == y
-    return close(a["comparisons"], b["comparisons"])
 
 
 def render(measured: dict) -> str:

@@ -3,20 +3,23 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.bounded_pair import same_rows, write_pair
 from ttrace_core.compare.bounded import BYTES_PER_ELEMENT, free_dims, slab_lengths
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.schema import Layout, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import compare_memory  # noqa: E402
-
 MIB = 2**20
+PEAK_RSS = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, code, file=sys.stderr)")
+"""Runs its arguments as its only child and prints that child's peak RSS (KiB) and exit code: the test
+process's own RUSAGE_CHILDREN would also count every child it ran before."""
 
 
 def _meta(layout: Layout) -> TensorMeta:
@@ -39,7 +42,7 @@ def test_slabs_cut_only_dims_no_placement_shards():
 
 
 def test_slab_by_slab_gives_the_rows_of_the_whole_tensors(tmp_path):
-    reference, candidate = compare_memory.write_pair(tmp_path, num_tensors=4, rows=32)
+    reference, candidate = write_pair(tmp_path, num_tensors=4, rows=32)
     with RunReader(reference) as ref, RunReader(candidate) as cand:
         whole = compare_runs(ref, cand)
         reads = []
@@ -48,22 +51,36 @@ def test_slab_by_slab_gives_the_rows_of_the_whole_tensors(tmp_path):
         slabbed = compare_runs(ref, cand, max_bytes=64 * 1024)
     assert sum(region is not None for region in reads) > 4 * 2, "the budget did not cut the tensors into slabs"
     assert [c.status for c in whole.comparisons] == ["pass", "replica_drift", "mismatch", "pass"]
-    assert compare_memory.same_rows({"comparisons": [c.to_dict() for c in slabbed.comparisons]},
+    assert same_rows({"comparisons": [c.to_dict() for c in slabbed.comparisons]},
                                     {"comparisons": [c.to_dict() for c in whole.comparisons]})
     mismatch = slabbed.comparisons[2]
     assert mismatch.max_abs_index == (16, 2, 1) and mismatch.num_mismatched == 1  # rank 1's first row, placed globally
     assert tuple(slabbed.comparisons[1].replica_drift["ranks"]) == (0, 1)
 
 
+def _compare_peak_rss(reference: Path, candidate: Path, out: Path, *extra: str) -> tuple[int, dict]:
+    """Peak RSS in bytes of `ttrace compare --rebuild --json` in a fresh process, and the table it wrote."""
+    done = subprocess.run([sys.executable, "-c", PEAK_RSS, sys.executable, "-m", "ttrace_core", "compare", str(reference),
+                           str(candidate), "--rebuild", "--json", str(out), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    peak_kib, code = (int(x) for x in done.stderr.strip().splitlines()[-1].split())
+    assert code in (0, 1), done.stderr[-2000:]
+    return peak_kib * 1024, json.loads(out.read_text())
+
+
 def test_max_memory_bounds_peak_rss_of_a_trace_larger_than_it(tmp_path):
     """Peak RSS of `ttrace compare --max-memory 8M` on a 60 MiB trace whose tensors each take ~30 MiB to
-    compare whole, against the fixed margin: the same command on tiny tensors (+4 MiB of measuring noise)."""
-    measured = compare_memory.measure(tmp_path, num_tensors=6, rows=256, budgets=["8M"])
-    unbounded, bounded = measured["rows"]
-    assert measured["trace_bytes"] > 6 * 8 * MIB
-    assert unbounded["over_margin"] > 3 * 8 * MIB, "the pair is too small to show the budget"
-    assert bounded["over_margin"] <= 8 * MIB + 4 * MIB, f"peak {bounded['over_margin'] / MIB:.1f} MiB above the margin"
-    assert compare_memory.same_rows(bounded["table"], unbounded["table"])
+    compare whole, against the fixed margin: the same command on tiny tensors (+4 MiB of measuring noise).
+    benchmarks/compare_memory.py measures the same at several budgets on a larger pair."""
+    tiny = write_pair(tmp_path / "tiny", num_tensors=6, rows=2)
+    big = write_pair(tmp_path / "big", num_tensors=6, rows=256)
+    margin, _ = _compare_peak_rss(*tiny, tmp_path / "tiny.json")
+    unbounded_peak, unbounded = _compare_peak_rss(*big, tmp_path / "unbounded.json")
+    bounded_peak, bounded = _compare_peak_rss(*big, tmp_path / "bounded.json", "--max-memory", "8M")
+    assert sum(path.stat().st_size for run in big for path in run.glob("*.h5")) > 6 * 8 * MIB
+    assert unbounded_peak - margin > 3 * 8 * MIB, "the pair is too small to show the budget"
+    assert bounded_peak - margin <= 8 * MIB + 4 * MIB, f"peak {(bounded_peak - margin) / MIB:.1f} MiB above the margin"
+    assert same_rows(bounded, unbounded)
 
 
 def test_the_compared_whole_note_survives_rows_compared_by_partitioned_workers(tmp_path):

@@ -1,0 +1,1 @@
+"""Helpers the tests share, and that benchmarks import to build the same inputs."""
