@@ -35,14 +35,19 @@ TP2_EP2 = [*TP2, "--parallelism.expert_parallel_degree", "2"]
 TIMEOUT = 600.0
 
 
-def _recorder(model: str, revert: str, layout: list[str]):
+def _recorder(model: str, revert: str, layout: list[str], setup: str | None = None):
+    """Record the shared one-rank reference (torchtitan unpatched, or through `setup`) and this case's candidate
+    (`setup`, then `revert` undone, on 2 ranks with the `layout` flags)."""
+
     def record_case(work: Path, precision: str) -> tuple[Path, Path]:
         flags = [*MODELS[model], *TRAINING, *PRECISIONS[precision]]
-        reference = record(work.parent / "references" / f"torchtitan-{model}-{precision}", 1, [*LAUNCHER, *flags],
+        patched = [str(PATCHED), *(["--setup", setup] if setup else [])]
+        name = f"torchtitan-{model}-{precision}{'-' + setup if setup else ''}"
+        reference = record(work.parent / "references" / name, 1, [*patched, "none", *flags] if setup else [*LAUNCHER, *flags],
                            timeout=TIMEOUT, reuse=True)
         if model == "qwen3-moe":
             estimate(reference, timeout=3 * TIMEOUT)
-        candidate = record(work / "candidate", 2, [str(PATCHED), revert, *flags, *layout], timeout=TIMEOUT)
+        candidate = record(work / "candidate", 2, [*patched, revert, *flags, *layout], timeout=TIMEOUT)
         return reference, candidate
 
     return record_case

@@ -107,7 +107,30 @@ def moe_bias_tp_reduce() -> None:
         module.register_moe_load_balancing_hook = register_moe_load_balancing_hook
 
 
+def adamw_linear_first_step() -> None:
+    """Setup, in both runs (not a revert): AdamW's eps raised to 1.0 in qwen3_moe_debug_2layers. AdamW's first
+    step moves every element by about lr x sign(gradient), so a post-step weight whose gradient is round-off
+    differs by 2 lr between two correct runs (the README's Adam limit: the clean TP2 x EP2 run failed two norm
+    weights by update ratios 1.19 and 1.88 at step 0, and localize then judged that step). With eps far above
+    the gradients the first step is about lr x gradient, linear, and round-off stays round-off."""
+    import ttrace_examples.torchtitan.config_registry as registry  # what `--module ttrace_examples.torchtitan` loads
+
+    built = registry.qwen3_moe_debug_2layers
+
+    def qwen3_moe_debug_2layers():
+        config = built()
+        for group in config.optimizer.param_groups:
+            group.optimizer_kwargs["eps"] = 1.0
+        return config
+
+    registry.qwen3_moe_debug_2layers = qwen3_moe_debug_2layers
+
+
+SETUPS: dict[str, Callable[[], None]] = {"adamw-linear-first-step": adamw_linear_first_step}
+"""Changes applied in both runs of a case (`--setup NAME`), before any revert."""
+
 REVERTS: dict[str, Callable[[], None]] = {
+    "none": lambda: None,
     "chunked-loss-grad-placement": chunked_loss_grad_placement,
     "chunked-loss-list-concat": chunked_loss_list_concat,
     "moe-bias-tp-reduce": moe_bias_tp_reduce,
