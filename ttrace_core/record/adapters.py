@@ -65,7 +65,12 @@ class TorchAdapter:
         """Nothing to refresh: a torch optimizer holds the parameters themselves."""
 
     def declare(self, tracer, optimizer) -> None:
-        """Nothing to declare: DTensors say their layouts."""
+        """Nothing to declare (DTensors say their layouts), but torchtitan's grouped MoE experts, whose
+        activations are recorded by token (integrations/torchtitan.py `ExpertTokens`)."""
+        from ttrace_core.integrations.torchtitan import ExpertTokens, has_grouped_experts
+
+        if has_grouped_experts(self.traced):
+            tracer.on_close(ExpertTokens(tracer, self.traced).close)
 
 
 class TransformersAdapter(TorchAdapter):
