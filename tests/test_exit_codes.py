@@ -46,17 +46,23 @@ def paths(tmp_path_factory) -> dict[str, str]:
     shutil.copy(reference / "manifest.json", no_rank_files)
     corrupt = root / "corrupt"
     shutil.copytree(reference, corrupt)
+    reference_copy = root / "reference-copy"  # an equivalent run that is not the reference itself
+    shutil.copytree(reference, reference_copy, ignore=shutil.ignore_patterns(".ttrace", ".localize"))
     for step_file in corrupt.glob("*.h5"):
         step_file.write_bytes(b"not hdf5" * 64)
     return {"ref": str(reference), "cand": str(candidate), "missing": str(root / "missing"), "empty": str(not_a_trace),
             "file": str(a_file), "bad_json": str(root / "bad-json"), "a_list": str(root / "a-list"),
             "no_role": str(root / "no-role"), "no_ranks": str(no_rank_files), "corrupt": str(corrupt),
-            "new": str(root / "new-run"), "no_folder": str(root / "no-such-folder" / "out")}
+            "new": str(root / "new-run"), "ref_copy": str(reference_copy), "no_folder": str(root / "no-such-folder" / "out")}
 
 
 # (id, argv with {placeholders}, expected exit code, text expected: in stdout for 0/1/4, in stderr's one line for 2)
 CASES = [
-    ("compare-equivalent", "compare {ref} {ref}", 0, "PASSED (equivalent) |"),
+    ("compare-equivalent", "compare {ref} {ref_copy}", 0, "PASSED (equivalent) |"),
+    ("compare-with-itself", "compare {ref} {ref}", 2, "is compared with itself, which always passes; pass a reference and a different candidate"),
+    ("compare-swapped", "compare {cand} {ref}", 2, "the runs are swapped: "),
+    ("localize-swapped", "localize {cand} {ref}", 2, "the runs are swapped: "),
+    ("report-with-itself", "report {ref} {ref} --markdown", 2, "is compared with itself"),
     ("compare-divergence", "compare {ref} {cand}", 1, "FAILED (not equivalent) | 3/11 tensors pass"),
     ("compare-missing-run-dir", "compare {ref} {missing}", 2, "missing: no such run directory"),
     ("compare-run-dir-is-a-file", "compare {file} {cand}", 2, "a-file.txt: no such run directory"),
@@ -84,7 +90,7 @@ CASES = [
     ("inspect-corrupt-hdf5", "inspect {corrupt}", 2, "not a readable HDF5 file"),
     ("bugs", "bugs", 0, "rowwise-skip-allreduce"),
     ("report-markdown-divergence", "report {ref} {cand} --markdown", 1, "**ttrace: FAILED**"),
-    ("report-markdown-equivalent", "report {ref} {ref} --markdown", 0, "**ttrace: PASSED** (equivalent)"),
+    ("report-markdown-equivalent", "report {ref} {ref_copy} --markdown", 0, "**ttrace: PASSED** (equivalent)"),
     ("report-nothing-to-write", "report {ref} {cand}", 2, "nothing to write; pass -o report.html"),
     ("report-missing-run-dir", "report {ref} {missing} --markdown", 2, "missing: no such run directory"),
     ("report-html-folder-missing", "report {ref} {cand} -o {no_folder}", 2, "no-such-folder does not exist; create it"),
@@ -162,7 +168,7 @@ def test_a_missing_run_directory_from_the_shell_is_one_line(paths):
     result = run_ttrace("compare", paths["ref"], paths["missing"], timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == f"ttrace: error: {paths['missing']}: no such run directory; pass the --out directory " \
-                            "of `ttrace example` or a Tracer\n"
+                            "of `ttrace record`, `ttrace example` or a Tracer\n"
 
 
 def test_a_closed_stdout_stops_quietly(paths):

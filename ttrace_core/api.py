@@ -35,7 +35,7 @@ from ttrace_core.errors import TraceFormatError, TtraceError
 from ttrace_core.format.naming import KINDS, PSEUDO_MODULES, layer_module, owner_of, tensor_id
 from ttrace_core.service.jobs import Job
 from ttrace_core.service.dashboard import ROOT_ENV
-from ttrace_core.service.runs import RunInfo, find_runs, path_under_root, run_info
+from ttrace_core.service.runs import RunInfo, find_runs, pair_problem, path_under_root, run_info
 
 if TYPE_CHECKING:
     from ttrace_core.localize.verdicts import Localization
@@ -47,7 +47,7 @@ __all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PSEUDO_MODULES", "
            "CompareSettings", "Job", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError", "TtraceError",
            "VerdictSummary",
            "cached_comparison_table", "comparison", "comparison_streams", "comparison_table", "detectable_errors",
-           "find_runs", "layer_module", "localization", "owner_of", "path_under_root",
+           "find_runs", "layer_module", "localization", "owner_of", "pair_problem", "path_under_root",
            "replay_job", "replay_job_dir", "run_comparison", "run_info", "streamed_comparison", "streamed_rows",
            "submit_comparison", "submit_replay", "tensor_id", "tensor_view", "ttrace_version", "verdict_of"]
 

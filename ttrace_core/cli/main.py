@@ -167,10 +167,21 @@ def _write_json(destination: str, text: str) -> None:
         Path(destination).write_text(text)
 
 
+def _refuse_meaningless_pair(args: argparse.Namespace) -> None:
+    """A run compared with itself, or a swapped pair, is refused (exit 2, one line) rather than judged: the first
+    always passes, the second takes its tolerances from the candidate; either verdict would mislead silently."""
+    from ttrace_core.api import pair_problem
+
+    problem = pair_problem(args.reference, args.candidate)
+    if problem is not None:
+        raise TtraceError(problem)
+
+
 def _run_compare(args: argparse.Namespace) -> int:
     from ttrace_core.api import run_comparison
     from ttrace_core.cli.report import ProgressBar, render_comparison
 
+    _refuse_meaningless_pair(args)
     settings = settings_from_args(args)
     _check_output_path(args.json, "--json")
     progress = ProgressBar(enabled=args.progress or sys.stderr.isatty())
@@ -216,6 +227,7 @@ def _run_report(args: argparse.Namespace) -> int:
         raise TtraceError("report: nothing to write; pass -o report.html for the HTML report, --markdown for a "
                           "summary, or both")
     _check_output_path(args.out, "-o")
+    _refuse_meaningless_pair(args)
     settings = settings_from_args(args)
     result = run_comparison(args.reference, args.candidate, settings)
     if args.out:
@@ -283,6 +295,7 @@ def _run_localize(args: argparse.Namespace) -> int:
     from ttrace_core.cli.report import render_localization
 
     _check_output_path(args.json, "--json")
+    _refuse_meaningless_pair(args)
     job = submit_replay(args.reference, args.candidate, args.module, timeout_s=args.timeout, rerun=args.rerun,
                         settings=settings_from_args(args))
     if job.cached:

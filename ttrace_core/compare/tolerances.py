@@ -346,8 +346,9 @@ def select_tolerances(kind: str, reference: RunReader, candidate: RunReader, *, 
     if estimate is None:
         if crossed and kind in ("auto", "perturbation"):
             raise TtraceError(f"{estimate_path(reference.run_dir, precision)}: the candidate computes in {precision}, the "
-                              f"reference in {reference.manifest.precision}, and no estimate covers that quantization; run "
-                              f"`ttrace estimate {os.fspath(reference.run_dir)} --for-precision {precision}` first")
+                              f"reference in {reference.manifest.precision}, and no estimate covers that quantization; compare "
+                              f"against a reference recorded in {precision}, or run `ttrace estimate "
+                              f"{os.fspath(reference.run_dir)} --for-precision {precision}` first")
         if kind == "perturbation":
             raise TtraceError(f"{estimate_path(reference.run_dir)}: no perturbation estimate; run "
                               f"`ttrace estimate {os.fspath(reference.run_dir)}` first, or pass --tolerance theorem|dtype")

@@ -100,7 +100,8 @@ def pre_step_key(reader: RunReader, key: TensorKey) -> TensorKey | None:
 def read_manifest(run_dir: str | os.PathLike) -> RunManifest:
     path = Path(run_dir) / MANIFEST_NAME
     if not Path(run_dir).is_dir():
-        raise TraceFormatError(f"{run_dir}: no such run directory; pass the --out directory of `ttrace example` or a Tracer")
+        raise TraceFormatError(f"{run_dir}: no such run directory; pass the --out directory of `ttrace record`, `ttrace "
+                               "example` or a Tracer")
     if not os.path.lexists(path):
         raise TraceFormatError(f"{path}: missing; this directory is not a ttrace run (or its recording never started)")
     data = data_from_json(regular_file_bytes(contained(run_dir, MANIFEST_NAME)), str(path), "manifest", "re-record the run")

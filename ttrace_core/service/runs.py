@@ -100,6 +100,25 @@ def find_runs(root: str | os.PathLike) -> list[RunInfo]:
     return sorted(found, key=lambda run: run.path)
 
 
+def pair_problem(reference: str | os.PathLike, candidate: str | os.PathLike) -> str | None:
+    """Why comparing these two runs would say nothing, as one line, or None: the same run twice (it always passes),
+    or the two swapped (each manifest records its role; a swapped pair judges the reference by the candidate's
+    tolerances). Runs whose manifest cannot be read are left to the comparison, which names the problem."""
+    from ttrace_core.format.reader import read_manifest
+
+    if Path(reference).resolve() == Path(candidate).resolve():
+        return (f"{reference} is compared with itself, which always passes; pass a reference and a different "
+                "candidate run")
+    try:
+        roles = read_manifest(reference).role, read_manifest(candidate).role
+    except TtraceError:
+        return None
+    if roles == ("candidate", "reference"):
+        return (f"the runs are swapped: {reference} was recorded as a candidate and {candidate} as a reference; "
+                f"pass the reference first")
+    return None
+
+
 def path_under_root(root: str | os.PathLike, relative: str) -> Path:
     """`root / relative`, refused when it resolves (symlinks followed) outside the root."""
     base = Path(root).resolve()
