@@ -123,6 +123,24 @@ def heatmap_cells(frame: pd.DataFrame, step: int, micro_batch: int | str) -> pd.
     return worst.dropna(subset=["column"])[columns].reset_index(drop=True)
 
 
+def pointing_at_first(view_cells: pd.DataFrame, first: pd.Series, module: str) -> pd.DataFrame:
+    """The heatmap cells with the first divergence's cell (`module` as the rows show it, the first's kind) pointing
+    at the first divergence itself: a click anywhere in it opens that tensor, whichever marker plotly picks (the
+    cell's own or its outline; at the centre they tie), and its hover names it, then the cell's worst. The colour
+    stays the cell's worst."""
+    cells = view_cells.copy()
+    at = (cells["module"] == module) & (cells["kind"] == first["kind"])
+    if not at.any():
+        return cells
+    worst = cells.loc[at, "tensor"].iloc[0]
+    text = hover_texts(first.to_frame().T).iloc[0] + "<br><b>first divergence</b>"
+    if worst != first["tensor"]:
+        text += f"; the cell's worst (its colour) is {worst}"
+    cells.loc[at, ["tensor", "step", "micro_batch", "hover"]] = [
+        first["tensor"], int(first["step"]), int(first["micro_batch"]), text]
+    return cells
+
+
 def timeline_points(frame: pd.DataFrame, step: int) -> pd.DataFrame:
     """The step in execution order, one point per (module, tensor kind): its worst tensor over slots and
     micro-batches, placed where that module and kind first ran. (One point per tensor instance sent
@@ -166,6 +184,14 @@ def verdict_banner(row: pd.Series | dict) -> str:
 def first_divergence(frame: pd.DataFrame) -> pd.Series | None:
     failed = frame[~frame["passed"]].sort_values("order")
     return None if failed.empty else failed.iloc[0]
+
+
+def next_step_caption(diverged: bool) -> str:
+    """What to do next, under a pair's verdict: the outlined cell exists only where something diverged."""
+    if diverged:
+        return ("Next: open the heatmap, then click the cell outlined in yellow (the first divergence) to see its "
+                "tensor: which rank's shard carries the error.")
+    return "Next: open the heatmap to see how close each tensor came to its tolerance (nothing diverged, so no cell is outlined)."
 
 
 def focus_row(module: str | None, by_layer: bool) -> str | None:

@@ -93,10 +93,10 @@ def _focus_outline(rows: pd.DataFrame, focus: str | None) -> list[dict]:
 
 
 def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, str] | None = None,
-                   first_tensor: tuple[str, int, int] | None = None, focus: str | None = None) -> go.Figure:
-    """Modules (rows, execution order) x tensor kinds (columns); `first` (module, kind) is outlined and
-    a click on the outline opens `first_tensor` (tensor, step, micro-batch); the `focus` row (a module, or
-    a layer when rows are layers) is framed and its label bold."""
+                   focus: str | None = None) -> go.Figure:
+    """Modules (rows, execution order) x tensor kinds (columns); the `first` (module, kind) cell is outlined (a
+    click on it opens what the cell points at: `cells.pointing_at_first` makes that the first divergence);
+    the `focus` row (a module, or a layer when rows are layers) is framed and its label bold."""
     figure = go.Figure()
     # Reading order (top row first, left to right), so the first marker in the page is the top-left cell.
     numeric = cells[cells["category"] == "ratio"].sort_values(["row", "column"])
@@ -109,9 +109,7 @@ def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, st
             figure.add_trace(go.Scatter(x=special["column"], y=special["row"], mode="markers", name=label,
                                         marker=dict(symbol="square", size=14, color=colour), **_clickable(special)))
     if first is not None:
-        marked = cells[(cells["module"] == first[0]) & (cells["kind"] == first[1])].copy()
-        if first_tensor is not None:  # a click on the outline opens the first divergence itself, not the cell's worst
-            marked[["tensor", "step", "micro_batch"]] = [list(first_tensor)] * len(marked)
+        marked = cells[(cells["module"] == first[0]) & (cells["kind"] == first[1])]
         figure.add_trace(go.Scatter(x=marked["column"], y=marked["row"], mode="markers", name="first divergence",
                                     marker=dict(symbol="square-open", size=22, color=FIRST_DIVERGENCE_COLOUR,
                                                 line=dict(width=3, color=FIRST_DIVERGENCE_COLOUR)), **_clickable(marked)))

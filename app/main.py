@@ -11,7 +11,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `app` and `ttrac
 
 import streamlit as st  # noqa: E402
 
-from ttrace_dashboard.ui import navigation_pages  # noqa: E402
+from ttrace_dashboard.ui import navigation_pages, sidebar_links  # noqa: E402
 
 st.set_page_config(page_title="ttrace", page_icon=":material/troubleshoot:", layout="wide")
-st.navigation(navigation_pages(), position="sidebar").run()
+current = st.navigation(navigation_pages(), position="hidden")
+links = st.sidebar.empty()
+sidebar_links(links)  # drawn first, so a page that stops still has them
+current.run()
+sidebar_links(links)  # again, with the pair the page may have just written into the URL

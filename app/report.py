@@ -73,7 +73,10 @@ def report_html(reference: str | Path, candidate: str | Path, settings: api.Comp
     first = cells.first_divergence(frame)
     step = int(first["step"]) if first is not None else int(frame["step"].min())
     marked = (first["module"], first["kind"]) if first is not None else None
-    heatmap = figures.heatmap_figure(cells.heatmap_cells(frame, step, "all"), cells.module_rows(frame), marked)
+    view_cells = cells.heatmap_cells(frame, step, "all")
+    if first is not None:
+        view_cells = cells.pointing_at_first(view_cells, first, first["module"])
+    heatmap = figures.heatmap_figure(view_cells, cells.module_rows(frame), marked)
     timeline = figures.timeline_figure(cells.timeline_points(frame, step), int(first["order"]) if first is not None else None)
     worst = frame.sort_values("ratio", ascending=False, na_position="first")
     worst = worst[~worst["passed"]].head(WORST_SHOWN) if not frame["passed"].all() else worst.head(WORST_SHOWN)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from ttrace_core.api import RunInfo
 
 
@@ -46,6 +48,52 @@ def default_pair(runs: list[RunInfo], ref: str | None, cand: str | None) -> tupl
     return (matched.path if matched else None), (cand_run.path if cand_run else None)
 
 
+def link_problems(runs: list[RunInfo], ref: str | None, cand: str | None) -> list[str]:
+    """What is wrong with a link's pair, one line each, for the Runs page to say before it shows another pair:
+    the same run twice, the two swapped (the manifests record the roles), a path that is no usable run of its role."""
+    by_path = {run.path: run for run in usable(runs)}
+    if ref and ref == cand:
+        return [f"The link compares `{ref}` with itself, which always passes; showing another pair."]
+    roles = (by_path[ref].role if ref in by_path else None, by_path[cand].role if cand in by_path else None)
+    if roles == ("candidate", "reference"):
+        return [f"The link's ref= and cand= are swapped (`{ref}` was recorded as a candidate, `{cand}` as a "
+                "reference); showing another pair."]
+    problems = []
+    for name, given, wanted in (("ref", ref, "reference"), ("cand", cand, "candidate")):
+        if not given:
+            continue
+        if given not in by_path:
+            problems.append(f"The link's {name}=`{given}` is not a usable run under the root; showing another pair.")
+        elif (by_path[given].role == "reference") != (wanted == "reference"):
+            problems.append(f"The link's {name}=`{given}` was recorded as a {by_path[given].role}, not a {wanted}; "
+                            "showing another pair.")
+    return problems
+
+
+def better_reference(runs: list[RunInfo], reference: RunInfo, candidate: RunInfo) -> RunInfo | None:
+    """The reference of the candidate's model and precision when the chosen one computes in another precision
+    (and holds no estimate for the candidate's): picking it is the fix, not estimating across precisions."""
+    if reference.precision == candidate.precision or candidate.precision in reference.estimates_for:
+        return None
+    matched = matching_reference(runs, candidate)
+    if matched is None or matched.path == reference.path or matched.precision != candidate.precision:
+        return None
+    return matched
+
+
+def recorded_by_text(entrypoint: str | None) -> str:
+    """The manifest's entrypoint, "module:function"; flagged when that module cannot be found in this installation
+    (a run recorded by an older ttrace, whose examples lived elsewhere): `ttrace localize` relaunches it from there."""
+    if not entrypoint:
+        return "-"
+    module = entrypoint.split(":", 1)[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    return entrypoint if found else f"{entrypoint} (not found in this installation: recorded by an older version?)"
+
+
 def _steps_text(steps: list[int]) -> str:
     """A count first, then the ids: "1 (step 0)" (a bare "0" read as "no complete steps")."""
     if not steps:
@@ -61,7 +109,7 @@ def metadata_rows(run: RunInfo) -> dict[str, str]:
         "tolerance estimate": ("yes (perturbation)" if run.has_estimate else "no")
         + "".join(f"; for {p} candidates" for p in run.estimates_for),
         "blind spots": "; ".join(f"{fqn or '(the model)'}: {why}" for fqn, why in sorted(run.blind_spots.items())) or "none",
-        "recorded by": run.entrypoint or "-", "trace format": str(run.format_version),
+        "recorded by": recorded_by_text(run.entrypoint), "trace format": str(run.format_version),
         "versions": ", ".join(f"{name} {version}" for name, version in run.versions.items()) or "not recorded",
         "model": ", ".join(f"{k}={v}" for k, v in sorted(run.model.items())),
     }

@@ -51,6 +51,18 @@ def navigation_pages() -> list[st.Page]:
     return [home, *(page(name) for name in PAGES)]
 
 
+def sidebar_links(slot) -> None:
+    """The sidebar's page links, each carrying the URL's pair (and the matrix its reference), so a pair picked
+    on Runs travels with every link. Streamlit's own navigation links drop the query parameters, so the
+    app hides them (`position="hidden"`) and draws these in `slot` (an `st.sidebar.empty()`)."""
+    st.session_state["_sidebar_slot"] = slot  # for `show_in_url`, which redraws the links with the new pair
+    state = view_state()
+    with slot.container():
+        for name in PAGES:
+            pair = ViewState(ref=state.ref) if name == "matrix" else ViewState(ref=state.ref, cand=state.cand)
+            st.page_link(page(name), query_params=query_from_state(pair))
+
+
 def dashboard_root() -> Path:
     return Path(os.environ.get(ROOT_ENV, ".")).resolve()
 
@@ -64,6 +76,8 @@ def show_in_url(state: ViewState) -> None:
     wanted = query_from_state(state)
     if st.query_params.to_dict() != wanted:
         st.query_params.from_dict(wanted)
+        if (slot := st.session_state.get("_sidebar_slot")) is not None:
+            sidebar_links(slot)  # now, not after the page: a page that stops later must not keep the old pair's links
 
 
 def bind_to_url(key: str, url_value, value) -> None:
@@ -99,17 +113,35 @@ def stop_with(message: str) -> None:
     st.stop()
 
 
+def back_to_runs(message: str) -> None:
+    """A link that cannot be shown: say why in one line, offer the way back to Runs, stop the page."""
+    st.error(message, icon=":material/link_off:")
+    st.page_link(page("runs"), label="Pick a pair on Runs", icon=":material/folder_open:")
+    st.stop()
+
+
+def link_problem(state: ViewState) -> str | None:
+    """Why the link's pair cannot be shown, in the dashboard's words (not the CLI's), or None."""
+    for name, relative in (("ref", state.ref), ("cand", state.cand)):
+        try:
+            path = api.path_under_root(dashboard_root(), relative)
+        except TtraceError as error:
+            return f"The link's {name}= {error}"
+        if not (path / "manifest.json").is_file():
+            return f"The link's {name}=`{relative}` is not a run under `{dashboard_root()}`."
+    problem = api.pair_problem(dashboard_root() / state.ref, dashboard_root() / state.cand)
+    return None if problem is None else f"The link's pair cannot be compared: {problem}."
+
+
 def run_pair(state: ViewState) -> tuple[Path, Path]:
     """The reference and candidate directories of the URL, confined to the root; stops the page otherwise."""
     if not state.ref or not state.cand:
         st.info("Pick a reference and a candidate on the Runs page first.")
         st.page_link(page("runs"), label="Go to Runs", icon=":material/folder_open:")
         st.stop()
-    try:
-        return api.path_under_root(dashboard_root(), state.ref), api.path_under_root(dashboard_root(), state.cand)
-    except TtraceError as error:
-        stop_with(str(error))
-    raise AssertionError("unreachable")
+    if (problem := link_problem(state)) is not None:
+        back_to_runs(problem)
+    return api.path_under_root(dashboard_root(), state.ref), api.path_under_root(dashboard_root(), state.cand)
 
 
 def load_comparison(reference: Path, candidate: Path, partial_view: Callable[[api.StreamedRows], None] | None = None):

@@ -39,14 +39,15 @@ def heatmap_so_far(rows: "api.StreamedRows") -> None:
     by_layer = state.rows == "layers" or (state.rows is None and frame["module"].nunique() > MODULE_ROWS_BY_DEFAULT)
     shown = cells.rows_by_layer(frame) if by_layer else frame
     marked = None if first is None else (shown.loc[first.name, "module"], first["kind"])
-    first_tensor = None if first is None else (first["tensor"], int(first["step"]), int(first["micro_batch"]))
     st.caption(f"Step {step}, the tensors compared so far. Colour: log10(error / tolerance), 0 is the pass line.")
     # Redrawn when the rows grew by a quarter: each poll drawing every row again took the cores the comparison needs.
     drawn_key = f"_heatmap_so_far:{state.ref}:{state.cand}"
     drawn = st.session_state.get(drawn_key)
     if drawn is None or len(frame) >= 1.25 * drawn[0] or (first is not None) != drawn[1]:
-        figure = figures.heatmap_figure(cells.heatmap_cells(shown, step, ALL_MICRO_BATCHES), cells.module_rows(shown),
-                                        marked, first_tensor, cells.focus_row(state.module, by_layer))
+        so_far = cells.heatmap_cells(shown, step, ALL_MICRO_BATCHES)
+        if first is not None:
+            so_far = cells.pointing_at_first(so_far, first, marked[0])
+        figure = figures.heatmap_figure(so_far, cells.module_rows(shown), marked, cells.focus_row(state.module, by_layer))
         drawn = st.session_state[drawn_key] = (len(frame), first is not None, figure)
     st.plotly_chart(drawn[2], key="heatmap_so_far", config={"displayModeBar": False})
 
@@ -104,12 +105,12 @@ view_cells = cells.heatmap_cells(shown, int(step), mb)
 marked = None
 if first is not None and first["step"] == step and mb in (ALL_MICRO_BATCHES, first["micro_batch"], -1):
     marked = (shown.loc[first.name, "module"], first["kind"])
+    view_cells = cells.pointing_at_first(view_cells, first, marked[0])
 focus = cells.focus_row(state.module, rows_choice == "layers")
 st.caption("Colour: log10(error / tolerance), 0 is the pass line. The yellow outline is the first divergence"
            + (f"; the framed row is `{focus}`, the module the link points at" if focus in set(rows["module"]) else "")
            + ". Click a cell to open its tensor.")
-first_tensor = None if first is None else (first["tensor"], int(first["step"]), int(first["micro_batch"]))
-event = st.plotly_chart(figures.heatmap_figure(view_cells, rows, marked, first_tensor, focus), key="heatmap", on_select="rerun",
+event = st.plotly_chart(figures.heatmap_figure(view_cells, rows, marked, focus), key="heatmap", on_select="rerun",
                         selection_mode="points", config={"displayModeBar": False})
 clicked = view_from_click(event, state)
 if clicked is not None:

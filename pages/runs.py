@@ -22,34 +22,45 @@ if not pairing.references(runs) or not pairing.candidates(runs):
     stop_with(f"{dashboard_root()}: needs at least one reference run and one candidate run "
               "(record them with `ttrace example ... --out DIR` or a Tracer)")
 
-for given in (state.ref, state.cand):
-    try:
-        if given:
-            api.path_under_root(dashboard_root(), given)
-    except api.TtraceError as error:
-        st.error(str(error), icon=":material/block:")
-        state = ViewState()
-ref, cand = pairing.default_pair(runs, state.ref, state.cand)
 ref_paths = [r.path for r in pairing.references(runs)]
 cand_paths = [c.path for c in pairing.candidates(runs)]
+# A link's pair that cannot be shown is said, never silently replaced by the default pair.
+for problem in pairing.link_problems(runs, state.ref, state.cand):
+    st.warning(problem, icon=":material/link_off:")
+ref, cand = pairing.default_pair(runs, state.ref, state.cand)
+by_path = {run.path: run for run in runs}
+
+
+def follow_candidate() -> None:
+    # A new candidate brings the reference of its model and precision (a bf16 reference cannot judge an fp32
+    # candidate without an estimate for it); the user can still pick another one afterwards.
+    matched = pairing.matching_reference(runs, by_path[st.session_state["runs_cand"]])
+    if matched is not None:
+        st.session_state["runs_ref"] = matched.path
+
+
 # Keyed widgets bound to the URL: a link sets them, every later pick is the user's (an `index=` alone
 # was reread only when the widget changed identity, and lost every second pick).
 bind_choice("runs_ref", state.ref, ref if ref in ref_paths else ref_paths[0], ref_paths)
 bind_choice("runs_cand", state.cand, cand, cand_paths)
 left, right = st.columns(2)
 chosen_ref = left.selectbox("Reference", ref_paths, key="runs_ref")
-chosen_cand = right.selectbox("Candidate", cand_paths, key="runs_cand")
+chosen_cand = right.selectbox("Candidate", cand_paths, key="runs_cand", on_change=follow_candidate)
 if (chosen_ref, chosen_cand) != (state.ref, state.cand):
     state = ViewState(ref=chosen_ref, cand=chosen_cand)
 show_in_url(state)
 wrote_to_url("runs_ref", state.ref)
 wrote_to_url("runs_cand", state.cand)
 
-by_path = {run.path: run for run in runs}
 table = pd.DataFrame({name: pairing.metadata_rows(by_path[path]) for name, path in
                       (("reference", state.ref), ("candidate", state.cand))})
-st.dataframe(table, width="stretch", height=35 * (len(table) + 1) + 3)
-
+st.table(table)  # a static table wraps its cells: the versions and the model config are read whole
+if (better := pairing.better_reference(runs, by_path[state.ref], by_path[state.cand])) is not None:
+    st.info(f"The candidate computes in {by_path[state.cand].precision}, the reference in "
+            f"{by_path[state.ref].precision}: `{better.path}` is the reference of the same model in "
+            f"{better.precision}.", icon=":material/info:")
+    st.page_link(page("runs"), label=f"Compare against {better.path}", icon=":material/swap_horiz:",
+                 query_params=query_from_state(ViewState(ref=better.path, cand=state.cand)))
 
 
 def verdict_so_far(rows: "api.StreamedRows") -> None:
@@ -71,8 +82,7 @@ for note in provenance.get("notes", []):
     st.warning(note)
 st.caption(f"tolerances: {provenance['tolerance_provider']} · table {result.path.name} "
            f"({'cached' if result.cached else 'computed'}, {provenance['seconds']} s to compute)")
-st.caption("Next: open the heatmap, then click the cell outlined in yellow (the first divergence) to see its "
-           "tensor: which rank's shard carries the error.")
+st.caption(cells.next_step_caption(cells.first_divergence(result.frame) is not None))
 # A link, not a button: the browser switches page at once instead of first rerunning this one.
 st.page_link(page("heatmap"), label="Open the heatmap", icon=":material/grid_on:", query_params=query_from_state(state))
 st.page_link(page("matrix"), label="Every layout of this reference (layout matrix)", icon=":material/table_chart:",

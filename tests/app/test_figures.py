@@ -18,7 +18,8 @@ def _traces(figure) -> dict:
 
 def test_heatmap_cells_are_clickable_square_markers_on_one_diverging_scale(frame):
     rows, view = cells.module_rows(frame), cells.heatmap_cells(frame, 0, "all")
-    figure = figures.heatmap_figure(view, rows, ("layers.0.act", "output"))
+    first = cells.first_divergence(frame)
+    figure = figures.heatmap_figure(cells.pointing_at_first(view, first, first["module"]), rows, ("layers.0.act", "output"))
     traces = _traces(figure)
     assert all(trace.type == "scatter" for trace in figure.data)  # heatmap traces return no click selection
     numeric = traces["error / tolerance"]
@@ -29,6 +30,26 @@ def test_heatmap_cells_are_clickable_square_markers_on_one_diverging_scale(frame
     labels = [a for a in figure.layout.annotations if a.xanchor == "right"]  # drawn as annotations: tick labels are slow
     assert [(a.text, a.y) for a in labels] == list(zip(rows["module"], rows["row"]))
     assert figure.layout.yaxis.showticklabels is False
+
+
+def test_a_click_anywhere_in_the_outlined_cell_opens_the_first_divergence(frame):
+    # Issue 41: the cell's worst (mb 1, the larger ratio) sat under the outline (mb 0, the first divergence); at the
+    # cell's centre the two markers tie and plotly picked the cell's worst, whose hover it showed too.
+    first = cells.first_divergence(frame)
+    view = cells.heatmap_cells(frame, 0, "all")
+    at = (view["module"] == first["module"]) & (view["kind"] == first["kind"])
+    assert view.loc[at, "micro_batch"].tolist() == [1]  # the cell's worst is another tensor than the first divergence
+    pointed = cells.pointing_at_first(view, first, first["module"])
+    figure = figures.heatmap_figure(pointed, cells.module_rows(frame), (first["module"], first["kind"]))
+    column = cells.KINDS.index(first["kind"]) if hasattr(cells, "KINDS") else None
+    row = int(cells.module_rows(frame).set_index("module").loc[first["module"], "row"])
+    under_click = [(trace.name, list(data), text) for trace in figure.data if trace.customdata is not None
+                   for x, y, data, text in zip(trace.x, trace.y, trace.customdata, trace.text)
+                   if y == row and (column is None or x == column)]
+    assert {name for name, _, _ in under_click} == {"error / tolerance", "first divergence"}
+    assert all(data == [first["tensor"], 0, 0] for _, data, _ in under_click)
+    assert all("first divergence" in text and "mb 0" in text for _, _, text in under_click)
+    assert pointed.loc[at, "value"].tolist() == view.loc[at, "value"].tolist()  # the colour stays the cell's worst
 
 
 def test_heatmap_markers_come_in_reading_order(frame):

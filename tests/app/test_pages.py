@@ -55,7 +55,7 @@ def test_runs_page_picks_a_pair_shows_its_verdict_and_writes_it_into_the_url(roo
     assert any("broken" in warning.value and "not a valid manifest" in warning.value for warning in app.warning)
     assert any(f"first divergence at `{FIRST}`" in error for error in _errors(app))
     assert [box.value for box in app.selectbox] == ["reference", "candidate"]
-    heatmap, layouts = app.get("page_link")  # straight to the heatmap of this pair, and to every layout of its reference
+    heatmap, layouts = app.main.get("page_link")  # straight to the heatmap of this pair, and to every layout of its reference
     assert heatmap.proto.page == "heatmap" and heatmap.proto.query_string == "ref=reference&cand=candidate"
     assert layouts.proto.page == "matrix" and layouts.proto.query_string == "ref=reference"
 
@@ -233,7 +233,7 @@ def test_matrix_shows_a_large_pair_as_not_compared_yet_with_a_link_to_its_heatma
     assert _traces(matrix)["first divergence"]["customdata"] == [["candidate", "layers.0.act"]]
     assert [a["text"] for a in matrix["layout"]["annotations"] if a.get("y") == "tp2b"] == [
         "not compared yet: open its heatmap"]
-    (link,) = app.get("page_link")
+    (link,) = app.main.get("page_link")
     assert link.proto.page == "heatmap" and link.proto.query_string == "ref=reference&cand=tp2b"
     assert "1 of 1 compared layouts diverge" in app.caption[0].value
 
@@ -299,3 +299,84 @@ def test_tensor_and_localize_pages_keep_every_successive_pick_in_the_url(root):
     for module in ("layers.0.act", "layers.1.norm", "layers.0.act"):
         next(box for box in app.selectbox if box.label == "Replay target").set_value(module).run()
         assert not app.exception and _url(app)["module"] == module
+
+
+def _sidebar_links(app: AppTest) -> dict[str, str]:
+    return {link.proto.page: link.proto.query_string for link in app.sidebar.get("page_link")}
+
+
+def _copy_run(source: Path, target: Path, **manifest_fields) -> Path:
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns(".ttrace", ".localize"))
+    manifest = json.loads((target / "manifest.json").read_text())
+    (target / "manifest.json").write_text(json.dumps({**manifest, **manifest_fields}))
+    return target
+
+
+def test_every_sidebar_link_carries_the_pair_picked_on_runs(root):
+    """Issue 41: Streamlit's own navigation links dropped the query, so Heatmap, Tensor and Localize said
+    "Pick a reference and a candidate" right after a pair was picked."""
+    _with_second_layout(root)
+    app = _open("runs")
+    pair = "ref=reference&cand=candidate"
+    assert _sidebar_links(app) == {"runs": pair, "matrix": "ref=reference", "heatmap": pair, "tensor": pair,
+                                   "localize": pair}
+    next(box for box in app.selectbox if box.label == "Candidate").set_value("tp2b").run()
+    assert _sidebar_links(app)["heatmap"] == "ref=reference&cand=tp2b" == _sidebar_links(app)["localize"]
+    app = _open("tensor", **PAIR, tensor=FIRST, step=0, mb=0)
+    assert _sidebar_links(app)["localize"] == pair  # the pair only: the target page opens on its own default view
+
+
+def test_a_new_candidate_brings_the_reference_of_its_precision(root):
+    _copy_run(root / "reference", root / "bf16-reference", precision="bf16")
+    _copy_run(root / "candidate", root / "bf16-candidate", precision="bf16")
+    app = _open("runs", **PAIR)
+    next(box for box in app.selectbox if box.label == "Candidate").set_value("bf16-candidate").run()
+    assert not app.exception and _url(app) == {"ref": "bf16-reference", "cand": "bf16-candidate"}
+    # a reference of another precision, picked by hand: the page names the matching one and links to it
+    app = _open("runs", ref="bf16-reference", cand="candidate")
+    assert any("`reference` is the reference of the same model in fp32" in info.value for info in app.info)
+    assert [link.proto.query_string for link in app.main.get("page_link")
+            if link.proto.page == "runs"] == ["ref=reference&cand=candidate"]
+
+
+@pytest.mark.parametrize("query, warning", [
+    ({"ref": "candidate", "cand": "reference"}, "The link's ref= and cand= are swapped"),
+    ({"ref": "candidate", "cand": "candidate"}, "The link compares `candidate` with itself, which always passes"),
+    ({"ref": "nowhere", "cand": "candidate"}, "The link's ref=`nowhere` is not a usable run under the root"),
+], ids=["swapped", "itself", "bogus-ref"])
+def test_the_runs_page_says_why_it_does_not_show_the_links_pair(root, query, warning):
+    app = _open("runs", **query)
+    assert not app.exception
+    assert [w.value for w in app.warning if w.value.startswith("The link")] == [
+        next(w.value for w in app.warning if w.value.startswith(warning))]
+    assert _url(app) == PAIR  # the pair it shows instead, in the URL
+
+
+@pytest.mark.parametrize("query, message", [
+    ({"ref": "candidate", "cand": "candidate"}, "is compared with itself, which always passes"),
+    ({"ref": "candidate", "cand": "reference"}, "the runs are swapped"),
+    ({"ref": "nowhere", "cand": "candidate"}, "The link's ref=`nowhere` is not a run under"),
+], ids=["itself", "swapped", "bogus-ref"])
+def test_a_link_that_cannot_be_shown_says_so_and_offers_the_way_back(root, query, message):
+    for page in ("heatmap", "tensor", "localize"):
+        app = _open(page, **query)
+        assert not app.exception
+        (error,) = _errors(app)
+        assert message in error and "ttrace example" not in error, page
+        assert [link.proto.page for link in app.main.get("page_link")] == ["runs"]
+
+
+def test_a_passing_pair_points_to_no_outline(root):
+    _copy_run(root / "reference", root / "same", role="candidate")
+    captions = [c.value for c in _open("runs", ref="reference", cand="same").caption]
+    assert not any("outlined in yellow" in c for c in captions) and any("no cell is outlined" in c for c in captions)
+    assert any("outlined in yellow" in c.value for c in _open("runs", **PAIR).caption)
+
+
+def test_the_runs_table_shows_whole_cells_and_flags_an_entrypoint_that_is_gone(root):
+    from ttrace_dashboard.runs import recorded_by_text
+
+    assert recorded_by_text("ttrace_examples.megatron_gpt.train:run") == "ttrace_examples.megatron_gpt.train:run"
+    assert "not found in this installation" in recorded_by_text("ttrace_core.examples.megatron_gpt.train:run")
+    app = _open("runs", **PAIR)
+    assert not app.exception and app.table and not app.dataframe  # st.table wraps; st.dataframe cut the cells
