@@ -23,18 +23,23 @@ RATIO_SCALE = [[0.0, "#2166ac"], [0.35, "#92c5de"], [0.5, "#f7f7f7"], [0.5001, "
                [1.0, "#67001f"]]
 CATEGORY_STYLE = {
     "nan": ("NaN in the candidate", "#c51bdd"),
-    "inf": ("Inf in the candidate", "#111111"),
+    "inf": ("Inf in the candidate", "#6d4c41"),
     "missing": ("missing in one run", "#9e9e9e"),
     "structure": ("shape / dtype / layout differs", "#ff9800"),
 }
-PHASE_COLOURS = {"forward": "#e8f1fb", "backward": "#fdf1e6", "grad": "#eaf7ea", "param": "#f3eafa"}
+PHASE_COLOURS = {"forward": "rgba(66,133,244,0.12)", "backward": "rgba(244,140,66,0.12)", "grad": "rgba(76,175,80,0.12)",
+                 "param": "rgba(156,39,176,0.12)"}
+"""Translucent, so the bands read on Streamlit's light and dark themes alike."""
+NEUTRAL = "rgba(128,128,128,0.9)"
+"""Lines and frames drawn on the plot: mid grey reads on a light and a dark background. Text carries no colour
+of its own: it takes the theme's (Streamlit's `theme="streamlit"` follows the browser's light or dark mode)."""
 ROW_HEIGHT = 18
 LABEL_CHAR_PX = 6.2
 MAX_LABEL_PX = 420
 TIMELINE_GL_POINTS = 3000
 """Above this many points the timeline is drawn with WebGL (scattergl): SVG markers slow the browser."""
 FIRST_DIVERGENCE_COLOUR = "#ffd400"
-FOCUS_COLOUR = "#222222"
+FOCUS_COLOUR = "#9e9e9e"
 """The frame around the heatmap row a link asked for (`module` in the URL)."""
 MATRIX_PLOT_PX = 1100
 """The layout matrix sizes its cells to fit about this plot width (the page is wide)."""
@@ -57,11 +62,11 @@ def _layer_bands(rows: pd.DataFrame) -> list[dict]:
     for layer, group in rows.dropna(subset=["layer"]).groupby("layer"):
         if int(layer) % 2 == 0:
             shapes.append(dict(type="rect", xref="paper", x0=0, x1=1, y0=group["row"].min() - 0.5,
-                               y1=group["row"].max() + 0.5, fillcolor="#f2f2f2", line_width=0, layer="below"))
+                               y1=group["row"].max() + 0.5, fillcolor="rgba(128,128,128,0.12)", line_width=0, layer="below"))
     stages = rows["stage"].ffill()
     for row in rows["row"][stages.ne(stages.shift()) & stages.notna()].iloc[1:]:
         shapes.append(dict(type="line", xref="paper", x0=0, x1=1, y0=row - 0.5, y1=row - 0.5,
-                           line=dict(color="#555", width=2, dash="dash")))
+                           line=dict(color=NEUTRAL, width=2, dash="dash")))
     return shapes
 
 
@@ -70,7 +75,7 @@ def _stage_annotations(rows: pd.DataFrame) -> list[dict]:
     if len(starts) < 2:
         return []
     return [dict(xref="paper", yref="y", x=1.0, y=r["row"], xanchor="left", text=f"stage {int(r['stage'])}", showarrow=False,
-                 font=dict(size=11, color="#555")) for _, r in starts.iterrows()]
+                 font=dict(size=11)) for _, r in starts.iterrows()]
 
 
 def _row_labels(rows: pd.DataFrame, focus: str | None = None) -> list[dict]:
@@ -82,7 +87,7 @@ def _row_labels(rows: pd.DataFrame, focus: str | None = None) -> list[dict]:
         return f"<b>{text}</b>" if module == focus else text
 
     return [dict(xref="paper", yref="y", x=0, y=row, xanchor="right", xshift=-6, showarrow=False, text=label(module),
-                 font=dict(size=11, color="#444")) for module, row in zip(rows["module"], rows["row"])]
+                 font=dict(size=11)) for module, row in zip(rows["module"], rows["row"])]
 
 
 def _focus_outline(rows: pd.DataFrame, focus: str | None) -> list[dict]:
@@ -115,7 +120,7 @@ def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, st
                                                 line=dict(width=3, color=FIRST_DIVERGENCE_COLOUR)), **_clickable(marked)))
     labels = _row_labels(rows, focus)
     figure.update_layout(
-        height=max(360, ROW_HEIGHT * len(rows) + 160), plot_bgcolor="white",
+        height=max(360, ROW_HEIGHT * len(rows) + 160),
         margin=dict(l=min(MAX_LABEL_PX, 12 + LABEL_CHAR_PX * max((len(a["text"]) for a in labels), default=4)), r=80,
                     t=40, b=10),
         shapes=_layer_bands(rows) + _focus_outline(rows, focus), annotations=_stage_annotations(rows) + labels, clickmode="event+select", dragmode=False,
@@ -131,7 +136,7 @@ def timeline_figure(points: pd.DataFrame, first_order: int | None) -> go.Figure:
     """log10(ratio) along execution order, with the phases as bands and the first divergence marked."""
     figure = go.Figure()
     for phase, group in points.groupby("phase", sort=False):
-        figure.add_vrect(x0=group["order"].min() - 0.5, x1=group["order"].max() + 0.5, fillcolor=PHASE_COLOURS.get(phase, "#eee"),
+        figure.add_vrect(x0=group["order"].min() - 0.5, x1=group["order"].max() + 0.5, fillcolor=PHASE_COLOURS.get(phase, "rgba(128,128,128,0.12)"),
                          line_width=0, layer="below", annotation_text=phase, annotation_position="top left")
     numeric = points[points["category"] == "ratio"]
     scatter = go.Scattergl if len(points) > TIMELINE_GL_POINTS else go.Scatter
@@ -143,11 +148,11 @@ def timeline_figure(points: pd.DataFrame, first_order: int | None) -> go.Figure:
         if not special.empty:
             figure.add_trace(go.Scatter(x=special["order"], y=[LOG_RATIO_LIMIT] * len(special), mode="markers", name=label,
                                         marker=dict(symbol="x", size=8, color=colour), **_clickable(special)))
-    figure.add_hline(y=0, line=dict(color="#333", width=1, dash="dot"), annotation_text="pass line")
+    figure.add_hline(y=0, line=dict(color=NEUTRAL, width=1, dash="dot"), annotation_text="pass line")
     if first_order is not None:
         figure.add_vline(x=first_order, line=dict(color=FIRST_DIVERGENCE_COLOUR, width=3),
                          annotation_text="first divergence")
-    figure.update_layout(height=300, margin=dict(l=10, r=10, t=30, b=10), plot_bgcolor="white", dragmode=False,
+    figure.update_layout(height=300, margin=dict(l=10, r=10, t=30, b=10), dragmode=False,
                          xaxis=dict(title="execution order"),
                          yaxis=dict(title="log10(error/tol)", range=[-LOG_RATIO_LIMIT - 0.3, LOG_RATIO_LIMIT + 0.3]))
     return figure
@@ -196,7 +201,7 @@ def shard_map_figure(shards: list, shape: tuple[int, ...], tolerance_rel: float 
             width = 3 if shard.rank == highlight_rank else 0.5
             figure.add_trace(go.Bar(
                 y=[f"rank {shard.rank}"], x=[max(stop - start, 0)], base=[start], orientation="h", showlegend=False,
-                marker=dict(color=_shard_colour(shard.error, tolerance_rel), line=dict(color="#000", width=width)),
+                marker=dict(color=_shard_colour(shard.error, tolerance_rel), line=dict(color=NEUTRAL, width=width)),
                 hovertemplate=(f"rank {shard.rank} {list(shard.coordinate)} {list(shard.placements)}<br>"
                                f"[{start}:{stop}) of dim {dim}<br>local shape {list(shard.local_shape)}<br>"
                                f"error {error} {shard.note}<extra></extra>")), row=1, col=column)
@@ -224,9 +229,9 @@ def history_figure(rows: pd.DataFrame, current: tuple[int, int] | None) -> go.Fi
     ratios = rows["ratio"].astype(float).fillna(np.nan).clip(lower=1e-8)
     colours = ["#b2182b" if status != "pass" else "#2166ac" for status in rows["status"]]
     widths = [3 if current == (s, m) else 0 for s, m in zip(rows["step"], rows["micro_batch"])]
-    figure = go.Figure(go.Bar(x=labels, y=ratios, marker=dict(color=colours, line=dict(width=widths, color="#000")),
+    figure = go.Figure(go.Bar(x=labels, y=ratios, marker=dict(color=colours, line=dict(width=widths, color=NEUTRAL)),
                               hovertemplate="%{x}: ratio %{y:.3g}<extra></extra>"))
-    figure.add_hline(y=1, line=dict(color="#333", dash="dot"), annotation_text="pass line")
+    figure.add_hline(y=1, line=dict(color=NEUTRAL, dash="dot"), annotation_text="pass line")
     figure.update_layout(height=260, margin=dict(l=10, r=10, t=30, b=10), yaxis=dict(type="log", title="error / tolerance"))
     return figure
 
@@ -241,6 +246,12 @@ def _matrix_clickable(points: pd.DataFrame) -> dict:
                 text=points["hover"].tolist(), hovertemplate="%{text}<extra></extra>")
 
 
+def _faded(points: pd.DataFrame) -> list[float]:
+    """Marker opacity: cells that ran only after their layout's first divergence are faded (they inherit it)."""
+    after = points["after_first"] if "after_first" in points else pd.Series(False, index=points.index)
+    return [0.35 if a else 1.0 for a in after.astype(bool)]
+
+
 def matrix_figure(cells: pd.DataFrame, layouts: list[str], columns: list[str], pending: list[str] = ()) -> go.Figure:
     """Candidate layouts (rows, in `layouts` order) x modules or layers (`columns`, execution order), each cell
     the layout's worst log10(error / tolerance) there; every layout's first divergence is outlined, and a
@@ -251,15 +262,20 @@ def matrix_figure(cells: pd.DataFrame, layouts: list[str], columns: list[str], p
     figure.add_trace(go.Scatter(x=[-0.5] * len(layouts), y=list(layouts), mode="markers", marker=dict(opacity=0),
                                 hoverinfo="skip", showlegend=False, name="rows"))
     numeric = cells[cells["category"] == "ratio"]
+    # The colour bar lies above the plot: on its right it had the plot's height, 15 px for two layouts.
+    colour_axis = _colour_axis()
+    colour_axis["colorbar"].update(orientation="h", lenmode="pixels", len=360, thickness=12, x=1.0, xanchor="right",
+                                   y=1.0, yanchor="bottom", title=dict(text="log10(error/tol)", side="top"))
     figure.add_trace(go.Scatter(x=numeric["column"], y=numeric["layout"], mode="markers", name="error / tolerance",
                                 marker=dict(symbol="square", size=size, color=numeric["value"],
-                                            line=dict(width=0.5, color="#888"), **_colour_axis()),
+                                            opacity=_faded(numeric), line=dict(width=0.5, color="#888"), **colour_axis),
                                 showlegend=False, **_matrix_clickable(numeric)))
     for name, (label, colour) in CATEGORY_STYLE.items():
         special = cells[cells["category"] == name]
         if not special.empty:
             figure.add_trace(go.Scatter(x=special["column"], y=special["layout"], mode="markers", name=label,
-                                        marker=dict(symbol="square", size=size, color=colour), **_matrix_clickable(special)))
+                                        marker=dict(symbol="square", size=size, color=colour, opacity=_faded(special)),
+                                        **_matrix_clickable(special)))
     firsts = cells[cells["first_divergence"].astype(bool)]
     if not firsts.empty:
         figure.add_trace(go.Scatter(x=firsts["column"], y=firsts["layout"], mode="markers", name="first divergence",
@@ -267,13 +283,13 @@ def matrix_figure(cells: pd.DataFrame, layouts: list[str], columns: list[str], p
                                                 line=dict(width=3, color=FIRST_DIVERGENCE_COLOUR)),
                                     **_matrix_clickable(firsts)))
     notes = [dict(xref="paper", yref="y", x=0.5, y=layout, showarrow=False, text="not compared yet: open its heatmap",
-                  font=dict(size=12, color="#777")) for layout in pending]
+                  font=dict(size=12)) for layout in pending]
     longest_column = max((len(c) for c in columns), default=4)
     figure.update_layout(
-        height=max(260, 34 * len(layouts) + min(MAX_LABEL_PX, 40 + 5.4 * longest_column)), plot_bgcolor="white",
-        margin=dict(l=min(MAX_LABEL_PX, 12 + LABEL_CHAR_PX * max((len(l) for l in layouts), default=4)), r=80, t=30,
+        height=max(320, 60 + 34 * len(layouts) + min(MAX_LABEL_PX, 40 + 5.4 * longest_column)),
+        margin=dict(l=min(MAX_LABEL_PX, 12 + LABEL_CHAR_PX * max((len(l) for l in layouts), default=4)), r=20, t=90,
                     b=min(MAX_LABEL_PX, 20 + 5.4 * longest_column)),
-        annotations=notes, clickmode="event+select", dragmode=False, legend=dict(orientation="h", y=1.02, x=0, yanchor="bottom"),
+        annotations=notes, clickmode="event+select", dragmode=False, legend=dict(orientation="h", y=1.0, x=0, yanchor="bottom"),
         xaxis=dict(tickvals=list(range(len(columns))), ticktext=[c or "<root>" for c in columns], tickangle=-60,
                    tickfont=dict(size=10), range=[-0.6, len(columns) - 0.4], fixedrange=True, showgrid=False),
         yaxis=dict(type="category", categoryarray=list(layouts), categoryorder="array", autorange="reversed",

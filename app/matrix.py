@@ -2,7 +2,8 @@
 
 A matrix row is a candidate layout (a run compared with the same reference); a column is a module, in
 execution order (or a layer, every module inside it folded into one column). A cell holds every tensor
-of that layout and module, over all steps, micro-batches and kinds, and shows the worst: its
+of that layout and module, over all steps, micro-batches and kinds, up to the layout's first divergence
+(a module that ran only after it: all of them, drawn faded), and shows the worst: its
 log10(error / tolerance) as colour, or a category of its own when the worst is not a number (as the
 heatmap's cells do). Each layout's first divergence is flagged, so one look answers "which layouts
 break, and where".
@@ -19,7 +20,7 @@ from ttrace_dashboard.cells import _ranked, category, first_divergence, log_rati
 
 ROWS_BY = ("modules", "layers")
 CELL_COLUMNS = ["layout", "module", "row", "column", "value", "category", "tensor", "source_module", "ratio", "status",
-                "first_divergence", "hover"]
+                "first_divergence", "after_first", "hover"]
 
 
 def folded(frame: pd.DataFrame, rows_by: str) -> pd.DataFrame:
@@ -54,14 +55,21 @@ def _hover(worst: pd.DataFrame, counts: pd.Series) -> pd.Series:
             + source.map(lambda m: f" ({m})" if m else "") + "<br>worst: " + worst["tensor"] + " (step "
             + worst["step"].astype(str) + ")<br>ratio " + ratio + " · " + worst["status"]
             + counts.map(lambda n: f"<br>worst of {n} tensors" if n > 1 else "")
-            + worst["first_divergence"].map(lambda f: "<br><b>first divergence of this layout</b>" if f else ""))
+            + worst["first_divergence"].map(lambda f: "<br><b>first divergence of this layout</b>" if f else "")
+            + worst["after_first"].map(lambda a: "<br>ran only after the first divergence (inherits it)" if a else ""))
 
 
 def _layout_cells(layout: str, frame: pd.DataFrame) -> pd.DataFrame:
-    ranked = _ranked(frame)
+    """A module's cell is its worst tensor up to the layout's first divergence (in execution order): once one
+    tensor has diverged, everything computed after it inherits the error, and a cell that took the worst over
+    the whole run was dark red even upstream of the bug. A module that ran only after the first divergence
+    shows its worst, flagged `after_first` (drawn faded)."""
+    first = first_divergence(frame)
+    upstream = frame if first is None else frame[frame["order"] <= first["order"]]
+    later = frame[~frame["module"].isin(set(upstream["module"]))]
+    ranked = pd.concat([_ranked(upstream).assign(after_first=False), _ranked(later).assign(after_first=True)])
     counts = ranked.groupby("module", sort=False).size()
     worst = ranked.drop_duplicates("module").assign(layout=layout)
-    first = first_divergence(frame)
     worst["first_divergence"] = False if first is None else worst["module"] == first["module"]
     worst["hover"] = _hover(worst, worst["module"].map(counts))
     return worst

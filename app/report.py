@@ -33,6 +33,8 @@ def _table(frame: pd.DataFrame) -> str:
 
 
 def _figure(figure) -> str:
+    # The figure builders leave backgrounds and text colours to the dashboard's theme; the report is a light page.
+    figure.update_layout(template="plotly_white")
     return figure.to_html(full_html=False, include_plotlyjs=False, config={"displayModeBar": False})
 
 

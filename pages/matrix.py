@@ -79,8 +79,9 @@ wrote_to_url("matrix_rows", rows_choice)
 cells = matrix_cells(results, rows_choice)
 diverging = sorted(set(cells.loc[cells["first_divergence"].astype(bool), "layout"]))
 st.caption(f"{len(diverging)} of {len(results)} compared layouts diverge. Colour: each layout's worst "
-           "log10(error / tolerance) over every tensor of the module (all steps, micro-batches, kinds); 0 is the pass "
-           "line. The yellow outline is each layout's first divergence. Click a cell to open that pair's heatmap there.")
+           "log10(error / tolerance) over the module's tensors up to the layout's first divergence (all steps, "
+           "micro-batches, kinds); 0 is the pass line. The yellow outline is each layout's first divergence; faded cells "
+           "are modules that ran only after it (they inherit it). Click a cell to open that pair's heatmap there.")
 layouts = [cand for cand in chosen if cand in results or cand in pending]
 event = st.plotly_chart(figures.matrix_figure(cells, layouts, matrix.matrix_columns(cells), pending), key="matrix",
                         on_select="rerun", selection_mode="points", config={"displayModeBar": False})

@@ -100,3 +100,21 @@ def test_heatmap_frames_the_row_a_link_points_at(frame, focus, framed_row):
     assert framed == ([] if framed_row is None else [(framed_row - 0.5, framed_row + 0.5)])
     bold = [a.text for a in figure.layout.annotations if a.text.startswith("<b>")]
     assert bold == ([] if framed_row is None else [f"<b>{focus}</b>"])
+
+
+def test_heatmap_timeline_and_matrix_leave_background_and_text_to_the_theme(frame):
+    """Issue 41: in dark mode the plots kept a white plot area with grey labels on it. Streamlit's theme follows the
+    browser; a figure that sets neither background nor text colour follows it too."""
+    from ttrace_dashboard import matrix
+
+    rows = cells.module_rows(frame)
+    staged = frame.assign(stage=[0 if layer == 0 else 1 for layer in frame["layer"]])
+    drawn = [figures.heatmap_figure(cells.heatmap_cells(staged, 0, "all"), cells.module_rows(staged), focus="layers.0.lin"),
+             figures.timeline_figure(cells.timeline_points(frame, 0), first_order=1)]
+    view = matrix.matrix_cells({"tp2": frame}, "modules")
+    drawn.append(figures.matrix_figure(view, ["tp2", "tp4"], matrix.matrix_columns(view), pending=["tp4"]))
+    for figure in drawn:
+        assert figure.layout.plot_bgcolor is None and figure.layout.paper_bgcolor is None
+        assert figure.layout.annotations and all(a.font.color is None for a in figure.layout.annotations)
+        for shape in figure.layout.shapes:  # bands translucent, lines mid grey: readable on white and on black
+            assert shape.fillcolor in (None, "rgba(0,0,0,0)") or shape.fillcolor.startswith("rgba"), shape.fillcolor

@@ -22,16 +22,20 @@ def tables(frame):
     return {BUG: frame, CLEAN: clean}
 
 
-def test_a_cell_is_the_layouts_worst_tensor_over_steps_micro_batches_and_kinds(tables, frame):
+def test_a_cell_is_the_layouts_worst_tensor_up_to_its_first_divergence(tables, frame):
     view = matrix.matrix_cells(tables, "modules").set_index(["layout", "module"])
     assert matrix.matrix_columns(view.reset_index()) == ["layers.0.lin", "layers.0.act", "layers.1.norm", "layers.1.lin",
                                                          "layers.1.out"]
     act = view.loc[(BUG, "layers.0.act")]
     assert (act["row"], act["column"], act["category"], act["status"]) == (0, 1, "ratio", "mismatch")
-    assert act["ratio"] == frame.loc[frame["module"] == "layers.0.act", "ratio"].max()  # mb 1's 7.6e4, not mb 0's 6.3e4
-    assert act["value"] == 4.0  # clipped at the scale's end
+    # mb 0's 6.3e4, the first divergence; mb 1's 7.6e4 came after it (issue 41: a cell took the worst over the whole
+    # run, so a buggy layout was dark red in every column, upstream of its bug too)
+    assert act["ratio"] == frame.loc[frame["module"] == "layers.0.act", "ratio"].iloc[0] < 7e4
+    assert act["value"] == 4.0 and not act["after_first"]  # clipped at the scale's end
     assert act["hover"] == ("<b>tp2/bug</b><br>layers.0.act<br>worst: forward/layers.0.act/output.0 (step 0)<br>"
-                            "ratio 7.61e+04 · mismatch<br>worst of 2 tensors<br><b>first divergence of this layout</b>")
+                            "ratio 6.29e+04 · mismatch<br><b>first divergence of this layout</b>")
+    assert view.loc[(BUG, "layers.1.norm"), "after_first"] and "inherits it" in view.loc[(BUG, "layers.1.norm"), "hover"]
+    assert not view.loc[CLEAN, "after_first"].any()
     norm = view.loc[(BUG, "layers.1.norm")]
     assert norm["value"] == math.log10(frame.loc[frame["module"] == "layers.1.norm", "ratio"].max())
     assert view.loc[(BUG, "layers.1.lin"), "category"] == "nan"
@@ -98,3 +102,9 @@ def test_matrix_figure_rows_are_layouts_and_outlines_open_the_first_divergence(t
                                                                                                         "tp4/large"]
     numeric = traces["error / tolerance"]
     assert numeric.marker.cmin == -4 and numeric.marker.cmax == 4 and numeric.marker.size == 16
+    # cells only reached after the layout's first divergence are faded
+    faded = {(y, x) for x, y, o in zip(numeric.x, numeric.y, numeric.marker.opacity) if o < 1}
+    assert faded == {(BUG, 2)}  # layers.1.norm (lin and out are NaN and missing, in their own traces)
+    # the colour bar lies above the plot, wide enough to read (on the right it was the plot's height: 15 px)
+    bar = numeric.marker.colorbar
+    assert bar.orientation == "h" and bar.lenmode == "pixels" and bar.len >= 300

@@ -139,7 +139,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add_settings_arguments(report)
     dashboard = commands.add_parser("dashboard", help="browse comparisons of the runs under ROOT in a web dashboard")
     dashboard.add_argument("root", nargs="?", default=".", help="folder holding run directories (searched recursively)")
-    dashboard.add_argument("--port", type=int, default=8501)
+    dashboard.add_argument("--port", type=int, default=None,
+                           help="port to serve on; it must be free (default: the first free one from 8501)")
     dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     return parser
 
