@@ -191,3 +191,23 @@ def test_settings_travel_through_every_judging_command_line(command):
     args = _build_parser().parse_args([command, "REF", "CAND", *settings.cli_args()])
     assert settings_from_args(args) == settings
     assert CompareSettings().cli_args() == []
+
+
+def test_every_command_has_a_description_help_for_its_positionals_and_its_defaults_shown():
+    """Issue 41: subcommands had no paragraph, positionals no help, defaults were not shown, `ttrace bugs --help`
+    was empty."""
+    import argparse
+
+    from ttrace_core.cli.main import _build_parser
+
+    parser = _build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in commands.choices.items():
+        assert command.description, f"ttrace {name} --help has no description"
+        for action in command._actions:
+            if not action.option_strings and action.help != argparse.SUPPRESS:
+                assert action.help, f"ttrace {name}: positional {action.dest} has no help"
+    helps = {name: " ".join(command.format_help().split()) for name, command in commands.choices.items()}
+    assert "(default: 10)" in helps["compare"] and "default: 4)" in helps["estimate"]
+    assert "first free one from 8501" in helps["dashboard"]
+    assert "Takes no arguments" in helps["bugs"]

@@ -35,7 +35,8 @@ def _add_common_example_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_example_parser(commands) -> None:
     example = commands.add_parser("example", help="record a trace of an example workload on CPU ranks (gloo)")
-    workloads = example.add_subparsers(dest="workload", required=True)
+    workloads = example.add_subparsers(dest="workload", required=True,
+                                       help="the workload to record; `ttrace example WORKLOAD --help` lists its flags")
     gpt = workloads.add_parser("torch-gpt", help="small GPT with PyTorch TP/SP, DDP, FSDP2 or pipelining")
     _add_common_example_flags(gpt)
     gpt.add_argument("--fsdp", type=int, default=1, help="FSDP2 degree")
@@ -125,5 +126,8 @@ def run_bugs(args: argparse.Namespace) -> int:
 
 
 def add_bugs_parser(commands) -> None:
-    bugs = commands.add_parser("bugs", help="list the injectable bugs of the example workloads")
+    bugs = commands.add_parser("bugs", help="list the injectable bugs of the example workloads",
+                               description="List the bugs `ttrace example ... --bug NAME` can inject into the example "
+                                           "workloads (megatron-gpt and torch-gpt): each one's culprit, where it first "
+                                           "diverges and which layouts it needs. Takes no arguments.")
     bugs.set_defaults(handler=run_bugs)

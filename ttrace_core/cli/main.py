@@ -85,14 +85,15 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_plugin_commands(commands)
     compare = commands.add_parser("compare", help="compare a candidate run against a reference run")
-    compare.add_argument("reference")
-    compare.add_argument("candidate")
+    compare.add_argument("reference", help=REFERENCE_HELP)
+    compare.add_argument("candidate", help=CANDIDATE_HELP)
     compare.add_argument("--json", default=None, metavar="PATH",
                          help="write the full comparison as strict JSON here (NaN/inf as null); '-': to stdout, "
                               "and the table to stderr")
-    compare.add_argument("--worst", type=int, default=10, help="how many worst offenders to list")
+    compare.add_argument("--worst", type=int, default=10, help="how many worst offenders to list (default: %(default)s)")
     compare.add_argument("--progress", action="store_true", help="draw the progress bar even when stderr is not a terminal")
-    compare.add_argument("--workers", type=int, default=1, help="compare in N local worker processes, each a part of the tensors")
+    compare.add_argument("--workers", type=int, default=1,
+                         help="compare in N local worker processes, each a part of the tensors (default: %(default)s)")
     compare.add_argument("--distributed", action="store_true",
                          help="this process is one rank of a torchrun launch: every rank compares a part, rank 0 reports")
     compare.add_argument("--rebuild", action="store_true",
@@ -102,37 +103,41 @@ def _build_parser() -> argparse.ArgumentParser:
                               "streamed comparison job reads them)")
     add_settings_arguments(compare)
     estimate = commands.add_parser("estimate", help="re-run the reference with perturbed weights to derive per-tensor tolerances")
-    estimate.add_argument("reference")
-    estimate.add_argument("--samples", type=int, default=4, help="perturbed re-runs (the deviation is their maximum)")
+    estimate.add_argument("reference", help="the reference run directory: it is re-run from its manifest, and the "
+                                           "estimate is stored in it")
+    estimate.add_argument("--samples", type=int, default=4,
+                          help="perturbed re-runs (the deviation is their maximum; default: %(default)s)")
     estimate.add_argument("--relative", type=float, default=None,
                           help="perturbation size (default: the unit round-off of the run's compute dtype)")
-    estimate.add_argument("--timeout", type=float, default=600.0, help="seconds before a re-run's ranks are killed")
+    estimate.add_argument("--timeout", type=float, default=600.0,
+                          help="seconds before a re-run's ranks are killed (default: %(default)s)")
     estimate.add_argument("--for-precision", default=None, choices=["fp32", "bf16", "fp8"],
                           help="re-run the reference in this precision (fp8 on a bf16 reference), for candidates that "
                                "compute in it: their tolerances then include its quantization")
     estimate.add_argument("--keep-samples", action="store_true",
                           help="keep the re-runs under REFERENCE/.estimate/ and reuse complete ones (re-measure without re-running)")
     localize = commands.add_parser("localize", help="relaunch the candidate with module inputs rewritten to the reference's, name the culprit")
-    localize.add_argument("reference")
-    localize.add_argument("candidate")
+    localize.add_argument("reference", help=REFERENCE_HELP)
+    localize.add_argument("candidate", help=CANDIDATE_HELP + "; it is relaunched from its manifest")
     localize.add_argument("--module", default=None, help="rewrite and judge only this module and its descendants")
     localize.add_argument("--json", default=None, metavar="PATH",
                           help="write the localization as strict JSON here (NaN/inf as null); '-': to stdout, "
                                "and the report to stderr")
-    localize.add_argument("--timeout", type=float, default=600.0, help="seconds before the replay's ranks are killed")
+    localize.add_argument("--timeout", type=float, default=600.0,
+                          help="seconds before the replay's ranks are killed (default: %(default)s)")
     localize.add_argument("--rerun", action="store_true", help="replay again even when a finished replay of these runs exists")
     add_settings_arguments(localize)
     localize.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # run in this process (what the job runs)
     localize.add_argument("--replay-dir", default=None, help=argparse.SUPPRESS)
     inspect = commands.add_parser("inspect", help="list what a run directory holds")
-    inspect.add_argument("run_dir")
+    inspect.add_argument("run_dir", help="a run directory (the folder that holds manifest.json)")
     inspect.add_argument("--tensors", action="store_true", help="list every logical tensor")
     add_check_parser(commands, add_settings_arguments=add_settings_arguments, settings_from_args=settings_from_args,
                      report_writer=_report_writer)
     add_record_parser(commands)
     report = commands.add_parser("report", help="write a self-contained HTML report, or a Markdown summary for a review")
-    report.add_argument("reference")
-    report.add_argument("candidate")
+    report.add_argument("reference", help=REFERENCE_HELP)
+    report.add_argument("candidate", help=CANDIDATE_HELP)
     report.add_argument("-o", "--out", default=None, help="write the HTML report here (opens offline, no Python needed)")
     report.add_argument("--markdown", action="store_true", help="print a short Markdown summary (verdict, first "
                                                                   "divergence, culprit, evidence)")
@@ -141,8 +146,33 @@ def _build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("root", nargs="?", default=".", help="folder holding run directories (searched recursively)")
     dashboard.add_argument("--port", type=int, default=None,
                            help="port to serve on; it must be free (default: the first free one from 8501)")
-    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
+    for name, subparser in commands.choices.items():  # every command (the installed packages' too) gets a paragraph
+        if subparser.description is None:
+            summary = next((action.help for action in commands._choices_actions if action.dest == name), None)
+            subparser.description = DESCRIPTIONS.get(name, summary)
     return parser
+
+
+REFERENCE_HELP = "the reference run directory (single rank; recorded by ttrace record, ttrace example or a Tracer)"
+CANDIDATE_HELP = "the candidate run directory (the distributed run to judge against the reference)"
+DESCRIPTIONS = {
+    "compare": "Compare a candidate run against a reference run, tensor by tensor, each against its derived tolerance. "
+               "Prints the verdict, the first divergence and the worst offenders. Exit 0 when equivalent, 1 when not, "
+               "2 on bad input (a run compared with itself, or the two swapped, is refused).",
+    "estimate": "Re-run the reference with its weights perturbed by one unit of round-off, several times, and store "
+                "each tensor's deviation in the reference: compare then derives per-tensor tolerances from it.",
+    "localize": "Relaunch the candidate from its manifest with the inputs of every traced module (or of --module and "
+                "its descendants) rewritten to the reference's, and name the module that introduces the error. "
+                "Exit 1 when a culprit is named, 4 when the divergence is not explained.",
+    "inspect": "List what a run directory holds: its manifest (role, layout, steps) and, with --tensors, every "
+               "logical tensor.",
+    "report": "Write the comparison as one self-contained HTML file (-o; opens offline) or print a short Markdown "
+              "summary for a review (--markdown).",
+    "dashboard": "Serve the web dashboard on the runs under ROOT: pick a pair on Runs, open its heatmap, click the "
+                 "first divergence, replay a module on Localize. Stop it with Ctrl-C.",
+}
+"""The paragraph under each command's usage; a command without one gets its one-line help."""
 
 
 def _check_output_path(path: str | None, flag: str) -> None:
