@@ -61,7 +61,7 @@ def _localization_section(reference: Path, candidate: Path, settings: api.Compar
     if result is None:
         return "<p>No whole-model replay has finished for this pair (<code>ttrace localize</code> runs one).</p>"
     level, line = verdicts.summary(result)
-    rows = verdicts.verdict_rows(result, None)
+    rows = verdicts.verdict_rows(result)
     shown = rows[rows["verdict"] != verdicts.VERDICT_MARKS["clean"]].drop(columns=["module"])
     return (f'<p class="{ {"success": "pass", "error": "fail"}.get(level, "warn") }">{html.escape(line)}</p>'
             f"<p>reproduce: <code>{html.escape(result.command)}</code></p>" + _table(shown))

@@ -52,7 +52,7 @@ def follow(job: api.Job) -> None:
     if status.done:
         st.rerun()  # the whole page draws the verdict
     st.progress(verdicts.progress_fraction(status.progress),
-                text=f"running for {status.seconds or 0:.0f} s: {status.progress or status.message}")
+                text=verdicts.progress_text(status.progress or status.message, status.seconds))
     st.code("\n".join(job.log_tail(12)) or "(no output yet)", language=None)
     if st.button("Cancel", icon=":material/stop:"):
         job.cancel()
@@ -85,7 +85,7 @@ if result.reproduction:
 for finding in result.sync:
     st.error(f"The {finding.reduction} gradient reduction introduces the error ({finding.bug_class}: {finding.detail}) "
              f"in {len(finding.params)} parameter(s): {', '.join(finding.params[:6])}")
-rows = verdicts.verdict_rows(result, state.module)
+rows = verdicts.verdict_rows(result)
 if not rows.empty:
     st.subheader("Modules")
     st.dataframe(rows.drop(columns=["fqn"]), hide_index=True, height=min(600, 35 * (len(rows) + 1) + 3))
