@@ -235,6 +235,19 @@ def test_a_step_closed_before_its_end_keeps_an_index_of_what_it_holds(tmp_path):
         assert not reader.index and "stopped on OSError: disk full" in reader.partial_steps[0]
 
 
+def test_a_complete_step_of_no_tensors_reads_back_as_empty(tmp_path):
+    """A pipeline rank that holds none of the module `ttrace localize --module` replays completes its step
+    with nothing recorded: an empty index, read as a step of no tensors (not as a damaged file)."""
+    write_manifest(tmp_path, RunManifest(role="candidate", world_size=1))
+    writer = RunWriter(tmp_path, 0)
+    writer.begin_step(0)
+    writer.end_step()
+    with h5py.File(tmp_path / STEP_FILE) as handle:
+        assert handle[TENSOR_INDEX].shape == (0,)
+    with RunReader(tmp_path) as reader:
+        assert reader.complete_steps == [0] and not reader.index and not reader.partial_steps
+
+
 def test_the_writer_thread_links_the_same_bytes_without_copying_them_again(tmp_path):
     from ttrace_core.record.background_writer import BackgroundWriter
 

@@ -215,7 +215,9 @@ class RunWriter:
     def end_step(self, blind_spots: dict[str, str] | None = None) -> None:
         """`blind_spots`: module -> what this rank's trace of it misses (RunReader merges them into the manifest's)."""
         assert self._file is not None and self._step is not None
-        self._write_rows_dataset(TENSOR_INDEX, self._rows)
+        # Even empty: a rank that held none of the traced modules (a pipeline stage without the module
+        # `ttrace localize --module` replays) completes a step of no tensors, which the reader must find.
+        self._write_rows_dataset(TENSOR_INDEX, self._rows, even_empty=True)
         self._write_rows_dataset(FINDINGS, self._findings)
         if blind_spots:
             self._file.attrs["blind_spots"] = json.dumps(blind_spots, sort_keys=True)
@@ -229,9 +231,10 @@ class RunWriter:
         self._file, self._step = None, None
         self._written.clear()  # links stay within a step; hold no weak reference to training's storages past it
 
-    def _write_rows_dataset(self, name: str, rows: list[bytes]) -> None:
-        """The tensor index or the findings: JSON lines as one uint8 dataset (none when there is no row)."""
-        if rows and name not in self._file:  # a step whose end failed half-way is closed with what it has
+    def _write_rows_dataset(self, name: str, rows: list[bytes], *, even_empty: bool = False) -> None:
+        """The tensor index or the findings: JSON lines as one uint8 dataset (none when there is no row,
+        unless `even_empty`)."""
+        if (rows or even_empty) and name not in self._file:  # a step whose end failed half-way is closed with what it has
             text = b"\n".join(rows)
             self._check_room(len(text))
             self._file.create_dataset(name, data=np.frombuffer(text, dtype=np.uint8))
