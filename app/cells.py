@@ -164,10 +164,30 @@ def rows_by_layer(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(module=frame["module"].map(prefixes))
 
 
+STATUS_WORDS = {
+    "pass": "passes", "mismatch": "mismatch", "replica_drift": "replica drift", "nonfinite": "NaN or Inf",
+    "missing": "missing in one run", "extra": "only in the candidate", "shape": "shapes differ",
+    "dtype": "dtypes differ", "layout": "layouts differ",
+}
+"""A row's status in words, for the page (the table and the JSON keep the code)."""
+GLOSSARY = (
+    "**error**: how far the candidate is from the reference, ||candidate - reference|| / ||reference||.  \n"
+    "**tolerance**: how far it may be, derived for this tensor (its source is named beside it).  \n"
+    "**ratio**: error / tolerance. Below 1 the tensor passes; above 1 it fails; the colour is its log10, 0 the "
+    "pass line.  \n"
+    "**mismatch**: the ratio is above 1: the candidate computes something else than the reference.  \n"
+    "**replica drift**: a tensor every rank should hold identically (replicated) differs between the candidate's "
+    "ranks; its ratio compares that difference with one rounding.  \n"
+    "**first divergence**: the first failing tensor in execution order; everything computed after it may only "
+    "inherit its error."
+)
+"""What the words on the pages mean: the legend every page opens on request."""
+
+
 def verdict_banner(row: pd.Series | dict) -> str:
-    """The tensor page's verdict line: the status and its message, which states every ratio that was
+    """The tensor page's verdict line: the status in words and its message, which states every ratio that was
     tested; the numbers alone when the message is empty (a pass)."""
-    status = f"**{row['status']}**"
+    status = f"**{STATUS_WORDS.get(row['status'], row['status'])}**"
     if row["message"]:
         return f"{status} · {row['message']}"
     if row["value_ratio"] is None or pd.isna(row["value_ratio"]):

@@ -158,8 +158,34 @@ def timeline_figure(points: pd.DataFrame, first_order: int | None) -> go.Figure:
     return figure
 
 
+def _log_axis(values, title: str) -> dict:
+    """A log axis labelled at whole decades ("1e-05"), a label every `dtick` decades so that at most about six show:
+    plotly's own choice put 2 and 5 between decades, and the labels ran into each other."""
+    finite = [math.log10(v) for v in np.asarray(values, dtype=float).ravel() if np.isfinite(v) and v > 0]
+    decades = (max(finite) - min(finite)) if finite else 1.0
+    return dict(type="log", title=title, dtick=max(1, math.ceil(decades / 6)), tickformat=".0e")
+
+
+def _log_line(figure: go.Figure, value: float, axis: str, text: str, colour: str, dash: str) -> None:
+    """A line across the plot at `value` of a log `axis` ("x" or "y"), its label at the line. (add_vline's and
+    add_hline's own labels are placed at the raw value on a log axis, not at its log, so they sat away from it.)"""
+    position = math.log10(value)
+    line = dict(color=colour, dash=dash)
+    if axis == "x":
+        figure.add_vline(x=value, line=line)
+        figure.add_annotation(x=position, xref="x", y=1, yref="paper", yanchor="bottom", xanchor="left", text=text,
+                              showarrow=False)
+    else:
+        figure.add_hline(y=value, line=line)
+        figure.add_annotation(y=position, yref="y", x=1, xref="paper", xanchor="right", yanchor="bottom", text=text,
+                              showarrow=False)
+
+
 def difference_image_figure(image: np.ndarray, block: tuple[int, int], view_shape: tuple[int, int]) -> go.Figure:
-    """max |candidate - reference| per block of the tensor's 2-D view, on a log colour scale."""
+    """max |candidate - reference| per block of the tensor's 2-D view, on a log colour scale; a vector (a view of
+    one row) as bars along its index, with whole-number ticks."""
+    if view_shape[0] == 1:
+        return _difference_vector_figure(image[0], block[1], view_shape[1])
     with np.errstate(divide="ignore", invalid="ignore"):
         logged = np.where(image > 0, np.log10(image), np.nan)
     figure = go.Figure(go.Heatmap(z=logged, colorscale="Inferno", colorbar=dict(title="log10 |diff|"),
@@ -171,14 +197,30 @@ def difference_image_figure(image: np.ndarray, block: tuple[int, int], view_shap
     return figure
 
 
+def _difference_vector_figure(values: np.ndarray, block: int, length: int) -> go.Figure:
+    starts = np.arange(len(values)) * block
+    shown = np.where(values > 0, values, np.nan)
+    figure = go.Figure(go.Bar(x=starts, y=shown, width=block * 0.9, offset=0, marker_color="#b2182b",
+                              customdata=np.minimum(starts + block, length) - 1,
+                              hovertemplate=("element %{x}" if block == 1 else "elements %{x}-%{customdata}")
+                              + ": max |diff| %{y:.3g}<extra></extra>"))
+    figure.update_layout(height=360, margin=dict(l=10, r=10, t=30, b=10), bargap=0,
+                         title=dict(text=f"|difference| along the vector's {length} elements"
+                                         + ("" if block == 1 else f", {block} per bar (max)"), font=dict(size=12)),
+                         xaxis=dict(title="element", tickformat="d", range=[-0.5, length - 0.5 + (block - 1)]),
+                         yaxis=_log_axis(shown, "max |diff|"))
+    return figure
+
+
 def histogram_figure(edges: np.ndarray, counts: np.ndarray, tolerance_rel: float | None) -> go.Figure:
     centres = np.sqrt(edges[:-1] * edges[1:])
     figure = go.Figure(go.Bar(x=centres, y=counts, width=np.diff(edges) * 0.9, marker_color="#4a6fa5",
                               hovertemplate="rel. error ~%{x:.1e}: %{y} elements<extra></extra>"))
     if tolerance_rel:
-        figure.add_vline(x=tolerance_rel, line=dict(color="#b2182b", dash="dash"), annotation_text="tolerance")
-    figure.update_layout(height=300, margin=dict(l=10, r=10, t=30, b=10), xaxis=dict(type="log", title="|diff| / |reference|"),
-                         yaxis=dict(title="elements"), bargap=0)
+        _log_line(figure, tolerance_rel, "x", "tolerance", "#b2182b", "dash")
+    shown = list(edges) + ([tolerance_rel] if tolerance_rel else [])
+    figure.update_layout(height=300, margin=dict(l=10, r=10, t=30, b=10),
+                         xaxis=_log_axis(shown, "|diff| / |reference|"), yaxis=dict(title="elements"), bargap=0)
     return figure
 
 
@@ -218,8 +260,9 @@ def rank_error_figure(shards: list, tolerance_rel: float | None) -> go.Figure:
                               marker_color=[_shard_colour(s.error, tolerance_rel) for s in known],
                               hovertemplate="%{x}: error %{y:.3g}<extra></extra>"))
     if tolerance_rel:
-        figure.add_hline(y=tolerance_rel, line=dict(color="#b2182b", dash="dash"), annotation_text="tolerance")
-    figure.update_layout(height=260, margin=dict(l=10, r=10, t=30, b=10), yaxis=dict(type="log", title="relative error"))
+        _log_line(figure, tolerance_rel, "y", "tolerance", "#b2182b", "dash")
+    shown = [max(s.error, 1e-17) for s in known] + ([tolerance_rel] if tolerance_rel else [])
+    figure.update_layout(height=260, margin=dict(l=10, r=10, t=30, b=10), yaxis=_log_axis(shown, "relative error"))
     return figure
 
 
@@ -231,8 +274,9 @@ def history_figure(rows: pd.DataFrame, current: tuple[int, int] | None) -> go.Fi
     widths = [3 if current == (s, m) else 0 for s, m in zip(rows["step"], rows["micro_batch"])]
     figure = go.Figure(go.Bar(x=labels, y=ratios, marker=dict(color=colours, line=dict(width=widths, color=NEUTRAL)),
                               hovertemplate="%{x}: ratio %{y:.3g}<extra></extra>"))
-    figure.add_hline(y=1, line=dict(color=NEUTRAL, dash="dot"), annotation_text="pass line")
-    figure.update_layout(height=260, margin=dict(l=10, r=10, t=30, b=10), yaxis=dict(type="log", title="error / tolerance"))
+    _log_line(figure, 1.0, "y", "pass line", NEUTRAL, "dot")
+    figure.update_layout(height=260, margin=dict(l=10, r=10, t=30, b=10),
+                         yaxis=_log_axis(list(ratios) + [1.0], "error / tolerance"))
     return figure
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from ttrace_dashboard import matrix
+from ttrace_dashboard import cells, matrix
 from ttrace_dashboard.state import ViewState, query_from_state, state_from_query
 from ttrace_core import api
 from ttrace_core.api import ROOT_ENV, TtraceError
@@ -199,6 +199,12 @@ def _streamed_comparison(job: api.Job, partial_view: Callable[[api.StreamedRows]
     st.progress(rows.num_done / total if total else 0.0, text=text)
     if partial_view is not None and not rows.frame.empty:
         partial_view(rows)
+
+
+def legend() -> None:
+    """The words of the pages (ratio, mismatch, drift...) explained, folded away until asked for."""
+    with st.expander("What ratio, mismatch and drift mean", icon=":material/help:"):
+        st.markdown(cells.GLOSSARY)
 
 
 def pair_caption(state: ViewState) -> None:

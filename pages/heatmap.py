@@ -7,8 +7,8 @@ import streamlit as st
 from ttrace_dashboard import cells, figures
 from ttrace_dashboard.report import report_html
 from ttrace_dashboard.state import ALL_MICRO_BATCHES, ROW_CHOICES, view_from_click
-from ttrace_dashboard.ui import (bind_choice, go_to, load_comparison, pair_caption, run_pair, show_in_url, view_state,
-                                 wrote_to_url)
+from ttrace_dashboard.ui import (bind_choice, go_to, legend, load_comparison, pair_caption, run_pair, show_in_url,
+                                 view_state, wrote_to_url)
 from ttrace_core import api
 
 # Past this many modules the heatmap opens with one row per layer (a 48-layer GPT has 774 modules).
@@ -110,6 +110,7 @@ focus = cells.focus_row(state.module, rows_choice == "layers")
 st.caption("Colour: log10(error / tolerance), 0 is the pass line. The yellow outline is the first divergence"
            + (f"; the framed row is `{focus}`, the module the link points at" if focus in set(rows["module"]) else "")
            + ". Click a cell to open its tensor.")
+legend()
 event = st.plotly_chart(figures.heatmap_figure(view_cells, rows, marked, focus), key="heatmap", on_select="rerun",
                         selection_mode="points", config={"displayModeBar": False})
 clicked = view_from_click(event, state)

@@ -6,7 +6,7 @@ import streamlit as st
 
 from ttrace_dashboard import cells, verdicts
 from ttrace_dashboard.report import report_html
-from ttrace_dashboard.ui import (SETTINGS, bind_choice, go_to, load_comparison,
+from ttrace_dashboard.ui import (SETTINGS, bind_choice, go_to, legend, load_comparison,
                                  pair_caption, run_pair, show_in_url, stop_with, view_state, wrote_to_url)
 from ttrace_core import api
 
@@ -31,6 +31,7 @@ wrote_to_url("localize_module", state.module)
 st.caption("The replay relaunches the candidate from its manifest with every traced module of the target fed the "
            "reference's inputs and output gradients. A module whose own outputs still fail introduces the error; "
            "one that fails only before rewriting inherits it.")
+legend()
 
 job = api.replay_job(reference, candidate, state.module, SETTINGS)
 # Not in a narrow column: there the label was cut ("Replay with referen...").

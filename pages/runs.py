@@ -5,8 +5,8 @@ import streamlit as st
 
 from ttrace_dashboard import cells, runs as pairing
 from ttrace_dashboard.state import ViewState, query_from_state
-from ttrace_dashboard.ui import (bind_choice, dashboard_root, load_comparison, page, run_pair, show_in_url, stop_with,
-                                 view_state, wrote_to_url)
+from ttrace_dashboard.ui import (bind_choice, dashboard_root, legend, load_comparison, page, run_pair, show_in_url,
+                                 stop_with, view_state, wrote_to_url)
 from ttrace_core import api
 
 
@@ -83,6 +83,7 @@ for note in provenance.get("notes", []):
 st.caption(f"tolerances: {provenance['tolerance_provider']} · table {result.path.name} "
            f"({'cached' if result.cached else 'computed'}, {provenance['seconds']} s to compute)")
 st.caption(cells.next_step_caption(cells.first_divergence(result.frame) is not None))
+legend()
 # A link, not a button: the browser switches page at once instead of first rerunning this one.
 st.page_link(page("heatmap"), label="Open the heatmap", icon=":material/grid_on:", query_params=query_from_state(state))
 st.page_link(page("matrix"), label="Every layout of this reference (layout matrix)", icon=":material/table_chart:",

@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from ttrace_dashboard import cells, figures
-from ttrace_dashboard.ui import (bind_choice, go_to, load_comparison,
+from ttrace_dashboard.ui import (bind_choice, go_to, legend, load_comparison,
                                  pair_caption, run_pair, show_in_url, stop_with, view_state, wrote_to_url)
 from ttrace_core import api
 
@@ -42,6 +42,7 @@ if middle.button("Replay its module", icon=":material/my_location:"):
 (st.success if row["passed"] else st.error)(cells.verdict_banner(row))
 if (catches := cells.detectable_text(row)) is not None:
     st.caption(catches)
+legend()
 
 try:
     view = api.tensor_view(reference, candidate, state.tensor, state.step, state.mb)

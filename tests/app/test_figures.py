@@ -118,3 +118,43 @@ def test_heatmap_timeline_and_matrix_leave_background_and_text_to_the_theme(fram
         assert figure.layout.annotations and all(a.font.color is None for a in figure.layout.annotations)
         for shape in figure.layout.shapes:  # bands translucent, lines mid grey: readable on white and on black
             assert shape.fillcolor in (None, "rgba(0,0,0,0)") or shape.fillcolor.startswith("rgba"), shape.fillcolor
+
+
+def test_a_vector_is_drawn_as_a_vector_with_whole_number_ticks():
+    # Issue 41: a 16-element vector was wrapped into a 4 x 4 image with half-integer ticks.
+    from ttrace_core.service.tensor_view import as_matrix, max_pool
+
+    diff = np.zeros(16)
+    diff[11] = 0.5
+    image, block = max_pool(as_matrix(diff))
+    figure = figures.difference_image_figure(image, block, (1, 16))
+    (bars,) = figure.data
+    assert bars.type == "bar" and list(bars.x) == list(range(16)) and figure.layout.xaxis.tickformat == "d"
+    assert np.nanargmax(np.asarray(bars.y, dtype=float)) == 11
+
+
+def test_tolerance_labels_sit_on_their_lines_and_log_ticks_are_whole_decades(frame, tmp_path):
+    # Issue 41: add_vline/add_hline put their labels at the raw value on a log axis (away from the line), and
+    # plotly's log ticks (2, 5 between decades) ran into each other.
+    import math
+
+    reference, candidate = write_pair(tmp_path)
+    view = api.tensor_view(reference, candidate, "forward/layers.0.act/output.0", 0, 0)
+    tolerance = 1e-5
+    histogram = figures.histogram_figure(view.histogram_edges, view.histogram_counts, tolerance)
+    ranks = figures.rank_error_figure(view.shards, tolerance)
+    history = figures.history_figure(cells.history(frame, "forward/layers.0.act/output.0"), (0, 0))
+    for figure, axis, value, text in ((histogram, "x", tolerance, "tolerance"), (ranks, "y", tolerance, "tolerance"),
+                                      (history, "y", 1.0, "pass line")):
+        (label,) = [a for a in figure.layout.annotations if a.text == text]
+        assert getattr(label, axis) == pytest.approx(math.log10(value))  # on a log axis, positions are log10
+        log_axis = getattr(figure.layout, f"{axis}axis")
+        assert log_axis.type == "log" and log_axis.tickformat == ".0e" and log_axis.dtick >= 1
+
+
+def test_the_status_is_said_in_words_and_the_words_are_explained():
+    row = {"status": "replica_drift", "message": "replica drift ratio 1.09e+05", "value_ratio": 1.0}
+    assert cells.verdict_banner(row).startswith("**replica drift** · ")
+    assert set(cells.STATUS_WORDS) >= set(cells.CATEGORY_OF_STATUS) | {"nonfinite"}
+    for word in ("**ratio**", "**mismatch**", "**replica drift**"):
+        assert word in cells.GLOSSARY

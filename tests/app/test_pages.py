@@ -380,3 +380,10 @@ def test_the_runs_table_shows_whole_cells_and_flags_an_entrypoint_that_is_gone(r
     assert "not found in this installation" in recorded_by_text("ttrace_core.examples.megatron_gpt.train:run")
     app = _open("runs", **PAIR)
     assert not app.exception and app.table and not app.dataframe  # st.table wraps; st.dataframe cut the cells
+
+
+def test_every_page_of_a_pair_explains_ratio_mismatch_and_drift(root):
+    for page in ("runs", "heatmap", "tensor", "localize"):
+        app = _open(page, **PAIR)
+        assert not app.exception, page
+        assert [e.label for e in app.expander if "ratio, mismatch and drift" in e.label], page

@@ -151,7 +151,9 @@ def test_big_tensors_are_max_pooled_so_a_single_bad_element_shows():
     matrix[777, 3] = 5.0
     image, block = max_pool(matrix, max_side=100)
     assert image.shape == (100, 100) and block == (10, 7) and image.max() == 5.0 and image[77, 0] == 5.0
-    assert as_matrix(np.arange(10.0)).shape == (3, 4)  # a vector wraps into a near-square grid
+    assert as_matrix(np.arange(10.0)).shape == (1, 10)  # a vector stays one row: drawn as a vector, not a 4 x 3 image
+    image, block = max_pool(as_matrix(np.arange(1000.0)), max_side=100)
+    assert image.shape == (1, 100) and block == (1, 10) and image[0, -1] == 999.0  # pooled along its length
     assert as_matrix(np.zeros((2, 3, 4))).shape == (6, 4)
 
 

@@ -83,14 +83,11 @@ def _logical(run_dir: Path, key: TensorKey) -> tuple[torch.Tensor, list, dict | 
 
 
 def as_matrix(array: np.ndarray) -> np.ndarray:
-    """A 2-D view of any tensor: leading dims flattened into rows; a vector wraps into a near-square grid."""
+    """A 2-D view of any tensor: leading dims flattened into rows; a vector (or a scalar) is one row, so the
+    page draws it as the vector it is (wrapped into a square, 16 elements read as a 4 x 4 image)."""
     if array.ndim >= 2:
         return array.reshape(-1, array.shape[-1])
-    size = array.size
-    columns = max(1, math.ceil(math.sqrt(size)))
-    padded = np.full(columns * math.ceil(size / columns) if size else 0, np.nan)
-    padded[:size] = array.reshape(-1)
-    return padded.reshape(-1, columns) if size else np.zeros((0, 0))
+    return array.reshape(1, -1)
 
 
 def max_pool(matrix: np.ndarray, max_side: int = IMAGE_MAX_SIDE) -> tuple[np.ndarray, tuple[int, int]]:
