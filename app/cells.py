@@ -59,8 +59,20 @@ def in_view(frame: pd.DataFrame, step: int, micro_batch: int | str) -> pd.DataFr
     return rows
 
 
+INITIAL_SLOT = "value.initial"
+"""A parameter's value before the step's first forward (recorded by some runs: torch-gpt's), not an update."""
+
+
+def _is_initial(frame: pd.DataFrame) -> pd.Series:
+    return frame["slot"] == INITIAL_SLOT if "slot" in frame else pd.Series(False, index=frame.index)
+
+
 def module_rows(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per module in the order it first ran: module, layer, stage, row (0 at the top)."""
+    """One row per module in the order it first ran: module, layer, stage, row (0 at the top). Initial parameter
+    values do not count as running (they come before the forward, in the order the parameters were registered);
+    a module with nothing else keeps their place."""
+    ran = frame[~_is_initial(frame)]
+    frame = pd.concat([ran, frame[~frame["module"].isin(set(ran["module"]))]])
     firsts = frame.sort_values("order").groupby("module", sort=False).agg(
         order=("order", "min"), layer=("layer", "first"), stage=("stage", "first"))
     firsts = firsts.sort_values("order").reset_index()
@@ -146,10 +158,13 @@ def timeline_points(frame: pd.DataFrame, step: int) -> pd.DataFrame:
     micro-batches, placed where that module and kind first ran. (One point per tensor instance sent
     15k points, 6 MB, for a 48-layer model.)"""
     rows = frame[frame["step"] == step]
-    firsts = rows.groupby(["module", "kind"])["order"].min()
-    counts = rows.groupby(["module", "kind"]).size()
-    worst = _ranked(rows).drop_duplicates(["module", "kind"]).copy()
-    index = list(zip(worst["module"], worst["kind"]))
+    # Initial parameter values are their own points, in their own band before the forward: merged with the
+    # updated values, a parameter's point sat at the start of the step and its band covered the whole step.
+    rows = rows.assign(phase=rows["phase"].where(~_is_initial(rows), "initial"))
+    firsts = rows.groupby(["module", "kind", "phase"])["order"].min()
+    counts = rows.groupby(["module", "kind", "phase"]).size()
+    worst = _ranked(rows).drop_duplicates(["module", "kind", "phase"]).copy()
+    index = list(zip(worst["module"], worst["kind"], worst["phase"]))
     worst["order"] = firsts.loc[index].values
     worst["value"] = [log_ratio(r) for r in worst["ratio"]]
     worst["category"] = [category(r) for r in worst.to_dict("records")]

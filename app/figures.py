@@ -27,7 +27,7 @@ CATEGORY_STYLE = {
     "missing": ("missing in one run", "#9e9e9e"),
     "structure": ("shape / dtype / layout differs", "#ff9800"),
 }
-PHASE_COLOURS = {"forward": "rgba(66,133,244,0.12)", "backward": "rgba(244,140,66,0.12)", "grad": "rgba(76,175,80,0.12)",
+PHASE_COLOURS = {"initial": "rgba(128,128,128,0.12)", "forward": "rgba(66,133,244,0.12)", "backward": "rgba(244,140,66,0.12)", "grad": "rgba(76,175,80,0.12)",
                  "param": "rgba(156,39,176,0.12)"}
 """Translucent, so the bands read on Streamlit's light and dark themes alike."""
 NEUTRAL = "rgba(128,128,128,0.9)"
@@ -150,8 +150,9 @@ def timeline_figure(points: pd.DataFrame, first_order: int | None) -> go.Figure:
                                         marker=dict(symbol="x", size=8, color=colour), **_clickable(special)))
     figure.add_hline(y=0, line=dict(color=NEUTRAL, width=1, dash="dot"), annotation_text="pass line")
     if first_order is not None:
+        # Below the plot's top, where the phase names sit: there the two ran together ("gradfirst divergence").
         figure.add_vline(x=first_order, line=dict(color=FIRST_DIVERGENCE_COLOUR, width=3),
-                         annotation_text="first divergence")
+                         annotation_text="first divergence", annotation_position="bottom right")
     figure.update_layout(height=300, margin=dict(l=10, r=10, t=30, b=10), dragmode=False,
                          xaxis=dict(title="execution order"),
                          yaxis=dict(title="log10(error/tol)", range=[-LOG_RATIO_LIMIT - 0.3, LOG_RATIO_LIMIT + 0.3]))

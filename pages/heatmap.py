@@ -125,7 +125,8 @@ with st.container(horizontal=True):
         go_to("localize", replace(state, module=target, step=None, mb=None, rows=None))
 
 st.subheader("Timeline")
-st.caption("Every tensor of the step in execution order: forward, backward, reduced gradients, updated parameters.")
+st.caption("Every tensor of the step in execution order: the initial parameter values (when the run recorded "
+           "them), forward, backward, reduced gradients, updated parameters.")
 points = cells.timeline_points(frame, int(step))
 first_order = int(first["order"]) if first is not None and first["step"] == step else None
 timeline = st.plotly_chart(figures.timeline_figure(points, first_order), key="timeline", on_select="rerun",

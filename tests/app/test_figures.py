@@ -158,3 +158,21 @@ def test_the_status_is_said_in_words_and_the_words_are_explained():
     assert set(cells.STATUS_WORDS) >= set(cells.CATEGORY_OF_STATUS) | {"nonfinite"}
     for word in ("**ratio**", "**mismatch**", "**replica drift**"):
         assert word in cells.GLOSSARY
+
+
+def test_initial_parameter_values_neither_lead_the_rows_nor_stretch_the_parameter_band(frame):
+    """Issue 41: on torch-gpt runs the heatmap rows and the timeline started with the initial parameter values
+    (recorded before the forward, in registration order), against their own captions."""
+    initial = frame[frame["tensor"] == "grad/layers.0.lin.weight/grad"].assign(
+        phase="param", kind="param", slot=cells.INITIAL_SLOT, tensor="param/layers.1.norm.weight/value.initial",
+        module="layers.1.norm", order=-1)
+    with_initial = pd.concat([initial, frame], ignore_index=True)
+    assert list(cells.module_rows(with_initial)["module"]) == list(cells.module_rows(frame)["module"])
+    points = cells.timeline_points(with_initial, 0)
+    assert points.iloc[0]["phase"] == "initial" and points.iloc[0]["order"] == -1
+    assert (points.loc[points["phase"] != "initial", "order"] >= 0).all()
+    figure = figures.timeline_figure(points, first_order=1)
+    bands = {a.text: a for a in figure.layout.annotations if a.text in ("initial", "forward", "grad")}
+    assert set(bands) == {"initial", "forward", "grad"}
+    (first,) = [a for a in figure.layout.annotations if a.text == "first divergence"]
+    assert first.yanchor == "bottom" or first.y < 0.5  # not at the top, where the phase names are
