@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,15 +59,9 @@ def record_megatron(case: str, work: Path, precision: str) -> tuple[Path, Path]:
         config = {**config, "precision": precision}
         out = work / role
         record_command(out, python_command("-m", "tests.real_bugs.megatron_launch", case, role,
-                                           "--config", _json(config), "--timeout", "300"))
+                                           "--config", json.dumps(config, sort_keys=True), "--timeout", "300"))
         runs.append(out)
     return runs[0], runs[1]
-
-
-def _json(config: dict) -> str:
-    import json
-
-    return json.dumps(config, sort_keys=True)
 
 
 # ---- #599: MoE router weights not all-reduced over TP under sequence parallelism --------------

@@ -44,7 +44,7 @@ def results_problems(results: dict, markdown: str) -> list[str]:
 
 
 def readme_problems(markdown: str, readme: str) -> list[str]:
-    quoted = SUMMARY_LINE.findall(readme) and [m.group(0) for m in SUMMARY_LINE.finditer(readme)]
+    quoted = [match.group(0) for match in SUMMARY_LINE.finditer(readme)]
     if not quoted:
         return ["README.md quotes no summary line of real_bugs.md"]
     lines = set(markdown.splitlines())
