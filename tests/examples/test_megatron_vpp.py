@@ -65,7 +65,8 @@ def test_a_chunk_whose_gradients_skip_the_data_parallel_reduction_is_named_at_it
     from ttrace_examples.launch import run_config
 
     out = traces / "megatron-pp2-vpp2-dp2-unreduced-chunk"
-    config = run_config("megatron-gpt", {"pp": 2, "vpp": 2, "dp": 2, "steps": 2, "model": {"num_layers": NUM_LAYERS}})
+    # One step: the skipped reduction shows in its gradients (compared against the reference's first step).
+    config = run_config("megatron-gpt", {"pp": 2, "vpp": 2, "dp": 2, "steps": 1, "model": {"num_layers": NUM_LAYERS}})
     spec = SessionSpec(out=str(out), launcher_pid=os.getpid(), seed=config.seed)
     with session_environment(spec) as env:
         run_ranks("tests.examples.megatron_vpp_workers:train_with_one_chunk_unreduced", config.to_dict(),
