@@ -29,3 +29,28 @@ def test_a_tensor_of_another_shape_is_set_aside(tmp_path):
     assert {(k.slot) for k in reshaped} == {"input.0", "output.0"}
     weight = next(k for k in found if k.fqn == "weight")
     assert abs(found[weight].deviation - 0.001 * 6 ** 0.5) < 1e-6
+
+
+def test_an_expert_the_perturbation_reshaped_takes_its_siblings_relative_deviation(tmp_path):
+    from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation
+    from ttrace_core.workflows.estimate import _from_siblings
+
+    model = nn.Module()
+    model.experts = nn.ModuleList([nn.Linear(3, 2), nn.Linear(3, 2)])
+    model.forward = lambda x: model.experts[0](x) + model.experts[1](x)
+    tracer = Tracer(tmp_path / "reference", model, role="reference")
+    with tracer.step(0):
+        model(torch.ones(4, 3))
+    tracer.close()
+    with RunReader(tmp_path / "reference") as reference:
+        measured = next(k for k in reference.index if k.fqn == "experts.0" and k.slot == "output.0")
+        reshaped = next(k for k in reference.index if k.fqn == "experts.1" and k.slot == "output.0")
+        lone = next(k for k in reference.index if k.fqn == "experts.1.weight")  # no sibling measured
+        estimate = PerturbationEstimate(precision="fp32", num_samples=2, relative=1e-7, tensors={
+            measured: TensorDeviation(key=measured, deviation=0.3, reference_norm=1.5, numel=8, per_sample=[0.1, 0.2]),
+            reshaped: TensorDeviation(key=reshaped, deviation=9.0, reference_norm=1.0, numel=8, per_sample=[9.0])})
+        left_out = _from_siblings(estimate, {reshaped, lone}, reference)
+        norm = float(torch.linalg.vector_norm(reference.read(reference.index[reshaped][0]).double()))
+    entry = estimate.tensors[reshaped]
+    assert entry.per_sample == [0.1, 0.2] and abs(entry.deviation - 0.2 * norm) < 1e-9
+    assert left_out == {lone} and lone not in estimate.tensors

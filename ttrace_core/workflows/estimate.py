@@ -131,11 +131,11 @@ def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, rela
         for out in outs:
             with RunReader(out) as perturbed:
                 _merge(estimate, deviations(reference, perturbed, reshaped))
-    for key in reshaped:  # measured in some re-runs only: judged by the per-dtype table, as unmeasured tensors are
-        estimate.tensors.pop(key, None)
+        unmeasured = _from_siblings(estimate, reshaped, reference)
     if reshaped:
         print(f"ttrace: estimate: {len(reshaped)} tensors changed shape in a perturbed re-run (routed experts that "
-              f"received other tokens, e.g. {min(reshaped)}); they keep the per-dtype tolerance", file=sys.stderr)
+              f"received other tokens, e.g. {min(reshaped)}); {len(reshaped) - len(unmeasured)} take their sibling "
+              f"experts' relative deviation, {len(unmeasured)} keep the per-dtype tolerance", file=sys.stderr)
     estimate.seconds = time.monotonic() - started
     if not keep_samples:
         shutil.rmtree(work, ignore_errors=True)
@@ -153,6 +153,34 @@ def _check_precision_honoured(run_dir: Path, outs: list[Path], precision: str) -
             shutil.rmtree(run_dir / ".estimate", ignore_errors=True)
             raise TtraceError(f"{run_dir}: asked its command to re-run in {precision} but it recorded {recorded}; the "
                               "script must apply ttrace_core.requested_precision() to its config (the bundled examples do)")
+
+
+def _from_siblings(estimate: PerturbationEstimate, reshaped: set[TensorKey], reference: RunReader) -> set[TensorKey]:
+    """A tensor whose shape some perturbed re-run changed (a routed expert that was sent other tokens) has no
+    deviation of its own. Its sibling experts (same parent module, same step, micro-batch, phase, slot and
+    call) compute the same way on the same kind of rows, so it takes the largest relative deviation among
+    those measured in every re-run, per sample; with no such sibling it is left out (the per-dtype table
+    judges it). Returns the keys left out."""
+    for key in reshaped:
+        estimate.tensors.pop(key, None)
+    by_parent: dict[tuple, list[TensorDeviation]] = {}
+    for key, entry in estimate.tensors.items():
+        if len(entry.per_sample) == estimate.num_samples and "." in key.fqn:
+            parent = (key.step, key.micro_batch, key.phase, key.fqn.rsplit(".", 1)[0], key.slot, key.call)
+            by_parent.setdefault(parent, []).append(entry)
+    left_out = set()
+    for key in reshaped:
+        siblings = by_parent.get((key.step, key.micro_batch, key.phase, key.fqn.rsplit(".", 1)[0], key.slot, key.call))
+        if not siblings:
+            left_out.add(key)
+            continue
+        per_sample = [max(entry.per_sample[i] for entry in siblings) for i in range(estimate.num_samples)]
+        meta = reference.index[key][0]
+        norm = float(torch.linalg.vector_norm(logical_value(reference, key)))
+        estimate.tensors[key] = TensorDeviation(key=key, deviation=max(per_sample) * norm if norm > 0 else 0.0,
+                                                reference_norm=norm,
+                                                numel=math.prod(meta.layout.global_shape), per_sample=per_sample)
+    return left_out
 
 
 def _merge(estimate: PerturbationEstimate, sample: dict[TensorKey, SampleDeviation]) -> None:
