@@ -10,7 +10,9 @@ work directory's parent and shared by the cases of the same model and precision.
   defaults (sequence parallelism, loss parallelism). About 40 s a run on 2 cores.
 - qwen3's MoE debug model cut to 2 layers, 2 steps (the load-balancing bias acts from the second);
   the candidate is TP 2 x EP 2 on 2 ranks. Its grouped experts compute in bf16 whatever the training
-  dtype, so its reference is `ttrace estimate`d in both precisions. Slow: benchmark only.
+  dtype, so its reference is `ttrace estimate`d in both precisions, and both runs take AdamW with eps 1.0
+  (torchtitan_reverts.adamw_linear_first_step: AdamW's sign-like first step otherwise fails two post-step
+  norm weights of the correct run by update ratios 1.2 and 1.9). Slow: benchmark only.
 
 Precisions: "fp32" (`--training.mixed_precision_param float32`) and "bf16" (torchtitan's default: fp32
 parameters, bf16 compute through fully_shard's mixed-precision policy, judged at bf16 tolerances).
@@ -54,6 +56,7 @@ def _recorder(model: str, revert: str, layout: list[str], setup: str | None = No
 
 
 CHUNKED_LOSS = "https://github.com/pytorch/torchtitan/pull/3412"
+MOE_BIAS_TP_REDUCE = "https://github.com/pytorch/torchtitan/pull/4154"
 BACKWARD_GLUE_AT_LOSS = "between lm_head (backward grad_input.0) and the model (backward grad_output.0)"
 
 CASES: tuple[RealBug, ...] = (
@@ -86,5 +89,21 @@ CASES: tuple[RealBug, ...] = (
         expected_culprits=(),
         record=_recorder("llama3", "chunked-loss-list-concat", TP2),
         control=True,
+    ),
+    RealBug(
+        name="torchtitan-moe-bias-tp-reduce",
+        framework="torchtitan",
+        source=MOE_BIAS_TP_REDUCE,
+        fix=MOE_BIAS_TP_REDUCE,
+        reproduced_by="fix reverted",
+        moe=True,
+        summary="Under TP x EP, the MoE load-balancing hook updates expert_bias_E from each TP rank's own token "
+                "counts (not summed over the TP axis), so the ranks' routing biases drift apart and routing "
+                "differs by rank from the second step (qwen3 MoE, 2 layers, TP2 x EP2 on 2 ranks).",
+        touched="the MoE load-balancing hook's update of layers.*.moe.expert_bias_E (an optimizer pre-step hook), "
+                "which the MoE block hands its router as input.1",
+        expected_culprits=("layers.*.moe", "layers.*.moe.router"),
+        record=_recorder("qwen3-moe", "moe-bias-tp-reduce", TP2_EP2, setup="adamw-linear-first-step"),
+        slow=True,
     ),
 )
