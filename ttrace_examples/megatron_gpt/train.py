@@ -169,7 +169,8 @@ def _interleaved_p2p_fields(config: MegatronGPTRunConfig) -> dict:
     (overlap_p2p_comm on, hence batch_p2p_comm off): separate sends and receives in even/odd rank
     order (p2p_communication._p2p_ops). megatron-core's own default, one batch_isend_irecv, posts a
     rank's two sends to its one neighbour at pp 2 in an order the neighbour does not receive them in:
-    on gloo the activation of one chunk lands in the other's gradient buffer (same shape, no error)."""
+    on gloo the activation of one chunk lands in the other's gradient buffer (same shape, no error;
+    Megatron-LM #750, #1450). attach warns about that configuration (megatron.interleaved_p2p_hazard)."""
     return dict(overlap_p2p_comm=True, batch_p2p_comm=False) if config.vpp > 1 else {}
 
 
