@@ -49,8 +49,9 @@ def test_an_expert_the_perturbation_reshaped_takes_its_siblings_relative_deviati
         estimate = PerturbationEstimate(precision="fp32", num_samples=2, relative=1e-7, tensors={
             measured: TensorDeviation(key=measured, deviation=0.3, reference_norm=1.5, numel=8, per_sample=[0.1, 0.2]),
             reshaped: TensorDeviation(key=reshaped, deviation=9.0, reference_norm=1.0, numel=8, per_sample=[9.0])})
+        # the weight of expert 1 has a sibling pattern (experts.*.weight) but nothing measured on it
         left_out = _from_siblings(estimate, {reshaped, lone}, reference)
         norm = float(torch.linalg.vector_norm(reference.read(reference.index[reshaped][0]).double()))
-    entry = estimate.tensors[reshaped]
-    assert entry.per_sample == [0.1, 0.2] and abs(entry.deviation - 0.2 * norm) < 1e-9
+    entry = estimate.tensors[reshaped]  # the largest of its sibling's and its own measured draws: 9.0
+    assert entry.per_sample == [9.0, 9.0] and abs(entry.deviation - 9.0 * norm) < 1e-9
     assert left_out == {lone} and lone not in estimate.tensors

@@ -157,30 +157,40 @@ def _check_precision_honoured(run_dir: Path, outs: list[Path], precision: str) -
 
 def _from_siblings(estimate: PerturbationEstimate, reshaped: set[TensorKey], reference: RunReader) -> set[TensorKey]:
     """A tensor whose shape some perturbed re-run changed (a routed expert that was sent other tokens) has no
-    deviation of its own. Its sibling experts (same parent module, same step, micro-batch, phase, slot and
-    call) compute the same way on the same kind of rows, so it takes the largest relative deviation among
-    those measured in every re-run, per sample; with no such sibling it is left out (the per-dtype table
-    judges it). Returns the keys left out."""
+    deviation of its own in every re-run. Its sibling experts (keys that differ from it only in the expert
+    index, the last numeric component of the name: `local_experts.2.linear_fc1` and `local_experts.5.linear_fc1`)
+    compute the same way on the same kind of rows, so it takes the largest relative deviation measured on
+    any of them (itself included) in any re-run where the shape held. With none measured it is left out,
+    and the per-dtype table judges it. Returns the keys left out."""
+    measured: dict[tuple, list[float]] = {}
+    for key, entry in estimate.tensors.items():
+        if (signature := _sibling_signature(key)) is not None:
+            measured.setdefault(signature, []).extend(v for v in entry.per_sample if math.isfinite(v))
     for key in reshaped:
         estimate.tensors.pop(key, None)
-    by_parent: dict[tuple, list[TensorDeviation]] = {}
-    for key, entry in estimate.tensors.items():
-        if len(entry.per_sample) == estimate.num_samples and "." in key.fqn:
-            parent = (key.step, key.micro_batch, key.phase, key.fqn.rsplit(".", 1)[0], key.slot, key.call)
-            by_parent.setdefault(parent, []).append(entry)
     left_out = set()
     for key in reshaped:
-        siblings = by_parent.get((key.step, key.micro_batch, key.phase, key.fqn.rsplit(".", 1)[0], key.slot, key.call))
-        if not siblings:
+        values = measured.get(_sibling_signature(key)) or []
+        if not values:
             left_out.add(key)
             continue
-        per_sample = [max(entry.per_sample[i] for entry in siblings) for i in range(estimate.num_samples)]
         meta = reference.index[key][0]
         norm = float(torch.linalg.vector_norm(logical_value(reference, key)))
-        estimate.tensors[key] = TensorDeviation(key=key, deviation=max(per_sample) * norm if norm > 0 else 0.0,
-                                                reference_norm=norm,
-                                                numel=math.prod(meta.layout.global_shape), per_sample=per_sample)
+        relative = max(values)
+        estimate.tensors[key] = TensorDeviation(key=key, deviation=relative * norm, reference_norm=norm,
+                                                numel=math.prod(meta.layout.global_shape),
+                                                per_sample=[relative] * estimate.num_samples)
     return left_out
+
+
+def _sibling_signature(key: TensorKey) -> tuple | None:
+    """The key with the last numeric component of its name made a wildcard; None when the name has none."""
+    parts = key.fqn.split(".")
+    index = next((i for i in range(len(parts) - 1, -1, -1) if parts[i].isdigit()), None)
+    if index is None:
+        return None
+    pattern = ".".join(parts[:index] + ["*"] + parts[index + 1:])
+    return (key.step, key.micro_batch, key.phase, pattern, key.slot, key.call)
 
 
 def _merge(estimate: PerturbationEstimate, sample: dict[TensorKey, SampleDeviation]) -> None:
