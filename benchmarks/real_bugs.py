@@ -57,71 +57,6 @@ def versions() -> dict[str, str]:
     return found
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
-
-
-def _culprits(row: dict) -> str:
-    return "; ".join(row["culprits"]) or "-"
-
-
-def _link(url: str | None) -> str:
-    if not url:
-        return "-"
-    tail = url.rstrip("/").split("/")
-    return f"[{tail[-4]}#{tail[-1]}]({url})" if len(tail) >= 4 and tail[-2] in ("issues", "pull") else url
-
-
-def markdown(results: dict) -> str:
-    rows = results["rows"]
-    bugs = [r for r in rows if not r["control"]]
-    controls = [r for r in rows if r["control"]]
-    lines = ["# The real-bug corpus", "",
-             f"Measured {results['date']} with " + ", ".join(f"{k} {v}" for k, v in results["versions"].items())
-             + "; 2 CPU cores, gloo. Written by `python benchmarks/real_bugs.py`; the cases are in tests/real_bugs/.",
-             "", "## Summary", ""]
-    for precision in results["precisions"]:
-        measured = [r for r in bugs if r["precision"] == precision]
-        names = {r["name"] for r in measured}
-        moe = {r["name"] for r in measured if r["moe"]}
-        lines.append(f"- {precision}: {sum(r['detected'] for r in measured)}/{len(measured)} bugs detected "
-                     f"({len(moe)} MoE / expert parallel), {sum(r['localized'] for r in measured)}/{len(measured)} "
-                     f"localized to what the fix touched; "
-                     f"{sum(not r['detected'] and not r['error'] for r in controls if r['precision'] == precision)}/"
-                     f"{sum(r['precision'] == precision for r in controls)} controls passed; "
-                     f"{len(names)} distinct bugs.")
-    for note in results["notes"]:
-        lines.append(f"- note: {note}")
-    lines += ["", "## Bugs", "",
-              "| bug | framework | MoE | source | fix | reproduced | precision | detected | ratio at first divergence "
-              "| deciding test | first divergence | culprit named | the fix touched | localized | seconds |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in bugs:
-        detected = "error" if r["error"] else ("yes" if r["detected"] else "no")
-        lines.append(f"| {r['name']} | {r['framework']} | {'yes' if r['moe'] else 'no'} | {_link(r['source'])} "
-                     f"| {_link(r['fix'])} | {r['reproduced_by']} | {r['precision']} | {detected} | {_ratio(r['ratio'])} "
-                     f"| {r['deciding_test'] or '-'} | `{r['first_divergence'] or '-'}` | {_culprits(r)} | {r['touched']} "
-                     f"| {'yes' if r['localized'] else 'no'} | {r['seconds']:.0f} |")
-    lines += ["", "## Negative controls", "",
-              "| control | framework | precision | verdict | worst first failure | what it changes |",
-              "|---|---|---|---|---|---|"]
-    for r in controls:
-        verdict = f"error: {r['error'][:80]}" if r["error"] else r["verdict"]
-        lines.append(f"| {r['name']} | {r['framework']} | {r['precision']} | {verdict} "
-                     f"| `{r['first_divergence'] or '-'}` | {r['summary']} |")
-    errors = [r for r in rows if r["error"]]
-    if errors:
-        lines += ["", "## Cases that could not be measured", ""]
-        lines += [f"- {r['name']} ({r['precision']}): {r['error'].splitlines()[-1][:300]}" for r in errors]
-    lines += ["", "## How each bug is reproduced", ""]
-    seen = set()
-    for r in bugs:
-        if r["name"] not in seen:
-            seen.add(r["name"])
-            lines.append(f"- **{r['name']}** ({r['reproduced_by']}): {r['summary']}")
-    return "\n".join(lines) + "\n"
-
-
 def unmeasured_notes(cases: list, rows: list[dict]) -> list[str]:
     """A note per framework whose cases are present but have no row in the results yet."""
     measured = {row["name"] for row in rows}
@@ -143,6 +78,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the recorded runs in --work")
     parser.add_argument("--render", action="store_true", help="only rewrite the Markdown and notes from the json")
     args = parser.parse_args()
+    from tests.real_bugs.results_table import markdown, ratio_text
     from tests.real_bugs.runner import run_case
 
     cases, notes = load_cases()
@@ -165,7 +101,7 @@ def main() -> None:
             row = {**result.to_dict(), "summary": case.summary}
             rows.append(row)
             print(f"{case.name:<45} {precision:<5} detected={result.detected!s:<5} localized={result.localized!s:<5} "
-                  f"ratio={_ratio(result.ratio):<8} {result.deciding_test} culprits={result.culprits} "
+                  f"ratio={ratio_text(result.ratio):<8} {result.deciding_test} culprits={result.culprits} "
                   f"{result.seconds:.0f}s {('ERROR ' + result.error.splitlines()[-1][:200]) if result.error else ''}",
                   flush=True)
             if not args.keep:

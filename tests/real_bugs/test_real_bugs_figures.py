@@ -10,21 +10,15 @@ planted-mismatch tests can show it fails.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import re
 from pathlib import Path
 
+from tests.real_bugs.results_table import markdown as rendered_markdown
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 SUMMARY_LINE = re.compile(r"^- (fp32|bf16): .*$", re.MULTILINE)
-
-
-def _benchmark():
-    spec = importlib.util.spec_from_file_location("real_bugs_benchmark", ROOT / "benchmarks" / "real_bugs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def results_problems(results: dict, markdown: str) -> list[str]:
@@ -35,7 +29,7 @@ def results_problems(results: dict, markdown: str) -> list[str]:
             problems.append(f"{row['name']}: source {row['source']!r} is not a public GitHub link")
         if not row["control"] and row["ratio"] is None and row["detected"] and not row["deciding_test"]:
             problems.append(f"{row['name']} ({row['precision']}): detected without a deciding test")
-    rendered = _benchmark().markdown(results)
+    rendered = rendered_markdown(results)
     if rendered != markdown:
         differing = [f"{mine!r} != {theirs!r}" for mine, theirs in zip(markdown.splitlines(), rendered.splitlines())
                      if mine != theirs][:3]
