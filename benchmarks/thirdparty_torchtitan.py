@@ -40,13 +40,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 LAUNCHER = ["-m", "ttrace_examples.torchtitan"]
 TRAINING = ["--training.seq_len", "256", "--training.local_batch_size", "2", "--training.global_batch_size", "4"]
-STEPS = {"llama3": ["--training.steps", "2"], "qwen3-moe": ["--training.steps", "1"]}
+STEPS = {"llama3": ["--training.steps", "2"], "qwen3-moe": ["--training.steps", "1"], "deepseek-v3": ["--training.steps", "1"]}
 ESTIMATED = ("bf16",)
 """Precisions whose references are `ttrace estimate`d before comparing."""
 PRECISION_FLAGS = {"fp32": ["--training.mixed_precision_param", "float32"], "bf16-mixed": [],
                    "bf16": ["--training.dtype", "bfloat16"]}
 MODELS = {"llama3": ["--module", "ttrace_examples.torchtitan", "--config", "llama3_debugmodel"],
-          "qwen3-moe": ["--module", "ttrace_examples.torchtitan", "--config", "qwen3_moe_debug_2layers"]}
+          "qwen3-moe": ["--module", "ttrace_examples.torchtitan", "--config", "qwen3_moe_debug_2layers"],
+          "deepseek-v3": ["--module", "ttrace_examples.torchtitan", "--config", "deepseek_v3_debugmodel"]}
 TIMEOUT = 600
 
 
@@ -82,6 +83,10 @@ LAYOUTS = [
            expected="run fails inside torchtitan's pipeline schedule"),
     Layout(name="moe ep2", ranks=2, model="qwen3-moe", flags=["--parallelism.expert_parallel_degree", "2"],
            precisions=("fp32",)),
+    Layout(name="moe tp2 x ep2", ranks=2, model="deepseek-v3", precisions=("fp32",),
+           flags=["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]),
+    Layout(name="moe fsdp2 x ep2", ranks=2, model="deepseek-v3", precisions=("fp32",),
+           flags=["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]),
     Layout(name="moe tp2", ranks=2, model="qwen3-moe", flags=["--parallelism.tensor_parallel_degree", "2"],
            precisions=("fp32",),
            expected="false alarm (known): bf16 expert partial sums, then AdamW's first step on norm weights"),
@@ -107,14 +112,14 @@ class Row:
     command: list[str] = field(default_factory=list)
 
 
-def _run(command: list[str], cwd: Path, log: Path) -> tuple[int, float]:
+def _run(command: list[str], cwd: Path, log: Path, timeout: float = TIMEOUT) -> tuple[int, float]:
     started = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log.open("w") as out:
         try:
-            code = subprocess.run(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=TIMEOUT).returncode
+            code = subprocess.run(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
-            out.write(f"\ntimed out after {TIMEOUT} s\n")
+            out.write(f"\ntimed out after {timeout} s\n")
             code = -1
     return code, time.perf_counter() - started
 
@@ -174,9 +179,9 @@ def run(layouts: list[Layout], precisions: list[str], work: Path, samples: int, 
                              why=f"reference failed: {_why(work / f'{reference}.log')}")
                          for layout in layouts if layout.model == model and precision in layout.precisions]
                 continue
-            if precision in ESTIMATED or model == "qwen3-moe":  # its grouped experts compute in bf16 (see the docs)
+            if precision in ESTIMATED or model != "llama3":  # MoE: the grouped experts compute in bf16 (see the docs)
                 code, _ = _run([sys.executable, "-m", "ttrace_core", "estimate", reference, "--samples", str(samples)],
-                               work, work / f"{reference}.estimate.log")
+                               work, work / f"{reference}.estimate.log", timeout=TIMEOUT * (samples + 1))
                 print(f"estimate {reference}: exit {code}", flush=True)
             for layout in layouts:
                 if layout.model != model or precision not in layout.precisions:
@@ -222,7 +227,8 @@ def write_results(rows: list[Row], seconds: float) -> None:
         "`python benchmarks/thirdparty_torchtitan.py`. Each candidate is compared with a one-rank reference of the "
         "same precision (bf16-mixed at the fixed bf16 tolerances, bf16 after `ttrace estimate --samples 2`); llama3: "
         "2 steps x 2 micro-batches of 2 x 256 tokens, chunked loss (8 lm_head calls per micro-batch), selective "
-        "activation checkpointing, clipping at 1.0; qwen3-moe: its first 2 layers, 1 step.",
+        "activation checkpointing, clipping at 1.0; qwen3-moe: its first 2 layers, 1 step; deepseek-v3: its debug model, "
+        "1 step. MoE references are estimated (4 samples): torchtitan's grouped experts compute in bf16.",
         "",
         "| layout | model | precision | ranks | expected | verdict | tensors passed | largest ratio (at) | record s | compare s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
