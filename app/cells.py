@@ -90,7 +90,8 @@ def hover_texts(rows: pd.DataFrame, counts: pd.Series | None = None) -> pd.Serie
     micro_batch = rows["micro_batch"].map(lambda m: "" if m < 0 else f" mb {m}")
     tolerance = _formatted(rows["tolerance_rel"]) + " (" + rows["tolerance_source"].fillna("none") + ")"
     catches = detectable_errors(rows).map(lambda v: "" if math.isnan(v) else f"<br>catches errors above {v:.3g}")
-    text = ("<b>" + rows["tensor"] + "</b><br>step " + rows["step"].astype(str) + micro_batch + ": " + rows["status"]
+    status = rows["status"].map(lambda code: STATUS_WORDS.get(code, code))
+    text = ("<b>" + rows["tensor"] + "</b><br>step " + rows["step"].astype(str) + micro_batch + ": " + status
             + "<br>error " + _formatted(rows["error"]) + "<br>tolerance " + tolerance + "<br>ratio "
             + _formatted(rows["ratio"]) + catches + "<br>shape " + rows["shape"].fillna("-") + " " + rows["dtype"].fillna(""))
     if counts is not None:
@@ -180,7 +181,7 @@ def rows_by_layer(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 STATUS_WORDS = {
-    "pass": "passes", "mismatch": "mismatch", "replica_drift": "replica drift", "nonfinite": "NaN or Inf",
+    "pass": "pass", "mismatch": "mismatch", "replica_drift": "replica drift", "nonfinite": "NaN or Inf",
     "missing": "missing in one run", "extra": "only in the candidate", "shape": "shapes differ",
     "dtype": "dtypes differ", "layout": "layouts differ",
 }

@@ -37,12 +37,11 @@ def layouts_of(runs: list[RunInfo], reference: str) -> list[str]:
 def default_pair(runs: list[RunInfo], ref: str | None, cand: str | None) -> tuple[str | None, str | None]:
     """The pair to show: the URL's when it names usable runs; else a buggy candidate (a run with a bug
     recorded in its manifest) with its matching reference, so a first visit lands on something to see."""
-    by_path = {run.path: run for run in usable(runs)}
-    cand_run = by_path.get(cand or "")
+    pool = candidates(runs)
+    cand_run = next((c for c in pool if c.path == cand), None)  # a candidate only: not a reference given as cand=
     if cand_run is None:
-        pool = candidates(runs)
         cand_run = next((c for c in pool if c.bug), pool[0] if pool else None)
-    if ref in by_path:
+    if ref in {r.path for r in references(runs)}:
         return ref, cand_run.path if cand_run else None
     matched = matching_reference(runs, cand_run) if cand_run else None
     return (matched.path if matched else None), (cand_run.path if cand_run else None)

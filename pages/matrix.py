@@ -5,8 +5,8 @@ import streamlit as st
 
 from ttrace_dashboard import figures, matrix, runs as pairing
 from ttrace_dashboard.state import ROW_CHOICES, ViewState, query_from_state
-from ttrace_dashboard.ui import (bind_to_url, dashboard_root, go_to, matrix_cells, page, show_in_url, stop_with,
-                                 table_unless_streamed, view_state, wrote_to_url)
+from ttrace_dashboard.ui import (back_to_runs, bind_to_url, dashboard_root, go_to, matrix_cells, page, show_in_url,
+                                 stop_with, table_unless_streamed, view_state, wrote_to_url)
 from ttrace_core import api
 
 # Past this many modules (in the largest layout) the matrix opens with one column per layer, as the heatmap does.
@@ -24,11 +24,12 @@ except api.TtraceError as error:
 by_path = {run.path: run for run in runs}
 references = [run.path for run in pairing.references(runs)]
 if not references:
-    stop_with(f"{root}: needs at least one reference run (record one with `ttrace example ... --out DIR` or a Tracer)")
+    stop_with(f"{root}: needs at least one reference run (record one with `ttrace record --out DIR -- ...`, "
+              "`ttrace example ... --out DIR` or a Tracer)")
 if state.ref and state.ref not in references:
     known = by_path.get(state.ref)
-    stop_with(f"{state.ref}: {known.error}" if known is not None and known.error
-              else f"{state.ref}: not a reference run under {root}")
+    back_to_runs(f"{state.ref}: {known.error}" if known is not None and known.error
+                 else f"{state.ref}: not a reference run under {root}")
 
 ref = state.ref or pairing.default_pair(runs, None, None)[0] or references[0]
 left, middle, right = st.columns([2, 5, 1])

@@ -20,7 +20,7 @@ for broken in (run for run in runs if run.error):
     st.warning(f"`{broken.path}` cannot be used: {broken.error}", icon=":material/warning:")
 if not pairing.references(runs) or not pairing.candidates(runs):
     stop_with(f"{dashboard_root()}: needs at least one reference run and one candidate run "
-              "(record them with `ttrace example ... --out DIR` or a Tracer)")
+              "(record them with `ttrace record --out DIR -- ...`, `ttrace example ... --out DIR` or a Tracer)")
 
 ref_paths = [r.path for r in pairing.references(runs)]
 cand_paths = [c.path for c in pairing.candidates(runs)]

@@ -190,3 +190,85 @@ def test_the_layout_matrix_opens_a_pairs_heatmap_at_its_module_and_its_link_repr
     assert urllib.parse.parse_qs(urllib.parse.urlparse(fresh.url).query) == query
     assert fresh.locator("[data-testid=stException]").count() == 0
     fresh.context.close()
+
+
+# The walk of issue 41 on the sample whose first divergence shares its heatmap cell with a worse tensor (the weight's
+# gradient is first, the bias's is worse): the centre of the outlined cell must open the weight's.
+WALK = next((s for s in SAMPLES if s.get("bug") == "sp-final-norm-grad" and s["reference"].startswith("fp32")), BUGGY)
+
+
+def _query(page) -> dict[str, str]:
+    return {name: values[0] for name, values in urllib.parse.parse_qs(urllib.parse.urlparse(page.url).query).items()}
+
+
+def _sidebar_link(page, name: str) -> None:
+    page.locator("[data-testid=stSidebar]").get_by_role("link", name=name).click()
+    page.wait_for_function(f"() => location.pathname.endsWith('/{name.split()[-1].lower()}')", timeout=60_000)
+
+
+def _no_dead_end(page) -> None:
+    assert page.locator("[data-testid=stException]").count() == 0
+    assert page.get_by_text("Pick a reference and a candidate on the Runs page first").count() == 0
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_first_hour_walk_runs_heatmap_outlined_cell_tensor_localize_matrix(dashboard, browser, scheme):
+    """Issue 41's walk, clicked as a user would, in the browser's light and dark mode: pick a candidate on Runs
+    (its reference follows), the sidebar's Heatmap keeps the pair, the centre of the outlined cell opens the first
+    divergence, the sidebar's Localize and Layout matrix keep the pair, the plots follow the theme."""
+    first = f"{WALK['first_divergence']['phase']}/{WALK['first_divergence']['fqn']}/{WALK['first_divergence']['slot']}"
+    context = browser.new_context(viewport={"width": 1600, "height": 1400}, color_scheme=scheme)
+    page = context.new_page()
+    page.goto(f"{dashboard}/runs")
+    page.get_by_text("Open the heatmap").first.wait_for(timeout=180_000)
+    _settled(page)
+    page.locator("[data-testid=stSelectbox]").filter(has_text="Candidate").click()
+    page.keyboard.type(WALK["name"])
+    page.keyboard.press("Enter")
+    page.wait_for_function(f"() => new URLSearchParams(location.search).get('cand') === '{WALK['name']}' && "
+                           f"new URLSearchParams(location.search).get('ref') === '{WALK['reference']}'", timeout=60_000)
+    page.get_by_text(f"first divergence at {first}").wait_for(timeout=180_000)  # the verdict of that pair
+    _settled(page)
+    _no_dead_end(page)
+
+    _sidebar_link(page, "Heatmap")
+    page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=180_000)
+    _settled(page)
+    assert (_query(page)["ref"], _query(page)["cand"]) == (WALK["reference"], WALK["name"])
+    _no_dead_end(page)
+    background = page.evaluate("() => getComputedStyle(document.querySelector('.js-plotly-plot rect.bg')).fill")
+    label = page.evaluate("() => getComputedStyle(document.querySelector('.js-plotly-plot .annotation-text')).fill")
+    brightness = lambda rgb: sum(int(v) for v in rgb[rgb.index("(") + 1:rgb.index(")")].split(",")[:3]) / 3  # noqa: E731
+    # In dark mode a dark plot area (it stayed white, its grey labels near-invisible); labels stand out in both modes.
+    assert (brightness(background) < 80) == (scheme == "dark"), background
+    assert abs(brightness(background) - brightness(label)) > 80, (background, label)
+    outline = page.locator(".js-plotly-plot").first.locator(".scatterlayer .trace").last.locator("path.point")
+    assert outline.count() == 1
+    box = outline.bounding_box()
+    centre = (box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.move(*centre)
+    page.locator(".hoverlayer .hovertext").first.wait_for(timeout=30_000)
+    hover = page.locator(".hoverlayer .hovertext").first.text_content()
+    assert hover.startswith(first) and "first divergence" in hover, hover
+    page.mouse.click(*centre)
+    page.wait_for_function("() => location.pathname.endsWith('/tensor')", timeout=60_000)
+    page.get_by_text("Shard map").wait_for(timeout=60_000)
+    _settled(page)
+    assert _query(page)["tensor"] == first
+    assert page.get_by_role("heading", name=first).count() == 1
+    assert page.get_by_text("What ratio, mismatch and drift mean").count() == 1
+    _no_dead_end(page)
+
+    _sidebar_link(page, "Localize")
+    page.get_by_role("button", name="Replay with reference inputs").wait_for(timeout=60_000)
+    assert (_query(page)["ref"], _query(page)["cand"]) == (WALK["reference"], WALK["name"])
+    _no_dead_end(page)
+
+    _sidebar_link(page, "Layout matrix")
+    page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=300_000)
+    _settled(page)
+    assert _query(page)["ref"] == WALK["reference"] and WALK["name"] in _query(page)["cands"].split(",")
+    bar = page.locator(".js-plotly-plot").first.locator(".colorbar").bounding_box()
+    assert bar["width"] >= 300, bar  # readable: it was squashed to about 15 px
+    _no_dead_end(page)
+    context.close()

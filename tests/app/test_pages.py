@@ -219,6 +219,8 @@ def test_matrix_refuses_a_bad_reference_on_the_page(root, ref, message):
     (error,) = _errors(app)
     assert message in error and "\n" not in error
     assert not app.get("plotly_chart")
+    if ref != "../../../../etc":  # a link naming a run that is no reference: the way back to Runs
+        assert [link.proto.page for link in app.main.get("page_link")] == ["runs"]
 
 
 def test_matrix_shows_a_large_pair_as_not_compared_yet_with_a_link_to_its_heatmap(root, monkeypatch):

@@ -22,6 +22,8 @@ def test_the_first_visit_lands_on_a_buggy_candidate_and_the_url_wins_otherwise()
     assert default_pair(RUNS, None, None) == ("fp32/reference", "fp32/bug")
     assert default_pair(RUNS, "bf16/reference", "fp32/clean") == ("bf16/reference", "fp32/clean")
     assert default_pair(RUNS, "../../etc", "broken") == ("fp32/reference", "fp32/bug")
+    # a link with the roles swapped shows a real pair (the page says why), never a candidate as the reference
+    assert default_pair(RUNS, "fp32/clean", "fp32/reference") == ("fp32/reference", "fp32/bug")
 
 
 def test_the_runs_page_lists_blind_spots_and_estimates_for_other_precisions(tmp_path):
