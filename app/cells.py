@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from ttrace_core.api import KINDS, detectable_errors, layer_module
+from ttrace_core.api import KINDS, PRE_STEP_SLOT, detectable_errors, layer_module
 
 LOG_RATIO_LIMIT = 4.0
 """The colour scale spans log10(ratio) in [-4, 4]; 0 is the pass line."""
@@ -59,8 +59,8 @@ def in_view(frame: pd.DataFrame, step: int, micro_batch: int | str) -> pd.DataFr
     return rows
 
 
-INITIAL_SLOT = "value.initial"
-"""A parameter's value before the step's first forward (recorded by some runs: torch-gpt's), not an update."""
+INITIAL_SLOT = PRE_STEP_SLOT
+"""A parameter's value before the step (recorded at the first step of a recorded range), not an update."""
 
 
 def _is_initial(frame: pd.DataFrame) -> pd.Series:

@@ -33,6 +33,7 @@ from ttrace_core.compare.results import RunComparison, TensorComparison, Verdict
 from ttrace_core.compare.settings import MIN_MAX_MEMORY, TOLERANCE_KINDS, CompareSettings
 from ttrace_core.errors import TraceFormatError, TtraceError
 from ttrace_core.format.naming import KINDS, PSEUDO_MODULES, layer_module, owner_of, tensor_id
+from ttrace_core.format.schema import PRE_STEP_SLOT
 from ttrace_core.service.jobs import Job
 from ttrace_core.service.dashboard import ROOT_ENV
 from ttrace_core.service.runs import RunInfo, find_runs, pair_problem, path_under_root, run_info
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from ttrace_core.service.comparisons import ComparisonTable
     from ttrace_core.service.tensor_view import TensorView
 
-__all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PSEUDO_MODULES", "ROOT_ENV", "TOLERANCE_KINDS",
+__all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PRE_STEP_SLOT", "PSEUDO_MODULES", "ROOT_ENV", "TOLERANCE_KINDS",
            "CompareSettings", "Job", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError", "TtraceError",
            "VerdictSummary",
            "cached_comparison_table", "comparison", "comparison_streams", "comparison_table", "detectable_errors",
