@@ -126,3 +126,37 @@ def test_routing_bookkeeping_of_a_routed_call_is_not_recorded(tmp_path):
     with RunReader(tmp_path / "run") as reader:
         slots = {key.slot for key in reader.index if key.phase == "forward"}
     assert slots == {"input.0", "output.0"}
+
+
+def _record_routed(run, ids: list[int], scale_row: int | None = None) -> None:
+    """An expert that receives the tokens `ids` (of 4-token micro-batch 0); token t's row is t * [1, 1, 1]."""
+    model = _Routed()
+    with torch.no_grad():
+        model.expert.linear.weight.fill_(0.5)
+    tracer = Tracer(run, model, role="candidate")
+    tracer.route_tokens(["expert"])
+    tokens = torch.tensor(ids, dtype=torch.float32)[:, None].repeat(1, 3)
+    if scale_row is not None:
+        tokens[scale_row] *= 1.5
+    with tracer.step(0):
+        tracer.routed.expect("expert", 0, 0, TokenRows(ids=torch.tensor(ids), tokens_per_micro_batch=4, micro_batches=(0,)))
+        model(tokens)
+    tracer.close()
+
+
+@pytest.mark.parametrize("candidate_ids, wrong_row, passes", [
+    ([3, 0, 1], None, True),   # token 2 went elsewhere in the candidate: the 3 common tokens agree
+    ([3, 0, 1], 0, False),     # ... but common token 3 holds other values
+], ids=["routing differs, common tokens agree", "a common token differs"])
+def test_an_expert_routed_other_tokens_is_compared_on_the_common_ones(tmp_path, candidate_ids, wrong_row, passes):
+    from ttrace_core.compare.engine import compare_runs
+
+    _record_routed(tmp_path / "reference", [2, 0, 3, 1])
+    _record_routed(tmp_path / "candidate", candidate_ids, wrong_row)
+    with RunReader(tmp_path / "reference") as reference, RunReader(tmp_path / "candidate") as candidate:
+        assert all(key.slot != "tokens" for key in candidate.index) and candidate.tokens
+        result = compare_runs(reference, candidate)
+    rows = {(c.key.fqn, c.key.slot): c for c in result.comparisons if c.key.phase == "forward"}
+    expert_input = rows[("expert", "input.0")]
+    assert "routed differently: 1 of the reference's 4 tokens" in expert_input.message
+    assert bool(expert_input) is passes and bool(rows[("expert.linear", "output.0")]) is passes

@@ -27,6 +27,7 @@ from ttrace_core.compare.results import RunComparison, StructureTest, TensorComp
 from ttrace_core.compare.candidate_only import replica_disagreements, scale_owner
 from ttrace_core.compare.module_bias import module_bias
 from ttrace_core.compare.shard_errors import candidate_shards, worst_shard
+from ttrace_core.compare.routed_rows import TokenAlignment, token_alignment
 from ttrace_core.compare.structure import (REPLICA_UPDATE, bias_to_value, detectable_error, replica_update_test, rounding_spread,
                                           statistics, structure_tests, with_exact_inputs)
 from ttrace_core.compare.settings import CompareSettings
@@ -148,6 +149,9 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
         return TensorComparison(key=key, status="dtype", dtype=cand_dtype,
                                 message=f"dtype {cand_dtype} in the candidate, {ref_dtype} in the reference")
     if ref_metas[0].layout.global_shape != cand_metas[0].layout.global_shape:
+        if (aligned := token_alignment(key, reference, candidate)) is not None and \
+                not ref_metas[0].stats_only and not cand_metas[0].stats_only:
+            return _compare_aligned_rows(key, reference, candidate, tolerance, aligned)
         return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=cand_metas[0].layout.global_shape,
                                 message=shape_mismatch_message(key, ref_metas[0].layout, cand_metas[0].layout))
     dims, structure, units = None, [], StructureUnits()
@@ -178,6 +182,28 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
                                   **metrics)
     _judge_structure(comparison, structure, units)  # (none on slabs: bounded.py reads no whole tensor)
     return comparison
+
+
+def _compare_aligned_rows(key: TensorKey, reference: RunReader, candidate: RunReader, tolerance: Tolerance,
+                          aligned: TokenAlignment) -> TensorComparison:
+    """A routed expert's tensor on the tokens both runs sent it (routed_rows.py); no structure tests, whose
+    statistics assume the whole tensor."""
+    ref_metas, cand_metas = reference.index[key], candidate.index[key]
+    try:
+        cand_full = canonical_tensor(candidate, cand_metas, key)
+        expected_full = canonical_tensor(reference, ref_metas, key).full
+    except LayoutError as error:
+        return TensorComparison(key=key, status="layout", dtype=cand_metas[0].dtype, message=str(error))
+    actual = ScaledValues(cand_full.full.index_select(0, aligned.candidate_rows), cand_metas[0].scale)
+    expected = ScaledValues(expected_full.index_select(0, aligned.reference_rows), ref_metas[0].scale)
+    metrics, replica_drift = compare_values(actual, expected, tolerance), cand_full.replica_drift
+    drift = asdict(replica_drift) if replica_drift else None
+    status, message = _verdict(metrics, drift, tolerance)
+    value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(drift, tolerance)
+    return TensorComparison(key=key, status=status, message=f"{aligned.note}; {message}" if message else aligned.note,
+                            dtype=cand_metas[0].dtype, tolerance=tolerance, replica_drift=drift,
+                            ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio, drift_ratio=drift_ratio,
+                            decided_by="replica drift" if drift_ratio > value_ratio else "mismatch", **metrics)
 
 
 @dataclass(frozen=True, slots=True)

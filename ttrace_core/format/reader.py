@@ -37,7 +37,7 @@ from ttrace_core.format.records import data_from_json, meta_from_json, record_fr
 from ttrace_core.format.tensor_index import IndexRow, checked_rows, collector_paused
 from ttrace_core.format.schema import (
     FORMAT_VERSION, INDEXED_FORMAT, NO_MICRO_BATCH, PHASES, PRE_STEP_SLOT, READABLE_FORMAT_VERSIONS, REQUIRED_MANIFEST_FIELDS, Finding, RunManifest,
-    TensorKey, TensorMeta,
+    TOKENS_SLOT, TensorKey, TensorMeta,
 )
 
 MANIFEST_NAME = "manifest.json"
@@ -258,7 +258,15 @@ class RunReader:
         """Step files that hold fewer tensors than their writer recorded (INVENTORY_ATTR)."""
         self.findings: list[Finding] = []
         """What the tracer could not record, and why (findings.py), from complete and partial steps alike."""
+        self.tokens: dict[TensorKey, list[TensorMeta]] = {}
+        """The token positions of routed modules' pieces (TOKENS_SLOT), by the key of the expert's forward call."""
         self._scan()
+        self._set_tokens_apart()
+
+    def _set_tokens_apart(self) -> None:
+        """Routed modules' token positions (TOKENS_SLOT) are metadata, not tensors to compare: kept apart."""
+        for key in [key for key in self.index if key.slot == TOKENS_SLOT]:
+            self.tokens[key] = self.index.pop(key)
 
     def _scan(self) -> None:
         found = _step_file_states(self.run_dir)

@@ -48,7 +48,12 @@ an update, and the two runs' starting weights are checked. It comes first in exe
 # Slot families a TracerConfig can select. A slot is `<family>.<index>` ("output.0") or
 # `<family>.<kwarg>` for keyword inputs; parameter gradients and values use the slot `grad`/`value`;
 # the step's scalars use `scalar.<name>` ("scalar.loss", "scalar.grad_norm").
-SLOT_FAMILIES = ("input", "output", "grad_output", "grad_input", "grad", "value", "scalar")
+SLOT_FAMILIES = ("input", "output", "grad_output", "grad_input", "grad", "value", "scalar", "tokens")
+TOKENS_SLOT = "tokens"
+"""The forward slot of a routed module's (a MoE expert's) token positions: for each recorded piece of an
+expert (record/token_rows.py), which tokens of its micro-batch its rows are, in order. Metadata, not a
+tensor to compare: the reader keeps it apart (`RunReader.tokens`), and compare aligns an expert's rows
+by it when the two runs routed different tokens to that expert."""
 
 # Ranges of the format's numbers. A dimension or count beyond MAX_SIZE (2**48) cannot come from a
 # real recording; a float must be finite (NaN fails every comparison, inf fails `le`).

@@ -54,7 +54,7 @@ from ttrace_core.format.fingerprint import environment_fingerprint
 from ttrace_core.canonicalize.placements import without_mesh_axes
 from ttrace_core.format.naming import DATA_PARALLEL_AXES, LOSS_FUNCTION, owner_of, slot_family
 from ttrace_core.format.schema import (
-    MAX_FINDING_CHARS, NO_MICRO_BATCH, PRE_STEP_SLOT, Finding, Layout, RunManifest, TensorKey, TensorMeta, strip_wrappers,
+    MAX_FINDING_CHARS, NO_MICRO_BATCH, PRE_STEP_SLOT, TOKENS_SLOT, Finding, Layout, RunManifest, TensorKey, TensorMeta, strip_wrappers,
 )
 from ttrace_core.record.background_writer import BackgroundWriter
 from ttrace_core.record.declarations import Declarations, UnknownLayoutError
@@ -273,6 +273,11 @@ class Tracer:
                 piece_key = TensorKey(step=key.step, micro_batch=micro_batch, phase=key.phase,
                                       fqn=expert_fqn(key.fqn, expert), slot=key.slot, call=key.call)
                 self._record(piece_key, local.index_select(0, index), scale)
+                if key.phase == "forward" and key.slot == "input.0" and self.routed.root_of(key.fqn) == key.fqn:
+                    # which tokens these rows are: compare aligns the rows by them when routing differs
+                    positions = rows.ids.index_select(0, index) % rows.tokens_per_micro_batch
+                    self._record(TensorKey(step=key.step, micro_batch=micro_batch, phase="forward",
+                                           fqn=piece_key.fqn, slot=TOKENS_SLOT, call=key.call), positions, None)
         return True
 
     def _record(self, key: TensorKey, value: torch.Tensor, scale: float | None, seq: int | None = None) -> None:
@@ -298,7 +303,7 @@ class Tracer:
             if type(value) is torch.Tensor:  # a plain shard: modules it is passed on to read its layout here
                 self._producers.remember(state, key, value, layout)
         # A partial sum's statistics cannot be combined into the whole tensor's: it keeps its values.
-        stats_only = self.config.stats_only and not has_partial(layout.placements)
+        stats_only = self.config.stats_only and not has_partial(layout.placements) and key.slot != TOKENS_SLOT
         meta = TensorMeta(
             key=key, rank=self.rank, dtype=name, local_shape=tuple(local.shape), layout=layout,
             seq=state.seq if seq is None else seq,
