@@ -48,7 +48,7 @@ def _megatron(module: str) -> Any:
 
 
 def _reference_of(candidate: dict) -> dict:
-    parallel = {"tp": 1, "sp": False, "pp": 1, "dp": 1, "ep": 1, "dist_opt": False}
+    parallel = {"tp": 1, "sp": False, "pp": 1, "vpp": 1, "dp": 1, "ep": 1, "dist_opt": False}
     return {**candidate, **parallel}
 
 
@@ -148,11 +148,29 @@ def label_smoothed_loss() -> None:
     train.forward_step = forward_step
 
 
+# ---- #1450 / #750: the interleaved schedule's batched p2p at pipeline size 2 ---------------------------
+
+
+def megatron_default_p2p() -> None:
+    """megatron-core's own p2p defaults (batch_p2p_comm=True, overlap_p2p_comm=False) under the interleaved
+    schedule, instead of the settings Megatron-LM's training and the example give VPP: at pipeline size 2
+    the previous and the next stage are the same rank, and one batch_isend_irecv of both directions pairs
+    activations and gradients crosswise (p2p_communication._batched_p2p_ops), with no error."""
+    from ttrace_examples.megatron_gpt import train
+
+    train._interleaved_p2p_fields = lambda config: {}
+
+
 MOE = {"model": {**SMALL, "num_experts": 2}}
 RECIPES: dict[str, Recipe] = {
     "mcore-moe-router-sp-replica": Recipe(candidate={"tp": 2, "sp": True, **MOE}, revert=revert_pr_619),
     "mcore-gathered-logits-ce": Recipe(candidate={"tp": 2, "model": SMALL}, revert=gather_output_logits),
     "mcore-label-smoothing-tp": Recipe(candidate={"tp": 2, "model": SMALL}, setup=label_smoothed_loss),
+    "mcore-vpp-pp2-batched-p2p": Recipe(candidate={"pp": 2, "vpp": 2, "num_micro_batches": 4,
+                                               "model": {**SMALL, "num_layers": 4}}, revert=megatron_default_p2p),
+    "mcore-moe-per-token-router-loss-tp": Recipe(candidate={
+        "tp": 2, "sp": True, "moe_aux_loss": "aux_loss", "moe_z_loss_coeff": 0.001, "per_token_loss": True,
+        "model": {**SMALL, "num_experts": 4}}),
     "mcore-control-router-fix-by-hook": Recipe(candidate={"tp": 2, "sp": True, **MOE}, revert=fix_599_with_a_grad_hook),
 }
 
@@ -184,6 +202,24 @@ CASES: tuple[RealBug, ...] = (
                   "size and the local mean log-probability, so loss and logit gradients differ from one rank's.",
           touched="loss (tensor_parallel/cross_entropy.py label smoothing)",
           expected_culprits=("the loss function", "(loss)*")),
+    _case("mcore-vpp-pp2-batched-p2p",
+          source="https://github.com/NVIDIA/Megatron-LM/issues/1450",
+          fix=None, reproduced_by="as shipped", moe=False,
+          summary="PP 2 x VPP 2 (interleaved 1F1B) with megatron-core's default batched p2p: the previous and next "
+                  "stage are one rank, and one batch_isend_irecv pairs activations and gradients crosswise, so "
+                  "micro-batch 2 on runs on another micro-batch's activations (also Megatron-LM #750; fix PR #1485 "
+                  "open).",
+          touched="pipeline p2p between decoder.layers.0 and decoder.layers.1 (p2p_communication._batched_p2p_ops)",
+          expected_culprits=("between decoder.layers.0*decoder.layers.1*", "decoder.layers.1")),
+    _case("mcore-moe-per-token-router-loss-tp",
+          source="https://github.com/NVIDIA/Megatron-LM/pull/5047",
+          fix="https://github.com/NVIDIA/Megatron-LM/pull/5047", reproduced_by="as shipped", moe=True,
+          summary="MoE aux loss and z-loss with calculate_per_token_loss under TP 2 + SP: the router losses are scaled by "
+                  "this rank's token count (1/tp of the sequence) before MoEAuxLossAutoScaler, and finalize_model_grads "
+                  "divides by the global count, so the router-loss gradients depend on the TP size (0.16.1 predates "
+                  "the fix; also Megatron-LM #1652 for CP).",
+          touched="router losses (transformer/moe/router.py attach_and_log_load_balancing_loss, apply_z_loss)",
+          expected_culprits=("*mlp.router*",)),
     _case("mcore-control-router-fix-by-hook",
           source="https://github.com/NVIDIA/Megatron-LM/pull/619",
           fix=None, reproduced_by="control", moe=True, control=True,
