@@ -41,3 +41,12 @@ def test_free_port_is_bindable():
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", free_port()))
+
+
+def test_a_rendezvous_port_taken_before_rank_0_listens_is_retried_on_a_new_port(tmp_path, capfd):
+    """free_port releases the port it found; another process can bind it before rank 0's store does
+    (seen as EADDRINUSE under load): the launcher starts the ranks again on a new port, once said."""
+    run_ranks("tests.distributed.workers:port_taken_on_the_first_attempt", {"marker": str(tmp_path / "marker")}, 2,
+              timeout_s=120)
+    out = capfd.readouterr().out
+    assert "was taken by another process; starting the 2 ranks again on a new port (attempt 2 of 3)" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -209,3 +210,26 @@ def record_dtensor_activations_over_dp(config: dict) -> None:
         tracer.close()
     finally:
         dist.destroy_process_group()
+
+
+def port_taken_on_the_first_attempt(config: dict) -> None:
+    """The first launch finds the rendezvous port taken (rank 0 holds it with a socket of its own before
+    torch listens, as another process would); the second joins and passes a barrier."""
+    import socket
+    from pathlib import Path
+
+    marker = Path(config["marker"])
+    first = int(os.environ["RANK"]) == 0 and not marker.exists()
+    holder = None
+    if first:
+        marker.write_text("taken once")
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+        holder.listen()
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        dist.barrier()
+        dist.destroy_process_group()
+    finally:
+        if holder is not None:
+            holder.close()

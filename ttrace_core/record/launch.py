@@ -50,9 +50,28 @@ def _child(rank: int, world_size: int, port: int, target: str, config: dict, env
     except StoppedByLauncher as stop:
         print(f"rank {rank}: {stop}", flush=True)
         raise SystemExit(1)
-    except BaseException:
+    except BaseException as error:
+        if rank == 0 and _port_taken(error):
+            print(f"rank 0: port {port} was taken by another process before the rendezvous could listen on it",
+                  flush=True)
+            raise SystemExit(PORT_TAKEN_EXIT)
         traceback.print_exc()
         raise SystemExit(1)
+
+
+PORT_TAKEN_EXIT = 75
+"""Rank 0's exit code when the rendezvous port `free_port` found was taken before rank 0 could listen on
+it: another process bound it in between (the launcher then starts all ranks again on a new port)."""
+LAUNCH_ATTEMPTS = 3
+
+
+def _port_taken(error: BaseException) -> bool:
+    """Whether `error` (or one it was raised from) is torch's rendezvous failing to listen: EADDRINUSE."""
+    while error is not None:
+        if "EADDRINUSE" in str(error) or "address already in use" in str(error).lower():
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class StoppedByLauncher(Exception):
@@ -75,12 +94,21 @@ def run_ranks(target: str, config: dict, world_size: int, *, timeout_s: float = 
         resolve(target)(config)
         return
     context = multiprocessing.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=_child, args=(rank, world_size, port, target, config, env or {}), daemon=False)
-                 for rank in range(world_size)]
-    for process in processes:
-        process.start()
-    _wait_all(processes, timeout_s)
+    for attempt in range(1, LAUNCH_ATTEMPTS + 1):
+        port = free_port()
+        processes = [context.Process(target=_child, args=(rank, world_size, port, target, config, env or {}),
+                                     daemon=False) for rank in range(world_size)]
+        for process in processes:
+            process.start()
+        try:
+            _wait_all(processes, timeout_s)
+            return
+        except LaunchError:
+            # free_port releases the port it found: another process can bind it before rank 0 listens.
+            if processes[0].exitcode != PORT_TAKEN_EXIT or attempt == LAUNCH_ATTEMPTS:
+                raise
+            print(f"ttrace: rendezvous port {port} was taken by another process; starting the {world_size} ranks "
+                  f"again on a new port (attempt {attempt + 1} of {LAUNCH_ATTEMPTS})", flush=True)
 
 
 def _dump_stacks(processes: list) -> None:
