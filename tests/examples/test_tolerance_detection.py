@@ -2,6 +2,7 @@
 low-precision layouts pass and zoo bugs fail, with a margin of at least 3x between them."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,14 +56,22 @@ def test_estimated_tolerances_pass_clean_and_catch_the_bug_with_margin(case, tmp
         assert first.ratio >= 3 * clean_max, (bug, first.ratio, clean_max)
 
 
-def test_compare_asks_for_an_estimate_when_perturbation_is_requested(megatron_reference):
-    result = run_ttrace("compare", str(megatron_reference), str(megatron_reference), "--tolerance", "perturbation")
+def _copy_of(run: Path, tmp_path: Path) -> Path:
+    """The run again under another name: compare refuses a run compared with itself."""
+    copy = tmp_path / f"{run.name}-copy"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns(".ttrace", ".estimate", ".localize"))
+    return copy
+
+
+def test_compare_asks_for_an_estimate_when_perturbation_is_requested(megatron_reference, tmp_path):
+    result = run_ttrace("compare", str(megatron_reference), str(_copy_of(megatron_reference, tmp_path)),
+                        "--tolerance", "perturbation")
     assert result.returncode == 2
     assert "ttrace estimate" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_theorem_tolerances_are_selectable(megatron_reference, tmp_path):
-    result = run_ttrace("compare", str(megatron_reference), str(megatron_reference), "--tolerance", "theorem",
+    result = run_ttrace("compare", str(megatron_reference), str(_copy_of(megatron_reference, tmp_path)), "--tolerance", "theorem",
                         "--exact-inputs-k", "0", "--json", str(tmp_path / "theorem.json"), check_codes=(0,))
     comparison = load_comparison(tmp_path / "theorem.json")
     # --exact-inputs-k 0: a run against itself would otherwise hold every output to k * eps
