@@ -26,11 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ttrace_core.canonicalize.token_rows import TokenRows, token_ids
+from ttrace_core.integrations.torch_native import micro_batches_of_group
 
 SEQUENTIAL_EXPERTS = "SequentialMLP"
 
@@ -164,14 +164,3 @@ class ExpertTokenTracing:
         for expert, expert_ids in zip(experts, torch.split(permuted, counts)):
             tracer.routed.expect(expert, micro_batch, call, TokenRows(
                 ids=expert_ids.contiguous(), tokens_per_micro_batch=tokens_per_micro_batch, micro_batches=micro_batches))
-
-
-def micro_batches_of_group(micro_batch: int, group) -> tuple[int, ...]:
-    """The global micro-batches every rank of `group` is dispatching now: the tokens of each may reach this
-    rank's experts (the ranks of an expert-parallel group are data-parallel ranks of their own). A
-    collective over `group`: every rank of it calls this at the same point of its dispatch."""
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return (micro_batch,)
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, torch.tensor([micro_batch], dtype=torch.int64), group=group)
-    return tuple(sorted({int(t) for t in gathered}))

@@ -6,6 +6,7 @@ micro-batches, the mesh and degrees for the manifest, and the modules a compiled
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -83,3 +84,14 @@ def compiled_modules(model: nn.Module) -> list[str]:
     if type(model).__name__ != "OptimizedModule":
         return []
     return sorted({strip_wrappers(name) for name, _ in model.named_modules() if strip_wrappers(name)})
+
+
+def micro_batches_of_group(micro_batch: int, group) -> tuple[int, ...]:
+    """The global micro-batches every rank of `group` is dispatching now: the tokens of each may reach this
+    rank's experts (the ranks of an expert-parallel group are data-parallel ranks of their own). A
+    collective over `group`: every rank of it calls this at the same point of its dispatch."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return (micro_batch,)
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, torch.tensor([micro_batch], dtype=torch.int64), group=group)
+    return tuple(sorted({int(t) for t in gathered}))

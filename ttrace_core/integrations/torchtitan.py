@@ -212,7 +212,7 @@ class ExpertTokens:
         from torch.utils._python_dispatch import _disable_current_modes
 
         from ttrace_core.canonicalize.token_rows import TokenRows, token_ids
-        from ttrace_core.integrations.megatron_moe import micro_batches_of_group
+        from ttrace_core.integrations.torch_native import micro_batches_of_group
 
         tracer = self._tracer
         entry = tracer.current_forward_call(routed_fqn)
