@@ -1,9 +1,10 @@
 """Compare in bounded memory: peak RSS of `ttrace compare` with and without `--max-memory`, on a
 trace several times larger than the budget.
 
-Writes a synthetic pair (tests/support/bounded_pair.py: a 1-rank reference, a 2-rank candidate whose tensors are split over rows
-S(0) or replicated, one mismatching and one with replica drift), then runs `ttrace compare` in a
-fresh process for each budget and reads its peak RSS (ru_maxrss). The fixed margin is the peak of
+Writes a synthetic pair (tests/support/bounded_pair.py, run as a child: a 1-rank reference, a 2-rank
+candidate whose tensors are split over rows S(0) or replicated, one mismatching and one with replica
+drift), then runs `ttrace compare` in a fresh process for each budget and reads its peak RSS
+(ru_maxrss). The fixed margin is the peak of
 the same command on a pair of tiny tensors: the interpreter, torch, h5py and the run's index.
 Also prints the bytes per element an unbounded comparison takes (bounded.BYTES_PER_ELEMENT).
 
@@ -17,23 +18,28 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 from compare_throughput import measured_compare
+from harness import run_harness
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's tests/ package, where the pair is written
-from tests.support.bounded_pair import DEPTH, WIDTH, same_rows, write_pair  # noqa: E402
-
+PAIR = "tests.support.bounded_pair"
+"""The pair's writer and the row-for-row check, run as a child (benchmarks/harness.py)."""
 RESULTS = Path(__file__).parent / "results"
+
+
+def written_pair(root: Path, num_tensors: int, rows: int) -> tuple[tuple[Path, Path], int]:
+    """The synthetic pair, written under `root` by the child: (reference, candidate), elements per tensor."""
+    written = run_harness(PAIR, "write", str(root), "--tensors", str(num_tensors), "--rows", str(rows))
+    return (Path(written["reference"]), Path(written["candidate"])), written["numel_per_tensor"]
 
 
 def measure(work: Path, *, num_tensors: int, rows: int, budgets: list[str]) -> dict:
     from ttrace_core.cli.main import byte_size
 
     shutil.rmtree(work, ignore_errors=True)
-    tiny = write_pair(work / "tiny", num_tensors=num_tensors, rows=2)
-    big = write_pair(work / "big", num_tensors=num_tensors, rows=rows)
+    tiny, _ = written_pair(work / "tiny", num_tensors, 2)
+    big, numel = written_pair(work / "big", num_tensors, rows)
     trace_bytes = sum(p.stat().st_size for run in big for p in run.glob("*.h5"))
     margin, _, _ = measured_compare(*tiny, work / "tiny.json")
     rows_out = []
@@ -42,9 +48,10 @@ def measure(work: Path, *, num_tensors: int, rows: int, budgets: list[str]) -> d
         out = work / f"compare-{budget or 'unbounded'}.json"
         peak, seconds, _ = measured_compare(*big, out, *extra)
         rows_out.append({"max_memory": budget, "max_memory_bytes": budget and byte_size(budget), "peak_rss": peak,
-                         "seconds": seconds,
-                         "over_margin": peak - margin, "table": json.loads(out.read_text())})
-    numel = rows * WIDTH * DEPTH
+                         "seconds": seconds, "over_margin": peak - margin, "table": str(out)})
+    same = run_harness(PAIR, "same-rows", *(row["table"] for row in rows_out))
+    for row, equal in zip(rows_out, [None, *same]):
+        row["equal_to_unbounded"] = equal
     return {"trace_bytes": trace_bytes, "margin": margin, "numel_per_tensor": numel, "num_tensors": num_tensors,
             "bytes_per_element_unbounded": rows_out[0]["over_margin"] / numel, "rows": rows_out}
 
@@ -62,7 +69,7 @@ def render(measured: dict) -> str:
     for row in measured["rows"]:
         budget = row["max_memory_bytes"]
         within = "-" if budget is None else ("yes" if row["over_margin"] <= budget else "**no**")
-        equal = "-" if row is unbounded else ("yes" if same_rows(row["table"], unbounded["table"]) else "**no**")
+        equal = "-" if row is unbounded else ("yes" if row["equal_to_unbounded"] else "**no**")
         lines.append(f"| {row['max_memory'] or 'none'} | {row['peak_rss'] / mib:.0f} | {row['over_margin'] / mib:.0f} "
                      f"| {within} | {equal} | {row['seconds']:.1f} |")
     return "\n".join(lines) + "\n"
@@ -81,7 +88,7 @@ def main() -> None:
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "compare_memory.md").write_text(text)
     for row in measured["rows"]:
-        row.pop("table")
+        row.pop("table"), row.pop("equal_to_unbounded")
     (args.results / "compare_memory.json").write_text(json.dumps(measured, indent=1))
     print(text)
 

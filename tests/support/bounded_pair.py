@@ -7,11 +7,17 @@ and tensor 2 mismatches in one element. `same_rows` says whether two comparisons
 (statuses and indices equal, numbers within float rounding).
 
 Used by tests/core/test_bounded_compare.py (slab by slab against whole, peak RSS under --max-memory)
-and benchmarks/compare_memory.py (peak RSS per budget, results/compare_memory.{md,json}).
+and, as a child process (benchmarks/harness.py), by benchmarks/compare_memory.py (peak RSS per budget,
+results/compare_memory.{md,json}):
+
+    python -m tests.support.bounded_pair write ROOT --tensors 12 --rows 1024 --out pair.json
+    python -m tests.support.bounded_pair same-rows WHOLE.json OTHER.json ... --out same.json
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -68,3 +74,30 @@ def same_rows(a: dict, b: dict) -> bool:
             return x.keys() == y.keys() and all(close(x[k], y[k]) for k in x)
         return x == y
     return close(a["comparisons"], b["comparisons"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write the pair, or say which comparisons agree with the first.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    out = argparse.ArgumentParser(add_help=False)
+    out.add_argument("--out", type=Path, required=True, help="where the JSON records go")
+    write = commands.add_parser("write", parents=[out], help="write a pair under ROOT; out: its run directories")
+    write.add_argument("root", type=Path)
+    write.add_argument("--tensors", type=int, required=True)
+    write.add_argument("--rows", type=int, required=True)
+    same = commands.add_parser("same-rows", parents=[out], help="out: for each OTHER, whether it agrees with WHOLE row for row")
+    same.add_argument("whole", type=Path)
+    same.add_argument("others", type=Path, nargs="*")
+    args = parser.parse_args()
+    if args.command == "write":
+        reference, candidate = write_pair(args.root, num_tensors=args.tensors, rows=args.rows)
+        records = {"reference": str(reference), "candidate": str(candidate),
+                   "numel_per_tensor": args.rows * WIDTH * DEPTH}
+    else:
+        whole = json.loads(args.whole.read_text())
+        records = [same_rows(json.loads(other.read_text()), whole) for other in args.others]
+    args.out.write_text(json.dumps(records))
+
+
+if __name__ == "__main__":
+    main()
