@@ -4,7 +4,7 @@ Writes one rank of a 48-layer-sized step through RunWriter (15,838 tensors, as a
 GPT run records: every module's inputs, outputs and gradients over micro-batches, and every
 parameter's gradient and value; a module's output is the next one's input, recorded twice, so about
 a fifth of the tensors are links), then the same step as format 3 wrote it (`write_legacy_copy` of
-tests/faults/meta_rows.py: every dataset carries its metadata as an attribute). Times `RunReader(run)`
+tests/faults/meta_rows.py, run as a child: every dataset carries its metadata as an attribute). Times `RunReader(run)`
 (the whole index) on each, the two interleaved round by round, and reports medians and their ratio, with where the new open's time
 goes. Values are small: opening reads metadata only. Writes results/index_open.{md,json}.
 
@@ -17,19 +17,17 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import h5py
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's tests/ package
-from tests.faults.meta_rows import write_legacy_copy  # noqa: E402
-from ttrace_core.format.reader import RunReader, step_file_name  # noqa: E402
-from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta, TensorStats  # noqa: E402
-from ttrace_core.format.tensor_index import read_rows, tensor_names  # noqa: E402
-from ttrace_core.format.writer import RunWriter, write_manifest  # noqa: E402
+from harness import run_harness
+from ttrace_core.format.reader import RunReader, step_file_name
+from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta, TensorStats
+from ttrace_core.format.tensor_index import read_rows, tensor_names
+from ttrace_core.format.writer import RunWriter, write_manifest
 
 RESULTS = Path(__file__).parent / "results"
 NUM_LAYERS = 48
@@ -115,7 +113,7 @@ def measure(work: Path, rounds: int) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     new_dir, old_dir = work / "format4", work / "format3"
     num_tensors, num_links = write_run(new_dir)
-    write_legacy_copy(new_dir, old_dir)
+    run_harness("tests.faults.meta_rows", str(new_dir), str(old_dir))  # write_legacy_copy, in a child
     seconds: dict[str, list[float]] = {"format 3 (attribute per dataset)": [], "format 4 (tensor index)": []}
     parts: dict[str, list[float]] = {}
     for index in range(rounds):

@@ -5,12 +5,14 @@ Also `write_legacy_copy`: a format-4 run rewritten as format 3 wrote it (an attr
 
 Used by the damage families (corruptions.py, size_lies.py, pristine.py), by the tests that make a trace
 lie or read an old format (tests/core/test_store.py, tests/core/test_tensor_index.py,
-tests/test_damaged_traces.py), and by benchmarks/index_open.py (the format-3 copy it times), so one lie
-is told the same way to both formats.
+tests/test_damaged_traces.py), and by benchmarks/index_open.py (the format-3 copy it times, made in a
+child: `python -m tests.faults.meta_rows RUN LEGACY --out FILE`), so one lie is told the same way to
+both formats.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from pathlib import Path
@@ -121,3 +123,17 @@ def write_legacy_copy(run_dir: Path, legacy_dir: Path) -> None:
             if FINDINGS in source:
                 legacy[FINDINGS] = source[FINDINGS][()]
             legacy.attrs[INVENTORY_ATTR] = len(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Rewrite a format-4 run as format 3 wrote it (write_legacy_copy).")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("legacy_dir", type=Path)
+    parser.add_argument("--out", type=Path, required=True, help="JSON: the legacy copy's directory")
+    args = parser.parse_args()
+    write_legacy_copy(args.run_dir, args.legacy_dir)
+    args.out.write_text(json.dumps({"legacy_dir": str(args.legacy_dir)}))
+
+
+if __name__ == "__main__":
+    main()
