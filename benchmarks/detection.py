@@ -354,6 +354,8 @@ def summary(rows: list[Row], *, ttrace_only: bool = False) -> list[str]:
                      f"bug runs at >= 3")
         if clean_max is not None:
             line += f"; largest clean ratio {clean_max:.3g} ({sum(r.max_ratio is not None and r.max_ratio <= 0.5 for r in c)}/{len(c)} clean runs <= 0.5)"
+        if weakest is not None and clean_max:
+            line += f"; separation (smallest bug ratio / largest clean ratio) {weakest.first_ratio / clean_max:.3g}"
         lines.append(line)
     if ttrace_only:
         return lines + _failed_lines(rows)
@@ -536,6 +538,10 @@ def held_out_sections(seconds: float | None = None) -> list[str]:
     for precision in sorted({r.precision for r in held}) + sorted({r.precision for r in crossed}):
         cells = [_precision_figures([r for r in rows if r.precision == precision]) for rows in (inside, held + crossed)]
         lines.append(f"| {precision} | " + " | ".join(f"{a} \\| {b}" for a, b in zip(*cells)) + " |")
+    # The three precisions judged against a reference of their own, together (the baselines' denominators).
+    own = sorted({r.precision for r in held})
+    cells = [_precision_figures([r for r in rows if r.precision in own]) for rows in (inside, held)]
+    lines.append(f"| {', '.join(own)} together | " + " | ".join(f"{a} \\| {b}" for a, b in zip(*cells)) + " |")
     cleans = [r for r in held + crossed if r.run == "clean" and r.detected is not None]
     lines += ["", f"Held-out clean runs: {len(cleans)}, {sum((r.split or 'held-out') == 'held-out' for r in cleans)} at the "
               f"held-out size and {sum(r.split == 'held-out-2' for r in cleans)} at a second size and seed "
