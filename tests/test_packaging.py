@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from ttrace_core import INSTALL_DASHBOARD
+
 from tests.conftest import ROOT
 from tests.synthetic_runs import write_pair
 
@@ -104,7 +106,7 @@ def test_the_dashboard_ships_its_pages_and_needs_its_extra(venv, tmp_path):
     refused = run([venv / "bin" / "ttrace", "dashboard", tmp_path], cwd=tmp_path)
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr.startswith("ttrace: error: the dashboard needs streamlit and plotly") \
-        and "pip install 'ttrace[dashboard]'" in refused.stderr and len(refused.stderr.splitlines()) == 1
+        and INSTALL_DASHBOARD in refused.stderr and len(refused.stderr.splitlines()) == 1
 
     extra = run([venv / "bin" / "python", "-m", "pip", "install", "--no-input", "-c", ROOT / "requirements.txt",
                  f"streamlit=={pinned_version('streamlit')}", f"plotly=={pinned_version('plotly')}"], cwd=tmp_path)

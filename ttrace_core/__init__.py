@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import importlib
 
+# The distribution's name on the package index (`ttrace` there is someone else's): what `pip install` and
+# importlib.metadata know this project by. The command stays `ttrace`, the imports `ttrace_core`.
+DISTRIBUTION = "ttrace-dist"
+INSTALL_DASHBOARD = f"pip install '{DISTRIBUTION}[dashboard]' -c requirements.txt"
+
 _EXPORTS = {
     "attach": "ttrace_core.record.session", "Session": "ttrace_core.record.session",
     "weight_perturbation": "ttrace_core.record.session", "requested_precision": "ttrace_core.record.session",

@@ -23,6 +23,7 @@ from ttrace_core.cli.record import add_record_parser
 from ttrace_core.compare.settings import (
     DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS, CompareSettings,
 )
+from ttrace_core import INSTALL_DASHBOARD
 from ttrace_core.errors import TtraceError, TtraceInternalError
 
 PLUGIN_COMMANDS = "ttrace.commands"
@@ -242,12 +243,12 @@ def _report_writer(name: str):
     found = [entry for entry in entry_points(group=REPORT_WRITERS) if entry.name == name]
     if not found:
         raise TtraceError(f"the {name.upper()} report is drawn by the dashboard, which is not installed in {sys.prefix}; "
-                          "install it: pip install 'ttrace[dashboard]' -c requirements.txt")
+                          f"install it: {INSTALL_DASHBOARD}")
     try:
         return found[0].load()
     except ModuleNotFoundError as error:
         raise TtraceError(f"the {name.upper()} report needs {error.name}, not installed in {sys.prefix}; "
-                          "pip install 'ttrace[dashboard]' -c requirements.txt") from error
+                          f"{INSTALL_DASHBOARD}") from error
 
 
 def _run_report(args: argparse.Namespace) -> int:

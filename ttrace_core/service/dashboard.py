@@ -15,6 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
+from ttrace_core import INSTALL_DASHBOARD
 from ttrace_core.errors import TtraceError
 
 ROOT_ENV = "TTRACE_ROOT"
@@ -81,11 +82,11 @@ def serve(root: str | os.PathLike, *, port: int | None = None, host: str = "127.
     entrypoint = app_entrypoint()
     if entrypoint is None:
         raise TtraceError(f"the dashboard ({DASHBOARD_PACKAGE}) is missing from this installation in {sys.prefix}; "
-                          "reinstall ttrace: pip install 'ttrace[dashboard]' -c requirements.txt")
+                          f"reinstall it: {INSTALL_DASHBOARD}")
     absent = [name for name in ("streamlit", "plotly") if importlib.util.find_spec(name) is None]
     if absent:  # found before exec'ing `python -m streamlit`, which would die with a bare ModuleNotFoundError
         raise TtraceError(f"the dashboard needs {' and '.join(absent)}, not installed in {sys.prefix}; "
-                          "pip install 'ttrace[dashboard]' -c requirements.txt")
+                          f"{INSTALL_DASHBOARD}")
     asked = port
     port = serving_port(host, port)
     moved = f" ({DEFAULT_PORT} is in use)" if asked is None and port != DEFAULT_PORT else ""
