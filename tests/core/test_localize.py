@@ -107,6 +107,19 @@ def test_data_parallel_degree_reads_every_data_parallel_axis(degrees, expected):
     assert data_parallel_degree(degrees) == expected
 
 
+@pytest.mark.parametrize("degrees", [{"dp": 2}, {"fsdp": 2}, {"dp_shard": 2}, {"dp_replicate": 2}, {"dp_shard": 2, "tp": 2}],
+                         ids=["dp", "fsdp", "dp_shard", "dp_replicate", "dp_shard-tp"])
+def test_a_gradient_off_by_a_constant_factor_under_any_data_parallel_axis_is_dp_scaling(monkeypatch, degrees):
+    """torchtitan's dp_shard / dp_replicate degrees reach the DP-scaling class (it read only dp, fsdp and ep)."""
+    from ttrace_core.localize import verdicts
+
+    monkeypatch.setattr(verdicts, "_scale_factor", lambda reference, replay, key: (2.0, 0.0))
+    manifest = RunManifest(role="candidate", world_size=2 * degrees.get("tp", 1), degrees=degrees)
+    replay = run(comparison("forward", "fc", "output.0", True), comparison("grad", "fc.weight", "grad", False))
+    findings, wgrad = sync_findings(run(), replay, None, None, manifest, module_culprits=[])
+    assert [(f.reduction, f.bug_class) for f in findings] == [("DP", "scaling")] and wgrad == []
+
+
 def test_an_updated_parameter_wrong_with_a_right_gradient_is_the_optimizer():
     manifest = RunManifest(role="candidate", world_size=2, degrees={"dp": 2})
     replay = run(comparison("grad", "w", "grad", True), comparison("param", "w", "value", False))
