@@ -58,10 +58,13 @@ def verdict_rows(localization) -> pd.DataFrame:
 
 
 def bisect_targets(localization, root: str | None) -> list[str]:
-    """Modules to replay on their own next: each culprit that holds traced modules below it."""
+    """Modules to replay on their own next: each culprit that holds traced modules below it. Not the model
+    root (""): replayed alone, it is the whole model again."""
+    from ttrace_core.api import is_descendant
+
     fqns = [m.fqn for m in localization.modules]
-    culprits = [m.fqn for m in localization.modules if m.verdict == "introduces error" and m.fqn != root]
-    return [c for c in culprits if any(f.startswith(c + ".") for f in fqns)]
+    culprits = [m.fqn for m in localization.modules if m.verdict == "introduces error" and m.fqn not in (root, "")]
+    return [c for c in culprits if any(is_descendant(f, c) for f in fqns)]
 
 
 def summary(localization) -> tuple[str, str]:

@@ -32,7 +32,7 @@ import pandas as pd
 from ttrace_core.compare.results import RunComparison, TensorComparison, VerdictSummary, detectable_of
 from ttrace_core.compare.settings import MIN_MAX_MEMORY, TOLERANCE_KINDS, CompareSettings
 from ttrace_core.errors import TraceFormatError, TtraceError
-from ttrace_core.format.naming import KINDS, PSEUDO_MODULES, layer_module, owner_of, tensor_id
+from ttrace_core.format.naming import KINDS, PSEUDO_MODULES, is_descendant, layer_module, owner_of, tensor_id
 from ttrace_core.format.schema import PRE_STEP_SLOT
 from ttrace_core.service.jobs import Job
 from ttrace_core.service.dashboard import ROOT_ENV
@@ -48,7 +48,7 @@ __all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PRE_STEP_SLOT", "P
            "CompareSettings", "Job", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError", "TtraceError",
            "VerdictSummary",
            "cached_comparison_table", "comparison", "comparison_streams", "comparison_table", "detectable_errors",
-           "find_runs", "layer_module", "localization", "owner_of", "pair_problem", "path_under_root",
+           "find_runs", "is_descendant", "layer_module", "localization", "owner_of", "pair_problem", "path_under_root",
            "replay_job", "replay_job_dir", "run_comparison", "run_info", "streamed_comparison", "streamed_rows",
            "submit_comparison", "submit_replay", "tensor_id", "tensor_view", "ttrace_version", "verdict_of"]
 

@@ -69,6 +69,13 @@ def test_glue_of_the_model_root_and_before_any_recorded_tensor_is_named_by_its_n
     assert verdicts(first)["between the micro-batch's data and emb (forward input.0)"][0] == "introduces error"
 
 
+def test_the_model_root_inherits_the_error_of_a_module_inside_it():
+    """The root module ("") holds every module (format.naming in_subtree): it inherits, never a second culprit."""
+    replay = run(comparison("forward", "emb", "output.0", False), comparison("forward", "", "output.0", False))
+    result = verdicts(replay)
+    assert result["emb"] == ("introduces error", "forward") and result[""] == ("inherits error", "")
+
+
 def test_modules_failing_only_before_rewriting_inherit():
     original = run(comparison("forward", "late", "output.0", False))
     assert verdicts(run(comparison("forward", "late", "output.0", True)), original)["late"] == ("inherits error", "")

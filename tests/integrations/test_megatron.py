@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
-from ttrace_core.format.schema import global_fqn
+from ttrace_core.format.naming import global_fqn
 from ttrace_core.integrations.megatron import interleaved_p2p_hazard, megatron_rename
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from ttrace_core.canonicalize import placements as pl
 from ttrace_core.errors import ConfigMismatchError, LayoutError
 from ttrace_core.format.findings import finding_lines
+from ttrace_core.format.naming import fp8_scale_linear
 from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.liveness import reference_liveness
@@ -205,13 +206,9 @@ def _differing_facts(reference: dict, candidate: dict, prefix: str = "") -> list
     return found
 
 
-# Modules that exist only in a quantized run: the fp8 integration passes each GEMM's inverse scales
-# through an identity `fp8_scale_inv` child so that the tracer records them (integrations/fp8.py).
-QUANTIZATION_ONLY_MODULES = ("fp8_scale_inv",)
-
-
 def quantization_only(key: TensorKey) -> bool:
-    return key.fqn.rsplit(".", 1)[-1] in QUANTIZATION_ONLY_MODULES
+    """A tensor only a quantized run has: an fp8 linear's inverse scales (format.naming FP8_SCALE_MODULE)."""
+    return fp8_scale_linear(key.fqn) is not None
 
 
 def data_mismatch_finding(result: RunComparison) -> str | None:
@@ -224,7 +221,7 @@ def data_mismatch_finding(result: RunComparison) -> str | None:
         return None
     return (f"data-mismatch: {first.key} holds {first.dtype} inputs that differ from the reference's, so the runs "
             "were not fed the same micro-batches; the candidate's global micro-batch m (local micro-batch k of "
-            "data-parallel rank r is m = k * dp + r) must be the reference's m-th (README: your own script)")
+            "data-parallel rank r is m = k * dp + r) must be the reference's m-th (docs/your-own-script.md)")
 
 
 def shape_mismatch_message(key: TensorKey, reference: Layout, candidate: Layout) -> str:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 
 from ttrace_core.compare.tolerances import storage_epsilon
+from ttrace_core.format.naming import fp8_scale_linear
 from ttrace_core.format.reader import RunReader, pre_step_key
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey, TensorMeta
 
-SCALE_MODULE_SUFFIX = ".fp8_scale_inv"
 OPERAND_OF_SLOT = {"input.0": "input", "output.0": "input", "input.1": "weight", "output.1": "weight"}
 """Which operand of the linear each slot of its `fp8_scale_inv` child is the inverse scale of."""
 
@@ -37,7 +37,7 @@ def logical_amax(metas: list[TensorMeta]) -> float | None:
 def _operand_key(key: TensorKey, reader: RunReader) -> TensorKey | None:
     """Where the operand a scale key scales is recorded in `reader`: the linear's forward input, or its
     weight as it was before this step."""
-    linear = key.fqn[: -len(SCALE_MODULE_SUFFIX)]
+    linear = fp8_scale_linear(key.fqn)
     if OPERAND_OF_SLOT[key.slot] == "input":
         return dataclasses.replace(key, fqn=linear, slot="input.0")
     return pre_step_key(reader, TensorKey(step=key.step, micro_batch=NO_MICRO_BATCH, phase="param",
@@ -64,7 +64,7 @@ def scale_replica_rel(dtype: str) -> float:
 
 
 def is_fp8_scale(key: TensorKey) -> bool:
-    return key.phase == "forward" and key.fqn.endswith(SCALE_MODULE_SUFFIX) and key.slot in OPERAND_OF_SLOT
+    return key.phase == "forward" and fp8_scale_linear(key.fqn) is not None and key.slot in OPERAND_OF_SLOT
 
 
 def amax_bounds(reference: RunReader, candidate: RunReader) -> dict[TensorKey, float]:

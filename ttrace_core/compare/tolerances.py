@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -32,7 +31,7 @@ from ttrace_core.compare.settings import (  # noqa: F401 (the defaults are part 
 from ttrace_core.compare.estimate_file import PerturbationEstimate, estimate_path, read_estimate
 from ttrace_core.compare.structure import storage_rounding_noise, uncorrelated_noise
 from ttrace_core.errors import TtraceError
-from ttrace_core.format.naming import layer_of
+from ttrace_core.format.naming import is_embedding, layer_family, layer_of
 from ttrace_core.format.reader import RunReader
 from ttrace_core.format.schema import TensorKey
 
@@ -258,17 +257,11 @@ def _family_group(key: TensorKey) -> tuple:
 
 def _family_of(group: tuple) -> tuple:
     step, phase, fqn, slot = group
-    return step, phase, _LAYER_INDEX.sub(".*.", fqn), slot
-
-
-_LAYER_INDEX = re.compile(r"\.\d+\.")
+    return step, phase, layer_family(fqn), slot
 
 
 def _micro_batch_group(key: TensorKey) -> tuple:
     return key.step, key.phase, key.fqn, key.slot
-
-
-_EMBEDDING_NAMES = ("emb", "wte", "wpe")
 
 
 def layer_position(fqn: str, num_layers: int) -> int:
@@ -276,7 +269,7 @@ def layer_position(fqn: str, num_layers: int) -> int:
     layer = layer_of(fqn)
     if layer is not None:
         return layer + 1
-    return 0 if any(name in fqn for name in _EMBEDDING_NAMES) else num_layers + 1
+    return 0 if is_embedding(fqn) else num_layers + 1
 
 
 def theorem_depth(key: TensorKey, num_layers: int) -> int:

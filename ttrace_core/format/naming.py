@@ -1,5 +1,7 @@
 """Naming conventions of traced tensors, written once: which layer a module is in, which module owns
-a parameter, a slot's family, a tensor's module and kind, and the id the URL and the table use.
+a parameter, which modules a subtree holds, a slot's family, a tensor's module and kind, the mesh axes
+that are data parallelism, the fp8 scale module, and the id the URL and the table use.
+tests/core/test_naming.py checks that none of these rules is written again elsewhere.
 
 A key names one tensor instance (format.schema.TensorKey): `phase` forward | backward | grad | param,
 `fqn` the module (activations) or the parameter (grad, param), `slot` "<family>.<index or name>"
@@ -15,6 +17,10 @@ from ttrace_core.format.schema import TensorKey
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
 """A transformer layer in a module path: "decoder.layers.3.mlp" is in layer 3 (also "blocks.3", "h.3")."""
+REPEAT_INDEX = re.compile(r"\.\d+\.")
+"""An index between two name components: what tells the copies of a repeated module apart (layer_family)."""
+EMBEDDING_NAMES = ("emb", "wte", "wpe")
+"""Substrings that mark an embedding (megatron's "embedding", nanoGPT's "wte" and "wpe"): below layer 0."""
 
 KINDS = ("input", "output", "grad_output", "grad_input", "param_grad", "param", "loss", "step")
 """Tensor kinds in the order the heatmap shows them."""
@@ -40,6 +46,19 @@ them, and a gradient reduction over them is data parallelism's (torchtitan names
 dp_replicate, megatron and most scripts dp or fsdp)."""
 
 
+FP8_SCALE_MODULE = "fp8_scale_inv"
+"""The identity child through which the fp8 integration passes a linear's inverse scales so that the
+tracer records them (integrations/fp8.py): "<linear>.fp8_scale_inv", slot 0 the input's scale, slot 1
+the weight's. Only a quantized run has it; the reference has nothing to compare it with."""
+
+
+def fp8_scale_linear(fqn: str) -> str | None:
+    """The linear whose inverse scales module `fqn` records ("a.fc" for "a.fc.fp8_scale_inv"), None when
+    `fqn` is no fp8 scale module."""
+    linear, _, name = fqn.rpartition(".")
+    return linear if name == FP8_SCALE_MODULE else None
+
+
 def data_parallel_degree(degrees: dict[str, int]) -> int:
     """How many data-parallel replicas a run's degrees describe: the product over its data-parallel axes."""
     return math.prod(size for axis, size in degrees.items() if axis in DATA_PARALLEL_AXES)
@@ -57,14 +76,48 @@ def layer_module(fqn: str) -> str:
     return fqn[:match.end(1)] if match else fqn
 
 
+def layer_family(fqn: str) -> str:
+    """The name a tensor shares with its copies in every layer (and every expert or other numbered
+    child): each index between two name components replaced by "*", so "decoder.layers.*.mlp.fc1" for
+    "decoder.layers.3.mlp.fc1". Wider than LAYER_PATTERN, which knows only the layer containers'
+    names: the copies of any numbered container repeat one computation. An index that ends the name is
+    kept ("decoder.layers.3" is a family of its own)."""
+    return REPEAT_INDEX.sub(".*.", fqn)
+
+
+def is_embedding(fqn: str) -> bool:
+    """An embedding's module or parameter (EMBEDDING_NAMES), which sits below the first layer."""
+    return any(name in fqn for name in EMBEDDING_NAMES)
+
+
 def owner_of(parameter_fqn: str) -> str:
     """The module a parameter belongs to: "layers.0.mlp.fc1" for "layers.0.mlp.fc1.weight"; the root is ""."""
     return parameter_fqn.rsplit(".", 1)[0] if "." in parameter_fqn else ""
 
 
 def in_subtree(fqn: str, root: str | None) -> bool:
-    """fqn is root or nested inside it; the root module ("") and None hold everything."""
+    """fqn is root or nested inside it, by whole name components: "a" holds "a" and "a.b", never "ab".
+    The root module ("") and None hold everything, a parameter sits in its module's subtree. The one
+    rule of module nesting: `is_descendant` and `global_fqn` are written with it."""
     return not root or fqn == root or fqn.startswith(root + ".")
+
+
+def is_descendant(fqn: str, ancestor: str) -> bool:
+    """fqn is nested inside `ancestor` and is not `ancestor` itself (in_subtree): the model root ("") is
+    every other module's ancestor."""
+    return fqn != ancestor and in_subtree(fqn, ancestor)
+
+
+def global_fqn(fqn: str, rename: tuple[tuple[str, str], ...]) -> str:
+    """Apply the first (local prefix, global prefix) pair whose subtree holds `fqn` (in_subtree):
+    ("layers.1", "layers.3") renames "layers.1.attn", never "layers.10.attn". An empty global prefix
+    drops the local one: ("1", "") renames "1.decoder" (chunk 1 of a model given as chunks) to
+    "decoder". An empty local prefix renames only the root itself."""
+    for local, global_ in rename:
+        if fqn == local or (local and in_subtree(fqn, local)):
+            rest = fqn[len(local) + 1:]
+            return ".".join(part for part in (global_, rest) if part)
+    return fqn
 
 
 def slot_family(slot: str) -> str:

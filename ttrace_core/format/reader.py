@@ -32,6 +32,7 @@ from ttrace_core.format.datasets import (
     tensor_from_array,
 )
 from ttrace_core.format.findings import FINDINGS, findings_in_file
+from ttrace_core.format.naming import in_subtree
 from ttrace_core.format.global_heap import refuse_looping_heaps
 from ttrace_core.format.records import data_from_json, meta_from_json, record_from_data
 from ttrace_core.format.tensor_index import IndexRow, checked_rows, collector_paused
@@ -373,7 +374,7 @@ class RunReader:
         return self._in_subtree(dataset_path.rsplit("/", 1)[-1].split("#", 1)[0])
 
     def _in_subtree(self, fqn: str) -> bool:
-        return self.subtree is None or fqn == self.subtree or fqn.startswith(self.subtree + ".")
+        return in_subtree(fqn, self.subtree)
 
     def read(self, meta: TensorMeta, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The recorded local values of one shard, in its recorded dtype; `region` (a slice per leading

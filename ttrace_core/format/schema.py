@@ -73,18 +73,6 @@ DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "fl
 DtypeName = Literal[DTYPE_NAMES]  # type: ignore[valid-type]
 
 
-def global_fqn(fqn: str, rename: tuple[tuple[str, str], ...]) -> str:
-    """Apply the first (local prefix, global prefix) pair that matches whole name components:
-    ("layers.1", "layers.3") renames "layers.1.attn", never "layers.10.attn". An empty global prefix
-    drops the local one: ("1", "") renames "1.decoder" (chunk 1 of a model given as chunks) to "decoder"."""
-    for local, global_ in rename:
-        if fqn == local:
-            return global_
-        if fqn.startswith(local + "."):
-            return global_ + fqn[len(local):] if global_ else fqn[len(local) + 1:]
-    return fqn
-
-
 # Name components that wrappers insert between a module and its children: activation checkpointing
 # (CheckpointWrapper), torch.compile (OptimizedModule) and FSDP1. The reference has none of them.
 WRAPPER_COMPONENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")

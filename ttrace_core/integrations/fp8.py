@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
+from ttrace_core.format.naming import FP8_SCALE_MODULE
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -325,7 +327,7 @@ class _Fp8LinearMixin:
         super().__init__(*args, **kwargs)
         self.fp8_recipe = fp8_recipe if fp8_recipe is not None else Fp8Recipe()
         self.fp8_quantizers = Fp8Quantizers(self.fp8_recipe)
-        self.fp8_scale_inv = Fp8ScaleInv()
+        self.add_module(FP8_SCALE_MODULE, Fp8ScaleInv())  # recorded as "<linear>.fp8_scale_inv"
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       gradient_accumulation_fusion: bool, allreduce_dgrad: bool, sequence_parallel: bool,
@@ -338,7 +340,7 @@ class _Fp8LinearMixin:
                              tp_group if tp_group is not None else self.tp_group,
                              sequence_parallel, allreduce_dgrad)
         output = Fp8LinearFunction.apply(input, weight, bias, setup)
-        self.fp8_scale_inv(setup.used_scales["input"], setup.used_scales["weight"])
+        self.get_submodule(FP8_SCALE_MODULE)(setup.used_scales["input"], setup.used_scales["weight"])
         return output
 
 

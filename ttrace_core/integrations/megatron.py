@@ -33,8 +33,8 @@ from torch import nn
 
 from ttrace_core.canonicalize.placements import global_shape_from_local
 from ttrace_core.integrations.megatron_moe import ExpertTokenTracing, expert_layout, expert_roots, is_inside_expert
-from ttrace_core.format.naming import owner_of
-from ttrace_core.format.schema import Layout, RunManifest, global_fqn
+from ttrace_core.format.naming import FP8_SCALE_MODULE, global_fqn, owner_of
+from ttrace_core.format.schema import Layout, RunManifest
 
 # The model root and the decoder block differ per pipeline stage (and duplicate their first and
 # last children). The masked softmax fills its input in place and the vocab-parallel cross entropy
@@ -44,7 +44,7 @@ TRACER_EXCLUDE = ("", "decoder")
 # experts that are not traced by token (megatron_moe.py: grouped experts, or a tracer built without the
 # adapter). `attach` traces each expert of a SequentialMLP by token instead (untraceable_expert_activations).
 TRACER_EXCLUDE_ACTIVATIONS = ("*.mlp.experts", "*.mlp.experts.*")
-TRACER_FORWARD_ONLY = ("*.scale_mask_softmax", "output_layer", "*.fp8_scale_inv")
+TRACER_FORWARD_ONLY = ("*.scale_mask_softmax", "output_layer", f"*.{FP8_SCALE_MODULE}")
 
 HIDDEN = "hidden"
 """Placeholder for hidden states [s, b, h] (or tokens [s * b, h]): S(0) under sequence parallelism,

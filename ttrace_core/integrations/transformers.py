@@ -50,6 +50,7 @@ from torch import nn
 
 from ttrace_core.canonicalize.placements import global_shape_from_local
 from ttrace_core.errors import LayoutError
+from ttrace_core.format.naming import in_subtree
 from ttrace_core.format.schema import Layout
 from ttrace_core.integrations.dtensor import mesh_description, placement_str
 
@@ -229,7 +230,7 @@ def applied_plan(model: nn.Module) -> AppliedPlan:
     modules, parameters, claimed = [], [], []
     for module_name, module in model.named_modules():
         for plan, mesh in plans:
-            if any(module_name == c or module_name.startswith(c + ".") for c, m in claimed if m is not mesh):
+            if any(in_subtree(module_name, c) for c, m in claimed if m is not mesh):
                 continue  # an EP module's children keep no TP rule
             if (style_name := _get_parameter_plan(module_name, plan, is_weight=False)) is not None:
                 modules.append(PlannedTensor(module_name, style_name, ALL_PARALLEL_STYLES[style_name], mesh))
@@ -238,7 +239,7 @@ def applied_plan(model: nn.Module) -> AppliedPlan:
         for param_name, _ in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}" if module_name else param_name
             for plan, mesh in plans:
-                if any(name.startswith(c + ".") for c, m in claimed if m is not mesh):
+                if any(in_subtree(name, c) for c, m in claimed if m is not mesh):
                     continue
                 if (style_name := _get_parameter_plan(name, plan, is_weight=True)) is not None:
                     parameters.append(PlannedTensor(name, style_name, ALL_PARALLEL_STYLES[style_name], mesh))
@@ -254,7 +255,7 @@ def _expert_intermediates(model: nn.Module, modules: list[PlannedTensor],
     found = []
     for experts in (p for p in modules if _known({"MoeExpertsParallel": True}, p.style)):
         kinds = {_known({"ColwiseParallel": "col", "PackedColwiseParallel": "col", "RowwiseParallel": "row"}, p.style)
-                 for p in parameters if p.name.startswith(experts.name + ".")}
+                 for p in parameters if in_subtree(p.name, experts.name)}
         if {"col", "row"} <= kinds:
             found += [(f"{experts.name}.{name}", experts.mesh) for name, _ in model.get_submodule(experts.name).named_modules()
                       if name and f"{experts.name}.{name}" not in planned]

@@ -44,8 +44,8 @@ import torch
 from ttrace_core.canonicalize.logical_value import logical_value
 from ttrace_core.compare.results import RunComparison, TensorComparison
 from ttrace_core.format.naming import (
-    DATA_PARALLEL_AXES, GRADIENT_CLIPPING, LOSS_FUNCTION, PSEUDO_MODULES, in_subtree, module_of, owner_of, slot_family,
-    data_parallel_degree,
+    DATA_PARALLEL_AXES, GRADIENT_CLIPPING, LOSS_FUNCTION, PSEUDO_MODULES, data_parallel_degree, in_subtree, is_descendant,
+    module_of, owner_of, slot_family,
 )
 from ttrace_core.format import strict_json
 from ttrace_core.format.records import data_from_json, data_from_record, record_from_data
@@ -139,11 +139,6 @@ class Localization:
         """Every field's type checked; TraceFormatError naming `where` if the text is not a localization."""
         data = data_from_json(text, where, "localization result", "run the replay again")
         return record_from_data(data, Localization, where, "localization result", "run the replay again")
-
-
-def is_descendant(fqn: str, ancestor: str) -> bool:
-    """Module nesting by name; glue named by its neighbours ("between ...") is nobody's ancestor."""
-    return bool(ancestor) and fqn.startswith(ancestor + ".")
 
 
 def _evidence(key: TensorKey, before: dict[TensorKey, TensorComparison], after: TensorComparison) -> Evidence:
@@ -269,7 +264,7 @@ def module_verdicts(original: RunComparison, replay: RunComparison, root: str | 
     failing_before = {c.key.fqn for c in original.comparisons if not c and c.key.phase in ("forward", "backward")}
     verdicts = []
     for fqn in sorted(traced | set(suspects), key=lambda f: _first_position(replay, f, suspects.get(f))):
-        if fqn in suspects and not any(is_descendant(other, fqn) for other in suspects if other != fqn):
+        if fqn in suspects and not any(is_descendant(other, fqn) for other in suspects):
             suspect = suspects[fqn]
             verdicts.append(ModuleVerdict(fqn=fqn, verdict="introduces error", phase=suspect.phase,
                                           evidence=suspect.evidence, detail=suspect.detail))

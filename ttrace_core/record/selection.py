@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ttrace_core.format.schema import WRAPPER_COMPONENTS, global_fqn, strip_wrappers
+from ttrace_core.format.naming import global_fqn
+from ttrace_core.format.schema import WRAPPER_COMPONENTS, strip_wrappers
 from ttrace_core.format.tracer_config import TracerConfig
 
 

@@ -33,7 +33,8 @@ from ttrace_core.errors import TtraceError
 from ttrace_core.format.fingerprint import environment_fingerprint
 from ttrace_core.record.generator import WeightPerturbation, initialize_weights
 from ttrace_core.record.processes import process_alive
-from ttrace_core.format.schema import RunManifest, global_fqn, strip_wrappers
+from ttrace_core.format.naming import global_fqn
+from ttrace_core.format.schema import RunManifest, strip_wrappers
 
 if TYPE_CHECKING:
     from ttrace_core.record.tracer import TracerConfig

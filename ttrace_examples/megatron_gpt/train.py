@@ -25,7 +25,7 @@ from ttrace_core.canonicalize.shards import shard
 from ttrace_core.integrations import megatron_cpu
 from ttrace_examples.megatron_gpt import features
 from ttrace_core.integrations.megatron import megatron_rename, parameter_layouts, unwrap
-from ttrace_core.format.schema import global_fqn
+from ttrace_core.format.naming import global_fqn
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
