@@ -4,7 +4,7 @@ Each takes canonical (full logical, float64) tensors or the per-tensor relative 
 already computed, and says whether a run is flagged and where first:
 
 - assert_close: torch.testing.assert_close with its default rtol/atol for the stored dtype;
-- megatron_l0: Megatron's adopted check (test_optimizer_grads_match.py): reduced gradients only,
+- megatron_l0: Megatron's adopted check (Megatron-LM's test_optimizer_grads_match test): reduced gradients only,
   ||g - g_ref|| / ||g_ref|| <= k * C**(L + 1) * eps with k=4, C=1.03, the most permissive l=0;
 - dynamo_gate: torch._dynamo.utils.same with an fp64 oracle: the candidate passes when allclose
   at tol=1e-4, or when its RMSE against the oracle is at most 2x the reference's RMSE plus tol/10;

@@ -173,11 +173,11 @@ def test_the_user_script_config_runs_torchrun_with_each_layouts_world_size():
     assert (config.cwd / "tests/user_script/train_traced.py").is_file()
 
 
-def test_the_readmes_check_figures_are_the_results_files():
+def test_the_check_docs_figures_are_the_results_files():
     import re
 
     results = (ROOT / "benchmarks" / "results" / "check.md").read_text()
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "check.md").read_text()
     first = re.search(r"- first run: (\d+) s in all", results).group(1)
     second, reused = re.search(r"- second run, nothing changed: (\d+) s, exit code \d+; (\d+) of \d+ candidate", results).groups()
     assert f"took {first} s on 2 shared cores" in readme and f"and {second} s the second time, when all {reused} candidate" in readme

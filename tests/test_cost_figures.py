@@ -1,4 +1,4 @@
-"""The README's cost figures are the results files' (benchmarks/results/): recording overhead and trace
+"""docs/cost.md's figures are the results files' (benchmarks/results/): recording overhead and trace
 bytes, compare throughput, index opening, the dashboard's first and cached heatmap, growth exponents."""
 
 import json
@@ -10,7 +10,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _readme() -> str:
-    return " ".join((ROOT / "README.md").read_text().split())
+    return " ".join((ROOT / "docs" / "cost.md").read_text().split())
 
 
 def _row(text: str, label: str) -> list[str]:

@@ -53,7 +53,7 @@ def _llama_gradients(tmp_path, traced: bool) -> dict[str, torch.Tensor]:
 
 
 def test_hooks_change_gradients_at_most_by_autograds_accumulation_order_on_a_residual_stream(tmp_path):
-    """What the README claims: bit for bit without tensor reuse (test_tracer), and where a tensor feeds several
+    """What docs/your-own-script.md claims: bit for bit without tensor reuse (test_tracer), and where a tensor feeds several
     consumers, equal up to the order autograd accumulates their gradients in: a full backward hook adds a node
     to the graph, and a sum of two or three fp32 gradients rounded in another order moves by an ulp or so."""
     plain, traced = _llama_gradients(tmp_path / "plain", False), _llama_gradients(tmp_path / "traced", True)

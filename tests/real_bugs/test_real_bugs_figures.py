@@ -1,8 +1,8 @@
 """The real-bug results and the docs that quote them agree (no runs: reads files only).
 
-benchmarks/real_bugs.py writes benchmarks/results/real_bugs.json and real_bugs.md; README.md quotes the
+benchmarks/real_bugs.py writes benchmarks/results/real_bugs.json and real_bugs.md; docs/real-bugs.md quotes the
 summary lines. Checked: the Markdown is exactly what the json renders to (every row, ratio, deciding
-test and culprit), every bug row names its public source, every summary line the README quotes is the
+test and culprit), every bug row names its public source, every summary line the doc quotes is the
 results file's, and the json names the versions it ran with. Each check returns its problems, so the
 planted-mismatch tests can show it fails.
 """
@@ -40,9 +40,9 @@ def results_problems(results: dict, markdown: str) -> list[str]:
 def readme_problems(markdown: str, readme: str) -> list[str]:
     quoted = [match.group(0) for match in SUMMARY_LINE.finditer(readme)]
     if not quoted:
-        return ["README.md quotes no summary line of real_bugs.md"]
+        return ["docs/real-bugs.md quotes no summary line of real_bugs.md"]
     lines = set(markdown.splitlines())
-    return [f"README quotes {line!r}, which real_bugs.md does not say" for line in quoted if line not in lines]
+    return [f"docs/real-bugs.md quotes {line!r}, which real_bugs.md does not say" for line in quoted if line not in lines]
 
 
 def _load() -> tuple[dict, str]:
@@ -55,9 +55,9 @@ def test_the_markdown_is_the_json_rendered():
     assert results_problems(results, markdown) == []
 
 
-def test_the_readme_quotes_the_results_summary():
+def test_the_doc_quotes_the_results_summary():
     _, markdown = _load()
-    assert readme_problems(markdown, (ROOT / "README.md").read_text()) == []
+    assert readme_problems(markdown, (ROOT / "docs" / "real-bugs.md").read_text()) == []
 
 
 def test_a_planted_ratio_or_culprit_or_readme_figure_is_caught():

@@ -1,6 +1,6 @@
 """What a trace reader may touch: the files of its own run directory, and the data inside them.
 
-Part of stage 1's store (store.py reads through it). A shared trace must never make ttrace read
+Part of the trace format's reading side (reader.py and datasets.py read through it). A shared trace must never make ttrace read
 elsewhere: a symlink out of the run directory, an HDF5 soft or external link, a virtual dataset or
 external raw storage would each lead a reader to another file (`/etc/...` or another run's data,
 which would then be judged as this run's). ttrace writes none of them, so each is refused before

@@ -1,5 +1,5 @@
-"""Stage 1's side of the trace store: one rank's step files and the run's manifest, as store.py
-describes them (store.py reads them back).
+"""The recording side of the trace format: one rank's step files and the run's manifest, as
+docs/trace-format.md describes them (reader.py reads them back).
 
 A step file is written as `<name>.partial` and renamed only once complete and flushed, so a killed
 recording keeps every finished step. Values are stored dtype-exact (bf16 as int16 bits, fp8 as
