@@ -13,17 +13,24 @@ readable unless complete, that the lock is released, that no process of the repl
 and that asking again (`rerun`) runs a fresh replay to the uninterrupted run's verdict; `failures`
 names the checks a trial failed.
 
-Used by tests/test_replay_faults.py (one fixed fault) and benchmarks/replay_faults.py (every fault at
-random times, its tables and results/replay_faults.{md,json}).
+Used by tests/test_replay_faults.py (one fixed fault) and, as a child process, by
+benchmarks/replay_faults.py (every fault at random times, its tables and results/replay_faults.{md,json}):
+
+    python -m tests.faults.replay_faults --trials 4 --work /tmp/ttrace-replay-faults --seed 0 --out trials.json
+
+writes the uninterrupted replay's seconds and culprits and every trial, with the checks it failed.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import random
 import shutil
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ttrace_core import api
@@ -166,3 +173,31 @@ def copied_pair(work: Path) -> tuple[Path, Path]:
         shutil.copytree(ROOT / "sample_traces" / name, target, ignore=shutil.ignore_patterns(".ttrace"))
         pair.append(target)
     return pair[0], pair[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Every fault struck at random times into replays of the sample pair.")
+    parser.add_argument("--trials", type=int, default=4, help="trials per fault")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/ttrace-replay-faults"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True, help="JSON: the uninterrupted replay and every trial")
+    args = parser.parse_args()
+    pair = copied_pair(args.work)
+    started = time.monotonic()
+    job = api.submit_replay(*pair, MODULE, rerun=True)
+    assert job.wait(timeout_s=600).state == "complete", job.log_tail()
+    baseline_s, baseline = time.monotonic() - started, api.localization(job).culprits
+    rng = random.Random(args.seed)
+    trials = []
+    for index in range(args.trials):
+        for fault in FAULTS:
+            trial = run_trial(fault, rng.uniform(0.0, baseline_s * 0.9), pair, baseline)
+            print(f"{fault} #{index}: {trial.state} after {trial.delay_s:.1f} s; failures: {failures(trial) or 'none'}",
+                  flush=True)
+            trials.append({**asdict(trial), "failures": failures(trial)})
+    args.out.write_text(json.dumps({"module": MODULE, "pair": PAIR, "faults": FAULTS, "baseline_s": baseline_s,
+                                    "baseline": baseline, "trials": trials}))
+
+
+if __name__ == "__main__":
+    main()
