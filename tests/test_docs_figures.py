@@ -131,3 +131,16 @@ def test_the_check_catches_a_drifted_figure(tmp_path: Path):
     assert unbacked(page) == []
     page.write_text("# A page\n\nIt reads at 473 MB/s.\n")
     assert unbacked(page) == ["page.md [# A page]: '473 MB/s' is not in no results file"]
+
+
+def _bash_blocks(text: str) -> list[list[str]]:
+    return [block.strip().splitlines() for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)]
+
+
+def test_the_user_script_walk_is_the_one_measured():
+    """docs/your-own-script.md's commands are the ones benchmarks/walkthrough.py ran, in order, and the page
+    names that results file (so the figures test holds its pass counts, first divergence and culprits)."""
+    page = (DOCS / "your-own-script.md").read_text()
+    measured = _bash_blocks((ROOT / RESULTS / "walkthrough.md").read_text())[0]
+    assert measured in [[line.split("  #")[0].rstrip() for line in block] for block in _bash_blocks(page)]
+    assert f"{RESULTS}walkthrough.md" in page
