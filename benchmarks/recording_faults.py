@@ -7,8 +7,8 @@ done" as each step file is completed. Every trial is checked against one uninter
   must be complete, readable and bitwise equal to the uninterrupted run's; a step cut short must be
   named partial; the trace must open (no error) in every trial.
 - A rank that dies: the example GPT with TP 2, one rank (chosen at random) SIGKILLed at a random time
-  (tests/faults/rank_faults.py): no finished step lost, every completed file bitwise the uninterrupted run's, the
-  launcher stops without a hang, and the trace names the dead rank.
+  (tests/faults/rank_faults.py, run as a child process): no finished step lost, every completed file
+  bitwise the uninterrupted run's, the launcher stops without a hang, and the trace names the dead rank.
 - A full disk: the run records into a tmpfs of a few sizes (mounted here; it needs root) or, where
   mounting is refused, under a file-size limit (RLIMIT_FSIZE). The recording must stop with one clear
   line on stderr ("... recording stopped for the rest of the run and training goes on ...") while the
@@ -33,13 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fault_summary import FaultRow, write_rows
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's tests/ package, where the rank faults live
-from tests.faults import rank_faults  # noqa: E402
-from ttrace_core.compare.engine import compare_runs  # noqa: E402
-from ttrace_core.errors import TtraceError  # noqa: E402
-from ttrace_core.format.reader import RunReader  # noqa: E402
-from ttrace_core.compare.tolerances import DtypeTolerances  # noqa: E402
+from harness import run_harness
+from ttrace_core.compare.engine import compare_runs
+from ttrace_core.compare.tolerances import DtypeTolerances
+from ttrace_core.errors import TtraceError
+from ttrace_core.format.reader import RunReader
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOAD = Path(__file__).parent / "record_steps.py"
@@ -106,30 +104,11 @@ def kill_trials(work: Path, pristine: Path, seconds: float, count: int, rng: ran
     return trials
 
 
-def dead_rank_trials(work: Path, count: int, rng: random.Random) -> tuple[list[rank_faults.RankTrial], float]:
-    """(trials, seconds the ranks of an uninterrupted TP 2 run take from their start to the launcher's exit)."""
-    pristine = work / "tp2-pristine"
-    shutil.rmtree(pristine, ignore_errors=True)
-    launcher = rank_faults.launch(pristine, STEPS)
-    rank_faults.rank_pids(launcher.pid)
-    started = time.monotonic()
-    _, stderr = launcher.communicate(timeout=600)
-    seconds = time.monotonic() - started
-    assert launcher.returncode == 0, stderr
-
-    def after_random_delay(out: Path, pids: list[int]) -> str:
-        delay = rng.uniform(0.0, 0.9 * seconds)  # the ranks exit a little before their launcher
-        time.sleep(delay)
-        return f"rank {victim} after {delay:.2f} s"
-
-    trials = []
-    for index in range(count):
-        out = work / f"dead-rank-{index}"
-        shutil.rmtree(out, ignore_errors=True)
-        victim = rng.randrange(rank_faults.WORLD_SIZE)
-        trials.append(rank_faults.kill_one_rank(out, pristine, STEPS, victim, after_random_delay))
-        shutil.rmtree(out, ignore_errors=True)
-    return trials, seconds
+def dead_rank_trials(work: Path, count: int, seed: int) -> dict:
+    """The child's trials (tests/faults/rank_faults.py) and the seconds the ranks of an uninterrupted TP 2
+    run take from their start to the launcher's exit."""
+    return run_harness("tests.faults.rank_faults", "--work", str(work), "--steps", str(STEPS), "--trials", str(count),
+                       "--seed", str(seed))
 
 
 def _mount_tmpfs(path: Path, size_mb: int) -> bool:
@@ -179,26 +158,29 @@ def render(kills: list[Trial], disks: list[Trial], seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_dead_ranks(trials: list[rank_faults.RankTrial], seconds: float) -> str:
-    done = sum(len(t.done_before) for t in trials)
+def render_dead_ranks(dead: dict) -> str:
+    trials, seconds = dead["trials"], dead["seconds"]
+    done = sum(len(t["done_before"]) for t in trials)
     lines = ["## A rank that dies", "",
              f"`ttrace example torch-gpt --tp 2 --steps {STEPS}` (its ranks run {seconds:.1f} s uninterrupted); one rank, "
              "chosen at random, SIGKILLed at a random time after the ranks start. The launcher sends the other rank "
              "SIGTERM, so its tracer writes what stopped it into its partial step file; the killed rank leaves no word.", "",
-             f"**{sum(len(t.lost) for t in trials)} completed steps lost** over {len(trials)} trials ({done} steps finished "
-             f"by every rank before the kill); **{sum(len(t.inconsistent_files) for t in trials)} completed step files "
-             f"differ** from the uninterrupted run's; **{sum(t.hang for t in trials)} hangs** (launcher still running "
-             f"{rank_faults.STOP_LIMIT_S:.0f} s after the kill; slowest stop {max(t.stop_seconds for t in trials):.1f} s); "
-             f"the trace names the dead rank in **{sum(t.named for t in trials)} of {len(trials)}** trials and blames "
-             f"a survivor in {sum(bool(t.survivors_blamed) for t in trials)}; {sum(t.not_started for t in trials)} kills "
+             f"**{sum(len(t['lost']) for t in trials)} completed steps lost** over {len(trials)} trials ({done} steps "
+             f"finished by every rank before the kill); **{sum(len(t['inconsistent_files']) for t in trials)} completed "
+             f"step files differ** from the uninterrupted run's; **{sum(t['hang'] for t in trials)} hangs** (launcher "
+             f"still running {dead['stop_limit_s']:.0f} s after the kill; slowest stop "
+             f"{max(t['stop_seconds'] for t in trials):.1f} s); the trace names the dead rank in "
+             f"**{sum(t['named'] for t in trials)} of {len(trials)}** trials and blames a survivor in "
+             f"{sum(bool(t['survivors_blamed']) for t in trials)}; {sum(t['not_started'] for t in trials)} kills "
              "came before the recording began (no run directory yet: the launcher's line names the rank).", "",
              "| trial | killed | done before the kill | complete | partial steps, as the trace explains them | "
              "lost | files differing | stop (s) | launcher's last line |",
              "|---|---|---|---|---|---|---|---|---|"]
     for index, t in enumerate(trials):
-        partial = "<br>".join(f"{step}: {why}" for step, why in t.partial.items()) or t.unreadable or "-"
-        lines.append(f"| {index} | {t.detail} | {t.done_before} | {t.complete} | {partial[:400]} | {t.lost or '-'} | "
-                     f"{t.inconsistent_files or '-'} | {t.stop_seconds:.1f} | {t.error_line[:160]} |")
+        partial = "<br>".join(f"{step}: {why}" for step, why in t["partial"].items()) or t["unreadable"] or "-"
+        lines.append(f"| {index} | {t['detail']} | {t['done_before']} | {t['complete']} | {partial[:400]} | "
+                     f"{t['lost'] or '-'} | {t['inconsistent_files'] or '-'} | {t['stop_seconds']:.1f} | "
+                     f"{t['error_line'][:160]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -218,20 +200,22 @@ def main() -> None:
     assert code == 0, stderr
     kills = kill_trials(args.work, pristine, seconds, args.trials, random.Random(args.seed))
     disks = full_disk_trials(args.work, pristine)
-    dead, rank_seconds = dead_rank_trials(args.work, args.rank_trials, random.Random(args.seed + 1))
-    text = render(kills, disks, seconds) + "\n" + render_dead_ranks(dead, rank_seconds)
+    dead = dead_rank_trials(args.work, args.rank_trials, args.seed + 1)
+    text = render(kills, disks, seconds) + "\n" + render_dead_ranks(dead)
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "recording_faults.md").write_text(text)
     write_rows(args.results, "recording_faults", summary_rows(kills, disks, dead))
     print(text)
 
 
-def summary_rows(kills: list[Trial], disks: list[Trial], dead: list[rank_faults.RankTrial]) -> list[FaultRow]:
-    def lost(trials) -> int:
+def summary_rows(kills: list[Trial], disks: list[Trial], dead_run: dict) -> list[FaultRow]:
+    def lost(trials: list[Trial]) -> int:
         return sum(len(t.lost) for t in trials)
 
+    dead = dead_run["trials"]
     unclear_disk = [t for t in disks if "recording stopped" not in t.error_line]
-    dead_failures = [t for t in dead if t.lost or t.inconsistent_files or t.hang or not t.named or t.survivors_blamed]
+    dead_failures = [t for t in dead
+                     if t["lost"] or t["inconsistent_files"] or t["hang"] or not t["named"] or t["survivors_blamed"]]
     return [
         FaultRow("SIGKILL while recording", len(kills), crashes=sum(bool(t.unreadable) for t in kills), lost=lost(kills),
                  failures=sum(bool(t.lost or t.unreadable) for t in kills),
@@ -240,10 +224,10 @@ def summary_rows(kills: list[Trial], disks: list[Trial], dead: list[rank_faults.
                  failures=sum(bool(t.lost or t.unreadable) for t in disks) + len(unclear_disk),
                  measured="training finished, one line each" if not unclear_disk else "see the file"),
         FaultRow("a rank dies while recording (TP 2)", len(dead),
-                 crashes=sum(bool(t.unreadable and not t.not_started) for t in dead),
-                 hangs=sum(t.hang for t in dead), lost=lost(dead), failures=len(dead_failures),
-                 measured=f"dead rank named in {sum(t.named for t in dead)}/{len(dead)}; slowest stop "
-                          f"{max(t.stop_seconds for t in dead):.1f} s"),
+                 crashes=sum(bool(t["unreadable"] and not t["not_started"]) for t in dead),
+                 hangs=sum(t["hang"] for t in dead), lost=sum(len(t["lost"]) for t in dead), failures=len(dead_failures),
+                 measured=f"dead rank named in {sum(t['named'] for t in dead)}/{len(dead)}; slowest stop "
+                          f"{max(t['stop_seconds'] for t in dead):.1f} s"),
     ]
 
 

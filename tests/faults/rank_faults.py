@@ -1,7 +1,12 @@
 """A rank that dies in a multi-rank recording: the example GPT with TP 2 (`ttrace example torch-gpt
 --tp 2`), one rank SIGKILLed while the other goes on. Generates the recording (`launch`), the kill
-(`kill_one_rank`) and the checked trial (`RankTrial`). Used by benchmarks/recording_faults.py (random
-kill times) and tests/distributed/test_dead_rank.py (one kill at a fixed point).
+(`kill_one_rank`) and the checked trial (`RankTrial`). Used by tests/distributed/test_dead_rank.py (one
+kill at a fixed point) and, as a child process, by benchmarks/recording_faults.py (random victims at
+random times, `random_kills`):
+
+    python -m tests.faults.rank_faults --work DIR --steps 4 --trials 16 --seed 1 --out trials.json
+
+writes the uninterrupted run's seconds and every trial, with what the trace says about the dead rank.
 
 A trial checks, against one uninterrupted run of the same command:
 - the launcher stops (no hang) with one line naming the dead rank;
@@ -13,13 +18,17 @@ A trial checks, against one uninterrupted run of the same command:
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import random
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import h5py
@@ -185,3 +194,53 @@ def checked(trial: RankTrial, out: Path, pristine: Path) -> RankTrial:
     differing = {int(STEP_FILE.match(name).group(2)) for name in trial.inconsistent_files}
     trial.lost = [step for step in trial.done_before if step not in trial.complete or step in differing]
     return trial
+
+
+def random_kills(work: Path, steps: int, count: int, rng: random.Random) -> tuple[list[RankTrial], float]:
+    """`count` trials, each killing a random rank at a random time; and the seconds the ranks of an
+    uninterrupted run take from their start to the launcher's exit (the span the kill times are drawn from)."""
+    pristine = work / "tp2-pristine"
+    shutil.rmtree(pristine, ignore_errors=True)
+    launcher = launch(pristine, steps)
+    rank_pids(launcher.pid)
+    started = time.monotonic()
+    _, stderr = launcher.communicate(timeout=600)
+    seconds = time.monotonic() - started
+    assert launcher.returncode == 0, stderr
+
+    def after_random_delay(out: Path, pids: list[int]) -> str:
+        delay = rng.uniform(0.0, 0.9 * seconds)  # the ranks exit a little before their launcher
+        time.sleep(delay)
+        return f"rank {victim} after {delay:.2f} s"
+
+    trials = []
+    for index in range(count):
+        out = work / f"dead-rank-{index}"
+        shutil.rmtree(out, ignore_errors=True)
+        victim = rng.randrange(WORLD_SIZE)
+        trials.append(kill_one_rank(out, pristine, steps, victim, after_random_delay))
+        shutil.rmtree(out, ignore_errors=True)
+    return trials, seconds
+
+
+def record_of(trial: RankTrial) -> dict:
+    """A trial as JSON, with what the trace says about the dead rank."""
+    return {**asdict(trial), "flagged": sorted(trial.flagged), "named": trial.named, "not_started": trial.not_started,
+            "survivors_blamed": trial.survivors_blamed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="A random rank of a TP 2 recording SIGKILLed at a random time, checked.")
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--trials", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, required=True, help="JSON: the uninterrupted run's seconds and every trial")
+    args = parser.parse_args()
+    trials, seconds = random_kills(args.work, args.steps, args.trials, random.Random(args.seed))
+    args.out.write_text(json.dumps({"seconds": seconds, "stop_limit_s": STOP_LIMIT_S,
+                                    "trials": [record_of(trial) for trial in trials]}))
+
+
+if __name__ == "__main__":
+    main()
