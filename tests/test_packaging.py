@@ -120,3 +120,48 @@ def test_the_dashboard_ships_its_pages_and_needs_its_extra(venv, tmp_path):
                 extra_env={"TTRACE_ROOT": str(tmp_path / "runs")})
     assert shown.returncode == 0, shown.stdout + shown.stderr[-3000:]
     assert "['Runs']" in shown.stdout and "FAILED (not equivalent): first divergence" in shown.stdout, shown.stdout
+
+
+def test_the_readmes_first_command_installs_the_dashboard_only(venv, tmp_path):
+    """The README's first command, as written, in the fresh venv: it installs the dashboard's needs and none of
+    the test tooling or the frameworks, and `ttrace dashboard` then serves the URL it prints."""
+    import shlex
+    import socket
+    import urllib.request
+
+    first = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("pip install"))
+    install, _, serve = first.partition(" && ttrace dashboard ")
+    assert serve == "sample_traces", first
+    words = shlex.split(install)
+    assert words[:2] == ["pip", "install"] and "requirements.txt" in words, install
+    source = venv.parent / "ttrace-source"
+    done = run([venv / "bin" / "python", "-m", *words, "--no-input"], cwd=source, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    listed = run([venv / "bin" / "python", "-m", "pip", "list", "--format=freeze"], cwd=venv).stdout.lower()
+    for wanted in ("streamlit", "plotly", "torch", "h5py"):
+        assert re.search(rf"^{wanted}==", listed, flags=re.MULTILINE), wanted
+    for unwanted in ("megatron-core", "torchtitan", "transformers", "pytest", "playwright"):
+        assert not re.search(rf"^{unwanted}==", listed, flags=re.MULTILINE), unwanted
+
+    write_pair(tmp_path / "runs")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    server = subprocess.Popen([str(venv / "bin" / "ttrace"), "dashboard", "runs", "--port", str(port)], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try:
+        printed = server.stdout.readline()
+        assert f"http://127.0.0.1:{port}/runs" in printed, printed
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=5) as answer:
+                    assert answer.status == 200
+                    break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "the dashboard did not come up"
+                time.sleep(1)
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
