@@ -77,3 +77,25 @@ def test_only_regular_files_are_opened(tmp_path, make, message):
     make(tmp_path / "manifest.json")
     with pytest.raises(TraceFormatError, match=f"manifest.json: {re.escape(message)}.*copy the recorded file here again"):
         contained(tmp_path, "manifest.json")
+
+
+@pytest.mark.parametrize("name", ["tensor_index", "findings"])
+@pytest.mark.parametrize("partial", [False, True], ids=["complete", "partial"])
+def test_a_group_where_a_step_files_dataset_belongs_is_one_line(tmp_path, capsys, name, partial):
+    """An HDF5 group where ttrace writes the tensor index or the findings (another tool's file): one line
+    naming the file and the object, exit 2, never h5py's AttributeError ('PropGCID' has no get_layout);
+    in a `.partial` step file the reader absorbs it like the file's other errors (issue 42, defect 7)."""
+    from tests.faults.misplaced_objects import group_in_place_of, left_partial
+    from tests.synthetic_runs import write_pair
+
+    reference, candidate = write_pair(tmp_path)
+    step_file = candidate / step_file_name(1, 0)
+    group_in_place_of(step_file, name)
+    if partial:
+        left_partial(step_file)
+    code, _, err = run_main(["inspect", str(candidate)], capsys)
+    if partial:
+        assert code == 0 and err == "", err
+        return
+    assert (code, err.strip()) == (2, f"ttrace: error: {step_file}:{name}: is an HDF5 group where ttrace writes a "
+                                      "dataset (written by another tool, or damaged); re-record this rank")
