@@ -10,13 +10,19 @@ visits. A visit answers when the page has drawn what it is for (the heatmap's ce
 page's shard map, the replay's verdict) without an exception, within PAGE_LIMIT_S; each `Visit`
 carries its seconds and its error.
 
-Used by tests/app/test_dashboard_load.py (two sessions, one visit per page each),
-benchmarks/dashboard_load.py (many sessions for minutes, render-time percentiles, results/dashboard_load.*)
-and benchmarks/dashboard.py (the server helpers).
+Used by tests/app/test_dashboard_load.py (two sessions, one visit per page each) and, as a child
+process, by benchmarks/dashboard_load.py (many sessions for minutes; render-time percentiles,
+results/dashboard_load.*):
+
+    python -m tests.faults.dashboard_sessions --sessions 4 --seconds 120 --work DIR --out visits.json
+
+serves, warms up, runs one session alone for half the time, then the sessions at once, and writes every
+visit with its seconds (measured in the browser's process, from navigation to drawn).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -189,3 +195,27 @@ def serve(work: Path):
     port = free_port()
     server = start_dashboard(root, port, work / "dashboard.log")
     return root, f"http://127.0.0.1:{port}", server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Browser sessions on `ttrace dashboard`: one alone, then many at once.")
+    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=120.0, help="how long every session keeps visiting")
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="JSON: the warm-up's seconds and every visit")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    root, base, server = serve(args.work)
+    try:
+        warm_s = warm_up(root, base)
+        alone = run_sessions(base, 1, args.seconds / 2, 10_000, args.work)
+        load = run_sessions(base, args.sessions, args.seconds, 10_000, args.work)
+    finally:
+        stop_dashboard(server)
+    args.out.write_text(json.dumps({"warm_s": warm_s, "page_limit_s": PAGE_LIMIT_S, "pages": list(PAGES),
+                                    "num_pairs": len(PAIRS), "alone": [asdict(v) for v in alone],
+                                    "load": [asdict(v) for v in load]}))
+
+
+if __name__ == "__main__":
+    main()
