@@ -81,11 +81,18 @@ def better_reference(runs: list[RunInfo], reference: RunInfo, candidate: RunInfo
 
 
 def recorded_by_text(entrypoint: str | None) -> str:
-    """The manifest's entrypoint, "module:function"; flagged when that module cannot be found in this installation
-    (a run recorded by an older ttrace, whose examples lived elsewhere): `ttrace localize` relaunches it from there."""
+    """The manifest's entrypoint: the recorded command, or "module:function" for an older trace; flagged when the
+    module it runs (`-m MODULE`, or the factory's) cannot be found in this installation (a run recorded by an older
+    ttrace, whose examples lived elsewhere): `ttrace localize` relaunches it from there."""
     if not entrypoint:
         return "-"
-    module = entrypoint.split(":", 1)[0]
+    words = entrypoint.split()
+    if len(words) > 1:
+        module = words[words.index("-m") + 1] if "-m" in words[:-1] else None
+    else:
+        module = entrypoint.split(":", 1)[0]
+    if module is None:
+        return entrypoint
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):

@@ -380,6 +380,10 @@ def test_the_runs_table_shows_whole_cells_and_flags_an_entrypoint_that_is_gone(r
 
     assert recorded_by_text("ttrace_examples.megatron_gpt.train:run") == "ttrace_examples.megatron_gpt.train:run"
     assert "not found in this installation" in recorded_by_text("ttrace_core.examples.megatron_gpt.train:run")
+    command = "python -m ttrace_examples megatron-gpt --config '{\"tp\": 2}'"  # how runs are recorded today
+    assert recorded_by_text(command) == command
+    assert "not found in this installation" in recorded_by_text("python -m ttrace_core.examples megatron-gpt")
+    assert recorded_by_text("torchrun --nproc-per-node 2 train.py") == "torchrun --nproc-per-node 2 train.py"
     app = _open("runs", **PAIR)
     assert not app.exception and app.table and not app.dataframe  # st.table wraps; st.dataframe cut the cells
 

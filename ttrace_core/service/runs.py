@@ -4,7 +4,9 @@ reader (and torch behind it) is imported only when a run is read."""
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +32,8 @@ class RunInfo:
     bug: str | None = None
     has_estimate: bool = False
     entrypoint: str | None = None
-    """What recorded (and relaunches) the run, "module:function"."""
+    """What recorded (and relaunches) the run: its command ("python -m ttrace_examples megatron-gpt --config
+    ..."), or "module:function" for a trace recorded before runs were recorded as commands."""
     format_version: int | None = None
     versions: dict = field(default_factory=dict)
     """Python and package versions from the manifest's environment fingerprint (empty for older traces)."""
@@ -54,6 +57,29 @@ def _versions(environment: dict) -> dict:
     return {"python": environment["python"], **packages} if environment.get("python") else packages
 
 
+def example_config(entrypoint: dict) -> dict:
+    """The bundled example's config (its injected bug among it): under the factory in older traces, else the
+    --config JSON of the `python -m ttrace_examples WORKLOAD --config JSON` command `ttrace example` records;
+    empty for a user's own command."""
+    if isinstance(entrypoint.get("config"), dict):
+        return entrypoint["config"]
+    command = entrypoint.get("command") or []
+    if "ttrace_examples" not in command or "--config" not in command[:-1]:
+        return {}
+    try:
+        config = json.loads(command[command.index("--config") + 1])
+    except ValueError:
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def entrypoint_text(entrypoint: dict) -> str | None:
+    """The recorded command as one shell line, or the factory of an older trace; None when neither is recorded."""
+    if entrypoint.get("command"):
+        return shlex.join(entrypoint["command"])
+    return entrypoint.get("factory")
+
+
 def _run_info(root: Path, run_dir: Path) -> RunInfo:
     from ttrace_core.compare.estimate_file import estimate_files
     from ttrace_core.format.reader import read_blind_spots, read_manifest, step_files
@@ -64,7 +90,7 @@ def _run_info(root: Path, run_dir: Path) -> RunInfo:
     except TtraceError as error:
         return RunInfo(path=relative, error=str(error))
     complete, partial = step_files(run_dir, manifest.world_size)
-    config = manifest.entrypoint.get("config") or {}
+    config = example_config(manifest.entrypoint)
     try:
         blind_spots = read_blind_spots(run_dir, manifest, complete[0]) if complete else dict(manifest.blind_spots)
     except TtraceError as error:
@@ -74,7 +100,7 @@ def _run_info(root: Path, run_dir: Path) -> RunInfo:
     return RunInfo(path=relative, role=manifest.role, precision=manifest.precision, world_size=manifest.world_size,
                    degrees=dict(manifest.degrees), steps=complete, partial_steps=partial, model=dict(manifest.model),
                    bug=config.get("bug"), has_estimate=None in estimates,
-                   entrypoint=manifest.entrypoint.get("factory"), format_version=manifest.format_version,
+                   entrypoint=entrypoint_text(manifest.entrypoint), format_version=manifest.format_version,
                    versions=_versions(manifest.environment), blind_spots=blind_spots, estimates_for=crossed,
                    error=None if complete else f"{run_dir}: no complete step (partial: {partial}); re-record the run")
 
