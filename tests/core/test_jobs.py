@@ -66,17 +66,32 @@ def test_cancel_stops_the_command_and_its_children(tmp_path):
     assert not process_alive(int(pid_file.read_text()))
 
 
+SIDE_BY_SIDE = """import os, pathlib, time
+with open('runs-' + os.environ['NAME'], 'a') as runs:
+    runs.write('ran\\n')
+pathlib.Path('started-' + os.environ['NAME']).touch()
+while not (pathlib.Path('started-' + os.environ['OTHER']).exists() and pathlib.Path('release').exists()):
+    time.sleep(0.02)
+pathlib.Path(os.environ['RESULT']).write_text('{}')
+"""
+"""A job that says it started, then waits for the other job's word and the test's release."""
+
+
 def test_two_jobs_run_side_by_side_and_one_directory_is_one_job(tmp_path):
-    code = ("import time, os; start = time.time(); time.sleep(1.5); "
-            "open('runs-' + os.environ['NAME'], 'a').write(f'{start} {time.time()}\\n')")
-    first = submit(tmp_path / "a", _spec(code, tmp_path, extra_env={"NAME": "a"}))
-    second = submit(tmp_path / "b", _spec(code, tmp_path, extra_env={"NAME": "b"}))
-    submit(tmp_path / "a", _spec(code, tmp_path, extra_env={"NAME": "a"}))  # the same job, still running
-    first.wait(timeout_s=60), second.wait(timeout_s=60)
+    """Checked by events, not durations: each job waits until the other has started, so jobs run one
+    after the other would leave the first waiting until its timeout (state timed_out)."""
+    def spec(name: str, other: str) -> JobSpec:
+        return _spec(SIDE_BY_SIDE, tmp_path, timeout_s=60,
+                     extra_env={"NAME": name, "OTHER": other, "RESULT": str(tmp_path / name / "result.json")})
+
+    first = submit(tmp_path / "a", spec("a", "b"))
+    second = submit(tmp_path / "b", spec("b", "a"))
+    again = submit(tmp_path / "a", spec("a", "b"))  # the same job: it cannot finish before the release below
+    (tmp_path / "release").touch()
+    assert first.wait(timeout_s=90).state == "complete" and second.wait(timeout_s=90).state == "complete"
+    assert again.status().state == "complete"
     runs = {name: (tmp_path / f"runs-{name}").read_text().splitlines() for name in "ab"}
-    assert len(runs["a"]) == 1 and len(runs["b"]) == 1  # asking twice for job a ran it once
-    (a_start, a_end), (b_start, b_end) = ([float(x) for x in runs[name][0].split()] for name in "ab")
-    assert a_start < b_end and b_start < a_end  # their runs overlap: side by side, not one after the other
+    assert runs == {"a": ["ran"], "b": ["ran"]}  # asking twice for job a ran it once
 
 
 def test_the_job_gets_exactly_its_environment_and_the_caller_keeps_its_own(tmp_path, monkeypatch):
