@@ -1,9 +1,13 @@
 """Run one case of the real-bug corpus: record both runs, compare, localize, and say what ttrace found.
 
 Input: a `RealBug` (corpus.py), a work directory and a precision. Output: a `CaseResult`, which
-serializes to JSON (benchmarks/real_bugs.py writes them to benchmarks/results/real_bugs.json).
-Compare and localize run as the CLI a user types (`python -m ttrace_core compare|localize ... --json`),
-so the verdicts here are the terminal's.
+serializes to JSON. Compare and localize run as the CLI a user types (`python -m ttrace_core
+compare|localize ... --json`), so the verdicts here are the terminal's.
+
+benchmarks/real_bugs.py runs this module as a child process, which writes JSON to --out:
+
+    python -m tests.real_bugs.runner --list --out cases.json     # every case, and a note per absent framework
+    python -m tests.real_bugs.runner --case NAME --precision fp32 --work DIR --out row.json   # one CaseResult
 
 The deciding test is the first divergence's own check, as `ttrace compare` reports it: `mismatch`
 (values against the reference), `replica_drift` (copies of one logical tensor disagree across ranks),
@@ -13,7 +17,9 @@ scalar (the loss, the gradient norm).
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
+import importlib
 import json
 import os
 import subprocess
@@ -25,6 +31,8 @@ from pathlib import Path
 from tests.real_bugs.corpus import RealBug
 
 ROOT = Path(__file__).resolve().parents[2]
+CASE_MODULES = {"megatron-core": "tests.real_bugs.megatron_cases", "pytorch": "tests.real_bugs.pytorch_cases",
+                "torchtitan": "tests.real_bugs.torchtitan_cases", "transformers": "tests.real_bugs.transformers_cases"}
 RECORD_TIMEOUT_S = 420.0
 LOCALIZE_TIMEOUT_S = 600.0
 
@@ -166,3 +174,40 @@ def _localize(result: CaseResult, reference: Path, candidate: Path, work: Path, 
     result.culprits = list(data.get("culprits") or [])
     result.bug_class = data.get("bug_class") or ""
     result.localized = matches(result.culprits, expected)
+
+
+def load_cases() -> tuple[list[RealBug], list[str]]:
+    """Every framework module's CASES, and a note per module that is not there."""
+    cases, notes = [], []
+    for framework, module in CASE_MODULES.items():
+        try:
+            cases.extend(importlib.import_module(module).CASES)
+        except ModuleNotFoundError as error:
+            if error.name != module:
+                raise
+            notes.append(f"{framework}: {module} is not present; its cases were not run")
+    return cases, notes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="List the real-bug cases, or run one of them.")
+    parser.add_argument("--list", action="store_true", help="every case (name, framework, slow, summary) and the notes")
+    parser.add_argument("--case", help="the name of the case to run")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--work", type=Path, help="where the case's runs are recorded")
+    parser.add_argument("--out", type=Path, required=True, help="JSON: the listing, or the case's result and summary")
+    args = parser.parse_args()
+    cases, notes = load_cases()
+    if args.list:
+        records = {"cases": [{"name": c.name, "framework": c.framework, "slow": c.slow, "summary": c.summary}
+                             for c in cases], "notes": notes}
+    else:
+        case = next((c for c in cases if c.name == args.case), None)
+        if case is None or args.work is None:
+            parser.error(f"--case must name one of {[c.name for c in cases]}, with --work")
+        records = {**run_case(case, args.work, args.precision).to_dict(), "summary": case.summary}
+    args.out.write_text(json.dumps(records))
+
+
+if __name__ == "__main__":
+    main()
