@@ -9,13 +9,11 @@ CPU may sum in another order).
 import gzip
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
-import capture  # noqa: E402
+from tests.golden import capture
 
 PAIRS = capture.sample_pairs()
 
