@@ -1,5 +1,5 @@
 """A rank SIGKILLed in the middle of a TP 2 recording (tests/faults/rank_faults.py, one fixed
-kill point): the launcher stops at once naming it, no finished step is lost, every file a rank
+kill point): the launcher stops (no hang) naming it, no finished step is lost, every file a rank
 completed is bitwise the uninterrupted run's, and the trace names the dead rank while the survivor
 says what stopped it."""
 
@@ -35,7 +35,7 @@ def test_a_rank_killed_mid_step_is_named_and_the_others_files_stay_consistent(tm
     trial = rank_faults.kill_one_rank(tmp_path / "killed", pristine, STEPS, victim=1,
                                       wait_for_kill=_when_both_ranks_are_in_step_1, flags=SMALL)
 
-    assert not trial.hang and trial.stop_seconds < 30
+    assert not trial.hang  # stopped within rank_faults.STOP_LIMIT_S; how fast is benchmarks/recording_faults.py's
     assert "rank 1 was killed by SIGKILL; the other ranks were stopped" in trial.error_line
     assert not trial.unreadable and trial.done_before == [0] and trial.complete == [0] and not trial.lost
     assert not trial.inconsistent_files

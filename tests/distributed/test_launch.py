@@ -1,5 +1,3 @@
-import time
-
 import pytest
 
 from ttrace_core.errors import LaunchError
@@ -9,10 +7,11 @@ pytestmark = pytest.mark.distributed
 
 
 def test_a_failing_rank_stops_the_others_at_once():
-    start = time.monotonic()
+    """Rank 1 waits in a collective that never completes: a launcher that waited for it would raise
+    "timed out after 120 s" instead, so the message is the check (no wall-clock bound)."""
     with pytest.raises(LaunchError, match="^rank 0 exited with code 1; the other ranks were stopped") as raised:
         run_ranks("tests.distributed.workers:fail_on_rank_0", {}, 2, timeout_s=120)
-    assert time.monotonic() - start < 60 and not raised.value.killed_by_signal
+    assert not raised.value.killed_by_signal
 
 
 def test_a_rank_killed_from_outside_is_named_by_its_signal():
@@ -22,11 +21,10 @@ def test_a_rank_killed_from_outside_is_named_by_its_signal():
 
 
 def test_a_rank_still_running_after_another_failed_is_stopped_by_sigterm_and_says_so(capfd):
-    """SIGTERM, not SIGKILL, first: the survivor unwinds, so its tracer can say why its step stopped."""
-    start = time.monotonic()
+    """SIGTERM, not SIGKILL, first: the survivor unwinds, so its tracer can say why its step stopped.
+    Rank 1 would sleep 600 s: not stopped, the launcher would raise at its 120 s timeout instead."""
     with pytest.raises(LaunchError, match="^rank 0 exited with code 1; the other ranks were stopped"):
         run_ranks("tests.distributed.workers:fail_on_rank_0_while_rank_1_sleeps", {}, 2, timeout_s=120)
-    assert time.monotonic() - start < 60
     assert "rank 1: stopped by the launcher (SIGTERM) after another rank failed" in capfd.readouterr().out
 
 
