@@ -1,59 +1,54 @@
 """Robustness benchmark: damage real traces in many ordinary ways and count how ttrace answers.
 
-The cases and the answering are tests/faults/damage_runner.py's (a 1-rank reference with a tolerance
-estimate and a TP2 + SP candidate, 1 layer, 1 step; every corruption class of tests/faults/, each
-answered by `ttrace inspect`, `ttrace compare` and the dashboard's API in a forked process with a
-time limit). This script runs all of them and counts the answers per class: crashes, hangs, unclear
-errors, silent passes (a pass on a material corruption) and reads outside the trace.
+The cases and the answering are tests/faults/damage_runner.py's, run as a child process (a 1-rank
+reference with a tolerance estimate and a TP2 + SP candidate, 1 layer, 1 step; every corruption class of
+tests/faults/, each answered by `ttrace inspect`, `ttrace compare` and the dashboard's API in a forked
+process with a time limit). This script counts the answers per class: crashes, hangs, unclear errors,
+silent passes (a pass on a material corruption) and reads outside the trace.
 
 Writes results/robustness.{md,csv}.
 
-    python benchmarks/robustness.py [--work /tmp/ttrace-robustness] [--jobs 2] [--seed 0] [--scale 1]
+    python benchmarks/robustness.py [--work /tmp/ttrace-robustness] [--jobs 2] [--seed 0] [--scale 1] [--per-class N]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import os
-import sys
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import fault_summary
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's tests/ package, where the cases live
-from tests.faults.damage_runner import (  # noqa: E402
-    BASE_FLAGS, CHILD_MEMORY_BYTES, COMMANDS, OUTCOMES, TIME_LIMIT_S, catalogue, record_base, run_all)
+from harness import run_harness
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def summary_rows(results: list[dict]) -> list[dict]:
+def summary_rows(results: list[dict], commands: list[str], outcomes: list[str]) -> list[dict]:
     by_kind: dict[str, list[dict]] = defaultdict(list)
     for result in results:
         by_kind[result["kind"]].append(result)
     rows = []
     for kind, group in [*sorted(by_kind.items()), ("all", results)]:
-        counts = {command: Counter(r[command]["outcome"] for r in group) for command in COMMANDS}
+        counts = {command: Counter(r[command]["outcome"] for r in group) for command in commands}
         rows.append({"class": kind, "cases": len(group), "material": sum(bool(r["material"]) for r in group),
-                     **{f"{o}": sum(counts[c][o] for c in COMMANDS) for o in OUTCOMES},
+                     **{f"{o}": sum(counts[c][o] for c in commands) for o in outcomes},
                      "silent passes": sum(r["silent"] for r in group),
                      "reads outside": sum(r["read_outside"] for r in group)})
     return rows
 
 
-def render(results: list[dict], seconds: float, base: tuple[Path, Path]) -> str:
-    rows = summary_rows(results)
-    header = ["class", "cases", "material", *OUTCOMES, "silent passes", "reads outside"]
+def render(run: dict) -> str:
+    results, commands = run["results"], run["commands"]
+    rows = summary_rows(results, commands, run["outcomes"])
+    header = ["class", "cases", "material", *run["outcomes"], "silent passes", "reads outside"]
     total = rows[-1]
     lines = ["# Robustness benchmark", "",
              f"`python benchmarks/robustness.py`: {len(results)} damaged copies of a real megatron-core trace pair "
              f"(a 1-rank reference with a tolerance estimate and a TP2 + SP candidate, 1 layer, 1 step, "
-             f"`ttrace example megatron-gpt {' '.join(corruptions_flags())}`), each answered by `ttrace inspect`, "
+             f"`ttrace example megatron-gpt {' '.join(run['base_flags'])}`), each answered by `ttrace inspect`, "
              f"`ttrace compare` and the dashboard's API (`api.find_runs`, `api.comparison_table`) in a forked process "
-             f"with a {TIME_LIMIT_S:.0f} s limit; {seconds / 60:.1f} minutes on this machine.", "",
+             f"with a {run['time_limit_s']:.0f} s limit; {run['seconds'] / 60:.1f} minutes on this machine.", "",
              f"**{total['crash']} crashes, {total['hang']} hangs, {total['silent passes']} silent passes, "
              f"{total['unclear error']} unclear errors, {total['reads outside']} reads outside the trace** over "
              f"{3 * len(results)} answers.", "",
@@ -74,34 +69,31 @@ def render(results: list[dict], seconds: float, base: tuple[Path, Path]) -> str:
              "(to itself, a loop of two, to nothing) in place of every file of the pair but the estimate; *unreadable "
              "estimate* does the same to `tolerance_estimate.json`, empties it, cuts it in half or fills it with "
              "binary. Each case's process may take at most "
-             f"{CHILD_MEMORY_BYTES // 2**30} GiB of address space: a runaway allocation fails there as a crash, and so "
+             f"{run['child_memory_bytes'] // 2**30} GiB of address space: a runaway allocation fails there as a crash, and so "
              "does a process killed by a signal (a segmentation fault in HDF5). The oracle that decides whether a case "
              "is material reads the damaged files with plain h5py in a process of its own: a file that crashes or "
              "hangs h5py is material.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(row[name]) for name in header) + " |" for row in rows]
     bad = [r for r in results if r["silent"] or r["read_outside"]
-           or any(r[c]["outcome"] in ("crash", "hang", "unclear error") for c in COMMANDS)]
+           or any(r[c]["outcome"] in ("crash", "hang", "unclear error") for c in commands)]
     lines += ["", "## Every crash, hang, unclear error, silent pass and read outside", ""]
     if not bad:
         lines.append("None.")
     for r in bad:
-        worst = [f"{c}: {r[c]['outcome']} {r[c]['line']}" for c in COMMANDS if r[c]["outcome"] in ("crash", "hang", "unclear error")]
+        worst = [f"{c}: {r[c]['outcome']} {r[c]['line']}" for c in commands
+                 if r[c]["outcome"] in ("crash", "hang", "unclear error")]
         lines.append(f"- {r['kind']}: {r['name']}: " + ("silent pass; " if r["silent"] else "")
                      + ("read outside; " if r["read_outside"] else "") + "; ".join(worst))
     return "\n".join(lines) + "\n"
 
 
-def corruptions_flags() -> list[str]:
-    return BASE_FLAGS
-
-
-def write_csv(results: list[dict], path: Path) -> None:
+def write_csv(run: dict, path: Path) -> None:
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["class", "case", "material", *COMMANDS, "silent", "read outside", "seconds", "compare line"])
-        for r in results:
-            writer.writerow([r["kind"], r["name"], r["material"], *(r[c]["outcome"] for c in COMMANDS), r["silent"],
+        writer.writerow(["class", "case", "material", *run["commands"], "silent", "read outside", "seconds", "compare line"])
+        for r in run["results"]:
+            writer.writerow([r["kind"], r["name"], r["material"], *(r[c]["outcome"] for c in run["commands"]), r["silent"],
                              r["read_outside"], r["seconds"], r["compare"]["line"]])
 
 
@@ -117,6 +109,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scale", type=int, default=1, help="multiplies the random cases of every class")
+    parser.add_argument("--per-class", type=int, default=None,
+                        help="only the first N cases of every class: a smoke run, not a result to commit")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--summary-only", action="store_true",
                         help="redraw the fault benchmarks' table in robustness.md without re-running the cases")
@@ -126,16 +120,13 @@ def main() -> None:
         path.write_text(with_fault_summary(path.read_text(), args.results))
         print(path.read_text())
         return
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    base = record_base(args.work)
-    cases = catalogue(base, args.seed, args.scale)
-    started = time.monotonic()
-    results = run_all(cases, base, args.work, args.jobs)
-    seconds = time.monotonic() - started
+    run = run_harness("tests.faults.damage_runner", "--work", str(args.work), "--jobs", str(args.jobs),
+                      "--seed", str(args.seed), "--scale", str(args.scale),
+                      *(["--per-class", str(args.per_class)] if args.per_class is not None else []))
     args.results.mkdir(parents=True, exist_ok=True)
-    text = with_fault_summary(render(results, seconds, base), args.results)
+    text = with_fault_summary(render(run), args.results)
     (args.results / "robustness.md").write_text(text)
-    write_csv(results, args.results / "robustness.csv")
+    write_csv(run, args.results / "robustness.csv")
     print(text)
 
 

@@ -18,11 +18,18 @@ Ways out of the trace (links, virtual datasets, external storage, symlinks) also
 outside**: whether the file they lead to was read at all (its access time, on tmpfs).
 
 Used by tests/test_robustness.py (a slice of the catalogue), tests/conftest.py (the `robustness_base`
-fixture) and benchmarks/robustness.py (every case, its tables and results/robustness.{md,csv}).
+fixture) and, as a child process, by benchmarks/robustness.py (every case, its tables and
+results/robustness.{md,csv}):
+
+    python -m tests.faults.damage_runner --work DIR --jobs 2 --seed 0 --scale 1 --out answers.json
+
+records the base, answers every case of the catalogue and writes each case's answers, with the
+seconds all of them took and the harness's constants the tables name.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -283,3 +290,37 @@ def _finished(result_path: Path, case: corruptions.Corruption, seconds: float, d
 
 
 OUTCOMES = ("crash", "hang", "unclear error", "error", "finding", "pass")
+
+
+def first_of_each_class(cases: list[corruptions.Corruption], per_class: int) -> list[corruptions.Corruption]:
+    taken: dict[str, int] = {}
+    kept = []
+    for case in cases:
+        taken[case.kind] = taken.get(case.kind, 0) + 1
+        if taken[case.kind] <= per_class:
+            kept.append(case)
+    return kept
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Every damaged-trace case of the catalogue, answered.")
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale", type=int, default=1, help="multiplies the random cases of every class")
+    parser.add_argument("--per-class", type=int, default=None, help="only the first N cases of every class (a smoke run)")
+    parser.add_argument("--out", type=Path, required=True, help="JSON: every case's answers and the seconds they took")
+    args = parser.parse_args()
+    base = record_base(args.work)
+    cases = catalogue(base, args.seed, args.scale)
+    if args.per_class is not None:
+        cases = first_of_each_class(cases, args.per_class)
+    started = time.monotonic()
+    results = run_all(cases, base, args.work, args.jobs)
+    args.out.write_text(json.dumps({"seconds": time.monotonic() - started, "results": results, "commands": COMMANDS,
+                                    "outcomes": OUTCOMES, "base_flags": BASE_FLAGS, "time_limit_s": TIME_LIMIT_S,
+                                    "child_memory_bytes": CHILD_MEMORY_BYTES}))
+
+
+if __name__ == "__main__":
+    main()
