@@ -26,11 +26,9 @@ import plotly.graph_objects as go
 import plotly.offline
 from playwright.sync_api import sync_playwright
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `app` of this checkout
-
-from ttrace_dashboard import cells, figures  # noqa: E402
-from ttrace_core import api  # noqa: E402
-from ttrace_core.format.reader import RunReader  # noqa: E402
+from ttrace_core import api
+from ttrace_core.format.reader import RunReader
+from ttrace_dashboard import cells, figures
 
 RESULTS = Path(__file__).parent / "results"
 SIZES = [(4, 64), (12, 128), (24, 192), (48, 256)]
