@@ -1,4 +1,4 @@
-"""CI-sized slice of benchmarks/robustness.py: 280 cases, up to 10 of every corruption class,
+"""CI-sized slice of benchmarks/robustness.py: 296 cases, up to 10 of every corruption class,
 applied to the benchmark's own base (a 1-layer megatron-core pair: a 1-rank reference with its
 tolerance estimate, a TP2 + SP candidate with a finished replay job), each answered by inspect,
 compare and the dashboard's API in a forked process with a time limit. None may crash, hang, give
@@ -13,14 +13,15 @@ from pathlib import Path
 from tests.faults import corruptions, damage_runner
 
 CASES_PER_CLASS = 10
-"""280 cases over the 28 classes (fewer where a class has fewer)."""
+"""296 cases over the 30 classes (fewer where a class has fewer)."""
 CLASSES = {"bit flip", "truncation", "lying metadata", "attributes", "values", "duplicated tensor",
            "missing rank or step", "hostile manifest", "tolerance estimate", "way out of the trace", "replay job files",
            "zeroed range", "random bytes", "global heap damage", "object header bit flip", "datatype message bit flip",
            "dataspace message bit flip", "layout message bit flip", "attribute message bit flip",
            "group structure bit flip", "lying shape over unallocated storage", "huge sizes in metadata",
            "FIFO in place of a file", "socket in place of a file", "device in place of a file",
-           "directory in place of a file", "broken symlink", "unreadable estimate"}
+           "directory in place of a file", "broken symlink", "unreadable estimate",
+           "group or dataset out of place", "stale comparison cache"}
 
 
 def _bad_answers(results: list[dict]) -> list:

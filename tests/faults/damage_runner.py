@@ -2,14 +2,17 @@
 
 Generates: the base pair (`record_base`: a small megatron-core pair, a 1-rank reference with a
 tolerance estimate and a TP2 + SP candidate, 1 layer, 1 step, with a finished replay job), every case
-of every damage family (`catalogue`: corruptions.py, byte_damage.py, size_lies.py, special_files.py),
+of every damage family (`catalogue`: corruptions.py, byte_damage.py, size_lies.py, special_files.py,
+misplaced_objects.py, stale_cache.py),
 and `run_all`, which damages a fresh copy per case and runs `ttrace inspect`, `ttrace compare` and the
 dashboard's API (`api.find_runs`, `api.comparison_table`) on it, each case in a forked process with a
 time limit and a memory limit. Every answer is counted as one of:
 
 - crash: a traceback, exit 3, or the answering process killed by a signal (a segmentation fault in HDF5);
 - hang: no answer within the time limit;
-- error: exit 2 with one line that names the file or the tensor ("unclear error" when it does not);
+- error: exit 2 with one line that names the file or the tensor ("unclear error" when it does not,
+  and when the API's table names other directories than the ones passed: a table reused from the run
+  the candidate was copied from);
 - finding: exit 1 (compare: a divergence or incomplete evidence, named);
 - pass: exit 0. A pass on a *material* corruption (decided by pristine.py when the case does not say)
   is a **silent pass**.
@@ -43,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.faults import byte_damage, corruptions, size_lies, special_files
+from tests.faults import byte_damage, corruptions, misplaced_objects, size_lies, special_files, stale_cache
 from tests.faults.pristine import Pristine
 
 BASE_FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--seq-len", "8", "--micro-batches", "1", "--steps", "1"]
@@ -107,6 +110,8 @@ def catalogue(pair: tuple[Path, Path], seed: int, scale: int) -> list[corruption
         *size_lies.huge_metadata(pair, rng, per_lie=8 * scale),
         *special_files.special_files(pair),
         *special_files.unreadable_estimates(has_estimate),
+        *misplaced_objects.misplaced_objects(pair),
+        *stale_cache.stale_caches(pair),
     ]
 
 
@@ -152,6 +157,9 @@ def _answer_of_api(reference: Path, candidate: Path, work: Path) -> dict:
         return {"outcome": "error" if named else "unclear error", "line": text[:300]}
     except BaseException as error:  # noqa: BLE001
         return {"outcome": "crash", "line": f"{type(error).__name__}: {error}"[:300]}
+    named = (provenance.get("reference"), provenance.get("candidate"))
+    if named != (str(reference), str(candidate)):
+        return {"outcome": "unclear error", "line": f"the table names {named}, not the directories passed"[:300]}
     if provenance.get("passed"):
         return {"outcome": "pass", "line": ""}
     return {"outcome": "finding", "line": "; ".join(provenance.get("findings") or [provenance.get("verdict", "")])[:300]}
