@@ -35,7 +35,7 @@ def written_pair(root: Path, num_tensors: int, rows: int) -> tuple[tuple[Path, P
 
 
 def measure(work: Path, *, num_tensors: int, rows: int, budgets: list[str]) -> dict:
-    from ttrace_core.cli.main import byte_size
+    from ttrace_core.cli.settings_flags import byte_size
 
     shutil.rmtree(work, ignore_errors=True)
     tiny, _ = written_pair(work / "tiny", num_tensors, 2)

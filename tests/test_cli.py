@@ -183,19 +183,6 @@ def test_inspect_and_progress_bar(traces, reference_run, tmp_path):
     assert "comparing [" in result.stderr and "PASSED (equivalent) |" in result.stdout
 
 
-@pytest.mark.parametrize("command", ["compare", "localize", "report"])
-def test_settings_travel_through_every_judging_command_line(command):
-    """A replay job and a report get the comparison's settings back from its command line (cli_args)."""
-    from ttrace_core.cli.main import _build_parser, settings_from_args
-    from ttrace_core.compare.settings import CompareSettings
-
-    settings = CompareSettings(tolerance="theorem", alpha=2.5, theorem_k=3.0, theorem_c=1.01, exact_inputs_k=0.0,
-                               ignore_dtype=True, partial=True, max_memory=64 * 2**20)
-    args = _build_parser().parse_args([command, "REF", "CAND", *settings.cli_args()])
-    assert settings_from_args(args) == settings
-    assert CompareSettings().cli_args() == []
-
-
 def test_every_command_has_a_description_help_for_its_positionals_and_its_defaults_shown():
     """Issue 41: subcommands had no paragraph, positionals no help, defaults were not shown, `ttrace bugs --help`
     was empty."""

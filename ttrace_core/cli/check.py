@@ -12,9 +12,11 @@ import os
 import sys
 from pathlib import Path
 
+from ttrace_core.cli.settings_flags import add_flags, settings_from_flags
 
-def add_check_parser(commands, *, add_settings_arguments, settings_from_args, report_writer) -> None:
-    """`ttrace check`; the compare flags and the HTML report writer come from cli/main.py."""
+
+def add_check_parser(commands, *, report_writer) -> None:
+    """`ttrace check`; the HTML report writer comes from cli/main.py."""
     check = commands.add_parser("check", help="record and judge every layout of a TOML config against its reference "
                                               "(a CI gate: JUnit, Markdown summary, JSON)")
     check.add_argument("config", help="the TOML config: command, reference, [[candidate]] layouts, precisions, output")
@@ -26,9 +28,9 @@ def add_check_parser(commands, *, add_settings_arguments, settings_from_args, re
                             "when that is set")
     check.add_argument("--json", default=None, metavar="PATH", help="every verdict as JSON (default OUTPUT/check.json)")
     check.add_argument("--no-html", action="store_true", help="do not write the HTML report of each failing layout")
-    add_settings_arguments(check)
+    add_flags(check)
     check.set_defaults(handler=lambda args: run_check_command(
-        args, settings_from_args(args), None if args.no_html else _html_writer(report_writer)))
+        args, settings_from_flags(args), None if args.no_html else _html_writer(report_writer)))
 
 
 def _html_writer(report_writer):

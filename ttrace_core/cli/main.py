@@ -20,9 +20,7 @@ from importlib.metadata import entry_points
 
 from ttrace_core.cli.check import add_check_parser
 from ttrace_core.cli.record import add_record_parser
-from ttrace_core.compare.settings import (
-    DEFAULT_ALPHA, DEFAULT_EXACT_INPUTS_K, DEFAULT_THEOREM_C, DEFAULT_THEOREM_K, TOLERANCE_KINDS, CompareSettings,
-)
+from ttrace_core.cli.settings_flags import add_flags, settings_from_flags
 from ttrace_core import INSTALL_DASHBOARD
 from ttrace_core.errors import TtraceError, TtraceInternalError
 
@@ -31,46 +29,6 @@ PLUGIN_COMMANDS = "ttrace.commands"
 `handler` on its parser (ttrace_examples adds `example` and `bugs`)."""
 REPORT_WRITERS = "ttrace.report_writers"
 """Entry-point group of `ttrace report -o` writers; `html` is the dashboard's (ttrace_dashboard.report)."""
-
-
-_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def byte_size(text: str) -> int:
-    """"512M", "4G", "1.5GiB" or a plain number of bytes (argparse's type for --max-memory)."""
-    number = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = number[-1:] if number[-1:] in _SIZE_UNITS else ""
-    try:
-        value = float(number[:len(number) - len(unit)]) * _SIZE_UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write it like 512M or 4G") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size; write it like 512M or 4G")
-    return int(value)
-
-
-def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `CompareSettings`, one per field: compare, localize and report judge alike."""
-    parser.add_argument("--tolerance", default="auto", choices=TOLERANCE_KINDS,
-                        help="auto: perturbation when the reference holds an estimate (`ttrace estimate`), else dtype")
-    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="perturbation: tolerance = alpha x deviation")
-    parser.add_argument("--theorem-k", type=float, default=DEFAULT_THEOREM_K, help="theorem: k in k * C^depth * eps")
-    parser.add_argument("--theorem-c", type=float, default=DEFAULT_THEOREM_C, help="theorem: C in k * C^depth * eps")
-    parser.add_argument("--exact-inputs-k", type=float, default=DEFAULT_EXACT_INPUTS_K,
-                        help="perturbation/theorem: a tensor whose inputs and weights were bitwise equal to the "
-                             "reference's is also held to k * sqrt(n) * eps, n partial results (0: off)")
-    parser.add_argument("--ignore-dtype", action="store_true", help="compare values even when dtypes differ")
-    parser.add_argument("--partial", action="store_true",
-                        help="when the evidence is incomplete (a step, a tensor or a replica missing), give a verdict on "
-                             "what was recorded: 'partial' and how much, exit 0 if it all passes (default: exit 1)")
-    parser.add_argument("--max-memory", type=byte_size, default=None, metavar="SIZE",
-                        help="bytes one tensor's comparison may take (512M, 4G); larger tensors are compared slab by slab")
-
-
-def settings_from_args(args: argparse.Namespace) -> CompareSettings:
-    return CompareSettings(tolerance=args.tolerance, alpha=args.alpha, theorem_k=args.theorem_k,
-                           theorem_c=args.theorem_c, exact_inputs_k=args.exact_inputs_k, ignore_dtype=args.ignore_dtype,
-                           partial=args.partial, max_memory=args.max_memory)
 
 
 def _add_plugin_commands(commands) -> None:
@@ -102,7 +60,7 @@ def _build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--rows-to", default=None, metavar="DIR",
                          help="also write the table's rows to DIR in chunks as they are compared (the dashboard's "
                               "streamed comparison job reads them)")
-    add_settings_arguments(compare)
+    add_flags(compare)
     estimate = commands.add_parser("estimate", help="re-run the reference with perturbed weights to derive per-tensor tolerances")
     estimate.add_argument("reference", help="the reference run directory: it is re-run from its manifest, and the "
                                            "estimate is stored in it")
@@ -127,14 +85,13 @@ def _build_parser() -> argparse.ArgumentParser:
     localize.add_argument("--timeout", type=float, default=600.0,
                           help="seconds before the replay's ranks are killed (default: %(default)s)")
     localize.add_argument("--rerun", action="store_true", help="replay again even when a finished replay of these runs exists")
-    add_settings_arguments(localize)
+    add_flags(localize)
     localize.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # run in this process (what the job runs)
     localize.add_argument("--replay-dir", default=None, help=argparse.SUPPRESS)
     inspect = commands.add_parser("inspect", help="list what a run directory holds")
     inspect.add_argument("run_dir", help="a run directory (the folder that holds manifest.json)")
     inspect.add_argument("--tensors", action="store_true", help="list every logical tensor")
-    add_check_parser(commands, add_settings_arguments=add_settings_arguments, settings_from_args=settings_from_args,
-                     report_writer=_report_writer)
+    add_check_parser(commands, report_writer=_report_writer)
     add_record_parser(commands)
     report = commands.add_parser("report", help="write a self-contained HTML report, or a Markdown summary for a review")
     report.add_argument("reference", help=REFERENCE_HELP)
@@ -142,7 +99,7 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("-o", "--out", default=None, help="write the HTML report here (opens offline, no Python needed)")
     report.add_argument("--markdown", action="store_true", help="print a short Markdown summary (verdict, first "
                                                                   "divergence, culprit, evidence)")
-    add_settings_arguments(report)
+    add_flags(report)
     dashboard = commands.add_parser("dashboard", help="browse comparisons of the runs under ROOT in a web dashboard")
     dashboard.add_argument("root", nargs="?", default=".", help="folder holding run directories (searched recursively)")
     dashboard.add_argument("--port", type=int, default=None,
@@ -214,7 +171,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from ttrace_core.cli.report import ProgressBar, render_comparison
 
     _refuse_meaningless_pair(args)
-    settings = settings_from_args(args)
+    settings = settings_from_flags(args)
     _check_output_path(args.json, "--json")
     progress = ProgressBar(enabled=args.progress or sys.stderr.isatty())
     if args.workers > 1 or args.distributed:
@@ -260,7 +217,7 @@ def _run_report(args: argparse.Namespace) -> int:
                           "summary, or both")
     _check_output_path(args.out, "-o")
     _refuse_meaningless_pair(args)
-    settings = settings_from_args(args)
+    settings = settings_from_flags(args)
     result = run_comparison(args.reference, args.candidate, settings)
     if args.out:
         # The HTML is drawn by the dashboard's figure builders (the render stage, which may use plotly),
@@ -308,7 +265,7 @@ def _localize_here(args: argparse.Namespace) -> int:
         print(f"[progress] {message} (t={time.perf_counter() - started:.1f} s)", flush=True)
 
     _check_output_path(args.json, "--json")
-    settings = settings_from_args(args)
+    settings = settings_from_flags(args)
     original = run_comparison(args.reference, args.candidate, settings)
     result = localize(args.reference, args.candidate, module=args.module, timeout_s=args.timeout, original=original,
                       replay_dir=args.replay_dir, progress=progress, settings=settings)
@@ -329,7 +286,7 @@ def _run_localize(args: argparse.Namespace) -> int:
     _check_output_path(args.json, "--json")
     _refuse_meaningless_pair(args)
     job = submit_replay(args.reference, args.candidate, args.module, timeout_s=args.timeout, rerun=args.rerun,
-                        settings=settings_from_args(args))
+                        settings=settings_from_flags(args))
     if job.cached:
         print(f"(cached replay: {job.directory})", file=_human_stream(args))
     status = job.wait()
