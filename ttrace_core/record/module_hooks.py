@@ -61,6 +61,52 @@ def quiet_hook_warnings() -> None:
     warnings.filterwarnings("ignore", message="For backward hooks to be called, module output should be a Tensor")
 
 
+FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
+"""FSDP2's warning (torch 2.13+, pytorch#181832) that a wrapped module's output is a view, on which an in-place
+op would drop FSDP's pre-backward hook."""
+
+
+def quiet_fsdp_view_warnings(model: nn.Module, handles: list) -> None:
+    """Keep FSDP2 from warning about the views the tracer's own backward hooks make.
+
+    A full backward hook hands a module's outputs through torch's BackwardHookFunction, which returns them
+    as views of themselves. So under `ttrace record` a model whose forward ends in a traced module
+    (`return self.norm(x)`) returns a view, and FSDP2 warns once per rank and wrapped module, where the same
+    script without ttrace is silent. The hazard it warns of cannot pass silently here: an in-place op on such
+    a view raises ("... is a view and is being modified inplace ... created inside a custom Function").
+    So around each FSDP2 module's post-forward hook that warning is dropped when every view the module
+    returns is one the hooks made; any other view (the script's own) still warns. Register after
+    `fully_shard`, whose hook the window must enclose (attach's documented order)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 has no such warning
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            window = _HookViewWarningWindow()
+            handles.append(module.register_forward_hook(window.open, prepend=True))
+            handles.append(module.register_forward_hook(window.close, always_call=True))
+
+
+class _HookViewWarningWindow:
+    """FSDP_VIEW_WARNING ignored from the first forward hook of one module to its last (always called)."""
+
+    def __init__(self) -> None:
+        self._context: warnings.catch_warnings | None = None
+
+    def open(self, module: nn.Module, args: tuple, output: object) -> None:
+        views = [t for t in tensors_of(output) if t.requires_grad and t._base is not None]
+        if views and all(type(t.grad_fn).__name__ == "BackwardHookFunctionBackward" for t in views):
+            self._context = warnings.catch_warnings()
+            self._context.__enter__()
+            warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING, category=UserWarning)
+
+    def close(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self._context is not None:
+            context, self._context = self._context, None
+            context.__exit__(None, None, None)
+
+
 def tensors_of(values: object) -> list[torch.Tensor]:
     """The tensors among `values`, in pytree order. A tensor, or a tuple or list of tensors and plain
     scalars (what nearly every module takes and returns), is read directly; anything else is flattened."""
@@ -111,6 +157,7 @@ class ModuleHooks:
             handles.append(module.register_forward_hook(self.guarded(fqn, self._see_output_dtensors(fqn)), prepend=True))
             if backward:
                 handles.append(module.register_full_backward_hook(self.guarded(fqn, self._backward_hook(fqn))))
+        quiet_fsdp_view_warnings(model, handles)
 
     def guarded(self, fqn: str, hook: Callable[..., None]) -> Callable[..., None]:
         """`hook`, which only reads, made never to raise into the training: its error is a finding on `fqn`."""
