@@ -9,7 +9,7 @@ The tensor page's server-side work (`api.comparison_table` from the cache + `api
 also timed in this process, and so is opening each run's index (`RunReader`). Prints a table and
 writes results/dashboard.md.
 
-    python benchmarks/dashboard.py [--workdir /tmp/ttrace-bench-dashboard] [--repeats 3]
+    python benchmarks/dashboard.py [--workdir /tmp/ttrace-bench-dashboard] [--repeats 3] [--num-layers 48]
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ import json
 import os
 import platform
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -33,15 +36,15 @@ import plotly
 import plotly.offline
 from playwright.sync_api import Page, sync_playwright
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `app` and `tests` of this checkout (not installed)
-
-from tests.faults.dashboard_sessions import CHROMIUM, IDLE, free_port, start_dashboard, stop_dashboard  # noqa: E402
-from ttrace_dashboard import cells, figures  # noqa: E402
-from ttrace_core import api  # noqa: E402
-from ttrace_core.errors import TtraceError  # noqa: E402
-from ttrace_core.format.reader import RunReader  # noqa: E402
+from ttrace_core import api
+from ttrace_core.errors import TtraceError
+from ttrace_core.format.reader import RunReader
+from ttrace_dashboard import cells, figures
 
 RESULTS = Path(__file__).parent / "results"
+CHROMIUM = "/usr/bin/chromium"
+IDLE = "[data-test-script-state=notRunning]"
+"""Streamlit marks the page so when its script has finished running."""
 NUM_LAYERS = 48
 RUNS = {  # run directory name -> extra flags of `ttrace example megatron-gpt`
     "ref": [],
@@ -66,7 +69,7 @@ class Measure:
     """None when the measure has no goal."""
 
 
-def record(workdir: Path) -> dict[str, float | None]:
+def record(workdir: Path, num_layers: int) -> dict[str, float | None]:
     """Record every run missing a complete step; seconds per run, None for a reused one."""
     seconds: dict[str, float | None] = {}
     for name, flags in RUNS.items():
@@ -75,12 +78,46 @@ def record(workdir: Path) -> dict[str, float | None]:
             seconds[name] = None
             continue
         shutil.rmtree(run_dir, ignore_errors=True)
-        command = [sys.executable, "-m", "ttrace_core", "example", "megatron-gpt", "--num-layers", str(NUM_LAYERS),
+        command = [sys.executable, "-m", "ttrace_core", "example", "megatron-gpt", "--num-layers", str(num_layers),
                    "--steps", "1", *flags, "--out", str(run_dir)]
         started = time.perf_counter()
         subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         seconds[name] = time.perf_counter() - started
     return seconds
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_dashboard(root: Path, port: int, log: Path) -> subprocess.Popen:
+    """`ttrace dashboard ROOT` in its own process group (it spawns `streamlit run`), once healthy."""
+    server = subprocess.Popen(["ttrace", "dashboard", str(root), "--port", str(port)], stdout=log.open("w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"ttrace dashboard exited with {server.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as response:
+                if response.read().strip() == b"ok":
+                    return server
+        except OSError:
+            pass
+        time.sleep(0.2)
+    stop_dashboard(server)
+    raise RuntimeError(f"ttrace dashboard not healthy on port {port} after 60 s; see {log}")
+
+
+def stop_dashboard(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
 
 
 def _complete(run_dir: Path) -> bool:
@@ -319,10 +356,12 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ttrace-bench-dashboard"),
                         help="where the traces live; complete runs there are reused")
     parser.add_argument("--repeats", type=int, default=3, help="cached heatmap loads (median)")
+    parser.add_argument("--num-layers", type=int, default=NUM_LAYERS, help="layers of the recorded GPT")
+    parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     workdir = args.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    recorded = record(workdir)
+    recorded = record(workdir, args.num_layers)
     load = os.getloadavg()[0]
     reference, candidate = workdir / "ref", workdir / "cand"
     index_s = {name: _median_seconds(lambda: _open_index(workdir / name), 3) for name in RUNS}
@@ -339,7 +378,7 @@ def main() -> None:
     heatmap_s = heatmap_server_seconds(reference, candidate, 3)
     server["render_s"] = plotly_render_seconds(page_figures(reference, candidate))
     rows = measures(workdir, browser, server, heatmap_s, index_s, index_keys, cached.provenance, args.repeats)
-    _write(rows, recorded, (load, os.getloadavg()[0]))
+    _write(rows, recorded, (load, os.getloadavg()[0]), args.num_layers, args.results)
 
 
 def _recording_note(recorded: dict[str, float | None]) -> str:
@@ -351,10 +390,11 @@ def _met(measure: Measure) -> str:
     return "-" if measure.met is None else ("yes" if measure.met else "**no**")
 
 
-def _write(rows: list[Measure], recorded: dict[str, float | None], load: tuple[float, float]) -> None:
+def _write(rows: list[Measure], recorded: dict[str, float | None], load: tuple[float, float], num_layers: int,
+           results: Path) -> None:
     cpu = platform.processor() or platform.machine()
     lines = [
-        f"# Dashboard latency ({NUM_LAYERS}-layer Megatron GPT, hidden 64, 4 micro-batches, 1 step)", "",
+        f"# Dashboard latency ({num_layers}-layer Megatron GPT, hidden 64, 4 micro-batches, 1 step)", "",
         f"- date: {datetime.now().isoformat(timespec='seconds')}",
         f"- machine: {os.cpu_count()} cores ({cpu}), CPU only, Python {platform.python_version()}, chromium {CHROMIUM}; "
         f"1-min load average {load[0]:.2f} at the start, {load[1]:.2f} at the end (the server, chromium and other "
@@ -366,8 +406,8 @@ def _write(rows: list[Measure], recorded: dict[str, float | None], load: tuple[f
     ]
     lines += [f"| {m.name} | {m.value} | {m.goal} | {_met(m)} |" for m in rows]
     text = "\n".join(lines) + "\n"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "dashboard.md").write_text(text)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "dashboard.md").write_text(text)
     print(text)
 
 
