@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_support import ttrace_command
-from ttrace_core.service.check_config import CheckConfigError, read_check_config
+from ttrace_core.service.check_config import CheckConfig, CheckConfigError, Layout, read_check_config
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,20 +122,57 @@ def test_a_reference_that_does_not_train_is_refused_with_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("text, says", [
-    ('command = ""\n[[candidate]]\nname = "a"\n', "command must name the command"),
-    ('command = "x {layout}"\n', "no candidate layout"),
-    ('command = "x"\nprecisions = ["fp16"]\n[[candidate]]\nname = "a"\n', "precisions must be some of"),
-    ('command = "x"\n[[candidate]]\nname = "a"\nworld_size = 0\n', "world_size must be a positive integer"),
-    ('command = "x"\n[[candidate]]\nname = "reference"\n', "'reference' repeats"),
-    ('command = "x"\nlayouts = 1\n', "unknown key 'layouts'"),
+    ('command = ""\n[[candidate]]\nname = "a"\n', "command must name the command to record, e.g. command = "),
+    ('[[candidate]]\nname = "a"\n', "command must name the command to record"),
+    ('command = "x {layout}"\n', "no candidate layout; add at least one [[candidate]] table"),
+    ('command = "x"\nprecisions = ["fp16"]\n[[candidate]]\nname = "a"\n',
+     "precisions item 1: 'fp16' is no precision; choose from fp32, bf16, fp8"),
+    ('command = "x"\n[[candidate]]\nname = "a"\nworld_size = 0\n', "[[candidate]] 1 ('a'): world_size is 0; give an integer >= 1"),
+    ('command = "x"\n[[candidate]]\nname = "a"\n[[candidate]]\nname = "b"\nworld_size = "2"\n',
+     """[[candidate]] 2 ('b'): world_size is "2"; give an integer"""),
+    ('command = "x"\ntimeout = true\n[[candidate]]\nname = "a"\n', "timeout is true; give a number"),
+    ('command = "x"\ncode = ["*.py", 3]\n[[candidate]]\nname = "a"\n', "code item 2 is 3; give a string"),
+    ('command = "x"\n[[candidate]]\nname = "reference"\n', "layout name 'reference' repeats; give each layout its own name"),
+    ('command = "x"\n[[candidate]]\nlayout = "--tp 2"\n', "[[candidate]] 1 has no name; give each layout a short name"),
+    ('command = "x"\n[[candidate]]\nname = "a/b"\n', "[[candidate]] 1 ('a/b'): name 'a/b': give a non-empty name without '/'"),
+    ('command = "x"\nlayouts = 1\n', "unknown key 'layouts'; known keys: command, candidate, reference, precisions"),
+    ('command = "x"\nprecision = "bf16"\n[[candidate]]\nname = "a"\n',
+     "unknown key 'precision'; did you mean 'precisions'? known keys: command, candidate"),
+    ('command = "x"\n[[candidate]]\nname = "a"\nwold_size = 2\n',
+     "unknown key 'wold_size' in [[candidate]] 1 ('a'); did you mean 'world_size'? known keys: name, layout, world_size"),
+    ('command = "x"\n[reference]\nnmae = "r"\n[[candidate]]\nname = "a"\n', "unknown key 'nmae' in [reference]; did you mean 'name'?"),
     ('command = [1\n', "not valid TOML"),
-], ids=["no-command", "no-candidate", "precision", "world-size", "name-repeats", "unknown-key", "toml"])
-def test_a_bad_config_is_one_line_naming_the_file(tmp_path, text, says):
+], ids=["empty-command", "no-command", "no-candidate", "precision", "world-size-range", "world-size-type", "timeout-type",
+        "code-item-type", "name-repeats", "no-name", "name-slash", "unknown-key", "typo-top-level", "typo-in-candidate",
+        "typo-in-reference", "toml"])
+def test_a_bad_config_is_one_line_naming_the_file_the_key_and_what_to_give(tmp_path, text, says):
     path = tmp_path / "bad.toml"
     path.write_text(text)
-    with pytest.raises(CheckConfigError, match=says) as raised:
+    with pytest.raises(CheckConfigError) as raised:
         read_check_config(path)
-    assert str(raised.value).startswith(str(path)) and "\n" not in str(raised.value)
+    assert str(raised.value).startswith(f"{path}: ") and says in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_good_config_is_read_with_every_key(tmp_path):
+    path = tmp_path / "good.toml"
+    path.write_text('command = ["torchrun", "train.py", "{layout}"]\nprecisions = "bf16"\noutput = "out"\ncwd = "."\n'
+                    'code = "*.py"\ntimeout = 60\nestimate_samples = 2\nlocalize = false\n'
+                    '[reference]\nname = "single"\nlayout = ["--seed", "1"]\n'
+                    '[[candidate]]\nname = "tp2"\nlayout = "--tp 2"\nworld_size = 2\n')
+    config = read_check_config(path)
+    assert config == CheckConfig(
+        path=path, command=("torchrun", "train.py", "{layout}"), precisions=("bf16",), output=tmp_path / "out",
+        cwd=tmp_path, code=("*.py",), timeout_s=60.0, estimate_samples=2, localize=False,
+        reference=Layout(name="single", args=("--seed", "1")), candidates=(Layout(name="tp2", args=("--tp", "2"), world_size=2),))
+
+
+def test_a_minimal_config_takes_the_defaults(tmp_path):
+    path = tmp_path / "minimal.toml"
+    path.write_text('command = "python train.py {layout}"\n[[candidate]]\nname = "tp2"\n')
+    config = read_check_config(path)
+    assert (config.reference, config.precisions, config.output, config.cwd, config.code, config.timeout_s,
+            config.estimate_samples, config.localize) == (Layout(name="reference"), ("fp32",), tmp_path / "ttrace-check",
+                                                          tmp_path, (), 1800.0, 4, True)
 
 
 def test_the_command_takes_each_layouts_arguments_world_size_and_precision(tmp_path):

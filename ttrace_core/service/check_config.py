@@ -18,26 +18,86 @@ arguments as the layout has), `{world_size}`, `{precision}`, `{name}`. A relativ
 relative to the config file, and so is the directory the commands run in (`cwd`, default the config's
 own directory). `code` lists glob patterns (relative to `cwd`) of the files whose contents decide
 whether a recording can be reused; by default the files of the git repository around `cwd`.
+
+The file is decoded by msgspec into `CheckFile` (types, unknown keys and the checks in each
+`__post_init__`), and a problem becomes one line naming the file, the key, what is wrong and what
+it takes (`_problem`); `read_check_config` then resolves it into a `CheckConfig`.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
+import re
 import shlex
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal, get_args
+
+import msgspec
 
 from ttrace_core.errors import TtraceError
 
-PRECISIONS = ("fp32", "bf16", "fp8")
+Precision = Literal["fp32", "bf16", "fp8"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 PLACEHOLDERS = ("{layout}", "{world_size}", "{precision}", "{name}")
-_TOP_LEVEL = {"command", "precisions", "output", "cwd", "code", "reference", "candidate", "timeout", "estimate_samples",
-              "localize"}
-_LAYOUT_FIELDS = {"name", "layout", "world_size"}
+NO_COMMAND = ("command must name the command to record, e.g. "
+              'command = "torchrun --standalone --nproc-per-node {world_size} train.py {layout}"')
+NO_CANDIDATE = "no candidate layout; add at least one [[candidate]] table with name and layout"
 
 
 class CheckConfigError(TtraceError):
     """A config `ttrace check` cannot run: exit code 2."""
+
+
+def _strings(value: str | list[str]) -> tuple[str, ...]:
+    """A string or a list of strings as a tuple."""
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+class LayoutTable(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`[reference]` or one `[[candidate]]` table, as written."""
+
+    name: str | None = None
+    """A short name: the JUnit test case, the Markdown row, the run directory (the reference's: "reference")."""
+    layout: str | list[str] = ""
+    """What replaces {layout} in the command: one string split like a shell, or a list of arguments."""
+    world_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+    def __post_init__(self) -> None:
+        if self.name is not None and (not self.name or "/" in self.name or self.name.startswith(".")):
+            raise ValueError(f"name {self.name!r}: give a non-empty name without '/' or a leading '.' (it names a directory)")
+
+
+class CheckFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A `ttrace check` config file, as written (see the module docstring)."""
+
+    command: str | list[str]
+    candidate: list[LayoutTable]
+    reference: LayoutTable = msgspec.field(default_factory=LayoutTable)
+    precisions: Precision | list[Precision] = "fp32"
+    output: str = "ttrace-check"
+    cwd: str = "."
+    code: str | list[str] = msgspec.field(default_factory=list)
+    timeout: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
+    """Seconds per recording, estimate re-run and replay."""
+    estimate_samples: Annotated[int, msgspec.Meta(gt=0)] = 4
+    localize: bool = True
+
+    def __post_init__(self) -> None:
+        if not (shlex.split(self.command) if isinstance(self.command, str) else self.command):
+            raise ValueError(NO_COMMAND)
+        if not self.candidate:
+            raise ValueError(NO_CANDIDATE)
+        if not _strings(self.precisions):
+            raise ValueError(f"precisions is empty; list at least one of {', '.join(PRECISIONS)}")
+        for number, table in enumerate(self.candidate, start=1):
+            if table.name is None:
+                raise ValueError(f"[[candidate]] {number} has no name; give each layout a short name (it names a directory)")
+        names = [self.reference.name or "reference", *(table.name for table in self.candidate)]
+        if repeated := sorted(name for name in set(names) if names.count(name) > 1):
+            raise ValueError(f"layout name {repeated[0]!r} repeats; give each layout its own name")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -81,43 +141,76 @@ class CheckConfig:
         return command
 
 
-def _fail(path: Path, what: str) -> CheckConfigError:
-    return CheckConfigError(f"{path}: {what}")
+def _layout(table: LayoutTable, default_name: str) -> Layout:
+    args = shlex.split(table.layout) if isinstance(table.layout, str) else table.layout
+    return Layout(name=table.name or default_name, args=tuple(args), world_size=table.world_size)
 
 
-def _layout(path: Path, data: object, where: str, default_name: str | None = None) -> Layout:
-    if not isinstance(data, dict):
-        raise _fail(path, f"{where} must be a table (name, layout, world_size)")
-    unknown = set(data) - _LAYOUT_FIELDS
-    if unknown:
-        raise _fail(path, f"{where}: unknown key {sorted(unknown)[0]!r}; a layout has name, layout and world_size")
-    name, args, world_size = data.get("name", default_name), data.get("layout", ""), data.get("world_size", 1)
-    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
-        raise _fail(path, f"{where}: name must be a non-empty string without '/' (it names a directory)")
-    if isinstance(args, str):
-        args = shlex.split(args)
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise _fail(path, f"{where} {name!r}: layout must be a string or a list of strings")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise _fail(path, f"{where} {name!r}: world_size must be a positive integer, not {world_size!r}")
-    return Layout(name=name, args=tuple(args), world_size=world_size)
+# --- msgspec's validation errors, as one line a user can act on ------------------------------------
+
+_ERROR = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false", "array": "a list",
+               "object": "a table", "str | array": "a string or a list of strings", "null": "nothing"}
 
 
-def _strings(path: Path, data: dict, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
-    value = data.get(key, list(default))
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise _fail(path, f"{key} must be a string or a list of strings")
-    return tuple(value)
+def _steps(path: str) -> list[str | int]:
+    """"$.candidate[0].world_size" (without the "$") as ["candidate", 0, "world_size"]."""
+    return [int(index) if index else key for key, index in re.findall(r"\.(\w+)|\[(\d+)\]", path)]
 
 
-def _number(path: Path, data: dict, key: str, default: float, kind: type) -> float:
-    value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)) \
-            or value <= 0:
-        raise _fail(path, f"{key} must be a positive {'integer' if kind is int else 'number'}, not {value!r}")
-    return value
+def _value_at(data: object, steps: list[str | int]) -> object:
+    for step in steps:
+        data = data[step]  # msgspec found the value here, so every step exists
+    return data
+
+
+def _toml_text(value: object) -> str:
+    """A value as the config writes it: true, "x", [1, 2]."""
+    return json.dumps(value, default=str)
+
+
+def _place(data: dict, steps: list[str | int]) -> str:
+    """Where a path points, in the config's own words: "[[candidate]] 2 ('tp2'): world_size", "code item 2"."""
+    words = []
+    for position, step in enumerate(steps):
+        if isinstance(step, int):
+            table = _value_at(data, steps[:position + 1])
+            if not isinstance(table, dict):
+                words[-1] += f" item {step + 1}"
+                continue
+            name = table.get("name")
+            words[-1] = f"[[{words[-1]}]] {step + 1}" + (f" ({name!r})" if isinstance(name, str) else "")
+        elif position == 0 and step == "reference":
+            words.append("[reference]")
+        else:
+            words.append(step)
+    return ": ".join(words)
+
+
+def _known_keys(steps: list[str | int]) -> tuple[str, ...]:
+    table = LayoutTable if steps else CheckFile
+    return table.__struct_fields__
+
+
+def _problem(error: msgspec.ValidationError, data: dict) -> str:
+    """One line for msgspec's error: where (the key, in the config's words), what is wrong, what it takes."""
+    match = _ERROR.match(str(error))
+    what, steps = match["what"], _steps(match["path"] or "")
+    place = _place(data, steps)
+    if unknown := re.fullmatch(r"Object contains unknown field `(\w+)`", what):
+        key, known = unknown[1], _known_keys(steps)
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        table = f" in {place}" if place else ""
+        return f"unknown key {key!r}{table}; {hint}known keys: {', '.join(known)}"
+    if missing := re.fullmatch(r"Object missing required field `(\w+)`", what):
+        return {"command": NO_COMMAND, "candidate": NO_CANDIDATE}.get(missing[1], f"{missing[1]} is missing")
+    if expected := re.fullmatch(r"Expected `([^`]+)`(.*?)(?:, got `(\w+)`)?", what):
+        wanted = _TYPE_WORDS.get(expected[1], expected[1]) + expected[2]
+        return f"{place} is {_toml_text(_value_at(data, steps))}; give {wanted}"
+    if enum := re.fullmatch(r"Invalid enum value (.+)", what):
+        return f"{place}: {enum[1]} is no precision; choose from {', '.join(PRECISIONS)}"
+    return f"{place}: {what}" if place else what  # a __post_init__'s own sentence
 
 
 def read_check_config(path: str | Path) -> CheckConfig:
@@ -128,35 +221,15 @@ def read_check_config(path: str | Path) -> CheckConfig:
     except OSError as error:
         raise CheckConfigError(f"{path}: cannot read the config ({error.strerror or error})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise _fail(path, f"not valid TOML ({error})") from None
-    unknown = set(data) - _TOP_LEVEL
-    if unknown:
-        raise _fail(path, f"unknown key {sorted(unknown)[0]!r}; known: {', '.join(sorted(_TOP_LEVEL))}")
-    command = data.get("command")
-    if isinstance(command, str):
-        command = shlex.split(command)
-    if not command or not isinstance(command, list) or not all(isinstance(c, str) for c in command):
-        raise _fail(path, "command must name the command to record, e.g. "
-                          "command = \"torchrun --standalone --nproc-per-node {world_size} train.py {layout}\"")
-    candidates = data.get("candidate", [])
-    if not isinstance(candidates, list) or not candidates:
-        raise _fail(path, "no candidate layout; add at least one [[candidate]] table with name and layout")
-    layouts = tuple(_layout(path, c, f"candidate {i + 1}") for i, c in enumerate(candidates))
-    reference = _layout(path, data.get("reference", {}), "[reference]", default_name="reference")
-    names = [reference.name, *(c.name for c in layouts)]
-    if len(set(names)) != len(names):
-        raise _fail(path, f"layout names must differ; {sorted(n for n in names if names.count(n) > 1)[0]!r} repeats")
-    precisions = _strings(path, data, "precisions", ("fp32",))
-    if not precisions or any(p not in PRECISIONS for p in precisions):
-        raise _fail(path, f"precisions must be some of {', '.join(PRECISIONS)}, not {list(precisions)}")
-    for key in ("output", "cwd"):
-        if not isinstance(data.get(key, "."), str):
-            raise _fail(path, f"{key} must be a path as a string, not {data[key]!r}")
-    if not isinstance(data.get("localize", True), bool):
-        raise _fail(path, f"localize must be true or false, not {data['localize']!r}")
+        raise CheckConfigError(f"{path}: not valid TOML ({error})") from None
+    try:
+        written = msgspec.convert(data, CheckFile)
+    except msgspec.ValidationError as error:
+        raise CheckConfigError(f"{path}: {_problem(error, data)}") from None
     base = path.resolve().parent
+    command = shlex.split(written.command) if isinstance(written.command, str) else written.command
     return CheckConfig(
-        path=path, command=tuple(command), reference=reference, candidates=layouts, precisions=precisions,
-        output=(base / data.get("output", "ttrace-check")).resolve(), cwd=(base / data.get("cwd", ".")).resolve(),
-        code=_strings(path, data, "code", ()), timeout_s=float(_number(path, data, "timeout", 1800.0, float)),
-        estimate_samples=int(_number(path, data, "estimate_samples", 4, int)), localize=bool(data.get("localize", True)))
+        path=path, command=tuple(command), reference=_layout(written.reference, "reference"),
+        candidates=tuple(_layout(table, "") for table in written.candidate), precisions=_strings(written.precisions),
+        output=(base / written.output).resolve(), cwd=(base / written.cwd).resolve(), code=_strings(written.code),
+        timeout_s=written.timeout, estimate_samples=written.estimate_samples, localize=written.localize)
