@@ -11,6 +11,7 @@ One module per family:
 - replay_faults.py: a replay job struck by a fault, and the checked trial;
 - dashboard_sessions.py: `ttrace dashboard` served on the sample traces, and browser sessions on it.
 
-Benchmarks import these (`from tests.faults import corruptions`); nothing here imports a benchmark
-(tests/test_layout.py checks it).
+A benchmark never imports these: it runs one as a child process (`python -m tests.faults.replay_faults
+... --out FILE`, through benchmarks/harness.py) and reads the JSON it writes; nothing here imports a
+benchmark either (tests/test_layout.py checks both directions).
 """
