@@ -29,5 +29,9 @@ class LaunchError(TtraceError):
         """A rank was killed from outside (SIGKILL, the OOM killer): no fault of the run's own code."""
 
 
+class MapError(TtraceError):
+    """A correspondence map (docs/porting.md) cannot be read, or does not fit the runs it relates."""
+
+
 class TtraceInternalError(Exception):
     """Something failed that the user's input does not explain: the CLI exits 3. Not a TtraceError."""

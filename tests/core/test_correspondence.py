@@ -1,0 +1,164 @@
+"""Correspondence maps (canonicalize/correspondence.py): decoding with one clear line per bad map, the
+unmapped globs, and the weight conversion derived from the same rules, round trip and exact layout, on the
+shipped HF Llama <-> megatron-core map."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ttrace_core.canonicalize.correspondence import (
+    candidate_shapes, candidate_state, declared_unmapped, facts_from_config, glob_regex, load_map, reference_state,
+)
+from ttrace_core.errors import MapError
+from ttrace_core.integrations.shipped_maps import MAPS_DIR, find_map, shipped_map_names
+
+LLAMA = "hf-llama--megatron-gpt"
+VALID = '''
+name = "tiny"
+reference = "a"
+candidate = "b"
+[facts]
+groups = "num_key_value_heads"
+[[parameters]]
+candidate = "layers.{layer}.qkv.weight"
+reference = ["l.{layer}.q.weight", "l.{layer}.k.weight", "l.{layer}.v.weight"]
+transform = [{op = "concat", dim = 0, groups = "groups"}]
+[[tensors]]
+candidate = "layers.{layer}.qkv"
+slots = ["output.0"]
+reference = ["l.{layer}.q", "l.{layer}.k", "l.{layer}.v"]
+transform = [{op = "concat", dim = -1, groups = "groups"}]
+[[unmapped]]
+side = "candidate"
+tensors = ["forward/layers.*.rotary/**"]
+reason = "angles against cosines"
+'''
+
+
+def write_map(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(text)
+    return path
+
+
+def test_every_shipped_map_decodes():
+    assert LLAMA in shipped_map_names()
+    for name in shipped_map_names():
+        loaded = find_map(name)
+        assert loaded.name == name and loaded.path == (MAPS_DIR / f"{name}.toml").resolve()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda t: t.replace('name = "tiny"', 'name = "tiny"\ncolour = "red"'), r"\$: Object contains unknown field `colour`"),
+    (lambda t: t.replace('dim = 0, groups', 'dim = "zero", groups'), r"\$\.parameters\[0\]\.transform\[0\]\.dim: Expected `int`"),
+    (lambda t: t.replace('op = "concat", dim = 0', 'op = "shuffle", dim = 0'), r"\$\.parameters\[0\]\.transform\[0\]"),
+    (lambda t: t.replace('candidate = "layers.{layer}.qkv.weight"', 'candidate = "layers.{block}.qkv.weight"'),
+     r"\$\.parameters\[0\]\.candidate: placeholder \{block\} does not appear"),
+    (lambda t: t.replace('groups = "num_key_value_heads"', 'heads = "num_attention_heads"'),
+     r"\$\.parameters\[0\]\.transform: names fact 'groups', which \[facts\] does not define"),
+    (lambda t: t.replace('transform = [{op = "concat", dim = 0, groups = "groups"}]', 'transform = [{op = "sum"}]'),
+     r"\$\.parameters\[0\]\.transform\[0\]: op 'sum' cannot be inverted"),
+    (lambda t: t.replace('slots = ["output.0"]', 'slots = ["scalar.loss"]'), r"\$\.tensors\[0\]\.slots: slot 'scalar.loss' is a step scalar"),
+    (lambda t: t.replace('slots = ["output.0"]', 'slots = ["result"]'), r"\$\.tensors\[0\]\.slots: slot 'result' is not a ttrace slot"),
+    (lambda t: t.replace('transform = [{op = "concat", dim = -1, groups = "groups"}]', 'transform = []'),
+     r"\$\.tensors\[0\]\.transform: 3 reference tensors need exactly one op that combines them"),
+    (lambda t: t.replace('reason = "angles against cosines"', 'reason = " "'), r"\$\.unmapped\[0\]: give the tensors"),
+    (lambda t: t + "\n[[parameters]\n", "not TOML"),
+], ids=["unknown-field", "wrong-type", "unknown-op", "free-placeholder", "undefined-fact", "sum-in-parameter",
+        "scalar-without-phase", "bad-slot", "pieces-not-combined", "empty-reason", "not-toml"])
+def test_a_bad_map_is_one_line_naming_file_and_key(tmp_path, change, message):
+    path = write_map(tmp_path, change(VALID))
+    with pytest.raises(MapError, match=message) as caught:
+        load_map(path)
+    text = str(caught.value)
+    assert text.startswith(str(path)) and "\n" not in text and "docs/porting.md" in text
+
+
+def test_valid_map_decodes(tmp_path):
+    loaded = load_map(write_map(tmp_path, VALID))
+    assert loaded.name == "tiny" and len(loaded.spec.parameters) == 1 and len(loaded.digest) == 64
+
+
+def test_unknown_map_names_the_shipped_ones(tmp_path):
+    with pytest.raises(MapError, match=f"--map hf-lama: no shipped map of that name.*{LLAMA}"):
+        find_map("hf-lama")
+    with pytest.raises(MapError, match="cannot read the map"):
+        find_map(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize(("glob", "tensor", "matches"), [
+    ("backward/model.layers.*/grad_input.0", "backward/model.layers.3/grad_input.0", True),
+    ("backward/model.layers.*/grad_input.0", "backward/model.layers.3.mlp/grad_input.0", False),
+    ("forward//**", "forward//input.input_ids", True),
+    ("forward/x/input.[01]", "forward/x/input.2", False),
+    ("forward/x/input.[!01]", "forward/x/input.2", True),
+], ids=["one-component", "star-stops-at-dots", "double-star-crosses", "class", "negated-class"])
+def test_unmapped_globs_stay_within_a_name_component(glob, tensor, matches):
+    assert bool(glob_regex(glob).match(tensor)) is matches
+
+
+def test_declared_unmapped_gives_the_reason(tmp_path):
+    spec = load_map(write_map(tmp_path, VALID)).spec
+    assert declared_unmapped(spec, "candidate", "forward/layers.0.rotary/output.0").reason == "angles against cosines"
+    assert declared_unmapped(spec, "reference", "forward/layers.0.rotary/output.0") is None
+
+
+# ---- the weight conversion of the shipped Llama map ---------------------------------------------------
+
+LLAMA_CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+HIDDEN, HEAD_DIM, FFN, VOCAB = 8, 2, 12, 10
+
+
+def llama_shapes(tied: bool = False) -> dict[str, tuple[int, ...]]:
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    if not tied:
+        shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}"
+        shapes |= {f"{prefix}.self_attn.q_proj.weight": (4 * HEAD_DIM, HIDDEN), f"{prefix}.self_attn.k_proj.weight": (2 * HEAD_DIM, HIDDEN),
+                   f"{prefix}.self_attn.v_proj.weight": (2 * HEAD_DIM, HIDDEN), f"{prefix}.self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+                   f"{prefix}.mlp.gate_proj.weight": (FFN, HIDDEN), f"{prefix}.mlp.up_proj.weight": (FFN, HIDDEN),
+                   f"{prefix}.mlp.down_proj.weight": (HIDDEN, FFN), f"{prefix}.input_layernorm.weight": (HIDDEN,),
+                   f"{prefix}.post_attention_layernorm.weight": (HIDDEN,)}
+    return shapes
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_weight_conversion_round_trips(tied):
+    loaded, shapes = find_map(LLAMA), llama_shapes(tied)
+    facts = facts_from_config(loaded, LLAMA_CONFIG, "the test config")
+    hf = {name: torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, (name, shape) in enumerate(shapes.items())}
+    megatron = candidate_state(loaded, hf, facts)
+    assert {name: tuple(v.shape) for name, v in megatron.items()} == candidate_shapes(loaded, shapes, facts)
+    assert ("output_layer.weight" in megatron) is not tied
+    assert megatron["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (8 * HEAD_DIM, HIDDEN)
+    assert megatron["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * FFN, HIDDEN)
+    back = reference_state(loaded, megatron, shapes, facts)
+    assert set(back) == set(hf) and all(torch.equal(back[name], hf[name]) for name in hf)
+
+
+def test_fused_qkv_rows_follow_megatrons_query_groups():
+    """Rows of head h of q_proj, of group g of k_proj / v_proj, land where megatron's linear_qkv keeps them:
+    group g's [q heads 2g, 2g+1; k_g; v_g], head_dim rows each."""
+    loaded, shapes = find_map(LLAMA), llama_shapes()
+    facts = facts_from_config(loaded, LLAMA_CONFIG, "the test config")
+    hf = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    for name, base in (("q_proj", 0), ("k_proj", 100), ("v_proj", 200)):
+        weight = hf[f"model.layers.0.self_attn.{name}.weight"]
+        weight[:] = (base + torch.arange(weight.shape[0] // HEAD_DIM).repeat_interleave(HEAD_DIM))[:, None]
+    fused = candidate_state(loaded, hf, facts)["decoder.layers.0.self_attention.linear_qkv.weight"][::HEAD_DIM, 0]
+    assert fused.tolist() == [0, 1, 100, 200, 2, 3, 101, 201]
+
+
+def test_conversion_refuses_what_it_cannot_give():
+    loaded, shapes = find_map(LLAMA), llama_shapes()
+    facts = facts_from_config(loaded, LLAMA_CONFIG, "the test config")
+    megatron = candidate_state(loaded, {name: torch.zeros(s) for name, s in shapes.items()}, facts)
+    with pytest.raises(MapError, match="no \\[\\[parameters\\]\\] rule gives reference parameter model.extra.weight"):
+        reference_state(loaded, megatron, {**shapes, "model.extra.weight": (3,)}, facts)
+    del megatron["decoder.final_layernorm.weight"]
+    with pytest.raises(MapError, match="gives candidate parameter decoder.final_layernorm.weight, which the candidate's"):
+        reference_state(loaded, megatron, shapes, facts)
+    with pytest.raises(MapError, match=r"\$\.facts\.groups reads 'num_key_value_heads'.*the test config has no"):
+        facts_from_config(loaded, {"num_attention_heads": 4}, "the test config")

@@ -1,0 +1,218 @@
+"""The tensor transforms of a correspondence map (correspondence.py): how the reference's logical tensors
+become one of the candidate's, and back.
+
+Part of stage 2 (canonicalize). Input: the logical tensors a map rule names on the reference side (its
+"pieces", in the rule's order) and the rule's ops; output: the candidate's logical tensor. Parameter rules
+also run backwards (`reference_pieces`): the weight conversion that puts both runs on identical logical
+weights is the same ops inverted, so the correspondence is stated once.
+
+Ops act on the list of pieces: `permute`, `unflatten`, `flatten`, `rotary` and `scale` act on each piece;
+`concat` and `sum` turn the list into one tensor. A worked example, megatron's fused QKV with 2 query
+groups of 2 query heads (head_dim 1, so rows are heads):
+
+    q_proj.weight rows [q0 q1 q2 q3], k_proj [k0 k1], v_proj [v0 v1]
+    concat(dim=0, groups=2) -> [q0 q1 k0 v0 | q2 q3 k1 v1]: each piece cut into 2 groups, group g of every
+    piece side by side, then the groups one after the other ("interleaved per query group").
+
+With groups 1 it is a plain concatenation: megatron's SwiGLU fc1 [gate; up]. `rotary` moves the two halves
+of each head's rotary pairs between the half-split layout (HF's rotate_half: [x0 x1 .. | y0 y1 ..]) and the
+interleaved one ([x0 y0 x1 y1 ..]), as a checkpoint converter permutes q/k rows between the two.
+Sizes may name facts of the model (`groups = "num_query_groups"`), resolved by the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import torch
+
+ROTARY_LAYOUTS = ("half-split", "interleaved")
+
+
+class Op(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="op"):
+    """One step of a rule's transform."""
+
+    combines = False
+    """Whether it turns the list of pieces into one tensor."""
+    invertible = True
+    """Whether the reference's pieces can be recovered from its result (parameter rules need that)."""
+
+
+class Permute(Op, tag="permute"):
+    """torch.permute of each piece: [b, s, h] -> [s, b, h] is dims [1, 0, 2]."""
+
+    dims: list[int]
+
+
+class Unflatten(Op, tag="unflatten"):
+    """torch.unflatten of each piece: dim into `sizes` (ints, fact names, at most one -1)."""
+
+    dim: int
+    sizes: list[int | str]
+
+
+class Flatten(Op, tag="flatten"):
+    """torch.flatten of each piece, dims start..end (inclusive)."""
+
+    start: int
+    end: int
+
+
+class Concat(Op, tag="concat"):
+    """The pieces side by side along `dim`, per group: each piece is cut into `groups` equal chunks and the
+    result holds group g of every piece, then group g + 1 (groups 1: a plain concatenation)."""
+
+    dim: int
+    groups: int | str = 1
+    combines = True
+
+
+class Sum(Op, tag="sum"):
+    """The pieces added: a gradient that reaches one fused module's input from several separate modules."""
+
+    combines = True
+    invertible = False
+
+
+class Rotary(Op, tag="rotary"):
+    """Each head's rotary pairs along `dim` moved from layout `source` to `target` (ROTARY_LAYOUTS)."""
+
+    dim: int
+    head_dim: int | str
+    source: Literal["half-split", "interleaved"]
+    target: Literal["half-split", "interleaved"]
+
+
+class Scale(Op, tag="scale"):
+    """Each piece times `factor` (a loss normalized otherwise on one side)."""
+
+    factor: float
+
+
+AnyOp = Permute | Unflatten | Flatten | Concat | Sum | Rotary | Scale
+Facts = dict[str, int]
+
+
+def size_of(value: int | str, facts: Facts, where: str) -> int:
+    """An op's size: an int, or the value of a named fact."""
+    if isinstance(value, int):
+        return value
+    if value not in facts:
+        raise KeyError(f"{where}: names fact {value!r}, which the run does not state")
+    return facts[value]
+
+
+def _rotary_index(size: int, head_dim: int, source: str, target: str) -> torch.Tensor:
+    """Positions along a dim of `size` (whole heads of `head_dim`) that take a tensor from `source` to `target`."""
+    half = head_dim // 2
+    interleaved_from_half = torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).reshape(-1)
+    within = interleaved_from_half if (source, target) == ("half-split", "interleaved") else \
+        torch.argsort(interleaved_from_half)
+    if source == target:
+        within = torch.arange(head_dim)
+    return (torch.arange(size // head_dim)[:, None] * head_dim + within[None, :]).reshape(-1)
+
+
+def _apply(op: AnyOp, pieces: list[torch.Tensor], facts: Facts, where: str) -> list[torch.Tensor]:
+    if isinstance(op, Permute):
+        return [piece.permute(*op.dims) for piece in pieces]
+    if isinstance(op, Unflatten):
+        sizes = [size_of(size, facts, where) for size in op.sizes]
+        return [piece.unflatten(op.dim, sizes) for piece in pieces]
+    if isinstance(op, Flatten):
+        return [piece.flatten(op.start, op.end) for piece in pieces]
+    if isinstance(op, Scale):
+        return [piece * op.factor for piece in pieces]
+    if isinstance(op, Rotary):
+        head_dim = size_of(op.head_dim, facts, where)
+        out = []
+        for piece in pieces:
+            size = piece.shape[op.dim]
+            if head_dim % 2 or size % head_dim:
+                raise ValueError(f"{where}: rotary head_dim {head_dim} must be even and divide dim {op.dim} "
+                                 f"(size {size}) of a piece of shape {tuple(piece.shape)}")
+            out.append(piece.index_select(op.dim, _rotary_index(size, head_dim, op.source, op.target).to(piece.device)))
+        return out
+    if isinstance(op, Sum):
+        shapes = {tuple(piece.shape) for piece in pieces}
+        if len(shapes) != 1:
+            raise ValueError(f"{where}: sum of pieces of different shapes {sorted(shapes)}")
+        total = pieces[0]
+        for piece in pieces[1:]:
+            total = total + piece
+        return [total]
+    groups = size_of(op.groups, facts, where)
+    for piece in pieces:
+        if piece.shape[op.dim] % groups:
+            raise ValueError(f"{where}: concat in {groups} groups, but a piece of shape {tuple(piece.shape)} has "
+                             f"{piece.shape[op.dim]} along dim {op.dim}")
+    chunks = [piece.chunk(groups, dim=op.dim) if groups > 1 else (piece,) for piece in pieces]
+    return [torch.cat([chunk[g] for g in range(groups) for chunk in chunks], dim=op.dim)]
+
+
+def candidate_tensor(ops: list[AnyOp], pieces: list[torch.Tensor], facts: Facts, where: str) -> torch.Tensor:
+    """The candidate's tensor from the reference's pieces. Raises ValueError (a piece that does not fit an
+    op: wrong size, wrong count) or KeyError (a fact the run does not state), both naming `where`."""
+    for op in ops:
+        pieces = _apply(op, pieces, facts, where)
+    if len(pieces) != 1:
+        raise ValueError(f"{where}: the transform leaves {len(pieces)} pieces; combine them (concat or sum) into one")
+    return pieces[0]
+
+
+def _stage_shapes(ops: list[AnyOp], shapes: list[tuple[int, ...]], facts: Facts, where: str) -> list[list[tuple[int, ...]]]:
+    """The pieces' shapes before each op and after the last (run on shapes alone, no values)."""
+    pieces = [torch.empty(shape, device="meta") for shape in shapes]
+    stages = [[tuple(p.shape) for p in pieces]]
+    for op in ops:
+        pieces = _apply(op, pieces, facts, where)
+        stages.append([tuple(p.shape) for p in pieces])
+    return stages
+
+
+def candidate_shape(ops: list[AnyOp], shapes: list[tuple[int, ...]], facts: Facts, where: str) -> tuple[int, ...]:
+    final = _stage_shapes(ops, shapes, facts, where)[-1]
+    if len(final) != 1:
+        raise ValueError(f"{where}: the transform leaves {len(final)} pieces; combine them (concat or sum) into one")
+    return final[0]
+
+
+def _invert(op: AnyOp, pieces: list[torch.Tensor], before: list[tuple[int, ...]], facts: Facts,
+            where: str) -> list[torch.Tensor]:
+    """The pieces before `op` from those after it; `before`: their shapes before it."""
+    if isinstance(op, Permute):
+        order = [d % len(op.dims) for d in op.dims]
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        return [piece.permute(*inverse) for piece in pieces]
+    if isinstance(op, Unflatten):
+        return [piece.reshape(shape) for piece, shape in zip(pieces, before)]
+    if isinstance(op, Flatten):
+        return [piece.reshape(shape) for piece, shape in zip(pieces, before)]
+    if isinstance(op, Scale):
+        return [piece / op.factor for piece in pieces]
+    if isinstance(op, Rotary):
+        return _apply(Rotary(dim=op.dim, head_dim=op.head_dim, source=op.target, target=op.source), pieces, facts, where)
+    assert isinstance(op, Concat), f"{type(op).__name__} has no inverse"  # decoding refuses others in parameter rules
+    groups = size_of(op.groups, facts, where)
+    (whole,) = pieces
+    sizes = [shape[op.dim] // groups for shape in before]
+    parts: list[list[torch.Tensor]] = [[] for _ in before]
+    for group in whole.chunk(groups, dim=op.dim) if groups > 1 else (whole,):
+        for index, part in enumerate(group.split(sizes, dim=op.dim)):
+            parts[index].append(part)
+    return [torch.cat(chunks, dim=op.dim) for chunks in parts]
+
+
+def reference_pieces(ops: list[AnyOp], value: torch.Tensor, shapes: list[tuple[int, ...]], facts: Facts,
+                     where: str) -> list[torch.Tensor]:
+    """The reference's pieces (of `shapes`) whose transform is `value`: the inverse of `candidate_tensor`,
+    for rules whose ops are all invertible."""
+    stages = _stage_shapes(ops, shapes, facts, where)
+    if stages[-1] != [tuple(value.shape)]:
+        raise ValueError(f"{where}: a candidate tensor of shape {tuple(value.shape)}, but the reference's pieces "
+                         f"{shapes} give {stages[-1]}")
+    pieces = [value]
+    for op, before in zip(reversed(ops), reversed(stages[:-1])):
+        pieces = _invert(op, pieces, before, facts, where)
+    return [piece.contiguous() for piece in pieces]
