@@ -78,6 +78,7 @@ def render_comparison(result: RunComparison, *, num_worst: int = 10) -> str:
     lines += headroom_lines(summary.headroom)
     if result.coverage is not None:
         lines.append(f"coverage: {result.coverage.summary()}")
+        lines += [f"unmapped: {line}" for line in result.coverage.unmapped_reasons]
     lines += [f"finding: {finding}" for finding in result.findings]
     statuses = Counter(c.status for c in result.comparisons)
     passed = statuses.pop("pass", 0)

@@ -33,7 +33,7 @@ from ttrace_core.compare.structure import (REPLICA_UPDATE, bias_to_value, detect
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.evidence import (
     check_comparable, data_mismatch_finding, inconsistency, quantization_only, shape_mismatch_message, tally_coverage,
-    unrecorded_keys, untraced_by_configuration,
+    unmapped_candidate_keys, unrecorded_keys, untraced_by_configuration,
 )
 from ttrace_core.format.schema import TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, pre_step_key
@@ -323,6 +323,8 @@ class ComparePlan:
     """Budget of one tensor's comparison in bytes (bounded.py); None: unbounded."""
     compared_whole: dict[TensorKey, int] = field(default_factory=dict)
     """Tensors over the budget that could not be cut into slabs -> the bytes their comparison took."""
+    unmapped: dict[TensorKey, str] = field(default_factory=dict)
+    """The candidate's tensors a mapped reference's correspondence map declares without counterpart -> why."""
 
     @property
     def to_compare(self) -> list[TensorKey]:
@@ -356,8 +358,16 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
             ref_keys, cand_keys = [k for k in ref_keys if k not in skipped], [k for k in cand_keys if k not in skipped]
             result.notes.append(f"{len(skipped)} activations of modules the {name}'s tracer configuration leaves out "
                                 f"(exclude / exclude_activations, e.g. {min(skipped)}) were not compared")
+    unmapped = unmapped_candidate_keys(sorted(set(cand_keys) - set(ref_keys)), reference.manifest) \
+        if reference.manifest.correspondence else {}
+    if unmapped:  # declared without counterpart by the mapped reference's map: listed by coverage, not compared
+        cand_keys = [k for k in cand_keys if k not in unmapped]
     common = set(ref_keys) & set(cand_keys)
-    plan = ComparePlan(ordered=sorted(ref_keys, key=lambda k: _execution_order(reference, k)), common=common,
+    # A mapped reference (another implementation's run, docs/porting.md) has its own order of computation:
+    # the first divergence is the first in the candidate's order.
+    order_by = candidate if reference.manifest.correspondence else reference
+    plan = ComparePlan(unmapped=unmapped, ordered=sorted(ref_keys, key=lambda k: _execution_order(
+                           order_by if k in order_by.index else reference, k)), common=common,
                        extras=sorted(set(cand_keys) - common, key=lambda k: _execution_order(candidate, k)),
                        tolerances=tolerances, exact_inputs_k=exact_inputs_k or None, ignore_dtype=ignore_dtype,
                        max_bytes=max_bytes)
@@ -391,7 +401,8 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     result, plan = plan_comparison(reference, candidate, tolerances, ignore_dtype=ignore_dtype,
                                    exact_inputs_k=exact_inputs_k, partial=partial, max_bytes=max_bytes)
     total = len(plan.ordered) + len(plan.extras)
-    exact = ExactInputs(plan.common)
+    # A tensor the map declares without counterpart is a source never compared: no exact-inputs rule through it.
+    exact = ExactInputs(plan.common | set(plan.unmapped))
     crossed = reference.manifest.precision != candidate.manifest.precision
     scales_only = [key for key in plan.extras if crossed and quantization_only(key)]
     pending: dict[tuple, list[TensorComparison]] = {}
@@ -425,9 +436,12 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
                             f"(its quantization scales, e.g. {scales_only[0]}) were not compared with values: the "
                             f"{reference.manifest.precision} reference has none; their replicas were checked against "
                             f"each other")
+    mapping = reference.manifest.correspondence.get("map")
+    extra = "recorded in the candidate only" + (f": map {mapping} gives it no counterpart; relate it in the map or "
+                                                 "declare it [[unmapped]] (docs/porting.md)" if mapping else "")
     for key in plan.extras:
         if key not in scales_only:
-            _append(result, TensorComparison(key=key, status="extra", message="recorded in the candidate only"), on_row)
+            _append(result, TensorComparison(key=key, status="extra", message=extra), on_row)
     if plan.compared_whole:
         key, needed = max(plan.compared_whole.items(), key=lambda item: item[1])
         result.notes.append(f"{len(plan.compared_whole)} tensors over the memory budget could not be cut into slabs "
@@ -435,7 +449,7 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
                             f"with about {needed / 2**20:.0f} MiB")
     scale_rows = set(scales_only)
     result.coverage = tally_coverage([row for row in result.comparisons if row.key not in scale_rows], reference, candidate,
-                                     result.steps_compared)
+                                     result.steps_compared, plan.unmapped)
     if (finding := data_mismatch_finding(result)) is not None:
         result.notes.insert(0, finding)
     return result

@@ -25,9 +25,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from ttrace_core.canonicalize import placements as pl
+from ttrace_core.canonicalize.correspondence import glob_regex
 from ttrace_core.errors import ConfigMismatchError, LayoutError
 from ttrace_core.format.findings import finding_lines
-from ttrace_core.format.naming import fp8_scale_linear
+from ttrace_core.format.naming import fp8_scale_linear, tensor_id
 from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.liveness import reference_liveness
@@ -142,10 +143,49 @@ def unrecorded_keys(reference: RunReader, candidate: RunReader) -> set[TensorKey
     return {f.key for reader in (reference, candidate) for f in reader.findings if f.key is not None}
 
 
-def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps_compared: list[int]) -> Coverage:
+def unmapped_candidate_keys(keys: list[TensorKey], reference: RunManifest) -> dict[TensorKey, str]:
+    """Among the candidate's tensors the reference lacks, those its correspondence map declares without
+    counterpart (a reference mapped from another implementation, canonicalize/mapped_run.py) -> the reason."""
+    entries = [([glob_regex(glob) for glob in entry["tensors"]], entry["reason"])
+               for entry in reference.correspondence.get("candidate_unmapped", [])]
+    found = {}
+    for key in keys:
+        name = tensor_id(key).split("@")[0]
+        reason = next((reason for globs, reason in entries if any(glob.match(name) for glob in globs)), None)
+        if reason is not None:
+            found[key] = reason
+    return found
+
+
+def _tensors(count: int) -> str:
+    return f"{count} tensor" + ("" if count == 1 else "s")
+
+
+def _unmapped_coverage(coverage: Coverage, rows: list, reference: RunReader, unmapped: dict[TensorKey, str]) -> None:
+    """What a correspondence map leaves without counterpart, declared (by reason) and not."""
+    mapping = reference.manifest.correspondence
+    if not mapping:
+        return
+    by_reason: dict[str, list[TensorKey]] = defaultdict(list)
+    for key, reason in unmapped.items():
+        by_reason[reason].append(key)
+    lines = [f"candidate: {reason} ({_tensors(len(keys))}, e.g. {tensor_id(min(keys))})" for reason, keys in by_reason.items()]
+    lines += [f"reference: {entry['reason']} ({_tensors(entry['num_tensors'])}, e.g. {entry['example']})"
+              for entry in mapping.get("reference_unmapped", [])]
+    extras = sorted({tensor_id(row.key) for row in rows if row.status == "extra"})
+    coverage.unmapped = len(unmapped) + sum(entry["num_tensors"] for entry in mapping.get("reference_unmapped", []))
+    coverage.unmapped_reasons = [f"map {mapping.get('map')}: {line}" for line in lines]
+    coverage.unaccounted = ([f"candidate: {name}" for name in extras] +
+                            [f"reference: {name}" for name in mapping.get("unaccounted", [])])[:5]
+    coverage.num_unaccounted = len(extras) + int(mapping.get("num_unaccounted", 0))
+
+
+def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps_compared: list[int],
+                   unmapped: dict[TensorKey, str] | None = None) -> Coverage:
     """The coverage block of one comparison: `rows` are its TensorComparisons (the noted, not compared
     quantization scales left out), the readers give every tensor's recorded copies and their findings,
-    and whether the reference trained (liveness.py), once per comparison."""
+    and whether the reference trained (liveness.py), once per comparison. `unmapped`: the candidate's
+    tensors a mapped reference's map declares without counterpart (unmapped_candidate_keys)."""
     replication = {id(reader): replication_by_family(reader.index) for reader in (reference, candidate)}
     steps_expected = expected_steps(reference, candidate)
     unrecorded = len({key for key in unrecorded_keys(reference, candidate) if key.step in steps_compared})
@@ -178,6 +218,7 @@ def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps
     for reader in (reference, candidate):
         coverage.ranks_expected += reader.manifest.world_size
         coverage.ranks_present += len({m.rank for key, metas in reader.index.items() if key.step in steps_compared for m in metas})
+    _unmapped_coverage(coverage, rows, reference, unmapped or {})
     return coverage
 
 

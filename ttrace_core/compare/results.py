@@ -79,6 +79,16 @@ class Coverage:
     (every gradient zero, or no parameter moved), which refuses any pass; None when its trace cannot tell."""
     dead_reference: str = ""
     """What shows that the reference did not train: "every one of its 4 parameter gradients is zero at step 0"."""
+    unmapped: int = 0
+    """Against a reference of another implementation (a correspondence map, docs/porting.md): tensors of either
+    run the map declares without counterpart, listed by reason in `unmapped_reasons`; not compared, and not
+    missing evidence (the map says why they have none)."""
+    unmapped_reasons: list[str] = field(default_factory=list)
+    """One line per reason: "candidate: <the map's reason> (12 tensors, e.g. forward/rotary_pos_emb/output.0)"."""
+    unaccounted: list[str] = field(default_factory=list)
+    """The first few tensors the map neither relates nor declares: "reference: backward/lm_head/grad_input.0"."""
+    num_unaccounted: int = 0
+    """How many such tensors: the evidence is incomplete until the map says what each is."""
 
     @property
     def stats_only_tensors_in_full_run(self) -> int:
@@ -89,7 +99,7 @@ class Coverage:
         compared = self.compared_elementwise + (self.compared_by_stats if self.stats_only_run else 0)
         return (compared == self.tensors_expected and self.copies_present >= self.copies_expected
                 and self.steps_compared == self.steps_expected and self.ranks_present == self.ranks_expected
-                and not self.inventory_gaps and not self.recording_findings)
+                and not self.inventory_gaps and not self.recording_findings and not self.num_unaccounted)
 
     def refusal(self) -> str | None:
         """Why no pass can be given, whatever the tensors say (the reference did not train); None when one can."""
@@ -115,6 +125,10 @@ class Coverage:
             found.append(f"incomplete: {self.compared_by_stats} tensors hold statistics only, in runs recorded in full")
         found += [f"incomplete: {gap}" for gap in self.inventory_gaps]
         found += [f"unrecorded: {line}" for line in self.recording_findings]
+        if self.num_unaccounted:
+            found.append(f"unmapped: {self.num_unaccounted} tensors have no counterpart through the map and no "
+                         f"[[unmapped]] entry, e.g. {self.unaccounted[0]}; relate them in the map or declare them "
+                         "(docs/porting.md)")
         if self.copies_present < self.copies_expected:
             example = f", e.g. {self.missing_copies[0]}" if self.missing_copies else ""
             found.append(f"missing-replica: {self.copies_expected - self.copies_present} of {self.copies_expected} "
@@ -125,7 +139,8 @@ class Coverage:
         by_stats = f", {self.compared_by_stats} by statistics only" if self.compared_by_stats else ""
         return (f"{self.compared_elementwise}/{self.tensors_expected} tensors compared element-wise{by_stats}; "
                 f"{self.copies_present}/{self.copies_expected} copies; {self.ranks_present}/{self.ranks_expected} ranks; "
-                f"steps {self.steps_compared} of {self.steps_expected}")
+                f"steps {self.steps_compared} of {self.steps_expected}"
+                + (f"; {self.unmapped} without counterpart through the map" if self.unmapped else ""))
 
 
 

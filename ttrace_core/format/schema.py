@@ -234,6 +234,10 @@ class RunManifest:
     """Where it was recorded (fingerprint.py): command, Python and package versions, variables, world size."""
     blind_spots: dict[str, str] = field(default_factory=dict)
     """Modules whose boundaries the trace cannot see, and why (inside a torch.compile region, ...)."""
+    correspondence: dict[str, Any] = field(default_factory=dict)
+    """Set in a reference rewritten from another implementation's run through a correspondence map
+    (canonicalize/mapped_run.py, docs/porting.md): the map, the source run, and the tensors of either side
+    the map gives no counterpart; compare's coverage lists them. Empty in a recorded run."""
 
     def __post_init__(self) -> None:
         """The mesh must describe the world: its sizes multiply to world_size, every rank has a

@@ -100,6 +100,10 @@ def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, rela
         raise TtraceError(f"--samples {num_samples}: need at least 1 perturbed re-run")
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)
+    if manifest.correspondence:
+        raise TtraceError(f"{run_dir}: a reference mapped through {manifest.correspondence.get('map')} from "
+                          f"{manifest.correspondence.get('source')}; estimate that run (`ttrace estimate "
+                          f"{manifest.correspondence.get('source')}`): the mapping translates its estimate")
     if not manifest.entrypoint.get("command") and not manifest.entrypoint.get("factory"):
         raise TtraceError(f"{run_dir}/manifest.json: no entrypoint recorded, so the reference cannot be re-run; "
                           "record it with `ttrace record -- COMMAND` (or `ttrace example`)")
