@@ -48,12 +48,22 @@ __all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PRE_STEP_SLOT", "P
            "CompareSettings", "Job", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError", "TtraceError",
            "VerdictSummary",
            "cached_comparison_table", "comparison", "comparison_streams", "comparison_table", "detectable_errors",
-           "find_runs", "is_descendant", "layer_module", "localization", "owner_of", "pair_problem", "path_under_root",
+           "find_runs", "is_descendant", "layer_module", "localization", "mapped_reference", "owner_of", "pair_problem",
+           "path_under_root",
            "replay_job", "replay_job_dir", "run_comparison", "run_info", "streamed_comparison", "streamed_rows",
            "submit_comparison", "submit_replay", "tensor_id", "tensor_view", "ttrace_version", "verdict_of"]
 
 LOCALIZE_EXIT_CODES = (0, 1, 4)
 """`ttrace localize` exit codes that carry a verdict: none, culprit named, diverged but not explained."""
+
+
+def mapped_reference(reference: str | os.PathLike, map_name: str | os.PathLike,
+                     progress: Callable[[str], None] | None = None) -> Path:
+    """A reference of another implementation rewritten in the candidate's names and layouts through a
+    correspondence map (workflows/mapped_reference.py): the directory compare and localize take as the reference."""
+    from ttrace_core.workflows.mapped_reference import mapped_reference as mapped
+
+    return mapped(reference, map_name, progress=progress)
 
 
 def ttrace_version() -> str:

@@ -61,6 +61,7 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="also write the table's rows to DIR in chunks as they are compared (the dashboard's "
                               "streamed comparison job reads them)")
     add_flags(compare)
+    _add_map_flag(compare)
     estimate = commands.add_parser("estimate", help="re-run the reference with perturbed weights to derive per-tensor tolerances")
     estimate.add_argument("reference", help="the reference run directory: it is re-run from its manifest, and the "
                                            "estimate is stored in it")
@@ -86,6 +87,7 @@ def _build_parser() -> argparse.ArgumentParser:
                           help="seconds before the replay's ranks are killed (default: %(default)s)")
     localize.add_argument("--rerun", action="store_true", help="replay again even when a finished replay of these runs exists")
     add_flags(localize)
+    _add_map_flag(localize)
     localize.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # run in this process (what the job runs)
     localize.add_argument("--replay-dir", default=None, help=argparse.SUPPRESS)
     inspect = commands.add_parser("inspect", help="list what a run directory holds")
@@ -100,6 +102,7 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("--markdown", action="store_true", help="print a short Markdown summary (verdict, first "
                                                                   "divergence, culprit, evidence)")
     add_flags(report)
+    _add_map_flag(report)
     dashboard = commands.add_parser("dashboard", help="browse comparisons of the runs under ROOT in a web dashboard")
     dashboard.add_argument("root", nargs="?", default=".", help="folder holding run directories (searched recursively)")
     dashboard.add_argument("--port", type=int, default=None,
@@ -131,6 +134,23 @@ DESCRIPTIONS = {
                  "first divergence, replay a module on Localize. Stop it with Ctrl-C.",
 }
 """The paragraph under each command's usage; a command without one gets its one-line help."""
+
+
+def _add_map_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--map", default=None, metavar="NAME|FILE",
+                        help="the reference is another implementation of the model (a Hugging Face model for a megatron "
+                             "candidate): relate its tensors to the candidate's through this correspondence map, a "
+                             "shipped one by name (hf-llama--megatron-gpt) or a .toml file (docs/porting.md)")
+
+
+def _through_map(args: argparse.Namespace) -> None:
+    """With --map, the reference becomes its mapped copy (made, or reused when up to date), named on stderr."""
+    if not getattr(args, "map", None):
+        return
+    from ttrace_core.api import mapped_reference
+
+    args.reference = str(mapped_reference(args.reference, args.map, progress=lambda line: print(line, file=sys.stderr)))
+    args.map = None
 
 
 def _check_output_path(path: str | None, flag: str) -> None:
@@ -170,6 +190,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from ttrace_core.api import run_comparison
     from ttrace_core.cli.report import ProgressBar, render_comparison
 
+    _through_map(args)
     _refuse_meaningless_pair(args)
     settings = settings_from_flags(args)
     _check_output_path(args.json, "--json")
@@ -216,6 +237,7 @@ def _run_report(args: argparse.Namespace) -> int:
         raise TtraceError("report: nothing to write; pass -o report.html for the HTML report, --markdown for a "
                           "summary, or both")
     _check_output_path(args.out, "-o")
+    _through_map(args)
     _refuse_meaningless_pair(args)
     settings = settings_from_flags(args)
     result = run_comparison(args.reference, args.candidate, settings)
@@ -265,6 +287,7 @@ def _localize_here(args: argparse.Namespace) -> int:
         print(f"[progress] {message} (t={time.perf_counter() - started:.1f} s)", flush=True)
 
     _check_output_path(args.json, "--json")
+    _through_map(args)
     settings = settings_from_flags(args)
     original = run_comparison(args.reference, args.candidate, settings)
     result = localize(args.reference, args.candidate, module=args.module, timeout_s=args.timeout, original=original,
@@ -284,6 +307,7 @@ def _run_localize(args: argparse.Namespace) -> int:
     from ttrace_core.cli.report import render_localization
 
     _check_output_path(args.json, "--json")
+    _through_map(args)
     _refuse_meaningless_pair(args)
     job = submit_replay(args.reference, args.candidate, args.module, timeout_s=args.timeout, rerun=args.rerun,
                         settings=settings_from_flags(args))
