@@ -55,12 +55,31 @@ def add_example_parser(commands) -> None:
                           help="trace only the first N of --steps (every step trains and logs its loss)")
     megatron.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated linear unit)")
     megatron.add_argument("--tie-embeddings", action="store_true", help="share input embedding and output layer")
+    megatron.add_argument("--llama", action="store_true",
+                          help="Llama's architecture choices: RMSNorm, RoPE, SwiGLU, no linear biases (docs/porting.md)")
+    megatron.add_argument("--num-query-groups", type=int, default=None,
+                          help="key/value heads of grouped-query attention (default: one per attention head)")
     megatron.add_argument("--moe", action="store_true", help="MoE MLP (2 experts, top-2, all-gather dispatcher unless set below)")
     megatron.add_argument("--ep", type=int, default=1, help="expert-parallel degree (over the DP ranks; needs --moe)")
     megatron.add_argument("--num-experts", type=int, default=2, help="experts per MoE layer (with --moe)")
     megatron.add_argument("--topk", type=int, default=2, help="experts per token (with --moe)")
     megatron.add_argument("--dispatcher", default="allgather", choices=["allgather", "alltoall"],
                           help="megatron's MoE token dispatcher (with --moe)")
+    hf_llama = workloads.add_parser("hf-llama", help="transformers' Llama on one process: the independent reference of "
+                                                     "megatron-gpt --llama (compare with --map hf-llama--megatron-gpt)")
+    for flag, kwargs in (("--steps", dict(type=int, default=1)), ("--seed", dict(type=int, default=0)),
+                         ("--num-layers", dict(type=int, default=4, help="transformer blocks")),
+                         ("--seq-len", dict(type=int, default=16, help="tokens per sequence")),
+                         ("--micro-batches", dict(type=int, default=4, help="micro-batches per step")),
+                         ("--hidden-size", dict(type=int, default=64)),
+                         ("--num-query-groups", dict(type=int, default=None,
+                                                     help="key/value heads (default: one per attention head)")),
+                         ("--timeout", dict(type=float, default=600.0, help="seconds before the run is killed")),
+                         ("--out", dict(required=True, help="run directory to record into"))):
+        hf_llama.add_argument(flag, **kwargs)
+    hf_llama.add_argument("--tie-embeddings", action="store_true", help="share input embedding and output layer")
+    hf_llama.add_argument("--stats-only", action="store_true", help=argparse.SUPPRESS)
+    hf_llama.add_argument("--adaptive", default=None, help=argparse.SUPPRESS)
     example.set_defaults(handler=run_example)
 
 
@@ -75,6 +94,10 @@ def _torch_gpt_config(args: argparse.Namespace):
         model=GPTConfig(num_layers=args.num_layers, d_model=args.d_model, seq_len=args.seq_len))
 
 
+LLAMA_CHOICES = {"normalization": "RMSNorm", "position_embedding": "rope", "add_bias_linear": False}
+"""`--llama` (with SwiGLU): the MegatronModelConfig fields that make megatron's GPTModel a Llama."""
+
+
 def _megatron_gpt_config(args: argparse.Namespace):
     from ttrace_examples.megatron_gpt.train import ENTRYPOINT, MegatronGPTRunConfig, MegatronModelConfig
 
@@ -83,9 +106,24 @@ def _megatron_gpt_config(args: argparse.Namespace):
         precision=args.precision, steps=args.steps, seed=args.seed, bug=args.bug, stats_only=args.stats_only,
         record_steps=args.record_steps, num_micro_batches=args.micro_batches,
         model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, seq_len=args.seq_len,
-                                  swiglu=args.swiglu, tie_embeddings=args.tie_embeddings,
+                                  swiglu=args.swiglu or args.llama, tie_embeddings=args.tie_embeddings,
                                   num_experts=args.num_experts if args.moe else 0, moe_topk=args.topk,
-                                  moe_dispatcher=args.dispatcher))
+                                  moe_dispatcher=args.dispatcher, num_query_groups=args.num_query_groups,
+                                  **(LLAMA_CHOICES if args.llama else {})))
+
+
+def _hf_llama_config(args: argparse.Namespace):
+    """The megatron-gpt --llama run config this HF reference reproduces (the same flags build both)."""
+    from ttrace_examples.hf_llama.train import ENTRYPOINT, check_reference_config
+    from ttrace_examples.megatron_gpt.train import MegatronGPTRunConfig, MegatronModelConfig
+
+    config = MegatronGPTRunConfig(
+        steps=args.steps, seed=args.seed, num_micro_batches=args.micro_batches,
+        model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, seq_len=args.seq_len,
+                                  swiglu=True, tie_embeddings=args.tie_embeddings,
+                                  num_query_groups=args.num_query_groups, **LLAMA_CHOICES))
+    check_reference_config(config)
+    return ENTRYPOINT, config
 
 
 def run_example(args: argparse.Namespace) -> int:
@@ -94,7 +132,7 @@ def run_example(args: argparse.Namespace) -> int:
     from ttrace_examples.launch import record_example
     from ttrace_core.record.launch import under_torchrun
 
-    builders = {"torch-gpt": _torch_gpt_config, "megatron-gpt": _megatron_gpt_config}
+    builders = {"torch-gpt": _torch_gpt_config, "megatron-gpt": _megatron_gpt_config, "hf-llama": _hf_llama_config}
     try:
         _, config = builders[args.workload](args)
     except ValueError as error:

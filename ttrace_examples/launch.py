@@ -16,8 +16,11 @@ from pathlib import Path
 from ttrace_core.errors import TtraceError
 from ttrace_core.record.launch import free_port, resolve, run_ranks, under_torchrun
 
-WORKLOADS = {"torch-gpt": "ttrace_examples.torch_gpt.train", "megatron-gpt": "ttrace_examples.megatron_gpt.train"}
-CONFIG_CLASSES = {"torch-gpt": "TorchGPTRunConfig", "megatron-gpt": "MegatronGPTRunConfig"}
+WORKLOADS = {"torch-gpt": "ttrace_examples.torch_gpt.train", "megatron-gpt": "ttrace_examples.megatron_gpt.train",
+             "hf-llama": "ttrace_examples.hf_llama.train"}
+CONFIG_CLASSES = {"torch-gpt": "TorchGPTRunConfig", "megatron-gpt": "MegatronGPTRunConfig",
+                  "hf-llama": "MegatronGPTRunConfig"}
+"""hf-llama takes the megatron-gpt candidate's own config: it is that run's reference in another implementation."""
 
 
 def run_config(workload: str, config: dict):

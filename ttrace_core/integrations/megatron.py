@@ -204,6 +204,21 @@ def gated_fc1_modules(model: nn.Module) -> set[str]:
             if _is_gated_mlp(module)}
 
 
+def scattering_embeddings(model: nn.Module) -> tuple[str, ...]:
+    """Activation exclusions for megatron's VocabParallelEmbeddings that reduce-scatter their own output
+    (`reduce_scatter_embeddings`: sequence parallelism without learned position embeddings, e.g. RoPE):
+    such an embedding returns its output transposed to [s, b, h] and sequence-sharded, where on one rank it
+    returns [b, s, h], so the module computes another function under SP than in the reference and its
+    activations are not comparable. Its parent LanguageModelEmbedding returns [s, b, h] in both: compared."""
+    found = []
+    for fqn, module in model.named_modules():
+        if getattr(module, "reduce_scatter_embeddings", False) and \
+                any(cls.__name__ == "VocabParallelEmbedding" for cls in type(module).__mro__):
+            local = fqn.split(".", 1)[1] if isinstance(model, nn.ModuleList) and "." in fqn else fqn
+            found.append(local)
+    return tuple(sorted(set(found)))
+
+
 def _is_gated_mlp(module: nn.Module) -> bool:
     known = next((cls.__name__ for cls in type(module).__mro__ if cls.__name__ == "MLP"), None)
     return known is not None and bool(getattr(getattr(module, "config", None), "gated_linear_unit", False)) \

@@ -122,7 +122,8 @@ class MegatronAdapter:
         return megatron.megatron_tracer_config(
             include=self.selection.include, loss_scale=self.selection.loss_scale, rename=megatron.megatron_rename(self.traced),
             data_parallel_rank=dp_rank, data_parallel_size=dp_size, extra_exclude=self.selection.exclude,
-            exclude_activations=untraceable_expert_activations(self.traced), model_chunks=self.num_chunks)
+            exclude_activations=untraceable_expert_activations(self.traced) + megatron.scattering_embeddings(self.traced),
+            model_chunks=self.num_chunks)
 
     def manifest(self) -> RunManifest:
         return megatron.megatron_manifest(self.traced, self.optimizer, self.role, self.world_size)

@@ -56,6 +56,33 @@ class MegatronModelConfig:
     """Experts per token (at most num_experts)."""
     moe_dispatcher: str = "allgather"
     """megatron's token dispatcher: "allgather" or "alltoall"."""
+    # --- Llama's architecture choices (`--llama`; the HF Llama reference of docs/porting.md builds the same model) ---
+    normalization: str = "LayerNorm"
+    """megatron's `normalization`: "LayerNorm" or "RMSNorm"."""
+    position_embedding: str = "learned_absolute"
+    """GPTModel's position_embedding_type: "learned_absolute" or "rope" (half-split rotary, megatron's default)."""
+    num_query_groups: int | None = None
+    """Key/value heads under grouped-query attention (None: one per attention head); a multiple of the TP degree."""
+    ffn_hidden_size: int | None = None
+    """The MLP's intermediate size (None: megatron's 4 x hidden_size)."""
+    add_bias_linear: bool = True
+    """Biases on every linear (Llama has none)."""
+    norm_epsilon: float = 1e-5
+    """megatron's layernorm_epsilon (Llama's rms_norm_eps)."""
+    rotary_base: int = 10000
+    """RoPE's theta (with position_embedding "rope")."""
+
+    def __post_init__(self) -> None:
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization {self.normalization!r}: choose LayerNorm or RMSNorm")
+        if self.position_embedding not in ("learned_absolute", "rope"):
+            raise ValueError(f"position_embedding {self.position_embedding!r}: choose learned_absolute or rope")
+        if self.num_query_groups is not None and (self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups):
+            raise ValueError(f"num_query_groups {self.num_query_groups} must divide num_attention_heads {self.num_attention_heads}")
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,7 +152,7 @@ class MegatronGPTRunConfig:
             raise ValueError(f"--vpp {self.vpp}: the micro-batches per DP rank "
                              f"({self.num_micro_batches // self.dp}) must be a multiple of pp {self.pp}")
         m = self.model
-        if m.num_layers % (self.pp * self.vpp) or m.num_attention_heads % self.tp or m.vocab_size % self.tp or m.seq_len % self.tp:
+        if m.num_layers % (self.pp * self.vpp) or m.query_groups % self.tp or m.vocab_size % self.tp or m.seq_len % self.tp:
             raise ValueError(f"the model ({m}) does not divide evenly over tp {self.tp} / pp {self.pp} x vpp {self.vpp}")
         if self.bug is not None:
             from ttrace_examples.megatron_gpt.bugs import ZOO
@@ -161,6 +188,9 @@ def transformer_config(config: MegatronGPTRunConfig):
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gated_linear_unit=m.swiglu, activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
+        normalization=m.normalization, num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
+        layernorm_epsilon=m.norm_epsilon,
+        **({} if m.add_bias_linear or m.num_experts else {"add_bias_linear": False}),  # (MoE sets it itself)
         **_moe_fields(config), **features.feature_transformer_fields(config))
 
 
@@ -314,6 +344,7 @@ def _model_chunk(config: MegatronGPTRunConfig, tconfig, vp_stage: int | None) ->
                      pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                      post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                      share_embeddings_and_output_weights=config.model.tie_embeddings, vp_stage=vp_stage,
+                     position_embedding_type=config.model.position_embedding, rotary_base=config.model.rotary_base,
                      **features.gpt_model_kwargs(config, tconfig, layer_spec(config), vp_stage))
     if config.precision == "fp64":  # the local spec's torch norms ignore params_dtype
         model = model.double()

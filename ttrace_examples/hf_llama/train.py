@@ -1,0 +1,115 @@
+"""One training run of transformers' LlamaForCausalLM on one process: what `ttrace example hf-llama` launches.
+
+The independent reference of a megatron-core candidate (`ttrace example megatron-gpt --llama`): the same
+logical model built by another implementation, from a config (no hub access), on the same data with the
+same optimizer, so that `ttrace compare HF_REF CAND --map hf-llama--megatron-gpt` judges megatron's model
+code itself, not only its parallel layouts (docs/porting.md).
+
+It takes the candidate's own run config (MegatronGPTRunConfig: model sizes, seed, micro-batches, lr), and:
+- builds LlamaConfig from it (eager attention, so the attention probabilities are a module output);
+- draws the candidate's logical weights exactly as the megatron example does, from (seed, megatron name),
+  and converts them into HF's parameters through the map's [[parameters]] rules inverted: the weight
+  conversion and the comparison are one statement of the correspondence;
+- feeds megatron's micro-batches (tokens and next-token labels from (seed, micro-batch id)), averages the
+  token losses of each micro-batch and scales by 1 / micro-batches, as megatron's schedule does;
+- steps torch's AdamW with megatron's hyper-parameters (betas 0.9/0.999, eps, no weight decay, no clipping:
+  clip_grad_norm_ with max_norm inf only measures the norm megatron records).
+fp32 only: megatron's bf16 keeps fp32 main weights and gradients, a plain bf16 HF model neither.
+The ttrace lines are marked `# ttrace`.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import ttrace_core as ttrace
+from ttrace_core.canonicalize.correspondence import candidate_shapes, facts_from_config, reference_state
+from ttrace_core.integrations.shipped_maps import find_map
+from ttrace_core.integrations.torch_native import manifest_from_model
+from ttrace_examples.megatron_gpt.train import LOSSES_FILE, MegatronGPTRunConfig, _logical_weight, micro_batch
+
+ENTRYPOINT = "ttrace_examples.hf_llama.train:run"
+MAP = "hf-llama--megatron-gpt"
+
+
+def check_reference_config(config: MegatronGPTRunConfig) -> None:
+    """ValueError unless the candidate's config describes a dense Llama that one HF process can train alike."""
+    m = config.model
+    problems = [text for bad, text in (
+        (config.world_size != 1 or config.vpp != 1, "one process (tp, pp, dp, vpp 1): the reference runs alone"),
+        (not (m.swiglu and m.normalization == "RMSNorm" and m.position_embedding == "rope" and not m.add_bias_linear),
+         "Llama's choices (--llama: RMSNorm, RoPE, SwiGLU, no linear biases)"),
+        (m.num_experts > 0 or config.mtp_num_layers > 0 or config.per_token_loss, "a dense model without MTP or per-token loss"),
+        (config.precision != "fp32", "precision fp32"),
+        (config.bug is not None, "no bug: bugs are injected into the megatron candidate"),
+    ) if bad]
+    if problems:
+        raise ValueError(f"the HF Llama reference needs {'; '.join(problems)}")
+
+
+def llama_config(config: MegatronGPTRunConfig):
+    from transformers import LlamaConfig
+
+    m = config.model
+    llama = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size or 4 * m.hidden_size,
+                        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                        num_key_value_heads=m.query_groups, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_epsilon,
+                        rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
+                        tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False, hidden_act="silu",
+                        attention_dropout=0.0)
+    llama._attn_implementation = "eager"
+    return llama
+
+
+def init_weights(model: torch.nn.Module, config: MegatronGPTRunConfig, facts: dict[str, int]) -> None:
+    """The candidate's logical weights, drawn by megatron's names, converted into this model's parameters
+    through the map; perturbed by HF name for `ttrace estimate` (each HF parameter is its own tensor there)."""
+    loaded = find_map(MAP)
+    reference_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    drawn = {name: _logical_weight(config.seed, name, shape)
+             for name, shape in candidate_shapes(loaded, reference_shapes, facts).items()}
+    state = reference_state(loaded, drawn, reference_shapes, facts)
+    perturbation = ttrace.weight_perturbation()  # ttrace
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = state[name] if perturbation is None else perturbation.apply(config.seed, name, state[name])
+            param.copy_(value)
+
+
+def run(config_dict: dict) -> None:
+    from transformers import LlamaForCausalLM
+
+    config = MegatronGPTRunConfig.from_dict(config_dict)
+    check_reference_config(config)
+    hf_config = llama_config(config)
+    model = LlamaForCausalLM(hf_config)
+    init_weights(model, config, facts_from_config(find_map(MAP), hf_config.to_dict(), "the LlamaConfig"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.999), eps=config.adam_eps,
+                                  weight_decay=0.0)
+    manifest = manifest_from_model(model, "reference", 1)  # ttrace
+    manifest.model["config"], manifest.seed = json.loads(hf_config.to_json_string()), config.seed  # ttrace
+    num_micro_batches = config.num_micro_batches
+    session = ttrace.attach(model, optimizer, loss_scale=1 / num_micro_batches, weights="own", manifest=manifest)  # ttrace
+    losses = []
+    for step in range(config.steps):
+        recorded = config.record_steps is None or step < config.record_steps
+        with session.step(step) if recorded else nullcontext():  # ttrace
+            optimizer.zero_grad()
+            total = 0.0
+            for global_id in range(num_micro_batches):
+                batch = micro_batch(config, global_id)
+                logits = model(input_ids=batch["tokens"]).logits
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+                (loss / num_micro_batches).backward()
+                total += float(loss.detach())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf"))
+            optimizer.step()
+        losses.append(total / num_micro_batches)
+    session.close()  # ttrace
+    if session.run_dir is not None:
+        Path(session.run_dir, LOSSES_FILE).write_text(json.dumps({"losses": losses}))
