@@ -251,3 +251,27 @@ def test_a_module_that_computed_from_a_right_gradient_is_named_for_its_weight_gr
 def test_localize_refuses_to_replay_a_pseudo_module(tmp_path):
     with pytest.raises(TtraceError, match="the loss function is no module"):
         localize(tmp_path / "reference", tmp_path / "candidate", module=LOSS_FUNCTION)
+
+
+@pytest.mark.parametrize(("unfed", "culprit"), [
+    (frozenset(), "attn.core.softmax"),
+    (frozenset({"forward/attn.core.softmax/input.0"}), "attn.core"),
+    (frozenset({"forward/attn.core.softmax/input.0", "forward/attn.core/input.0"}), "attn"),
+], ids=["all-fed", "softmax-unfed", "softmax-and-core-unfed"])
+def test_a_module_the_replay_could_not_feed_is_judged_by_its_nearest_fed_ancestor(unfed, culprit):
+    """Against a reference of another implementation some inputs have no counterpart (queries after rotary):
+    the replay leaves them the candidate's, so a module computing from one is not judged on its own."""
+    replay = run(comparison("forward", "attn", "input.0", True), comparison("forward", "attn.qkv", "output.0", True),
+                 comparison("forward", "attn.core.softmax", "output.0", False), comparison("forward", "attn.core", "output.0", False),
+                 comparison("forward", "attn", "output.0", True))
+    result = {v.fqn: v.verdict for v in module_verdicts(run(), replay, unfed=unfed)}
+    assert [fqn for fqn, verdict in result.items() if verdict == "introduces error"] == [culprit]
+    assert result["attn.qkv"] == "clean"
+
+
+def test_a_backward_computed_from_unfed_forward_inputs_goes_to_the_fed_ancestor():
+    replay = run(comparison("backward", "attn", "grad_output.0", True), comparison("backward", "attn.core", "grad_output.0", True),
+                 comparison("backward", "attn.core", "grad_input.2", False))
+    unfed = frozenset({"forward/attn.core/input.0"})
+    result = {v.fqn: (v.verdict, v.phase) for v in module_verdicts(run(), replay, unfed=unfed)}
+    assert result["attn"] == ("introduces error", "backward") and result["attn.core"] == ("clean", "")

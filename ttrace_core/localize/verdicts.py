@@ -221,11 +221,33 @@ class _Suspect:
     detail: str = ""
 
 
-def _module_suspects(replay: RunComparison, before: dict, traced: set[str], root: str | None) -> dict[str, _Suspect]:
+def _unfed(fqn: str, phase: str, unfed: frozenset[str]) -> bool:
+    """Whether the replay could not feed `fqn` all of the reference's values its `phase` computes from: a
+    forward input (the backward reuses them too), or in backward an output gradient (InputRewriter.unfed)."""
+    prefixes = (f"forward/{fqn}/input.",) + ((f"backward/{fqn}/grad_output.",) if phase == "backward" else ())
+    return any(name.startswith(prefixes) for name in unfed)
+
+
+def _fed_owner(fqn: str, phase: str, unfed: frozenset[str], traced: set[str]) -> str | None:
+    """The module a failure of `fqn` is evidence against: `fqn` when the replay fed it, else its nearest traced
+    ancestor that was fed (the error entered somewhere inside that ancestor, between its fed inputs and this
+    output); None when no ancestor was."""
+    while fqn:
+        if fqn in traced and not _unfed(fqn, phase, unfed):
+            return fqn
+        fqn = owner_of(fqn)
+    return None
+
+
+def _module_suspects(replay: RunComparison, before: dict, traced: set[str], root: str | None,
+                     unfed: frozenset[str] = frozenset()) -> dict[str, _Suspect]:
     """fqn -> the phase, position and evidence of every module the replay says introduced an error.
     With a `root` (a one-module replay) that module's own inputs and output gradients come from
     unrewritten code outside it: they are not evidence, and the loss lies outside. Glue that no
-    traced module owns is named by its neighbours (`glue_between`), the loss function by its own name."""
+    traced module owns is named by its neighbours (`glue_between`), the loss function by its own name.
+    `unfed`: inputs the replay could not feed the reference's values (a reference of another
+    implementation has none for them): a module computing from one is not judged on its own, its
+    failure is its nearest fed ancestor's."""
     suspects: dict[str, _Suspect] = {}
     failed_scopes: set[tuple] = set()
     for position, c in enumerate(replay.comparisons):
@@ -234,6 +256,8 @@ def _module_suspects(replay: RunComparison, before: dict, traced: set[str], root
         scope = (c.key.step, c.key.phase, c.key.micro_batch)
         if slot_family(c.key.slot) in ("output", "grad_input"):
             fqn, phase = c.key.fqn, c.key.phase
+            if unfed and (owner := _fed_owner(fqn, phase, unfed, traced)) != fqn:
+                fqn = owner or glue_between(replay.comparisons, position)
         elif scope in failed_scopes or c.key.fqn == root:
             continue  # an input broken by an earlier failure in the same micro-batch, or from outside the replay
         elif not root and _starts_backward(replay.comparisons, position):
@@ -257,10 +281,11 @@ def _module_suspects(replay: RunComparison, before: dict, traced: set[str], root
     return suspects
 
 
-def module_verdicts(original: RunComparison, replay: RunComparison, root: str | None = None) -> list[ModuleVerdict]:
+def module_verdicts(original: RunComparison, replay: RunComparison, root: str | None = None,
+                    unfed: frozenset[str] = frozenset()) -> list[ModuleVerdict]:
     before = {c.key: c for c in original.comparisons}
     traced = {c.key.fqn for c in replay.comparisons if c.key.phase in ("forward", "backward")}
-    suspects = _module_suspects(replay, before, traced, root)
+    suspects = _module_suspects(replay, before, traced, root, unfed)
     failing_before = {c.key.fqn for c in original.comparisons if not c and c.key.phase in ("forward", "backward")}
     verdicts = []
     for fqn in sorted(traced | set(suspects), key=lambda f: _first_position(replay, f, suspects.get(f))):
@@ -412,8 +437,8 @@ def sync_findings(original: RunComparison, replay: RunComparison, reference: Run
 
 
 def analyze(original: RunComparison, replay: RunComparison, reference: RunReader, replay_reader: RunReader,
-            manifest: RunManifest, root: str | None = None) -> Localization:
-    modules = module_verdicts(original, replay, root)
+            manifest: RunManifest, root: str | None = None, unfed: frozenset[str] = frozenset()) -> Localization:
+    modules = module_verdicts(original, replay, root, unfed)
     introducing = [m.fqn for m in modules if m.verdict == "introduces error"]
     sync, wgrad_culprits = sync_findings(original, replay, reference, replay_reader, manifest, introducing, root)
     clipping = clipping_verdict(original, replay)

@@ -21,7 +21,9 @@ coming_backward_call, layout_of, record); no environment variable turns it on.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ttrace_core.canonicalize.shards import shard
 from ttrace_core.canonicalize.logical_value import logical_value
-from ttrace_core.format.naming import in_subtree
+from ttrace_core.format.naming import in_subtree, tensor_id
 from ttrace_core.format.schema import TensorKey
 from ttrace_core.format.reader import RunReader
 from ttrace_core.canonicalize.token_rows import expert_fqn
@@ -55,11 +57,18 @@ class _Substitute(torch.autograd.Function):
 class InputRewriter:
     """Forward pre-hooks and backward pre-hooks that feed traced modules the reference's values."""
 
-    def __init__(self, reference_dir: str | os.PathLike, module: str | None = None) -> None:
+    def __init__(self, reference_dir: str | os.PathLike, module: str | None = None,
+                 out_dir: str | os.PathLike | None = None) -> None:
+        """`out_dir`: the replay's run directory, where `close` lists the unfed inputs (UNFED_FILE)."""
         self.reference_dir = str(reference_dir)
         self.reference = RunReader(reference_dir)
         self.module = module or None
+        self.out_dir = None if out_dir is None else Path(out_dir)
         self.num_rewritten = 0
+        self.unfed: set[str] = set()
+        """Trained inputs ("forward/M/input.0") and output gradients ("backward/M/grad_output.0") that kept the
+        candidate's values because the reference holds none: a reference of another implementation has no
+        counterpart for some (docs/porting.md). Localize does not judge such a module on its own."""
         self.tracer: Tracer | None = None
 
     def describe(self) -> dict:
@@ -117,6 +126,7 @@ class InputRewriter:
             return value
         target = self._reference_local(key, value, scale)
         if target is None:
+            self.unfed.add(tensor_id(key.with_call(0)))
             return value
         self.num_rewritten += 1
         return _Substitute.apply(value, target)
@@ -156,14 +166,36 @@ class InputRewriter:
                 tracer.record(key, value)
                 target = self._reference_local(key, value, tracer.config.loss_scale)
                 self.num_rewritten += target is not None
+                if target is None:
+                    self.unfed.add(tensor_id(key.with_call(0)))
                 replaced.append(value if target is None else target)
             return tuple(replaced)
         return hook
 
     def close(self) -> None:
         self.reference.close()
+        if self.out_dir is not None and self.unfed and self.tracer is not None:
+            path = self.out_dir / UNFED_FILE.format(rank=self.tracer.rank)
+            path.write_text(json.dumps(sorted(self.unfed)))
 
 
-def rewriter_from_config(rewrite: dict | None) -> InputRewriter | None:
-    """The rewriter a replay's config asks for ({"reference": dir, "module": fqn or None}), or None."""
-    return None if not rewrite else InputRewriter(rewrite["reference"], rewrite.get("module"))
+UNFED_FILE = "unfed_inputs.rank_{rank:05d}.json"
+"""Beside a replay's step files: the tensor ids one rank's rewriter could not feed (InputRewriter.unfed)."""
+
+
+def read_unfed(replay_dir: str | os.PathLike) -> set[str]:
+    """Every rank's unfed inputs of a replay (none when the reference fed them all)."""
+    found: set[str] = set()
+    for path in sorted(Path(replay_dir).glob(UNFED_FILE.replace("{rank:05d}", "*"))):
+        try:
+            names = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        found |= {name for name in names if isinstance(name, str)} if isinstance(names, list) else set()
+    return found
+
+
+def rewriter_from_config(rewrite: dict | None, out_dir: str | os.PathLike | None = None) -> InputRewriter | None:
+    """The rewriter a replay's config asks for ({"reference": dir, "module": fqn or None}), or None;
+    `out_dir`: the replay's run directory."""
+    return None if not rewrite else InputRewriter(rewrite["reference"], rewrite.get("module"), out_dir)

@@ -241,7 +241,7 @@ def attach(model: nn.Module | list[nn.Module], optimizer=None, *, loss_scale: fl
         manifest.seed = spec.seed
     manifest = _described(manifest, spec, role, world_size, adapter.compiled)
     tracer = Tracer(spec.out, adapter.traced, role=role, optimizer=optimizer, config=config, manifest=manifest,
-                    rewriter=rewriter_from_config(spec.rewrite), captures=adapter.captures)
+                    rewriter=rewriter_from_config(spec.rewrite, spec.out), captures=adapter.captures)
     adapter.declare(tracer, optimizer)
     session = Session(tracer, spec)
     atexit.register(session.close)

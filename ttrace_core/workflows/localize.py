@@ -23,6 +23,7 @@ from ttrace_core.format.reader import RunReader, read_manifest
 from ttrace_core.localize.reproduction import check_reproduction
 from ttrace_core.localize.verdicts import STRUCTURAL, Localization, analyze, can_replay_alone
 from ttrace_core.record.command import relaunch
+from ttrace_core.record.rewrite import read_unfed
 
 
 def relaunch_with_rewriting(reference_dir: Path, candidate_dir: Path, replay_dir: Path, *, module: str | None,
@@ -76,7 +77,8 @@ def _judge_replay(original: RunComparison, reference_dir: Path, candidate_dir: P
         # Only the first step that diverges: later steps start from parameters the bug already changed,
         # so every module would fail there on correct inputs.
         replay.comparisons = [c for c in replay.comparisons if c.key.step == step and in_subtree(c.key.fqn, module)]
-        result = analyze(original, replay, reference, replay_reader, candidate.manifest, root=module)
+        result = analyze(original, replay, reference, replay_reader, candidate.manifest, root=module,
+                         unfed=frozenset(read_unfed(replay_dir)))
     result.reproduction = asdict(reproduction)
     if reproduction.reproduced is None:
         result.notes.append("reproduction not verified: no tensor of the candidate had only exact sources")
