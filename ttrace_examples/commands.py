@@ -150,13 +150,16 @@ def run_example(args: argparse.Namespace) -> int:
 
 
 def run_bugs(args: argparse.Namespace) -> int:
-    from ttrace_examples.megatron_gpt.bugs import ZOO
+    from ttrace_examples.megatron_gpt.bugs import MODEL_CODE_BUGS, ZOO
     from ttrace_examples.torch_gpt.parallelize import TORCH_GPT_BUGS
 
-    print("megatron-gpt zoo (ttrace example megatron-gpt --bug NAME):")
-    for bug in ZOO.values():
-        print(f"  {bug.name:<26} {bug.bug_class:<15} {bug.upstream:<28} triggers: {' | '.join(bug.triggers)}")
-        print(f"  {'':<26} culprit: {bug.culprit}; first divergence: {bug.first_divergence}; runs on {bug.runs_on}")
+    for title, bugs in (("megatron-gpt zoo (ttrace example megatron-gpt --bug NAME):", ZOO),
+                        ("megatron-gpt model-code bugs (--llama; caught against the HF reference, docs/porting.md):",
+                         MODEL_CODE_BUGS)):
+        print(title)
+        for bug in bugs.values():
+            print(f"  {bug.name:<26} {bug.bug_class:<15} {bug.upstream:<28} triggers: {' | '.join(bug.triggers)}")
+            print(f"  {'':<26} culprit: {bug.culprit}; first divergence: {bug.first_divergence}; runs on {bug.runs_on}")
     print("torch-gpt (ttrace example torch-gpt --bug NAME):")
     for bug in TORCH_GPT_BUGS.values():
         print(f"  {bug.name:<26} needs --{bug.requires} 2+  culprit {bug.culprit}: {bug.description}")

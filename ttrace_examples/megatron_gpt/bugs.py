@@ -44,8 +44,9 @@ from dataclasses import dataclass
 
 from ttrace_core.format.naming import LOSS_FUNCTION, owner_of
 from ttrace_examples.megatron_gpt import bug_patches as patches
+from ttrace_examples.megatron_gpt import model_bugs
 
-BUG_CLASSES = ("gradient-sync", "kernel-backward", "layout", "scaling", "stale-state")
+BUG_CLASSES = ("gradient-sync", "kernel-backward", "layout", "scaling", "stale-state", "model-code")
 RUNS_ON = ("megatron-core", "torch-gpt")
 
 
@@ -57,7 +58,8 @@ class ZooBug:
     """The report it reproduces, e.g. "Megatron-LM #1446"."""
     bug_class: str
     """One of BUG_CLASSES: "gradient-sync" (missing/extra/wrong-group collective on grads),
-    "kernel-backward", "layout" (wrong shard/concat), "scaling", "stale-state"."""
+    "kernel-backward", "layout" (wrong shard/concat), "scaling", "stale-state", "model-code" (the model
+    itself is wrong at every layout: only an independent reference sees it, docs/porting.md)."""
     description: str
     """One sentence: what goes wrong."""
     triggers: tuple[str, ...]
@@ -219,13 +221,62 @@ _BUGS = (
 )
 
 ZOO: dict[str, ZooBug] = {bug.name: bug for bug in _BUGS}
+"""The layout bugs: each caught against the same-code one-rank reference (the detection benchmark's zoo)."""
+
+# Model-code bugs (model_bugs.py): the same wrong model at every layout, so the same-code one-rank reference
+# passes them; against the HF Llama reference (`ttrace compare HF CAND --map hf-llama--megatron-gpt`) each is
+# caught. Their culprit is the smallest module the HF reference can feed: core attention's query and key
+# inputs (after rotary) have no HF counterpart, so a bug inside core attention is named by self_attention.
+_MODEL_CODE_BUGS = (
+    ZooBug(
+        name="proj-transposed", upstream="DeepSeek-V4 HyperConnection comb vs comb^T (Megatron-LM #4957, NeMo #2154; class)",
+        bug_class="model-code",
+        description="The attention's output projection applies its square weight transposed (x W instead of "
+                    "x W^T), as a port from a checkpoint that stores [in, out] does: no shape error, every layout alike.",
+        triggers=("--llama --tp 1", "--llama --tp 2", "--llama --tp 2 --sp"),
+        culprit="decoder.layers.*.self_attention.linear_proj",
+        first_divergence="forward / decoder.layers.0.self_attention.linear_proj / output.0",
+        runs_on="megatron-core", apply=model_bugs.apply_projection_transposed),
+    ZooBug(
+        name="rotary-interleaved", upstream="rotary layout mismatch (interleaved vs half-split; class)",
+        bug_class="model-code",
+        description="Rotary embeddings pair each head's dims interleaved (x0 y0 x1 y1, GPT-J) where Llama and its "
+                    "weights pair the two halves (x0 x1 | y0 y1): a consistent rotary, just not the model's.",
+        triggers=("--llama --tp 1", "--llama --tp 2", "--llama --tp 2 --sp"),
+        culprit="decoder.layers.*.self_attention (rotary applied between linear_qkv and core_attention)",
+        first_divergence="forward / decoder.layers.0.self_attention.core_attention.scale_mask_softmax / output.0",
+        runs_on="megatron-core", apply=model_bugs.apply_rotary_interleaved),
+    ZooBug(
+        name="gqa-tiled-groups", upstream="grouped-query attention: repeat vs repeat_interleave (class)",
+        bug_class="model-code",
+        description="Query head h attends with key/value group h mod G instead of h div (H / G): the groups "
+                    "tiled, not each repeated for its own queries (needs --num-query-groups below the heads).",
+        triggers=("--llama --num-query-groups 2 --tp 1", "--llama --num-query-groups 2 --tp 2 --sp"),
+        culprit="decoder.layers.*.self_attention.core_attention (named as self_attention against HF)",
+        first_divergence="forward / decoder.layers.0.self_attention.core_attention.scale_mask_softmax / output.0",
+        runs_on="megatron-core", apply=model_bugs.apply_gqa_tiled_groups),
+    ZooBug(
+        name="norm-eps-outside-sqrt", upstream="RMSNorm epsilon placement (class)",
+        bug_class="model-code",
+        description="RMSNorm divides by sqrt(mean(x^2)) + eps instead of sqrt(mean(x^2) + eps): a relative "
+                    "error of about eps / rms, at every norm of every layout.",
+        triggers=("--llama --tp 1", "--llama --tp 2 --sp"),
+        culprit="decoder.layers.*.input_layernorm, decoder.layers.*.pre_mlp_layernorm, decoder.final_layernorm",
+        first_divergence="forward / decoder.layers.0.input_layernorm / output.0",
+        runs_on="megatron-core", apply=model_bugs.apply_norm_eps_outside_sqrt),
+)
+
+MODEL_CODE_BUGS: dict[str, ZooBug] = {bug.name: bug for bug in _MODEL_CODE_BUGS}
+"""The model-code bugs: each passes the same-code reference and is caught against the HF reference
+(benchmarks/porting.py); kept apart from ZOO, whose bugs the same-code reference catches."""
+ALL_BUGS: dict[str, ZooBug] = {**ZOO, **MODEL_CODE_BUGS}
 
 
 def apply_bug(name: str) -> Callable[[], None]:
-    """Apply the named bug's patch; returns the undo function."""
-    if name not in ZOO:
-        raise ValueError(f"unknown bug {name!r}; choose one of: {', '.join(ZOO)}")
-    return ZOO[name].apply()
+    """Apply the named bug's patch (the zoo's or a model-code bug); returns the undo function."""
+    if name not in ALL_BUGS:
+        raise ValueError(f"unknown bug {name!r}; choose one of: {', '.join(ALL_BUGS)}")
+    return ALL_BUGS[name].apply()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,11 +320,18 @@ CULPRITS: dict[str, CulpritTruth] = {
     "loss-scale-dp-cp": CulpritTruth(modules=(LOSS_FUNCTION,)),
     "dp-grad-avg-twice": CulpritTruth(params="*", reduction="DP"),
 }
+MODEL_CODE_CULPRITS: dict[str, CulpritTruth] = {
+    "proj-transposed": CulpritTruth(modules=("decoder.layers.*.self_attention.linear_proj",)),
+    "rotary-interleaved": CulpritTruth(modules=("decoder.layers.*.self_attention",)),
+    "gqa-tiled-groups": CulpritTruth(modules=("decoder.layers.*.self_attention",)),
+    "norm-eps-outside-sqrt": CulpritTruth(modules=("decoder.layers.*.input_layernorm", "decoder.layers.*.pre_mlp_layernorm",
+                                                   "decoder.final_layernorm")),
+}
 
 
 def localized_correctly(bug_name: str, localization) -> bool:
     """Does a `localize.Localization` name the bug's ground truth first?"""
-    truth = CULPRITS[bug_name]
+    truth = {**CULPRITS, **MODEL_CODE_CULPRITS}[bug_name]
     first_module = next((m.fqn for m in localization.modules if m.verdict == "introduces error"), None)
     if truth.modules:
         return first_module is not None and truth.names_module(first_module)

@@ -155,10 +155,10 @@ class MegatronGPTRunConfig:
         if m.num_layers % (self.pp * self.vpp) or m.query_groups % self.tp or m.vocab_size % self.tp or m.seq_len % self.tp:
             raise ValueError(f"the model ({m}) does not divide evenly over tp {self.tp} / pp {self.pp} x vpp {self.vpp}")
         if self.bug is not None:
-            from ttrace_examples.megatron_gpt.bugs import ZOO
+            from ttrace_examples.megatron_gpt.bugs import ALL_BUGS
 
-            if self.bug not in ZOO:
-                raise ValueError(f"unknown bug {self.bug!r}; `ttrace bugs` lists the zoo: {', '.join(sorted(ZOO))}")
+            if self.bug not in ALL_BUGS:
+                raise ValueError(f"unknown bug {self.bug!r}; `ttrace bugs` lists the zoo: {', '.join(sorted(ALL_BUGS))}")
         features.check_features(self)
 
     @property
