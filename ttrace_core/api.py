@@ -14,10 +14,14 @@
 - `submit_replay(ref, cand, module, settings=...)`: a localization replay as a job (service/jobs.py),
   cached by its inputs; `localization(job)` reads its verdict;
 - `path_under_root(root, relative)`: a user-given path confined to the root (the dashboard serves
-  only files under it).
+  only files under it);
+- for the CLI's other commands: `record` (and `record_adaptively`), `estimate`, `localize_here` (the
+  replay a localize job runs), `compare_in_workers` and `compare_as_rank`, `read_check_config`,
+  `run_check` and `check_outputs`, `open_run` and `read_manifest` (inspect), `serve_dashboard`.
 
-Pages and the CLI call these, never the stages directly. Importing this module loads no torch: the
-stages behind each call are imported when it is made (the imports inside the functions below).
+Pages and the CLI (ttrace_core/cli) call these, never the stages directly: the terminal and the browser
+cannot disagree, and tests/core/test_import_layers.py holds both to it. Importing this module loads no
+torch: the stages behind each call are imported when it is made (the imports inside the functions below).
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from ttrace_core.compare.results import RunComparison, TensorComparison, VerdictSummary, detectable_of
+from ttrace_core.compare.results import KindHeadroom, RunComparison, TensorComparison, VerdictSummary, detectable_of
 from ttrace_core.compare.settings import MIN_MAX_MEMORY, TOLERANCE_KINDS, CompareSettings
-from ttrace_core.errors import TraceFormatError, TtraceError
+from ttrace_core.errors import TraceFormatError, TtraceError, TtraceInternalError
 from ttrace_core.format.naming import KINDS, PSEUDO_MODULES, is_descendant, layer_module, owner_of, tensor_id
 from ttrace_core.format.schema import PRE_STEP_SLOT
 from ttrace_core.service.jobs import Job
@@ -39,15 +43,24 @@ from ttrace_core.service.dashboard import ROOT_ENV
 from ttrace_core.service.runs import RunInfo, find_runs, pair_problem, path_under_root, run_info
 
 if TYPE_CHECKING:
+    from ttrace_core.compare.estimate_file import PerturbationEstimate
+    from ttrace_core.format.reader import RunReader
+    from ttrace_core.format.schema import Finding, RunManifest
     from ttrace_core.localize.verdicts import Localization
+    from ttrace_core.service.check import CheckResult
+    from ttrace_core.service.check_config import CheckConfig
     from ttrace_core.service.comparison_jobs import StreamedRows
     from ttrace_core.service.comparisons import ComparisonTable
     from ttrace_core.service.tensor_view import TensorView
+    from ttrace_core.workflows.adaptive import AdaptiveCapture
 
 __all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PRE_STEP_SLOT", "PSEUDO_MODULES", "ROOT_ENV", "TOLERANCE_KINDS",
-           "CompareSettings", "Job", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError", "TtraceError",
-           "VerdictSummary",
-           "cached_comparison_table", "comparison", "comparison_streams", "comparison_table", "detectable_errors",
+           "CompareSettings", "Job", "KindHeadroom", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError",
+           "TtraceError", "TtraceInternalError", "VerdictSummary",
+           "cached_comparison_table", "check_outputs", "compare_as_rank", "compare_in_workers", "comparison",
+           "comparison_streams", "comparison_table", "detectable_errors", "estimate", "finding_lines",
+           "localize_here", "open_run", "read_check_config", "read_manifest", "record", "record_adaptively", "run_check",
+           "serve_dashboard",
            "find_runs", "is_descendant", "layer_module", "localization", "mapped_reference", "owner_of", "pair_problem",
            "path_under_root",
            "replay_job", "replay_job_dir", "run_comparison", "run_info", "streamed_comparison", "streamed_rows",
@@ -141,6 +154,13 @@ def streamed_comparison(reference: str | os.PathLike, candidate: str | os.PathLi
     return comparison_from_table(result.frame, result.provenance)
 
 
+def finding_lines(findings: list[Finding]) -> list[str]:
+    """One line per distinct finding, with where it recurred (format/findings.py)."""
+    from ttrace_core.format.findings import finding_lines as lines
+
+    return lines(findings)
+
+
 def verdict_of(provenance: dict) -> VerdictSummary:
     """The verdict a comparison table's provenance records, with its first divergence and coverage."""
     return VerdictSummary.from_provenance(provenance)
@@ -198,3 +218,99 @@ def localization(job: Job) -> Localization | None:
     from ttrace_core.service.replays import localization as localization_of
 
     return localization_of(job)
+
+
+# --- the rest of what the CLI does: record, estimate, localize in this process, check, inspect, serve ---
+
+
+def record(out: str | os.PathLike, command: list[str], **kwargs) -> Path:
+    """`ttrace record`: run a training command with tracing on (its script calls `ttrace_core.attach`); the run
+    directory (record/command.py)."""
+    from ttrace_core.record.command import record as record_command
+
+    return record_command(out, command, **kwargs)
+
+
+def record_adaptively(reference: str | os.PathLike, out: str | os.PathLike, record_stats: Callable[[Path], object], *,
+                      timeout_s: float) -> AdaptiveCapture:
+    """Statistics for every step (`record_stats(out)`), then values for the steps that matter (workflows/adaptive.py)."""
+    from ttrace_core.workflows.adaptive import capture_adaptively
+
+    return capture_adaptively(reference, out, record_stats, timeout_s=timeout_s)
+
+
+def read_manifest(run_dir: str | os.PathLike) -> RunManifest:
+    """A run directory's manifest; TraceFormatError in one line when it is not a run."""
+    from ttrace_core.format.reader import read_manifest as read
+
+    return read(run_dir)
+
+
+def open_run(run_dir: str | os.PathLike) -> RunReader:
+    """A run directory's reader, a context manager: manifest, steps, findings and tensor index (format/reader.py)."""
+    from ttrace_core.format.reader import RunReader as Reader
+
+    return Reader(run_dir)
+
+
+def estimate(reference: str | os.PathLike, **kwargs) -> tuple[PerturbationEstimate, Path]:
+    """`ttrace estimate`: re-run the reference with perturbed weights (workflows/estimate.py) and store each tensor's
+    deviation in it; the estimate and the file it went to."""
+    from ttrace_core.compare.estimate_file import write_estimate
+    from ttrace_core.workflows.estimate import estimate_reference
+
+    found = estimate_reference(reference, **kwargs)
+    return found, write_estimate(reference, found)
+
+
+def compare_in_workers(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings, *,
+                       workers: int, rebuild: bool) -> RunComparison:
+    """The comparison computed by `workers` local processes, each a part of the tensors (service/compare_workers.py)."""
+    from ttrace_core.service.compare_workers import run_workers
+
+    return run_workers(reference, candidate, settings, workers=workers, rebuild=rebuild)
+
+
+def compare_as_rank(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings, *,
+                    rebuild: bool) -> RunComparison | None:
+    """This process's part of a comparison run by every rank of a torchrun launch; rank 0 gets the result, the
+    others None."""
+    from ttrace_core.service.compare_workers import compare_distributed
+
+    return compare_distributed(reference, candidate, settings, rebuild=rebuild)
+
+
+def localize_here(reference: str | os.PathLike, candidate: str | os.PathLike, **kwargs) -> Localization:
+    """The localization replay run in this process (workflows/localize.py): what a replay job runs."""
+    from ttrace_core.workflows.localize import localize
+
+    return localize(reference, candidate, **kwargs)
+
+
+def read_check_config(path: str | os.PathLike) -> CheckConfig:
+    """A `ttrace check` config (service/check_config.py); CheckConfigError in one line naming the file and key."""
+    from ttrace_core.service.check_config import read_check_config as read
+
+    return read(path)
+
+
+def run_check(config: CheckConfig, **kwargs) -> CheckResult:
+    """Every layout of a check config recorded, compared and localized against its reference (service/check.py)."""
+    from ttrace_core.service.check import run_check as check
+
+    return check(config, **kwargs)
+
+
+def check_outputs(result: CheckResult) -> dict[str, str]:
+    """What `ttrace check` writes, by its default file name: JUnit XML, the Markdown summary, the JSON."""
+    from ttrace_core.service.check_outputs import check_json, junit_xml, markdown_summary
+
+    return {"junit.xml": junit_xml(result), "summary.md": markdown_summary(result), "check.json": check_json(result)}
+
+
+def serve_dashboard(root: str | os.PathLike, **kwargs) -> int:
+    """`ttrace dashboard`: serve the dashboard on the runs under `root` (this process becomes the server;
+    `port`, `host`: service/dashboard.py)."""
+    from ttrace_core.service.dashboard import serve
+
+    return serve(root, **kwargs)

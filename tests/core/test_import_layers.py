@@ -30,8 +30,13 @@ LAYERS = [
     ("ttrace_core",),
     ("ttrace_examples", "ttrace_dashboard"),
 ]
-DASHBOARD_MAY_IMPORT = ("ttrace_core", "ttrace_core.api", "ttrace_core.errors")
-"""The dashboard reaches the core through the facade only (`from ttrace_core import api` runs the lazy root)."""
+FACADE_ONLY = {
+    "ttrace_dashboard": ("ttrace_core", "ttrace_core.api", "ttrace_core.errors"),
+    "ttrace_core.cli": ("ttrace_core.api",),
+}
+"""Who reaches the core through the facade only (STYLE: the terminal and the browser can never disagree), and
+what of the core each may import: the dashboard also the lazy root (`from ttrace_core import api` runs it) and
+the errors; the CLI nothing but `ttrace_core.api` (its own modules aside). Every exception is listed here."""
 
 
 def _modules() -> dict[str, Path]:
@@ -150,10 +155,27 @@ def test_no_modules_import_each_other_in_a_circle():
     assert _circles() == []
 
 
-def test_the_dashboard_reaches_the_core_only_through_the_api():
-    reached = {target for source, targets in EDGES.items() if source.startswith("ttrace_dashboard")
-               for target in targets if target.startswith("ttrace_core")}
-    assert reached <= set(DASHBOARD_MAY_IMPORT), reached
+def _past_the_facade(user: str) -> list[str]:
+    """Edges from the package `user` to any part of the core that FACADE_ONLY does not give it."""
+    return sorted(f"{source} -> {target}" for source, targets in EDGES.items()
+                  if source == user or source.startswith(user + ".")
+                  for target in targets if target.startswith("ttrace_core") and not target.startswith(user + ".")
+                  and target not in FACADE_ONLY[user])
+
+
+@pytest.mark.parametrize("user", sorted(FACADE_ONLY))
+def test_the_dashboard_and_the_cli_reach_the_core_only_through_the_api(user):
+    assert _past_the_facade(user) == []
+
+
+@pytest.mark.parametrize("source, target", [
+    ("ttrace_core.cli.main", "ttrace_core.service.jobs"), ("ttrace_core.cli.report", "ttrace_core.format.reader"),
+    ("ttrace_dashboard.ui", "ttrace_core.service.runs"),
+], ids=["cli-to-service", "cli-to-format", "dashboard-to-service"])
+def test_the_check_sees_an_edge_past_the_facade(monkeypatch, source, target):
+    monkeypatch.setitem(globals(), "EDGES", {**EDGES, source: EDGES[source] | {target}})
+    assert _past_the_facade(source.split(".")[0] if source.startswith("ttrace_dashboard") else "ttrace_core.cli") == \
+        [f"{source} -> {target}"]
 
 
 @pytest.mark.parametrize("edges, expected", [

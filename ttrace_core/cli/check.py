@@ -1,5 +1,5 @@
 """`ttrace check CONFIG`: every layout of a TOML config against its reference, as a CI gate
-(service/check.py), with JUnit XML, a Markdown summary and JSON (service/check_outputs.py).
+(api.run_check: service/check.py), with JUnit XML, a Markdown summary and JSON (api.check_outputs).
 
 Exit code: 0 every layout equivalent, 1 any not equivalent or failing, 2 a bad config or input (a
 reference that did not train included), 3 an internal error.
@@ -35,7 +35,7 @@ def add_check_parser(commands, *, report_writer) -> None:
 
 def _html_writer(report_writer):
     """The dashboard's HTML report writer, or None (with a warning) when the dashboard is not installed."""
-    from ttrace_core.errors import TtraceError
+    from ttrace_core.api import TtraceError
 
     try:
         write = report_writer("html")
@@ -46,19 +46,16 @@ def _html_writer(report_writer):
 
 
 def run_check_command(args: argparse.Namespace, settings, write_html) -> int:
-    from ttrace_core.errors import TtraceError
-    from ttrace_core.service.check import run_check
-    from ttrace_core.service.check_config import read_check_config
-    from ttrace_core.service.check_outputs import check_json, junit_xml, markdown_summary
+    from ttrace_core.api import TtraceError, check_outputs, read_check_config, run_check
 
     if args.jobs < 1:
         raise TtraceError(f"--jobs {args.jobs}: give at least 1")
     config = read_check_config(args.config)
     result = run_check(config, jobs=args.jobs, settings=settings, write_html=write_html)
-    summary = markdown_summary(result)
-    outputs = {args.junit or config.output / "junit.xml": junit_xml(result),
-               args.markdown or config.output / "summary.md": summary,
-               args.json or config.output / "check.json": check_json(result)}
+    written = check_outputs(result)
+    chosen = {"junit.xml": args.junit, "summary.md": args.markdown, "check.json": args.json}
+    outputs = {chosen[name] or config.output / name: text for name, text in written.items()}
+    summary = written["summary.md"]
     for path, text in outputs.items():
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)

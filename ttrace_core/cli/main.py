@@ -22,7 +22,7 @@ from ttrace_core.cli.check import add_check_parser
 from ttrace_core.cli.record import add_record_parser
 from ttrace_core.cli.settings_flags import add_flags, settings_from_flags
 from ttrace_core import INSTALL_DASHBOARD
-from ttrace_core.errors import TtraceError, TtraceInternalError
+from ttrace_core.api import TtraceError, TtraceInternalError
 
 PLUGIN_COMMANDS = "ttrace.commands"
 """Entry-point group of commands other packages add: each entry is `add_parser(commands)`, which sets
@@ -196,14 +196,14 @@ def _run_compare(args: argparse.Namespace) -> int:
     _check_output_path(args.json, "--json")
     progress = ProgressBar(enabled=args.progress or sys.stderr.isatty())
     if args.workers > 1 or args.distributed:
-        from ttrace_core.service.compare_workers import compare_distributed, run_workers
+        from ttrace_core.api import compare_as_rank, compare_in_workers
 
         if args.distributed:
-            result = compare_distributed(args.reference, args.candidate, settings, rebuild=args.rebuild)
+            result = compare_as_rank(args.reference, args.candidate, settings, rebuild=args.rebuild)
             if result is None:  # not rank 0: rank 0 prints and writes
                 return 0
         else:
-            result = run_workers(args.reference, args.candidate, settings, workers=args.workers, rebuild=args.rebuild)
+            result = compare_in_workers(args.reference, args.candidate, settings, workers=args.workers, rebuild=args.rebuild)
     elif args.rows_to:
         from ttrace_core.api import streamed_comparison
 
@@ -254,18 +254,17 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _run_dashboard(args: argparse.Namespace) -> int:
-    from ttrace_core.service.dashboard import serve
+    from ttrace_core.api import serve_dashboard
 
-    return serve(args.root, port=args.port, host=args.host)
+    return serve_dashboard(args.root, port=args.port, host=args.host)
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
-    from ttrace_core.compare.estimate_file import write_estimate
-    from ttrace_core.workflows.estimate import estimate_reference
+    from ttrace_core.api import estimate as estimate_reference
 
-    estimate = estimate_reference(args.reference, num_samples=args.samples, relative=args.relative, timeout_s=args.timeout,
-                                  for_precision=args.for_precision, keep_samples=args.keep_samples)
-    path = write_estimate(args.reference, estimate)
+    estimate, path = estimate_reference(args.reference, num_samples=args.samples, relative=args.relative,
+                                        timeout_s=args.timeout, for_precision=args.for_precision,
+                                        keep_samples=args.keep_samples)
     relatives = sorted(d.relative for d in estimate.tensors.values() if math.isfinite(d.relative))
     median = relatives[len(relatives) // 2] if relatives else float("nan")
     crossed = f" in {estimate.precision}" if estimate.precision != estimate.reference_precision else ""
@@ -277,8 +276,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
 def _localize_here(args: argparse.Namespace) -> int:
     """The replay itself, in this process: what a localize job runs."""
-    from ttrace_core.api import run_comparison
-    from ttrace_core.workflows.localize import localize
+    from ttrace_core.api import localize_here, run_comparison
     from ttrace_core.cli.report import render_localization
 
     started = time.perf_counter()
@@ -290,8 +288,8 @@ def _localize_here(args: argparse.Namespace) -> int:
     _through_map(args)
     settings = settings_from_flags(args)
     original = run_comparison(args.reference, args.candidate, settings)
-    result = localize(args.reference, args.candidate, module=args.module, timeout_s=args.timeout, original=original,
-                      replay_dir=args.replay_dir, progress=progress, settings=settings)
+    result = localize_here(args.reference, args.candidate, module=args.module, timeout_s=args.timeout,
+                           original=original, replay_dir=args.replay_dir, progress=progress, settings=settings)
     progress("done")
     print(render_localization(result), file=_human_stream(args))
     if args.json:
@@ -329,10 +327,10 @@ def _run_localize(args: argparse.Namespace) -> int:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
+    from ttrace_core.api import open_run
     from ttrace_core.cli.report import render_run
-    from ttrace_core.format.reader import RunReader
 
-    with RunReader(args.run_dir) as reader:
+    with open_run(args.run_dir) as reader:
         print(render_run(reader, list_tensors=args.tensors))
     return 0
 

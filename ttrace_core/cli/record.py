@@ -8,8 +8,7 @@ import argparse
 
 def record_adaptively(args: argparse.Namespace, record_stats) -> int:
     """`--adaptive REF_DIR`: statistics for every step, then values for the steps that matter."""
-    from ttrace_core.workflows.adaptive import capture_adaptively
-    from ttrace_core.format.reader import read_manifest
+    from ttrace_core.api import read_manifest, record_adaptively as capture_adaptively
 
     read_manifest(args.adaptive)  # one clear line for a reference that is not a run, before anything runs
     capture = capture_adaptively(args.adaptive, args.out, record_stats, timeout_s=args.timeout)
@@ -22,7 +21,7 @@ def record_adaptively(args: argparse.Namespace, record_stats) -> int:
 
 
 def run_record(args: argparse.Namespace) -> int:
-    from ttrace_core.record.command import record
+    from ttrace_core.api import record
 
     command = args.user_command[1:] if args.user_command[:1] == ["--"] else args.user_command
     if args.adaptive:

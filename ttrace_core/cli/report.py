@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import shlex
-
 import math
+import shlex
 import sys
 from collections import Counter
+from typing import TYPE_CHECKING
 
-from ttrace_core.compare.engine import RunComparison, TensorComparison
-from ttrace_core.compare.results import KindHeadroom
-from ttrace_core.format.findings import finding_lines
-from ttrace_core.format.naming import PSEUDO_MODULES
-from ttrace_core.format.reader import RunReader
+from ttrace_core.api import PSEUDO_MODULES, KindHeadroom, RunComparison, TensorComparison, finding_lines
+
+if TYPE_CHECKING:
+    from ttrace_core.api import RunReader
 
 
 def _number(value: float | None) -> str:
