@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import PurePosixPath
 
 from ttrace_core.api import RunInfo
 
@@ -23,8 +24,8 @@ def matching_reference(runs: list[RunInfo], candidate: RunInfo) -> RunInfo | Non
     """The reference recorded from the same model at the same precision, nearest in the folder tree."""
     same = [r for r in references(runs) if r.model == candidate.model and r.precision == candidate.precision]
     same = same or [r for r in references(runs) if r.model == candidate.model]
-    folder = candidate.path.rsplit("/", 1)[0] if "/" in candidate.path else ""
-    return max(same, key=lambda r: (r.path.startswith(folder), -len(r.path)), default=None)
+    folder = PurePosixPath(candidate.path).parent  # a reference in this folder or below it, not in `folder` + "b"
+    return max(same, key=lambda r: (PurePosixPath(r.path).is_relative_to(folder), -len(r.path)), default=None)
 
 
 def layouts_of(runs: list[RunInfo], reference: str) -> list[str]:

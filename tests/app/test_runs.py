@@ -50,3 +50,13 @@ def test_steps_are_counted_before_they_are_listed():
     from ttrace_dashboard.runs import _steps_text
 
     assert [_steps_text(s) for s in ([], [0], [0, 1, 3])] == ["none", "1 (step 0)", "3 (steps 0, 1, 3)"]
+
+
+def test_the_nearest_reference_is_in_the_candidates_folder_not_a_folder_that_starts_like_it():
+    runs = [RunInfo(path="runs/ab/ref", role="reference", precision="fp32", model=MODEL),
+            RunInfo(path="runs/ref", role="reference", precision="fp32", model=MODEL),
+            RunInfo(path="runs/a/cand", role="candidate", precision="fp32", model=MODEL)]
+    # runs/ab/ is not inside runs/a/, so it has no claim over the shorter runs/ref
+    assert matching_reference(runs, runs[2]).path == "runs/ref"
+    runs.append(RunInfo(path="runs/a/deeper/ref", role="reference", precision="fp32", model=MODEL))
+    assert matching_reference(runs, runs[2]).path == "runs/a/deeper/ref"

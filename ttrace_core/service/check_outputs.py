@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import xml.etree.ElementTree as ET
 from dataclasses import asdict
+from pathlib import Path
 
 from ttrace_core.format import strict_json
 from ttrace_core.service.check import CheckResult, LayoutResult
@@ -50,7 +51,8 @@ def _cell(text: str) -> str:
 
 def _relative(path: str, output: str) -> str:
     """A report's path from the output directory (where the summary is, and what a CI job uploads)."""
-    return os.path.relpath(path, output) if os.path.isabs(path) and path.startswith(output) else path
+    inside = os.path.isabs(path) and Path(path).is_relative_to(output)  # not a sibling folder `output` + "-b"
+    return os.path.relpath(path, output) if inside else path
 
 
 def _row(found: LayoutResult, output: str) -> str:
