@@ -213,3 +213,18 @@ def test_a_mapped_run_is_not_estimated_itself(runs):
     _, reference, map_path = runs
     with pytest.raises(TtraceError, match="a reference mapped through tiny from .*; estimate that run"):
         estimate_reference(mapped_reference(reference, map_path))
+
+
+def test_precision_choices_are_named_in_low_precision_only():
+    from ttrace_core.compare.engine import precision_choices
+
+    choice = {"candidate": "decoder.*layernorm", "reference": "model.*norm", "candidate_computes": "the input dtype",
+              "reference_computes": "float32"}
+    mapped = RunManifest(role="reference", world_size=1, precision="bf16", correspondence={"map": "m", "precision": [choice]})
+    candidate = RunManifest(role="candidate", world_size=1, precision="bf16")
+    (line,) = precision_choices(mapped, candidate)
+    assert line.startswith("precision-choice: decoder.*layernorm computes in the input dtype in the candidate, model.*norm "
+                           "in float32 in the reference (map m)")
+    mapped.precision = candidate.precision = "fp32"
+    assert precision_choices(mapped, candidate) == []
+    assert precision_choices(RunManifest(role="reference", world_size=1, precision="bf16"), candidate) == []

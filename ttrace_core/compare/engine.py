@@ -35,7 +35,7 @@ from ttrace_core.compare.evidence import (
     check_comparable, data_mismatch_finding, inconsistency, quantization_only, shape_mismatch_message, tally_coverage,
     unmapped_candidate_keys, unrecorded_keys, untraced_by_configuration,
 )
-from ttrace_core.format.schema import TensorKey, TensorMeta
+from ttrace_core.format.schema import RunManifest, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, pre_step_key
 from ttrace_core.compare.tolerances import (
     DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, exact_inputs_tolerance, select_tolerances, storage_epsilon,
@@ -362,6 +362,7 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
         if reference.manifest.correspondence else {}
     if unmapped:  # declared without counterpart by the mapped reference's map: listed by coverage, not compared
         cand_keys = [k for k in cand_keys if k not in unmapped]
+    result.notes += precision_choices(reference.manifest, candidate.manifest)
     common = set(ref_keys) & set(cand_keys)
     # A mapped reference (another implementation's run, docs/porting.md) has its own order of computation:
     # the first divergence is the first in the candidate's order.
@@ -372,6 +373,23 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
                        tolerances=tolerances, exact_inputs_k=exact_inputs_k or None, ignore_dtype=ignore_dtype,
                        max_bytes=max_bytes)
     return result, plan
+
+
+LOW_PRECISIONS = ("bf16", "fp16", "fp8")
+
+
+def precision_choices(reference: RunManifest, candidate: RunManifest) -> list[str]:
+    """The named findings of a comparison with a reference of another implementation run in low precision: each
+    module the map says the two implementations compute at different precisions (its [[precision]] table).
+    Their tensors differ by that choice as well as by round-off, by design of the implementations; in fp32
+    the choices vanish below the tolerance and nothing is said."""
+    mapping = reference.correspondence
+    if not mapping or not {reference.precision, candidate.precision} & set(LOW_PRECISIONS):
+        return []
+    return [f"precision-choice: {choice['candidate']} computes in {choice['candidate_computes']} in the candidate, "
+            f"{choice['reference']} in {choice['reference_computes']} in the reference (map {mapping.get('map')}); "
+            "its tensors differ by that choice as well as by round-off"
+            for choice in mapping.get("precision", [])]
 
 
 def compare_key(key: TensorKey, reference: RunReader, candidate: RunReader, plan: ComparePlan,

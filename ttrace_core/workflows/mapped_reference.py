@@ -145,13 +145,3 @@ def mapped_estimate(estimate: PerturbationEstimate, mapped: MappedRun) -> Pertur
     return PerturbationEstimate(precision=estimate.precision, num_samples=estimate.num_samples,
                                 relative=estimate.relative, reference_precision=estimate.reference_precision,
                                 seconds=estimate.seconds, tensors=tensors)
-
-
-def describe(mapped_dir: Path) -> str:
-    """One line on a mapped reference: its map, its source and what the map leaves without counterpart."""
-    correspondence = read_manifest(mapped_dir).correspondence
-    declared = sum(entry["num_tensors"] for entry in correspondence.get("reference_unmapped", []))
-    unaccounted = correspondence.get("num_unaccounted", 0)
-    return (f"reference {correspondence.get('source')} mapped through {correspondence.get('map')} into {mapped_dir}"
-            f" ({declared} of its tensors declared without counterpart"
-            + (f", {unaccounted} unaccounted" if unaccounted else "") + ")")
