@@ -1,6 +1,6 @@
-"""The headroom of a verdict (ttrace_core/compare/results.py): per tensor kind, the smallest relative
-error the comparison could have caught, from each row's `detectable` (the norm test's tolerance.rel
-where no test set it), over the rows compared element-wise."""
+"""The records of a comparison (ttrace_core/compare/results.py): a row's status, and the headroom of a
+verdict: per tensor kind, the smallest relative error the comparison could have caught, from each row's
+`detectable` (the norm test's tolerance.rel where no test set it), over the rows compared element-wise."""
 
 from __future__ import annotations
 
@@ -60,3 +60,20 @@ def test_the_verdict_summary_carries_the_headroom_into_the_json_header():
     result = RunComparison(reference="r", candidate="c", comparisons=_outputs(1e-3, 4e-3, 2e-3))
     assert result.summary().headroom == result.headroom
     assert result.summary().header()["headroom"] == [{"kind": "output", "num_tensors": 3, "median": 2e-3, "largest": 4e-3}]
+
+
+def test_a_status_is_one_of_comparison_status_and_is_written_as_its_value():
+    """The status has one home (ComparisonStatus): a row made or read with any other string is refused, and
+    the serialized form holds the plain value, as the table's column and the JSON output always did."""
+    from ttrace_core.compare.results import ComparisonStatus
+    from ttrace_core.errors import TraceFormatError
+
+    row = _row("output", detectable=None, status="replica_drift")
+    assert row.status is ComparisonStatus.REPLICA_DRIFT and not row
+    data = row.to_dict()
+    assert data["status"] == "replica_drift" and type(data["status"]) is str
+    assert TensorComparison.from_dict(data).status is ComparisonStatus.REPLICA_DRIFT
+    with pytest.raises(TraceFormatError, match=r"field \$.status: Invalid enum value 'replica drift'"):
+        TensorComparison.from_dict({**data, "status": "replica drift"})
+    with pytest.raises(ValueError, match="not a valid ComparisonStatus"):
+        _row("output", detectable=None, status="mis-match")

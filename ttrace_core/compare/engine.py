@@ -23,7 +23,9 @@ from ttrace_core.canonicalize.logical_value import canonical_tensor
 from ttrace_core.canonicalize.shards import ReplicaDrift
 from ttrace_core.compare.exact_inputs import ExactInputs
 from ttrace_core.errors import LayoutError
-from ttrace_core.compare.results import RunComparison, StructureTest, TensorComparison, Tolerance
+from ttrace_core.compare.results import (
+    VALUE_STATUSES, ComparisonStatus, RunComparison, StructureTest, TensorComparison, Tolerance,
+)
 from ttrace_core.compare.candidate_only import replica_disagreements, scale_owner
 from ttrace_core.compare.module_bias import module_bias
 from ttrace_core.compare.shard_errors import candidate_shards, worst_shard
@@ -64,15 +66,15 @@ def compare_values(actual: torch.Tensor | ScaledValues, expected: torch.Tensor |
     return metrics_from_sums(sums, tolerance)
 
 
-def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[str, str]:
+def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[ComparisonStatus, str]:
     """The status and its message. A tensor can fail two ways at once, against the reference
     (mismatch) and between its own replicas (replica drift); the message gives both ratios and the
     larger one decides, so the status, the `ratio` column and the text always agree."""
     if metrics["num_nan"][0] != metrics["num_nan"][1] or metrics["num_inf"][0] != metrics["num_inf"][1]:
-        return "nonfinite", f"NaN/Inf counts differ: candidate {metrics['num_nan'][0]}/{metrics['num_inf'][0]}, " \
+        return ComparisonStatus.NONFINITE, f"NaN/Inf counts differ: candidate {metrics['num_nan'][0]}/{metrics['num_inf'][0]}, " \
                             f"reference {metrics['num_nan'][1]}/{metrics['num_inf'][1]}"
     if apart := metrics["num_nonfinite_apart"]:
-        return "nonfinite", f"NaN/Inf in other places: {apart} elements are NaN or Inf in one run and not the same " \
+        return ComparisonStatus.NONFINITE, f"NaN/Inf in other places: {apart} elements are NaN or Inf in one run and not the same " \
                             f"value in the other (counts candidate {metrics['num_nan'][0]}/{metrics['num_inf'][0]}, " \
                             f"reference {metrics['num_nan'][1]}/{metrics['num_inf'][1]})"
     value_ratio, drift_ratio = metrics["ratio"], _drift_ratio(drift, tolerance)
@@ -82,12 +84,12 @@ def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[s
         drifting = f"replica drift ratio {drift_ratio:.3g} (replicas on ranks {drift['ranks']} differ by {relative:.3g} relative)"
         if value_ratio > 1:
             decided = "replica drift" if drift_ratio > value_ratio else "mismatch"
-            return ("replica_drift" if decided == "replica drift" else "mismatch"), \
+            return (ComparisonStatus.REPLICA_DRIFT if decided == "replica drift" else ComparisonStatus.MISMATCH), \
                 f"{mismatch}; {drifting}; decided by {decided}"
-        return "replica_drift", f"{drifting}; {mismatch}"
+        return ComparisonStatus.REPLICA_DRIFT, f"{drifting}; {mismatch}"
     if value_ratio > 1:
-        return "mismatch", mismatch
-    return "pass", ""
+        return ComparisonStatus.MISMATCH, mismatch
+    return ComparisonStatus.PASS, ""
 
 
 def _drift_ratio(drift: dict | None, tolerance: Tolerance) -> float:
@@ -125,12 +127,13 @@ def _compare_stats(key: TensorKey, reference: RunReader, candidate: RunReader, t
     abs_error = abs(actual - expected)
     allowed = tolerance.rel * expected + tolerance.abs * math.sqrt(numel)
     ratio = abs_error / allowed if allowed > 0 else (0.0 if abs_error == 0 else math.inf)
-    status = "pass" if ratio <= 1 else "mismatch"
+    status = ComparisonStatus.PASS if ratio <= 1 else ComparisonStatus.MISMATCH
     return TensorComparison(
         key=key, status=status, dtype=cand[0].dtype, shape=ref[0].layout.global_shape, numel=numel,
         error=abs_error / expected if expected > 0 else math.inf, abs_error=abs_error, reference_norm=expected,
         tolerance=tolerance, ratio=ratio, value_ratio=ratio, stats_only=True, decided_by="mismatch",
-        message="stats-only: compares norms, a lower bound of the error" + ("" if status == "pass" else " (exceeds tolerance)"),
+        message="stats-only: compares norms, a lower bound of the error"
+        + ("" if status == ComparisonStatus.PASS else " (exceeds tolerance)"),
     )
 
 
@@ -146,13 +149,13 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
     if exact_inputs:
         tolerance = exact_inputs_tolerance(tolerance, candidate.manifest.precision, cand_dtype, *exact_inputs)
     if ref_dtype != cand_dtype and not ignore_dtype:
-        return TensorComparison(key=key, status="dtype", dtype=cand_dtype,
+        return TensorComparison(key=key, status=ComparisonStatus.DTYPE, dtype=cand_dtype,
                                 message=f"dtype {cand_dtype} in the candidate, {ref_dtype} in the reference")
     if ref_metas[0].layout.global_shape != cand_metas[0].layout.global_shape:
         if (aligned := token_alignment(key, reference, candidate)) is not None and \
                 not ref_metas[0].stats_only and not cand_metas[0].stats_only:
             return _compare_aligned_rows(key, reference, candidate, tolerance, aligned)
-        return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=cand_metas[0].layout.global_shape,
+        return TensorComparison(key=key, status=ComparisonStatus.SHAPE, dtype=cand_dtype, shape=cand_metas[0].layout.global_shape,
                                 message=shape_mismatch_message(key, ref_metas[0].layout, cand_metas[0].layout))
     dims, structure, units = None, [], StructureUnits()
     try:
@@ -165,14 +168,14 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
             actual = ScaledValues(cand_full.full, cand_metas[0].scale)
             expected = ScaledValues(canonical_tensor(reference, ref_metas, key).full, ref_metas[0].scale)
             if actual.values.shape != expected.values.shape:
-                return TensorComparison(key=key, status="shape", dtype=cand_dtype, shape=tuple(actual.values.shape),
+                return TensorComparison(key=key, status=ComparisonStatus.SHAPE, dtype=cand_dtype, shape=tuple(actual.values.shape),
                                         message=f"shape {tuple(actual.values.shape)} in the candidate, "
                                                 f"{tuple(expected.values.shape)} in the reference")
             metrics, replica_drift = compare_values(actual, expected, tolerance), cand_full.replica_drift
             structure, units = _structure(key, actual, expected, reference, candidate, tolerances, cand_dtype, tolerance,
                                           replica_drift)
     except LayoutError as error:
-        return TensorComparison(key=key, status="layout", dtype=cand_dtype, message=str(error))
+        return TensorComparison(key=key, status=ComparisonStatus.LAYOUT, dtype=cand_dtype, message=str(error))
     drift = asdict(replica_drift) if replica_drift else None
     status, message = _verdict(metrics, drift, tolerance)
     value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(drift, tolerance)
@@ -193,7 +196,7 @@ def _compare_aligned_rows(key: TensorKey, reference: RunReader, candidate: RunRe
         cand_full = canonical_tensor(candidate, cand_metas, key)
         expected_full = canonical_tensor(reference, ref_metas, key).full
     except LayoutError as error:
-        return TensorComparison(key=key, status="layout", dtype=cand_metas[0].dtype, message=str(error))
+        return TensorComparison(key=key, status=ComparisonStatus.LAYOUT, dtype=cand_metas[0].dtype, message=str(error))
     actual = ScaledValues(cand_full.full.index_select(0, aligned.candidate_rows), cand_metas[0].scale)
     expected = ScaledValues(expected_full.index_select(0, aligned.reference_rows), ref_metas[0].scale)
     metrics, replica_drift = compare_values(actual, expected, tolerance), cand_full.replica_drift
@@ -284,7 +287,7 @@ def _judge_structure(comparison: TensorComparison, tests: list[StructureTest], u
     comparison.structure = tests
     if comparison.error is not None and comparison.tolerance is not None:
         comparison.detectable = detectable_error(comparison.tolerance.rel, tests, units.update_to_value, units.bias_ratio)
-    if not tests or comparison.status not in ("pass", "mismatch", "replica_drift"):
+    if not tests or comparison.status not in VALUE_STATUSES:
         return
     worst = max(tests, key=lambda t: t.ratio)
     if worst.ratio <= 1:
@@ -292,14 +295,14 @@ def _judge_structure(comparison: TensorComparison, tests: list[StructureTest], u
             comparison.ratio, comparison.decided_by = worst.ratio, worst.name
         return
     said = f"{worst.name} ratio {worst.ratio:.3g}: {worst.finding}"
-    failed_as = "replica_drift" if worst.name == REPLICA_UPDATE else "mismatch"
+    failed_as = ComparisonStatus.REPLICA_DRIFT if worst.name == REPLICA_UPDATE else ComparisonStatus.MISMATCH
     if worst.ratio > (comparison.ratio or 0.0):
         before = comparison.message.split("; decided by ")[0]
         comparison.ratio, comparison.decided_by, comparison.status = worst.ratio, worst.name, failed_as
         comparison.message = f"{said}; {before or 'norm ratio ' + format(comparison.value_ratio, '.3g')}; decided by {worst.name}"
     else:
         comparison.message = f"{comparison.message}; {said}"
-        if comparison.status == "pass":
+        if comparison.status == ComparisonStatus.PASS:
             comparison.status = failed_as
 
 
@@ -436,12 +439,14 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
             # (a failing row is falsy: no `or` here)
             comparison = known if known is not None else compare_key(key, reference, candidate, plan, num_terms)
             # noted here, not where it was compared: a row a partitioned worker compared counts too
-            if comparison.status != "inconsistent" and slab_dims(reference.index[key], candidate.index[key], plan.max_bytes) == []:
+            if comparison.status != ComparisonStatus.INCONSISTENT and \
+                    slab_dims(reference.index[key], candidate.index[key], plan.max_bytes) == []:
                 plan.compared_whole[key] = working_bytes(candidate.index[key])
             exact.mark(key, comparison.exact)
             result.comparisons.append(comparison)
         else:
-            result.comparisons.append(TensorComparison(key=key, status="missing", message="recorded in the reference only"))
+            result.comparisons.append(TensorComparison(key=key, status=ComparisonStatus.MISSING,
+                                                       message="recorded in the reference only"))
         if on_row:
             on_row(result.comparisons[-1])
         if progress:
@@ -459,7 +464,7 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
                                                  "declare it [[unmapped]] (docs/porting.md)" if mapping else "")
     for key in plan.extras:
         if key not in scales_only:
-            _append(result, TensorComparison(key=key, status="extra", message=extra), on_row)
+            _append(result, TensorComparison(key=key, status=ComparisonStatus.EXTRA, message=extra), on_row)
     if plan.compared_whole:
         key, needed = max(plan.compared_whole.items(), key=lambda item: item[1])
         result.notes.append(f"{len(plan.compared_whole)} tensors over the memory budget could not be cut into slabs "
@@ -484,7 +489,7 @@ def _inconsistent(key: TensorKey, reference: RunReader, candidate: RunReader) ->
     for name, reader in (("candidate", candidate), ("reference", reference)):
         why = reader.misplaced.get(key) or inconsistency(key, reader.index[key], reader.manifest)
         if why is not None:
-            return TensorComparison(key=key, status="inconsistent", dtype=reader.index[key][0].dtype,
+            return TensorComparison(key=key, status=ComparisonStatus.INCONSISTENT, dtype=reader.index[key][0].dtype,
                                     message=f"{name} metadata disagree: {why}")
     return None
 

@@ -32,7 +32,7 @@ from ttrace_core.format.naming import fp8_scale_linear, tensor_id
 from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.liveness import reference_liveness
-from ttrace_core.compare.results import Coverage, RunComparison
+from ttrace_core.compare.results import ComparisonStatus, Coverage, RunComparison
 
 
 # Fields every shard of one tensor must agree on: (name, how to read it from a TensorMeta).
@@ -172,7 +172,7 @@ def _unmapped_coverage(coverage: Coverage, rows: list, reference: RunReader, unm
     lines = [f"candidate: {reason} ({_tensors(len(keys))}, e.g. {tensor_id(min(keys))})" for reason, keys in by_reason.items()]
     lines += [f"reference: {entry['reason']} ({_tensors(entry['num_tensors'])}, e.g. {entry['example']})"
               for entry in mapping.get("reference_unmapped", [])]
-    extras = sorted({tensor_id(row.key) for row in rows if row.status == "extra"})
+    extras = sorted({tensor_id(row.key) for row in rows if row.status == ComparisonStatus.EXTRA})
     coverage.unmapped = len(unmapped) + sum(entry["num_tensors"] for entry in mapping.get("reference_unmapped", []))
     coverage.unmapped_reasons = [f"map {mapping.get('map')}: {line}" for line in lines]
     coverage.unaccounted = ([f"candidate: {name}" for name in extras] +
@@ -198,9 +198,9 @@ def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps
                                             for line in finding_lines(reader.findings)],
                         reference_trained=liveness.trained, dead_reference=liveness.why_not)
     for row in rows:
-        if row.status in ("missing", "extra"):
-            coverage.missing_in_candidate += row.status == "missing"
-            coverage.missing_in_reference += row.status == "extra"
+        if row.status in (ComparisonStatus.MISSING, ComparisonStatus.EXTRA):
+            coverage.missing_in_candidate += row.status == ComparisonStatus.MISSING
+            coverage.missing_in_reference += row.status == ComparisonStatus.EXTRA
             continue
         for reader in (reference, candidate):
             copies = count_copies(reader.index[row.key], replication[id(reader)][family_of(row.key)])

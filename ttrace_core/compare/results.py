@@ -1,7 +1,8 @@
 """The result types of stage 3 (compare), and their one serialized form.
 
 Every later stage reads these: the table (compare/table.py), localize, the report, the dashboard.
-`Tolerance` is the bound a tensor was judged against, `TensorComparison` one row of a comparison,
+`ComparisonStatus` names every way a row can end, `Tolerance` is the bound a tensor was judged against,
+`TensorComparison` one row of a comparison,
 `Coverage` how much evidence a verdict rests on, `KindHeadroom` the smallest error it could have
 caught on a tensor kind, `RunComparison` the whole comparison and `VerdictSummary` the verdict with
 its first divergence, which both the terminal and the dashboard put into words here, once.
@@ -19,11 +20,42 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from ttrace_core.format import strict_json
 from ttrace_core.format.naming import KINDS, tensor_id, tensor_kind
 from ttrace_core.format.records import data_from_json, data_from_record, record_from_data
 from ttrace_core.format.schema import TensorKey
+
+
+class ComparisonStatus(StrEnum):
+    """How a comparison row ends: "pass", or why its tensor fails. A str: the JSON output and the table's
+    `status` column hold its value ("replica_drift"), which it equals, and decoding checks that it is one."""
+
+    PASS = "pass"
+    MISMATCH = "mismatch"
+    """Values differ from the reference's beyond the tolerance (the norm test, or a structure test)."""
+    REPLICA_DRIFT = "replica_drift"
+    """The candidate's copies of the tensor differ from each other beyond the tolerance's drift_rel."""
+    NONFINITE = "nonfinite"
+    """NaN or Inf in other numbers, or in other places, than the reference's."""
+    MISSING = "missing"
+    """Recorded in the reference only."""
+    EXTRA = "extra"
+    """Recorded in the candidate only."""
+    SHAPE = "shape"
+    DTYPE = "dtype"
+    LAYOUT = "layout"
+    """Its shards cannot be put together into the logical tensor (canonicalize refused their layout)."""
+    INCONSISTENT = "inconsistent"
+    """Its shards' metadata disagree (evidence.py), found before any value is read."""
+
+
+VALUE_STATUSES = frozenset({ComparisonStatus.PASS, ComparisonStatus.MISMATCH, ComparisonStatus.REPLICA_DRIFT})
+"""The statuses of a row judged on its values by ratios (structure tests may still turn a pass into a failure)."""
+STRUCTURAL_STATUSES = frozenset({ComparisonStatus.MISSING, ComparisonStatus.EXTRA, ComparisonStatus.SHAPE,
+                                 ComparisonStatus.DTYPE, ComparisonStatus.LAYOUT})
+"""The statuses of a row that failed on structure (key sets, shape, dtype, layout), before any value."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +200,8 @@ class StructureTest:
 @dataclass(kw_only=True, slots=True)
 class TensorComparison:
     key: TensorKey
-    status: str
-    """"pass", or why it fails: "mismatch", "replica_drift", "nonfinite", "missing", "extra",
-    "shape", "dtype", "layout", "inconsistent" (its shards' metadata disagree; evidence.py)."""
+    status: ComparisonStatus
+    """PASS, or why it fails; a plain string given here is checked and made one."""
     message: str = ""
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
@@ -215,9 +246,10 @@ class TensorComparison:
 
     @property
     def passed(self) -> bool:
-        return self.status == "pass"
+        return self.status == ComparisonStatus.PASS
 
     def __post_init__(self) -> None:
+        self.status = ComparisonStatus(self.status)
         if self.decided_by is None and self.value_ratio is not None:  # a row judged by the norm test alone
             self.decided_by = "replica drift" if (self.drift_ratio or 0.0) > self.value_ratio else "mismatch"
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ttrace_core.compare.engine import RunComparison, compare_tensor
 from ttrace_core.compare.exact_inputs import ExactInputs
+from ttrace_core.compare.results import ComparisonStatus
 from ttrace_core.format.fingerprint import environment_fingerprint, fingerprint_differences
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.tolerances import DEFAULT_EXACT_INPUTS_K, DtypeTolerances, Tolerance, exact_inputs_tolerance
@@ -72,7 +73,8 @@ def check_reproduction(original: RunComparison, candidate: RunReader, replay: Ru
     mismatches = []
     for key in keys:
         result = compare_tensor(key, candidate, replay, tolerances)
-        if not result and not (result.status == "replica_drift" and _same_shards(key, candidate, replay, tolerances)):
+        if not result and not (result.status == ComparisonStatus.REPLICA_DRIFT
+                               and _same_shards(key, candidate, replay, tolerances)):
             ratio = "-" if result.ratio is None else f"{result.ratio:.3g}"
             mismatches.append(f"{key}: ratio {ratio} ({result.status})")
     differences = fingerprint_differences(candidate.manifest.environment, replay.manifest.environment or

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ttrace_core.canonicalize.logical_value import logical_value
-from ttrace_core.compare.results import RunComparison, TensorComparison
+from ttrace_core.compare.results import STRUCTURAL_STATUSES as STRUCTURAL, RunComparison, TensorComparison
 from ttrace_core.format.naming import (
     DATA_PARALLEL_AXES, GRADIENT_CLIPPING, LOSS_FUNCTION, PSEUDO_MODULES, data_parallel_degree, in_subtree, is_descendant,
     module_of, owner_of, slot_family,
@@ -52,7 +52,6 @@ from ttrace_core.format.records import data_from_json, data_from_record, record_
 from ttrace_core.format.schema import RunManifest, TensorKey
 from ttrace_core.format.reader import RunReader
 
-STRUCTURAL = ("missing", "extra", "shape", "dtype", "layout")
 # A gradient off from the reference by a constant factor (and nothing else) is a scaling bug.
 PURE_SCALE_RESIDUAL = 1e-3
 LEARNING_RATE = "scalar.lr"
