@@ -64,10 +64,16 @@ def _edited_copy(samples: Path, name: str, edit, label: str) -> str:
     return copy.name
 
 
+def _edit_config(manifest: dict, **fields) -> None:
+    """Change the example's config in the recorded command (`python -m ttrace_examples WORKLOAD --config JSON`)."""
+    command = manifest["entrypoint"]["command"]
+    at = command.index("--config") + 1
+    command[at] = json.dumps({**json.loads(command[at]), **fields})
+
+
 def test_a_replay_without_the_candidates_patch_is_not_reproducing(samples):
     sample = next(s for s in BUGGY if s["bug"] == "row-parallel-bias-per-rank")
-    candidate = _edited_copy(samples, sample["name"], lambda m: m["entrypoint"]["config"].update(bug=None),
-                             "without-patch")
+    candidate = _edited_copy(samples, sample["name"], lambda m: _edit_config(m, bug=None), "without-patch")
     result, localization = _localize(samples, sample["reference"], candidate)
     assert result.returncode == 4, result.stdout + result.stderr
     assert "NOT REPRODUCED" in result.stdout and "linear_proj / output.0" in result.stdout
@@ -76,12 +82,12 @@ def test_a_replay_without_the_candidates_patch_is_not_reproducing(samples):
 
 def test_a_missing_entrypoint_says_which_and_what_to_do(samples):
     sample = BUGGY[0]
-    candidate = _edited_copy(samples, sample["name"], lambda m: m["entrypoint"].update(factory="no_such_package.train:run"),
+    candidate = _edited_copy(samples, sample["name"], lambda m: m["entrypoint"].update(command=["no_such_program"]),
                              "no-entrypoint")
     result, _ = _localize(samples, sample["reference"], candidate)
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
-    assert "'no_such_package.train:run' cannot be imported" in line and "install the package" in line
+    assert "cannot start 'no_such_program'" in line and "check the command" in line
 
 
 def test_a_layer_is_replayed_alone_and_still_names_the_culprit(samples):

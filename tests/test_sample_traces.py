@@ -2,7 +2,9 @@
 
 The comparison is what `ttrace compare REF CAND` does: tolerances from `select_tolerances("auto", ...)`,
 so the bf16 and fp8 samples are judged with their reference's perturbation estimate. A reference
-(no "reference" in samples.json) is compared with itself, which must pass.
+(no "reference" in samples.json) is compared with itself, which must pass. The samples show today's
+product: the writer's trace format, a relaunch command this installation runs, and one sample whose
+first divergence is a single rank's shard (what the tensor page's per-rank error is for).
 """
 
 import json
@@ -10,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from ttrace_core import api
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.reader import RunReader
+from ttrace_core.format.schema import FORMAT_VERSION
 from ttrace_core.compare.tolerances import select_tolerances
 
 SAMPLES_DIR = Path(__file__).resolve().parents[1] / "sample_traces"
@@ -46,6 +50,48 @@ def test_bug_sample_matches_the_zoo(sample: dict) -> None:
     flags = sample["flags"]
     assert flags[flags.index("--bug") + 1] == sample["bug"]
     assert sample["culprit"] == ZOO[sample["bug"]].culprit
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s["name"] for s in SAMPLES])
+def test_sample_is_in_the_writers_format_and_relaunches_from_anywhere(sample: dict) -> None:
+    """Regenerate the samples (make_samples.py) when the writer's format moves on: an older sample hides what
+    the dashboard shows today. The manifest's command runs from any directory with this installation's
+    `python -m ttrace_examples`; the Runs page reads the injected bug from it."""
+    run = api.run_info(SAMPLES_DIR / sample["name"])
+    assert run.error is None and run.format_version == FORMAT_VERSION, (run.format_version, FORMAT_VERSION)
+    manifest = json.loads((SAMPLES_DIR / sample["name"] / "manifest.json").read_text())
+    assert manifest["entrypoint"]["command"][:3] == ["python", "-m", "ttrace_examples"]
+    assert manifest["entrypoint"]["cwd"] == ""
+    assert run.bug == sample.get("bug")
+
+
+SINGLE_RANK = [s for s in SAMPLES if "single_rank_shard" in s]
+
+
+@pytest.mark.parametrize("sample", SINGLE_RANK, ids=[s["name"] for s in SINGLE_RANK])
+def test_single_rank_sample_has_exactly_one_bad_shard_at_its_first_divergence(sample: dict) -> None:
+    """Through the facade the tensor page uses: at the first divergence, the named rank's shard is beyond the
+    tolerance and every other rank's is within it."""
+    reference, candidate = SAMPLES_DIR / sample["reference"], SAMPLES_DIR / sample["name"]
+    first = api.verdict_of(api.comparison_table(reference, candidate).provenance).first_divergence
+    expected = sample["first_divergence"]
+    assert first.tensor == f"{expected['phase']}/{expected['fqn']}/{expected['slot']}"
+    frame = api.comparison(reference, candidate)
+    row = frame[(frame["tensor"] == first.tensor) & (frame["step"] == first.step)
+                & (frame["micro_batch"] == first.micro_batch)].iloc[0]
+    view = api.tensor_view(reference, candidate, first.tensor, first.step, first.micro_batch)
+    errors = {shard.rank: shard.error for shard in view.shards}
+    assert len(errors) > 1 and None not in errors.values(), errors
+    beyond = [rank for rank, error in errors.items() if error > row["tolerance_rel"]]
+    assert beyond == [sample["single_rank_shard"]], (errors, row["tolerance_rel"])
+
+
+def test_the_dashboard_lands_on_the_single_rank_sample() -> None:
+    """The Runs page's first pair (no link) is the sample the README's walk follows."""
+    from ttrace_dashboard.runs import default_pair
+
+    (landing,) = [s for s in SAMPLES if "single_rank_shard" in s]
+    assert default_pair(api.find_runs(SAMPLES_DIR), None, None) == (landing["reference"], landing["name"])
 
 
 def test_estimated_references_hold_their_estimate() -> None:

@@ -151,8 +151,8 @@ def test_a_pair_whose_evidence_is_incomplete_is_not_shown_as_passing(tmp_path, m
         app = _open(page, **PAIR)
         assert not app.exception and not app.success, page
         (banner,) = [error for error in _errors(app) if error.startswith("FAILED (incomplete)")]
-        assert "missing-replica: 1 of 2214 expected copies were not recorded" in banner, banner
-        assert "Evidence: 738/738 tensors compared element-wise; 2213/2214 copies" in banner, banner
+        assert "missing-replica: 1 of 2361 expected copies were not recorded" in banner, banner
+        assert "Evidence: 787/787 tensors compared element-wise; 2360/2361 copies" in banner, banner
 
 
 def test_a_pair_whose_reference_did_not_train_is_refused_on_the_page(tmp_path, monkeypatch):

@@ -23,6 +23,8 @@ from ttrace_core.format.reader import step_file_name
 
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_traces" / "fp32"
 DATASET = "forward/mb_0000/decoder.layers.0.self_attention.linear_qkv#output.0"
+VALUE_PLANTS = (corruptions.virtual_dataset, corruptions.external_storage)
+"""Ways out planted in one tensor's storage: what reads its values refuses them (compare); `inspect` reads none."""
 
 
 @pytest.mark.parametrize("plant", list(corruptions.PLANTS.values()), ids=list(corruptions.PLANTS))
@@ -38,6 +40,9 @@ def test_a_way_out_of_the_trace_is_refused_and_never_followed(tmp_path, capsys, 
             corruptions.untouched(target)
         for argv in (["compare", str(reference), str(candidate)], ["inspect", str(candidate)]):
             code, _, err = run_main(argv, capsys)
+            if argv[0] == "inspect" and plant in VALUE_PLANTS:
+                assert code == 0 and err == "", err  # it reads the tensor index (format 4), no tensor's values
+                continue
             (line,) = err.strip().splitlines()
             assert code == 2 and message in line and str(candidate) in line, (argv[0], line)
         if target is not None:

@@ -16,6 +16,7 @@ import h5py
 import pytest
 
 from tests.cli_support import run_main
+from tests.faults.meta_rows import drop_meta, read_meta, write_meta
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.reader import INVENTORY_ATTR, RunReader, step_file_name
 from ttrace_core.compare.tolerances import DtypeTolerances
@@ -41,32 +42,27 @@ def _compare(reference: Path, candidate: Path, **kwargs):
 
 def _edit_meta(run: Path, rank: int, dataset: str, **changes) -> None:
     with h5py.File(run / step_file_name(rank, 0), "r+") as handle:
-        meta = json.loads(handle[dataset].attrs["meta"])
+        meta = read_meta(handle, dataset)
         for name, value in changes.items():
             target = next(part for part in (meta["key"], meta["layout"], meta) if name in part)
             target[name] = value
-        handle[dataset].attrs["meta"] = json.dumps(meta)
+        write_meta(handle, dataset, meta)
 
 
 def _drop_dataset(run: Path, rank: int, dataset: str, *, keep_inventory: bool) -> None:
     with h5py.File(run / step_file_name(rank, 0), "r+") as handle:
         del handle[dataset]
-        if not keep_inventory:  # the writer itself never recorded it: its inventory agrees with the file
-            handle.attrs[INVENTORY_ATTR] = sum(1 for _ in _datasets(handle))
-
-
-def _datasets(handle: h5py.File):
-    found = []
-    handle.visititems(lambda name, node: found.append(name) if isinstance(node, h5py.Dataset) else None)
-    return found
+        if not keep_inventory:  # the writer itself never recorded it: its index and inventory agree with the file
+            drop_meta(handle, dataset)
+            handle.attrs[INVENTORY_ATTR] = handle.attrs[INVENTORY_ATTR] - 1
 
 
 def test_a_clean_trace_passes_with_full_coverage(runs):
     result = _compare(*runs)
     coverage = result.coverage
     assert result.verdict == "equivalent" and result.passed and result.findings == []
-    assert coverage.full and coverage.tensors_expected == coverage.compared_elementwise == len(result.comparisons) == 738
-    assert coverage.copies_present == coverage.copies_expected == 2214  # 738 on the reference, 1476 on 2 TP ranks
+    assert coverage.full and coverage.tensors_expected == coverage.compared_elementwise == len(result.comparisons) == 787
+    assert coverage.copies_present == coverage.copies_expected == 2361  # 787 on the reference, 1574 on 2 TP ranks
     assert (coverage.ranks_present, coverage.ranks_expected, coverage.steps_compared) == (3, 3, [0])
 
 
@@ -95,15 +91,13 @@ def test_metadata_naming_another_tensor_than_its_place_is_a_named_finding(runs):
 
 
 @pytest.mark.parametrize("keep_inventory, findings", [
-    (True, ["incomplete: rank_00001.step_000000.h5 holds 737 tensors, its writer recorded 738", "missing-replica: 1 of"]),
-    (False, ["missing-replica: 1 of 2214 expected copies were not recorded, e.g. step 0 / mb 0 / forward / "
+    (True, [f"incomplete: rank_00001.step_000000.h5: its tensor index lists {REPLICATED}, which the file does not hold",
+            "missing-replica: 1 of"]),
+    (False, ["missing-replica: 1 of 2361 expected copies were not recorded, e.g. step 0 / mb 0 / forward / "
              "decoder.layers.0.mlp / output.1: 1 of 2 copies in candidate (ranks [0])"]),
 ], ids=["file-damaged", "never-recorded"])
 def test_a_replica_recorded_on_one_rank_only_fails_as_incomplete(runs, capsys, keep_inventory, findings):
     reference, candidate = runs
-    for rank in (0, 1):  # the sample predates the inventory attribute: give both files theirs
-        with h5py.File(candidate / step_file_name(rank, 0), "r+") as handle:
-            handle.attrs[INVENTORY_ATTR] = len(_datasets(handle))
     _drop_dataset(candidate, 1, REPLICATED, keep_inventory=keep_inventory)
     result = _compare(reference, candidate)
     assert all(result.comparisons) and not result.coverage.full and result.verdict == "incomplete" and not result
@@ -112,7 +106,7 @@ def test_a_replica_recorded_on_one_rank_only_fails_as_incomplete(runs, capsys, k
     code, out, _ = run_main(["compare", str(reference), str(candidate)], capsys)
     assert code == 1 and "FAILED (incomplete)" in out and "finding: missing-replica" in out
     code, out, _ = run_main(["compare", str(reference), str(candidate), "--partial"], capsys)
-    assert code == 0 and "PASSED (partial: 738/738 tensors compared element-wise; 2213/2214 copies" in out
+    assert code == 0 and "PASSED (partial: 787/787 tensors compared element-wise; 2360/2361 copies" in out
 
 
 def test_a_partial_step_fails_as_incomplete_unless_a_partial_verdict_is_asked_for(runs):
@@ -141,11 +135,12 @@ def test_statistics_only_tensors_in_a_full_run_are_a_finding_and_a_stats_only_ru
     ("world_size", 0, "field $.world_size: Expected `int` >= 1"),
     ("world_size", -1, "field $.world_size: Expected `int` >= 1"),
     ("world_size", True, "field $.world_size: Expected `int`, got `bool`"),
-    ("world_size", 3, "mesh_shape [1, 1, 2] holds 2 ranks, world_size is 3"),
-    ("degrees", {"pp": 1, "dp": 1, "tp": 4}, "degrees['tp'] is 4 but mesh axis 'tp' has size 2"),
+    ("world_size", 3, "mesh_shape [1, 1, 1, 2] holds 2 ranks, world_size is 3"),
+    ("degrees", {"pp": 1, "dp": 1, "cp": 1, "tp": 4}, "degrees['tp'] is 4 but mesh axis 'tp' has size 2"),
     ("degrees", {}, "mesh axis 'pp' (size 1) has no entry in degrees {}"),
-    ("rank_coordinates", [[0, 0, 0], [0, 0, 2]], "rank_coordinates[1] [0, 0, 2] lies outside mesh_shape [1, 1, 2]"),
-    ("rank_coordinates", [], "mesh_shape [1, 1, 2] is given but rank_coordinates is empty"),
+    ("rank_coordinates", [[0, 0, 0, 0], [0, 0, 0, 2]],
+     "rank_coordinates[1] [0, 0, 0, 2] lies outside mesh_shape [1, 1, 1, 2]"),
+    ("rank_coordinates", [], "mesh_shape [1, 1, 1, 2] is given but rank_coordinates is empty"),
     ("role", "judge", "field $.role: Invalid enum value 'judge'"),
 ], ids=["world-size-0", "world-size-negative", "world-size-bool", "mesh-not-world", "degree-not-mesh", "degrees-empty",
         "coordinate-outside", "no-coordinates", "unknown-role"])
@@ -179,11 +174,11 @@ def test_a_tolerance_estimate_with_impossible_numbers_is_refused_naming_the_fiel
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"global_shape": [-16, 2, 16]}, "field $.layout.global_shape[0]: Expected `int` >= 0"),
+    ({"global_shape": [-16, 2, 16]}, "field $.meta.layout.global_shape[0]: Expected `int` >= 0"),
     ({"global_shape": [2**40, 2**20, 16]}, "holds more than 2**48 elements"),
-    ({"phase": "sideways"}, "field $.key.phase: Invalid enum value 'sideways'"),
-    ({"dtype": "float128"}, "field $.dtype: Invalid enum value 'float128'"),
-    ({"scale": 0.0}, "field $.scale: Expected `float` > 0.0"),
+    ({"phase": "sideways"}, "field $.meta.key.phase: Invalid enum value 'sideways'"),
+    ({"dtype": "float128"}, "field $.meta.dtype: Invalid enum value 'float128'"),
+    ({"scale": 0.0}, "field $.meta.scale: Expected `float` > 0.0"),
 ], ids=["negative-size", "absurd-size", "unknown-phase", "unknown-dtype", "zero-scale"])
 def test_metadata_that_cannot_be_right_is_bad_input(runs, capsys, changes, message):
     reference, candidate = runs
@@ -201,7 +196,7 @@ def test_localize_on_incomplete_evidence_names_what_is_missing_instead_of_replay
     result = localize(reference, candidate)
     assert not result.diverged and result.replay is None
     assert result.notes[0] == "no compared tensor diverged: nothing to localize; but the evidence is incomplete"
-    assert result.notes[1].startswith("missing-replica: 1 of 2214 expected copies")
+    assert result.notes[1].startswith("missing-replica: 1 of 2361 expected copies")
     # compare fails on incomplete evidence (exit 1), and so does localize: the two never disagree
     assert result.exit_code == 1
 
