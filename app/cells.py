@@ -237,6 +237,40 @@ def focus_row(module: str | None, by_layer: bool) -> str | None:
     return layer_module(module) if by_layer else module
 
 
+ARRIVING_KINDS = ("input", "grad_output")
+"""Tensor kinds a module receives rather than computes: its forward inputs and its output gradients."""
+
+
+def replay_target(module: str, kind: str, modules: list[str]) -> str:
+    """The module whose replay can find where a tensor's error comes from. A module computes its outputs and its
+    input gradients: replay it. Its inputs and output gradients arrive from outside, from its parent's glue or a
+    sibling, and a replay feeds them the reference's, so replaying the module itself always finds it clean:
+    replay its nearest ancestor among `modules` (the traced ones), else the whole model ("")."""
+    if kind not in ARRIVING_KINDS:
+        return module
+    parts = module.split(".")
+    ancestors = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
+    return next((a for a in ancestors if a in modules), "")
+
+
+def ranks_beyond_text(shards: list, tolerance_rel: float | None) -> str | None:
+    """Which ranks' shards (or replicas) are beyond the tolerance, in words, under the per-rank chart; None when
+    no shard has an error of its own (partial sums) or there is no tolerance to hold them to."""
+    known = sorted((s.rank, s.error) for s in shards if s.error is not None)
+    if not known or not tolerance_rel:
+        return None
+    beyond = [(rank, error) for rank, error in known if error > tolerance_rel]
+    within = [(rank, error) for rank, error in known if error <= tolerance_rel]
+
+    def listed(pairs: list[tuple[int, float]]) -> str:
+        return ", ".join(f"rank {rank} ({error:.3g})" for rank, error in pairs)
+
+    if not beyond:
+        return f"Every rank is within the tolerance ({tolerance_rel:.3g}): {listed(within)}."
+    text = f"**Beyond the tolerance ({tolerance_rel:.3g}): {listed(beyond)}.**"
+    return text + (f" Within it: {listed(within)}." if within else "")
+
+
 def replay_default(suspects: list[str], module: str | None, first_module: str | None) -> int:
     """The index the heatmap's "Replay a module" box opens on: the link's `module` when it names one;
     for a layer, the first divergence's module if it is in that layer, else the layer's first module;

@@ -119,7 +119,9 @@ if clicked is not None:
 
 with st.container(horizontal=True):
     suspects = [m for m in cells.module_rows(frame)["module"] if m]
-    default = cells.replay_default(suspects, state.module, None if first is None else first["module"])
+    # The first divergence's own module, or for a tensor it receives (an input) the module around it (replay_target).
+    start = None if first is None else cells.replay_target(first["module"], first["kind"], suspects)
+    default = cells.replay_default(suspects, state.module, start)
     target = st.selectbox("Replay a module with the reference's inputs", suspects, index=default)
     if st.button("Open in Localize", icon=":material/my_location:"):
         go_to("localize", replace(state, module=target, step=None, mb=None, rows=None))

@@ -36,8 +36,11 @@ state = replace(state, step=current[0], mb=current[1])
 row = frame[(frame["tensor"] == state.tensor) & (frame["step"] == state.step) & (frame["micro_batch"] == state.mb)].iloc[0]
 if middle.button("Back to the heatmap", icon=":material/grid_on:"):
     go_to("heatmap", replace(state, tensor=None, rank=None))
-if middle.button("Replay its module", icon=":material/my_location:"):
-    go_to("localize", replace(state, module=row["module"] or None, tensor=None, step=None, mb=None, rank=None))
+target = cells.replay_target(row["module"], row["kind"], list(cells.module_rows(frame)["module"]))
+if middle.button("Open in Localize", icon=":material/my_location:",
+                 help=f"Replay {f'`{target}`' if target else 'the whole model'} with the reference's inputs"
+                      + (f": `{row['module']}` receives this tensor from it" if target != row["module"] else "")):
+    go_to("localize", replace(state, module=target or None, tensor=None, step=None, mb=None, rank=None))
 
 (st.success if row["passed"] else st.error)(cells.verdict_banner(row))
 if (catches := cells.detectable_text(row)) is not None:
@@ -71,6 +74,8 @@ with per_rank:
     st.subheader("Per rank")
     st.caption("Each rank's shard (or replica) against the reference's same slice.")
     st.plotly_chart(figures.rank_error_figure(view.shards, tolerance), key="ranks")
+    if (beyond := cells.ranks_beyond_text(view.shards, tolerance)) is not None:
+        st.markdown(beyond)
     if view.replica_drift:
         st.warning(f"replicas on ranks {list(view.replica_drift['ranks'])} differ by "
                    f"{view.replica_drift['relative_diff']:.3g} relative")

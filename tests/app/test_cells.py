@@ -123,3 +123,40 @@ def test_the_focus_row_is_the_module_or_its_layer():
     assert cells.focus_row("layers.1.lin", by_layer=False) == "layers.1.lin"
     assert cells.focus_row("layers.1.lin", by_layer=True) == "layers.1"
     assert cells.focus_row(None, by_layer=True) is None
+
+
+MODULES = ["embedding", "decoder.layers.0", "decoder.layers.0.mlp", "decoder.layers.0.mlp.linear_fc1",
+           "decoder.layers.0.mlp.linear_fc2", "output_layer"]
+
+
+@pytest.mark.parametrize(("module", "kind", "target"), [
+    ("decoder.layers.0.mlp.linear_fc2", "output", "decoder.layers.0.mlp.linear_fc2"),
+    ("decoder.layers.0.mlp.linear_fc2", "grad_input", "decoder.layers.0.mlp.linear_fc2"),
+    ("decoder.layers.0.mlp.linear_fc2", "input", "decoder.layers.0.mlp"),  # made by the mlp's glue: replay the mlp
+    ("decoder.layers.0.mlp.linear_fc2", "grad_output", "decoder.layers.0.mlp"),
+    ("decoder.layers.0.mlp.linear_fc2.inner", "input", "decoder.layers.0.mlp.linear_fc2"),
+    ("decoder.layers.0.untraced.linear", "input", "decoder.layers.0"),  # the nearest traced ancestor
+    ("embedding", "input", ""),  # arrives from outside the model: the whole model
+    ("embedding", "param_grad", "embedding"),
+], ids=["output", "grad-input", "input", "grad-output", "input-nested", "untraced-parent", "model-input", "param-grad"])
+def test_a_tensor_a_module_receives_is_replayed_in_the_module_around_it(module, kind, target):
+    # Issue 41's walk: the sample's first divergence is linear_fc2's input; replaying linear_fc2 found nothing.
+    assert cells.replay_target(module, kind, MODULES) == target
+
+
+def _shard(rank: int, error: float | None):
+    from ttrace_core.service.tensor_view import ShardInfo
+
+    return ShardInfo(rank=rank, coordinate=(rank,), placements=("S(-1)",), mesh_axis_names=("tp",), region=((0, 1),),
+                     flat_range=None, local_shape=(1,), error=error)
+
+
+@pytest.mark.parametrize(("errors", "text"), [
+    ({0: 0.0023, 1: 0.403}, "**Beyond the tolerance (0.0511): rank 1 (0.403).** Within it: rank 0 (0.0023)."),
+    ({0: 0.3, 1: 0.4}, "**Beyond the tolerance (0.0511): rank 0 (0.3), rank 1 (0.4).**"),
+    ({0: 0.001, 1: 0.002}, "Every rank is within the tolerance (0.0511): rank 0 (0.001), rank 1 (0.002)."),
+    ({0: None, 1: None}, None),  # partial sums: only their sum has an error
+], ids=["one-rank", "both", "none", "partial"])
+def test_the_tensor_page_says_which_ranks_are_beyond_the_tolerance(errors, text):
+    shards = [_shard(rank, error) for rank, error in errors.items()]
+    assert cells.ranks_beyond_text(shards, 0.0511) == text
