@@ -97,6 +97,28 @@ def _focus_outline(rows: pd.DataFrame, focus: str | None) -> list[dict]:
                  line=dict(color=FOCUS_COLOUR, width=2), layer="above") for row in matched]
 
 
+HEATMAP_COLUMN_PX = 72
+"""The heatmap's column pitch: its width is set from it (the page draws it at that width, narrower only when the
+page is), so the module names no longer squeeze the columns until their headers ran into each other ("param
+grad param after step"). A header's longest line (`kind_header`) fits in it level."""
+HEADER_CHAR_PX = 6.5
+"""Width of one character of a column header (plotly's default 12 px font), rounded up."""
+HEADER_ANGLES = dict(autotickangles=[0, -90], automargin=True)
+"""On a page narrower than the figure the headers stand upright rather than overlap (plotly takes the first
+angle at which no two labels overlap; upright, a label needs only its line height), the top margin growing
+to hold them."""
+
+
+def kind_header(kind: str) -> str:
+    """A heatmap column's header on two lines ("param<br>after step"), half the width of one."""
+    return KIND_LABELS[kind].replace(" ", "<br>", 1)
+
+
+def heatmap_plot_px() -> int:
+    """The plot area's width: every column's pitch, over the axis range of -0.6 to len(KINDS) - 0.4."""
+    return round((len(KINDS) + 0.2) * HEATMAP_COLUMN_PX)
+
+
 def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, str] | None = None,
                    focus: str | None = None) -> go.Figure:
     """Modules (rows, execution order) x tensor kinds (columns); the `first` (module, kind) cell is outlined (a
@@ -119,14 +141,14 @@ def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, st
                                     marker=dict(symbol="square-open", size=22, color=FIRST_DIVERGENCE_COLOUR,
                                                 line=dict(width=3, color=FIRST_DIVERGENCE_COLOUR)), **_clickable(marked)))
     labels = _row_labels(rows, focus)
+    margin = dict(l=min(MAX_LABEL_PX, 12 + LABEL_CHAR_PX * max((len(a["text"]) for a in labels), default=4)), r=80,
+                  t=40, b=10)
     figure.update_layout(
-        height=max(360, ROW_HEIGHT * len(rows) + 160),
-        margin=dict(l=min(MAX_LABEL_PX, 12 + LABEL_CHAR_PX * max((len(a["text"]) for a in labels), default=4)), r=80,
-                    t=40, b=10),
+        height=max(360, ROW_HEIGHT * len(rows) + 160), width=margin["l"] + heatmap_plot_px() + margin["r"], margin=margin,
         shapes=_layer_bands(rows) + _focus_outline(rows, focus), annotations=_stage_annotations(rows) + labels, clickmode="event+select", dragmode=False,
         legend=dict(orientation="h", y=-0.01, x=0, yanchor="top"),
-        xaxis=dict(tickvals=list(range(len(KINDS))), ticktext=[KIND_LABELS[k] for k in KINDS], side="top",
-                   range=[-0.6, len(KINDS) - 0.4], fixedrange=True),
+        xaxis=dict(tickvals=list(range(len(KINDS))), ticktext=[kind_header(k) for k in KINDS], side="top",
+                   range=[-0.6, len(KINDS) - 0.4], fixedrange=True, **HEADER_ANGLES),
         yaxis=dict(tickvals=rows["row"].tolist(), showticklabels=False, autorange="reversed", fixedrange=True),
     )
     return figure

@@ -49,7 +49,7 @@ def heatmap_so_far(rows: "api.StreamedRows") -> None:
             so_far = cells.pointing_at_first(so_far, first, marked[0])
         figure = figures.heatmap_figure(so_far, cells.module_rows(shown), marked, cells.focus_row(state.module, by_layer))
         drawn = st.session_state[drawn_key] = (len(frame), first is not None, figure)
-    st.plotly_chart(drawn[2], key="heatmap_so_far", config={"displayModeBar": False})
+    st.plotly_chart(drawn[2], key="heatmap_so_far", config={"displayModeBar": False}, width="content")
 
 
 state = view_state()
@@ -111,8 +111,9 @@ st.caption("Colour: log10(error / tolerance), 0 is the pass line. The yellow out
            + (f"; the framed row is `{focus}`, the module the link points at" if focus in set(rows["module"]) else "")
            + ". Click a cell to open its tensor.")
 legend()
+# At the figure's own width (its column pitch keeps the headers apart), narrower only on a narrower page.
 event = st.plotly_chart(figures.heatmap_figure(view_cells, rows, marked, focus), key="heatmap", on_select="rerun",
-                        selection_mode="points", config={"displayModeBar": False})
+                        selection_mode="points", config={"displayModeBar": False}, width="content")
 clicked = view_from_click(event, state)
 if clicked is not None:
     go_to("tensor", clicked)

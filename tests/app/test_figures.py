@@ -176,3 +176,17 @@ def test_initial_parameter_values_neither_lead_the_rows_nor_stretch_the_paramete
     assert set(bands) == {"initial", "forward", "grad"}
     (first,) = [a for a in figure.layout.annotations if a.text == "first divergence"]
     assert first.yanchor == "bottom" or first.y < 0.5  # not at the top, where the phase names are
+
+
+def test_heatmap_headers_fit_their_columns_level_and_stand_up_on_a_narrower_page(frame):
+    """Issue 41: the column headers ran into each other ("param grad param after step") when the module names took
+    most of the width. The figure now has its own width, whose column pitch holds the longest header line level
+    with room to spare; on a page narrower than that, plotly stands the headers upright instead of overlapping."""
+    figure = figures.heatmap_figure(cells.heatmap_cells(frame, 0, "all"), cells.module_rows(frame))
+    layout = figure.layout
+    plot_px = layout.width - layout.margin.l - layout.margin.r
+    pitch = plot_px / (layout.xaxis.range[1] - layout.xaxis.range[0])
+    lines = [line for text in layout.xaxis.ticktext for line in text.split("<br>")]
+    assert len(layout.xaxis.ticktext) == len(api.KINDS) and max(map(len, lines)) <= 10, lines
+    assert pitch >= max(map(len, lines)) * figures.HEADER_CHAR_PX + 6, (pitch, lines)
+    assert list(layout.xaxis.autotickangles) == [0, -90] and layout.xaxis.automargin is True
