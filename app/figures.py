@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ttrace_dashboard.cells import KIND_LABELS, LOG_RATIO_LIMIT
+from ttrace_dashboard.colours import faded_colour
 from ttrace_core.api import KINDS
 
 RATIO_SCALE = [[0.0, "#2166ac"], [0.35, "#92c5de"], [0.5, "#f7f7f7"], [0.5001, "#fddbc7"], [0.75, "#ef8a62"],
@@ -43,6 +44,8 @@ FOCUS_COLOUR = "#9e9e9e"
 """The frame around the heatmap row a link asked for (`module` in the URL)."""
 MATRIX_PLOT_PX = 1100
 """The layout matrix sizes its cells to fit about this plot width (the page is wide)."""
+AFTER_FIRST = "after the first divergence"
+"""The layout matrix's trace of cells that ran only after their layout's first divergence (drawn faded)."""
 
 
 def _colour_axis() -> dict:
@@ -250,9 +253,7 @@ def histogram_figure(edges: np.ndarray, counts: np.ndarray, tolerance_rel: float
 def _shard_colour(error: float | None, tolerance_rel: float | None) -> str:
     if error is None or not tolerance_rel:
         return "#bdbdbd"
-    value = -LOG_RATIO_LIMIT if error == 0 else float(np.clip(math.log10(error / tolerance_rel), -4, 4))
-    fraction = (value + LOG_RATIO_LIMIT) / (2 * LOG_RATIO_LIMIT)
-    return plotly_colors.sample_colorscale(RATIO_SCALE, [fraction])[0]
+    return ratio_colour(-LOG_RATIO_LIMIT if error == 0 else math.log10(error / tolerance_rel))
 
 
 def shard_map_figure(shards: list, shape: tuple[int, ...], tolerance_rel: float | None, highlight_rank: int | None) -> go.Figure:
@@ -313,10 +314,16 @@ def _matrix_clickable(points: pd.DataFrame) -> dict:
                 text=points["hover"].tolist(), hovertemplate="%{text}<extra></extra>")
 
 
-def _faded(points: pd.DataFrame) -> list[float]:
-    """Marker opacity: cells that ran only after their layout's first divergence are faded (they inherit it)."""
+def _after_first(points: pd.DataFrame) -> pd.Series:
+    """Cells that ran only after their layout's first divergence (they inherit it): drawn faded."""
     after = points["after_first"] if "after_first" in points else pd.Series(False, index=points.index)
-    return [0.35 if a else 1.0 for a in after.astype(bool)]
+    return after.astype(bool)
+
+
+def ratio_colour(value: float) -> str:
+    """The colour scale's colour of one log10(error / tolerance)."""
+    fraction = (float(np.clip(value, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)) + LOG_RATIO_LIMIT) / (2 * LOG_RATIO_LIMIT)
+    return plotly_colors.sample_colorscale(RATIO_SCALE, [fraction])[0]
 
 
 def matrix_figure(cells: pd.DataFrame, layouts: list[str], columns: list[str], pending: list[str] = ()) -> go.Figure:
@@ -333,15 +340,23 @@ def matrix_figure(cells: pd.DataFrame, layouts: list[str], columns: list[str], p
     colour_axis = _colour_axis()
     colour_axis["colorbar"].update(orientation="h", lenmode="pixels", len=360, thickness=12, x=1.0, xanchor="right",
                                    y=1.0, yanchor="bottom", title=dict(text="log10(error/tol)", side="top"))
+    faded = numeric[_after_first(numeric)]
+    numeric = numeric[~_after_first(numeric)]
     figure.add_trace(go.Scatter(x=numeric["column"], y=numeric["layout"], mode="markers", name="error / tolerance",
                                 marker=dict(symbol="square", size=size, color=numeric["value"],
-                                            opacity=_faded(numeric), line=dict(width=0.5, color="#888"), **colour_axis),
+                                            line=dict(width=0.5, color="#888"), **colour_axis),
                                 showlegend=False, **_matrix_clickable(numeric)))
+    # Faded by colour, not opacity: one contrast on the light and the dark theme (colours.faded_colour).
+    figure.add_trace(go.Scatter(x=faded["column"], y=faded["layout"], mode="markers", name=AFTER_FIRST,
+                                marker=dict(symbol="square", size=size, line=dict(width=0.5, color="#888"),
+                                            color=[faded_colour(ratio_colour(v)) for v in faded["value"]]),
+                                showlegend=False, **_matrix_clickable(faded)))
     for name, (label, colour) in CATEGORY_STYLE.items():
         special = cells[cells["category"] == name]
         if not special.empty:
+            colours = [faded_colour(colour) if after else colour for after in _after_first(special)]
             figure.add_trace(go.Scatter(x=special["column"], y=special["layout"], mode="markers", name=label,
-                                        marker=dict(symbol="square", size=size, color=colour, opacity=_faded(special)),
+                                        marker=dict(symbol="square", size=size, color=colours),
                                         **_matrix_clickable(special)))
     firsts = cells[cells["first_divergence"].astype(bool)]
     if not firsts.empty:

@@ -4,6 +4,7 @@ import pandas as pd
 import pytest
 
 from ttrace_dashboard import figures, matrix
+from ttrace_dashboard.colours import faded_colour
 from tests.synthetic_runs import write_pair
 from ttrace_core import api
 
@@ -97,14 +98,37 @@ def test_matrix_figure_rows_are_layouts_and_outlines_open_the_first_divergence(t
     outline = traces["first divergence"]
     assert [list(p) for p in outline.customdata] == [[BUG, "layers.0.act"]] and list(outline.x) == [1]
     assert outline.marker.color == figures.FIRST_DIVERGENCE_COLOUR and outline.marker.symbol == "square-open"
-    assert traces["NaN in the candidate"].marker.color == figures.CATEGORY_STYLE["nan"][1]
+    # the NaN ran after the first divergence: its category's colour, faded
+    assert list(traces["NaN in the candidate"].marker.color) == [faded_colour(figures.CATEGORY_STYLE["nan"][1])]
     assert list(figure.layout.xaxis.ticktext) == columns and list(figure.layout.yaxis.categoryarray) == [BUG, CLEAN,
                                                                                                         "tp4/large"]
     numeric = traces["error / tolerance"]
     assert numeric.marker.cmin == -4 and numeric.marker.cmax == 4 and numeric.marker.size == 16
-    # cells only reached after the layout's first divergence are faded
-    faded = {(y, x) for x, y, o in zip(numeric.x, numeric.y, numeric.marker.opacity) if o < 1}
-    assert faded == {(BUG, 2)}  # layers.1.norm (lin and out are NaN and missing, in their own traces)
+    # cells only reached after the layout's first divergence are faded, in their own trace
+    faded = traces[figures.AFTER_FIRST]
+    assert set(zip(faded.y, faded.x)) == {(BUG, 2)}  # layers.1.norm (lin and out are NaN and missing, in their own traces)
+    assert (BUG, 2) not in set(zip(numeric.y, numeric.x))
     # the colour bar lies above the plot, wide enough to read (on the right it was the plot's height: 15 px)
     bar = numeric.marker.colorbar
     assert bar.orientation == "h" and bar.lenmode == "pixels" and bar.len >= 300
+
+
+@pytest.mark.parametrize("value", [-4.0, -2.0, -0.5, 0.0, 0.01, 1.0, 2.0, 4.0], ids=lambda v: f"log-ratio{v:+g}")
+def test_faded_cells_keep_one_contrast_on_the_light_and_the_dark_theme(tables, value):
+    """Issue 41: faded by opacity, a cell mixed into the page: a light pink on white, a near-black maroon on the dark
+    theme. Faded by colour, it contrasts alike with both backgrounds, as much as mid-grey text does."""
+    from ttrace_dashboard.colours import DARK_BACKGROUND, LIGHT_BACKGROUND, contrast_ratio, faded_colour
+
+    colour = faded_colour(figures.ratio_colour(value))
+    on_light, on_dark = contrast_ratio(colour, LIGHT_BACKGROUND), contrast_ratio(colour, DARK_BACKGROUND)
+    assert on_light >= 4 and on_dark >= 4 and abs(on_light / on_dark - 1) < 0.1, (colour, on_light, on_dark)
+    # still the hue of its side of the pass line: red above it, blue below
+    red, _, blue = (int(c) for c in colour[4:-1].split(","))
+    assert (red > blue) == (value > 0) or value == 0, colour
+
+
+def test_no_matrix_cell_is_faded_by_opacity(tables):
+    view = matrix.matrix_cells(tables, "modules")
+    figure = figures.matrix_figure(view, [BUG, CLEAN], matrix.matrix_columns(view))
+    cells = [trace for trace in figure.data if trace.name != "rows"]
+    assert all(trace.marker.opacity in (None, 1) for trace in cells)  # opacity blends with the theme's background
