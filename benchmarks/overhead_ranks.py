@@ -3,8 +3,10 @@ trained step after step, each step in one mode, the modes interleaved round by r
 on a shared machine hits them all alike:
 
 - untraced: no hook at all;
-- raw hooks: a forward hook and a full backward hook on every module the tracer would trace, each
-  copying what it sees (`clone`), dropped at the step's end: the floor any recording pays;
+- hooks alone: a forward hook and a full backward hook on every module the tracer would trace, doing
+  nothing: what torch's hook machinery costs (a full backward hook wraps each call's inputs and outputs);
+- raw hooks: the same hooks, each copying what it sees (`clone`), dropped at the step's end: the floor
+  any recording pays;
 - full: the Tracer, values and statistics;
 - full, writer thread: the same, stored by a writer thread (TracerConfig.writer_queue_bytes = 256 MiB);
 - stats-only: the Tracer, statistics only.
@@ -22,12 +24,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-MODES = ("untraced", "raw hooks", "full", "full, writer thread", "stats-only")
+MODES = ("untraced", "hooks alone", "raw hooks", "full", "full, writer thread", "stats-only")
 WRITER_QUEUE_BYTES = 256 * 2**20
 
 
-def _raw_hooks(model: torch.nn.Module, tracer_config) -> tuple[list, list]:
-    """Hooks that copy every traced module's inputs, outputs and gradients (what recording must at least do)."""
+def _raw_hooks(model: torch.nn.Module, tracer_config, copy: bool = True) -> tuple[list, list]:
+    """Hooks that copy every traced module's inputs, outputs and gradients (what recording must at least do);
+    with `copy` False, the same hooks doing nothing."""
     from ttrace_core.record.tracer import Tracer
 
     kept, handles = [], []
@@ -35,10 +38,14 @@ def _raw_hooks(model: torch.nn.Module, tracer_config) -> tuple[list, list]:
     probe.config = tracer_config
 
     def forward(module, args, output):
+        if not copy:
+            return
         kept.extend(t.detach().clone() for t in (*args, *(output if isinstance(output, tuple) else (output,)))
                     if isinstance(t, torch.Tensor))
 
     def backward(module, grad_input, grad_output):
+        if not copy:
+            return
         kept.extend(t.detach().clone() for t in (*grad_input, *grad_output) if isinstance(t, torch.Tensor))
 
     for _, module, hooked in Tracer.traced_modules(probe, model):
@@ -102,8 +109,8 @@ def _one_step(mode: str, config, ddp, optimizer, rename, out: Path, step_index: 
     if mode == "untraced":
         seconds, cpu_seconds = _timed(step)
         return seconds, 0, 0, cpu_seconds
-    if mode == "raw hooks":
-        kept, handles = _raw_hooks(unwrap(ddp), megatron_tracer_config())
+    if mode in ("raw hooks", "hooks alone"):
+        kept, handles = _raw_hooks(unwrap(ddp), megatron_tracer_config(), copy=mode == "raw hooks")
         seconds, cpu_seconds = _timed(step)
         raw = sum(t.numel() * t.element_size() for t in kept)
         for handle in handles:
@@ -144,8 +151,9 @@ def measure(config_dict: dict) -> None:
             for mode in MODES:
                 results[mode].append(_one_step(mode, config, ddp, optimizer, rename, out, index))
         profiles = {mode: _profiled(mode, config, ddp, optimizer, rename, out) for mode in ("full", "stats-only")}
+        per_call = {mode: _per_call(mode, config, ddp, optimizer, rename, out) for mode in ("full", "stats-only")}
         if dist.get_rank() == 0:
-            (out / "overhead.json").write_text(json.dumps({"steps": results, "profiles": profiles}))
+            (out / "overhead.json").write_text(json.dumps({"steps": results, "profiles": profiles, "per_call": per_call}))
         dist.barrier()
     finally:
         from megatron.core import parallel_state
@@ -227,3 +235,23 @@ def _profiled(mode: str, config, ddp, optimizer, rename, out: Path) -> dict:
     found["bytes recorded again: same object, unchanged"] = tally["same object"] / max(1, tally["recorded"])
     found["bytes recorded again: same storage"] = tally["same storage"] / max(1, tally["recorded"])
     return found
+
+
+PER_CALL_STEPS = 3
+
+
+def _per_call(mode: str, config, ddp, optimizer, rename, out: Path) -> dict:
+    """PER_CALL_STEPS steps of `mode` with a timer on each part of the tracer's work (call_costs.py), every
+    rank alike; rank 0's own seconds per part (the median over the steps) and calls."""
+    from call_costs import Timers, breakdown, instrument, median_breakdown
+
+    found = []
+    for index in range(PER_CALL_STEPS):
+        timers = Timers()
+        undo = instrument(timers)
+        try:
+            seconds, _, raw, _ = _one_step(mode, config, ddp, optimizer, rename, out, 2000 + index)
+        finally:
+            undo()
+        found.append(breakdown(timers, seconds, raw))
+    return median_breakdown(found)

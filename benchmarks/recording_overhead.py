@@ -1,12 +1,13 @@
 """Cost of recording on the Megatron GPT TP 2 CPU testbed: every mode against the untraced step, in
-the same run, and the raw-hook floor.
+the same run, the raw-hook floor, and the tracer's cost per recorded tensor part by part.
 
 Spawns TP ranks of megatron-core (gloo, OMP_NUM_THREADS=1 each, overhead_ranks.py) that train the
-same model step after step, the modes interleaved round by round: untraced, raw hooks (a copy of
-every traced module's inputs, outputs and gradients, the least any recording does), full recording
-and stats-only. A step's time is its slowest rank's; each mode's figure is the median over rounds.
-Trace bytes are the step files' sizes against the raw bytes of the tensors recorded. Writes
-results/recording_overhead.{md,json}.
+same model step after step, the modes interleaved round by round: untraced, hooks alone (torch's
+hook machinery with hooks that do nothing), raw hooks (a copy of every traced module's inputs, outputs
+and gradients, the least any recording does), full recording and stats-only. A step's time is its
+slowest rank's; each mode's figure is the median over rounds. Trace bytes are the step files' sizes
+against the raw bytes of the tensors recorded. Then, per tensor, what each part of the tracer's work
+costs (call_costs.py) and where each mode's extra time goes. Writes results/recording_overhead.{md,json}.
 
     python benchmarks/recording_overhead.py [--rounds 7] [--hidden 256] [--layers 4] [--seq-len 128]
 """
@@ -78,38 +79,93 @@ def render_profiles(profiles: dict[str, dict], rows: list[dict]) -> str:
         cells = [f"{int(v)}" if name.startswith("calls") else f"{v:.0%}" if name.startswith("bytes") else f"{v:.3f}"
                  for v in values]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n" + "\n" + render_diagnosis(profiles, rows)
+    return "\n".join(lines) + "\n"
 
 
-def render_diagnosis(profiles: dict[str, dict], rows: list[dict]) -> str:
-    """Where each mode stands against its target, what its profile says the time goes to, and the next
-    step, from this run's own numbers."""
+def render_per_call(per_call: dict[str, dict], rows: list[dict]) -> str:
+    """Microseconds per recorded tensor (one Tracer.record call) and per module hook call, part by part
+    (call_costs.py: steps with a timer on each part, rank 0), next to the untimed steps' extra time per tensor."""
     by_mode = {row["mode"]: row for row in rows}
-    base = by_mode["untraced"]["ms_per_step"] / 1000
-    full, stats = profiles["full"], profiles["stats-only"]
-    extra_full = max(full["step (profiled)"] - base, 1e-9)
-    writes = full["HDF5 dataset writes (_write_dataset)"]
-    same_object = full["bytes recorded again: same object, unchanged"]
-    same_storage = full["bytes recorded again: same storage"]
-    lines = ["## Against the targets, and the next step", ""]
+    modes = list(per_call)
+    first = per_call[modes[0]]
+    lines = ["## Per tensor and per hook call", "",
+             f"{first.get('steps', 1)} steps per mode with a wall-clock timer on each part of the tracer's work "
+             f"(call_costs.py; no profiler), rank 0. Each part's own time, its timed callees' taken out (the median over "
+             f"the steps), in microseconds per recorded tensor (one `Tracer.record` call). A timed call adds about "
+             f"{first['timer_us']:.1f} us to its caller's own time.", "",
+             "| us per tensor | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+    for part in first["parts"]:
+        cells = [f"{1e6 * per_call[m]['parts'][part]['own_s'] / max(1, per_call[m]['record_calls']):.1f}" for m in modes]
+        lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    total = {m: sum(p["own_s"] for p in per_call[m]["parts"].values()) for m in modes}
+    lines.append("| **all parts (the tracer's time in hooks and records)** | " +
+                 " | ".join(f"**{1e6 * total[m] / max(1, per_call[m]['record_calls']):.1f}**" for m in modes) + " |")
+    lines.append("| all parts, per module hook call | " +
+                 " | ".join(f"{1e6 * total[m] / max(1, per_call[m]['hook_calls']):.1f}" for m in modes) + " |")
+    base = by_mode["untraced"]
+    lines.append("| untimed steps: extra wall time over untraced, per tensor | " + " | ".join(
+        f"{1000 * (by_mode[m]['ms_per_step'] - base['ms_per_step']) / max(1, per_call[m]['record_calls']):.1f}" for m in modes) + " |")
+    lines.append("| untimed steps: extra CPU time over untraced (paired), per tensor | " + " | ".join(
+        f"{1000 * (by_mode[m]['cpu_overhead'] - 1) * base['cpu_ms_per_step'] / max(1, per_call[m]['record_calls']):.1f}"
+        for m in modes) + " |")
+    if "hooks alone" in by_mode:
+        hooks_ms = (by_mode["hooks alone"]["cpu_overhead"] - 1) * base["cpu_ms_per_step"]
+        lines.append("| hooks alone (torch's hook machinery, no tracer): extra CPU time over untraced (paired), per tensor | " +
+                     " | ".join(f"{1000 * hooks_ms / max(1, per_call[m]['record_calls']):.1f}" for m in modes) + " |")
+    lines.append("| Tracer.record calls (tensors) | " + " | ".join(str(per_call[m]["record_calls"]) for m in modes) + " |")
+    lines.append("| module hook calls | " + " | ".join(str(per_call[m]["hook_calls"]) for m in modes) + " |")
+    lines.append("| step with timers (s) | " + " | ".join(f"{per_call[m]['step_s']:.3f}" for m in modes) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_diagnosis(profiles: dict[str, dict], rows: list[dict], per_call: dict[str, dict]) -> str:
+    """Where each mode stands against its target and where its extra time per tensor goes, from this run's own
+    numbers: torch's hook machinery (`hooks alone`), the bytes (the statistics' reductions, the HDF5 writes)
+    and the tracer's Python per call (every other part of the breakdown)."""
+    by_mode = {row["mode"]: row for row in rows}
+    base = by_mode["untraced"]
+    calls = {mode: max(1, found["record_calls"]) for mode, found in per_call.items()}
+
+    def per_tensor(mode: str, part: str) -> float:
+        return 1e6 * per_call[mode]["parts"][part]["own_s"] / calls[mode]
+
+    def split(mode: str) -> tuple[float, float, float, float, float]:
+        """(extra CPU us per tensor, hooks alone's, statistics, HDF5 writes, Python per call); the extra CPU time
+        from the paired CPU overhead (the least drift-prone figure)."""
+        extra = 1000 * (by_mode[mode]["cpu_overhead"] - 1) * base["cpu_ms_per_step"] / calls[mode]
+        hooks = 1000 * (by_mode["hooks alone"]["cpu_overhead"] - 1) * base["cpu_ms_per_step"] / calls[mode]
+        statistics_us = per_tensor(mode, "statistics")
+        writes = per_tensor(mode, "HDF5 write (array, room check, dataset or link)")
+        python = sum(per_tensor(mode, part) for part in per_call[mode]["parts"]) - statistics_us - writes
+        return extra, hooks, statistics_us, writes, python
+
+    same_object = profiles["full"]["bytes recorded again: same object, unchanged"]
+    same_storage = profiles["full"]["bytes recorded again: same storage"]
+    functions = per_call["stats-only"].get("function_calls", {})
+    taken = functions.get("ttrace_core.record.summaries.stats_from_tensor")
+    asked = functions.get("ttrace_core.record.summaries:StepSummaries.stats")
+    reused = (f"{asked - taken} of {calls['stats-only']} tensors reuse the statistics of bytes recorded earlier in the "
+              f"step, after one pass to check their sum" if taken is not None and asked else
+              "statistics are taken for every tensor")
+    lines = ["## Against the targets, and what is left", ""]
+    extra, hooks, statistics_us, writes, python = split("full")
     lines.append(
-        f"- Full ({_verdict(by_mode['full'])}): writing the values into HDF5 takes {writes:.2f} s of the profiled "
-        f"step's {extra_full:.2f} s of extra time ({writes / extra_full:.0%}): {by_mode['full']['trace_mib']:.0f} MiB "
-        f"per step over all ranks, at page-cache speed. The writer thread moves that to another thread "
+        f"- Full ({_verdict(by_mode['full'])}): {extra:.0f} us of CPU per tensor over the untraced step (paired). Of the timed "
+        f"parts, the HDF5 writes take {writes:.0f} us per tensor ({by_mode['full']['trace_mib']:.0f} MiB per step over "
+        f"all ranks, at page-cache speed), the statistics {statistics_us:.0f} us, the tracer's Python per call "
+        f"{python:.0f} us; torch's hook machinery alone costs {hooks:.0f} us per tensor. A tensor recorded twice in a "
+        f"step ({same_object:.0%} of the recorded bytes are the same tensor object again, {same_storage:.0%} the same "
+        f"storage, rank 0) is stored once, as a hard link: the trace holds {by_mode['full']['bytes_ratio']:.2f}x the "
+        f"recorded tensor bytes. The writer thread moves the writes off the training thread "
         f"({by_mode['full, writer thread']['overhead']:.2f}x against {by_mode['full']['overhead']:.2f}x) but needs an "
-        f"idle core to gain. A tensor recorded twice in a step (a module's output is the next module's input: "
-        f"{same_object:.0%} of the recorded bytes are the same tensor object again, {same_storage:.0%} the same "
-        f"storage, this run's rank 0) is already stored once, as a hard link: the trace holds "
-        f"{by_mode['full']['bytes_ratio']:.2f}x the recorded tensor bytes. Next step: fewer bytes per step than the "
-        f"model's activations (statistics for the tensors a divergence is not looked for in, values where it is: "
-        f"`--adaptive`), or a core free for the writer thread.")
+        f"idle core to gain, and this machine has none.")
+    extra, hooks, statistics_us, writes, python = split("stats-only")
     lines.append(
-        f"- Stats-only ({_verdict(by_mode['stats-only'])}): the tracer's hooks take "
-        f"{stats['all tracer hooks (Tracer.record)']:.2f} s of the profiled step, "
-        f"{stats['statistics (stats_from_tensor)']:.2f} s of it the statistics (four reductions per tensor: eager "
-        f"torch fuses none of sum, sum of squares, min and max) and {stats['layout resolution (Tracer.layout_of)']:.2f} s "
-        f"layout resolution, over {int(stats['calls of Tracer.record'])} calls. Next step: skip the statistics of a "
-        f"tensor already summarized in the step ({same_object:.0%} of the bytes), and a compiled one-pass kernel.")
+        f"- Stats-only ({_verdict(by_mode['stats-only'])}): {extra:.0f} us of CPU per tensor over the untraced step (paired), "
+        f"{hooks:.0f} us of it torch's hook machinery (`hooks alone`, {by_mode['hooks alone']['overhead']:.2f}x). Of the "
+        f"timed parts, the statistics take {statistics_us:.0f} us per tensor (four reductions, sum, sum of squares, "
+        f"min and max, which eager torch runs apart and which must stay bit-identical; {reused}), the values of "
+        f"partial sums, which stats-only keeps, {writes:.0f} us, and the tracer's Python per call {python:.0f} us.")
     return "\n".join(lines) + "\n"
 
 
@@ -139,7 +195,7 @@ def main() -> None:
         run_ranks("overhead_ranks:measure", {"run": run, "out": str(out), "rounds": args.rounds}, args.tp,
                   timeout_s=3600, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)})
         measured = json.loads((out / "overhead.json").read_text())
-        results, profiles = measured["steps"], measured["profiles"]
+        results, profiles, per_call = measured["steps"], measured["profiles"], measured["per_call"]
     finally:
         shutil.rmtree(out, ignore_errors=True)
     layout = f"TP {args.tp} + SP on {args.tp} gloo ranks" if args.tp > 1 else "1 gloo rank, no parallelism"
@@ -147,10 +203,12 @@ def main() -> None:
              f"{args.hidden}, seq {args.seq_len}, {args.micro_batches} micro-batches of {args.micro_batch_size}, fp32; "
              f"torch {torch.__version__}; median of {args.rounds} interleaved rounds, {os.cpu_count()} cores")
     rows = summarize(results)
-    text = render(rows, setup) + "\n" + render_profiles(profiles, rows)
+    text = (render(rows, setup) + "\n" + render_diagnosis(profiles, rows, per_call) + "\n" + render_per_call(per_call, rows)
+            + "\n" + render_profiles(profiles, rows))
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / f"{args.name}.md").write_text(text)
-    (args.results / f"{args.name}.json").write_text(json.dumps({"setup": setup, "rows": rows, "steps": results, "profiles": profiles}, indent=1))
+    (args.results / f"{args.name}.json").write_text(json.dumps({"setup": setup, "rows": rows, "steps": results, "profiles": profiles,
+                                                                     "per_call": per_call}, indent=1))
     print(text)
 
 
