@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.app.server import free_port, wait_healthy
+from ttrace_dashboard.colours import contrast_ratio
+from ttrace_examples.megatron_gpt.bugs import CULPRITS
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -28,6 +30,7 @@ except ImportError:  # pragma: no cover - CI installs it
     sync_playwright = None
 if (sync_playwright is None or not Path(CHROMIUM).exists()) and not os.environ.get("CI"):
     pytest.skip("needs playwright and Debian's chromium (apt-get install -y chromium)", allow_module_level=True)
+pytestmark = pytest.mark.slow  # a browser per test
 
 
 @pytest.fixture(scope="module")
@@ -102,25 +105,6 @@ def test_a_url_escaping_the_root_is_refused_on_the_page(dashboard, browser):
     page.close()
 
 
-def test_replay_the_first_divergence_module_from_the_heatmap(dashboard, browser):
-    """Heatmap -> Localize on the first divergence's module -> Replay -> the verdict names the zoo's culprit."""
-    culprit = BUGGY["culprit"]
-    page = browser.new_page(viewport={"width": 1600, "height": 1400})
-    page.goto(f"{dashboard}/heatmap?" + urllib.parse.urlencode({"ref": BUGGY["reference"], "cand": BUGGY["name"]}))
-    page.get_by_role("button", name="Open in Localize").click(timeout=180_000)
-    page.wait_for_function("() => location.pathname.endsWith('/localize')", timeout=60_000)
-    assert urllib.parse.parse_qs(urllib.parse.urlparse(page.url).query)["module"] == [BUGGY["first_divergence"]["fqn"]]
-    replay = page.get_by_role("button", name="Replay with reference inputs")
-    page.set_viewport_size({"width": 1100, "height": 1400})  # a laptop's window: the label was cut there
-    replay.wait_for(timeout=60_000)  # and its label is whole, not cut to "Replay with referen..."
-    assert replay.evaluate("b => [b, ...b.querySelectorAll('*')].every(e => e.scrollWidth <= e.clientWidth + 1)")
-    replay.click(timeout=60_000)
-    page.get_by_text("Culprit (introduces the error)").wait_for(timeout=300_000)
-    assert culprit in page.get_by_text("Culprit (introduces the error)").inner_text()
-    assert page.locator("[data-testid=stException]").count() == 0
-    page.close()
-
-
 def test_the_exported_report_draws_offline(dashboard, browser, tmp_path):
     page = browser.new_page(viewport={"width": 1600, "height": 1400})
     page.goto(f"{dashboard}/heatmap?" + urllib.parse.urlencode({"ref": BUGGY["reference"], "cand": BUGGY["name"]}))
@@ -192,9 +176,8 @@ def test_the_layout_matrix_opens_a_pairs_heatmap_at_its_module_and_its_link_repr
     fresh.context.close()
 
 
-# The walk of issue 41 on the sample whose first divergence shares its heatmap cell with a worse tensor (the weight's
-# gradient is first, the bias's is worse): the centre of the outlined cell must open the weight's.
-WALK = next((s for s in SAMPLES if s.get("bug") == "sp-final-norm-grad" and s["reference"].startswith("fp32")), BUGGY)
+# Issue 41's walk follows the sample the dashboard lands on: its first divergence is one rank's shard.
+WALK = next(s for s in SAMPLES if "single_rank_shard" in s)
 
 
 def _query(page) -> dict[str, str]:
@@ -211,37 +194,69 @@ def _no_dead_end(page) -> None:
     assert page.get_by_text("Pick a reference and a candidate on the Runs page first").count() == 0
 
 
+def _sidebar_keeps_the_pair(page) -> None:
+    for name in ("Heatmap", "Tensor", "Localize"):
+        href = page.locator("[data-testid=stSidebar]").get_by_role("link", name=name).get_attribute("href")
+        query = urllib.parse.parse_qs(urllib.parse.urlparse(href).query)
+        assert (query.get("ref"), query.get("cand")) == ([WALK["reference"]], [WALK["name"]]), (name, href)
+
+
+def _overlapping_headers(page) -> list[tuple[str, str]]:
+    """Pairs of the heatmap's column headers whose drawn boxes intersect."""
+    boxes = [(tick.text_content(), tick.bounding_box()) for tick in
+             page.locator(".js-plotly-plot").first.locator(".xtick text").all()]
+    return [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1:]
+            if ba["x"] < bb["x"] + bb["width"] and bb["x"] < ba["x"] + ba["width"]
+            and ba["y"] < bb["y"] + bb["height"] and bb["y"] < ba["y"] + ba["height"]]
+
+
+def _plot_width(page) -> float:
+    return page.locator(".js-plotly-plot").first.bounding_box()["width"]
+
+
+def _brightness(rgb: str) -> float:
+    return sum(int(v) for v in rgb[rgb.index("(") + 1:rgb.index(")")].split(",")[:3]) / 3
+
+
 @pytest.mark.parametrize("scheme", ["light", "dark"])
-def test_the_first_hour_walk_runs_heatmap_outlined_cell_tensor_localize_matrix(dashboard, browser, scheme):
-    """Issue 41's walk, clicked as a user would, in the browser's light and dark mode: pick a candidate on Runs
-    (its reference follows), the sidebar's Heatmap keeps the pair, the centre of the outlined cell opens the first
-    divergence, the sidebar's Localize and Layout matrix keep the pair, the plots follow the theme."""
+def test_the_first_hour_walk_runs_heatmap_outlined_cell_tensor_localize_replay_matrix(dashboard, browser, scheme):
+    """Issue 41's walk, clicked as a user would, in the browser's light and dark mode: Runs lands on the single-rank
+    sample, "Open the heatmap", the centre of the outlined cell opens the first divergence, whose per-rank error
+    shows one bad rank, "Open in Localize" replays the module around it and names the culprit (the zoo's ground
+    truth), and the sidebar's Layout matrix shows the reference's layouts; every page keeps the pair, the plots
+    follow the theme."""
     first = f"{WALK['first_divergence']['phase']}/{WALK['first_divergence']['fqn']}/{WALK['first_divergence']['slot']}"
     context = browser.new_context(viewport={"width": 1600, "height": 1400}, color_scheme=scheme)
     page = context.new_page()
     page.goto(f"{dashboard}/runs")
-    page.get_by_text("Open the heatmap").first.wait_for(timeout=180_000)
+    page.get_by_text(f"first divergence at {first}").wait_for(timeout=180_000)  # the landing pair's verdict
     _settled(page)
-    page.locator("[data-testid=stSelectbox]").filter(has_text="Candidate").click()
-    page.keyboard.type(WALK["name"])
-    page.keyboard.press("Enter")
-    page.wait_for_function(f"() => new URLSearchParams(location.search).get('cand') === '{WALK['name']}' && "
-                           f"new URLSearchParams(location.search).get('ref') === '{WALK['reference']}'", timeout=60_000)
-    page.get_by_text(f"first divergence at {first}").wait_for(timeout=180_000)  # the verdict of that pair
-    _settled(page)
+    assert (_query(page)["ref"], _query(page)["cand"]) == (WALK["reference"], WALK["name"])
     _no_dead_end(page)
 
-    _sidebar_link(page, "Heatmap")
+    page.get_by_role("link", name="Open the heatmap", exact=True).click()
+    page.wait_for_function("() => location.pathname.endsWith('/heatmap')", timeout=60_000)
     page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=180_000)
     _settled(page)
     assert (_query(page)["ref"], _query(page)["cand"]) == (WALK["reference"], WALK["name"])
     _no_dead_end(page)
+    _sidebar_keeps_the_pair(page)
     background = page.evaluate("() => getComputedStyle(document.querySelector('.js-plotly-plot rect.bg')).fill")
     label = page.evaluate("() => getComputedStyle(document.querySelector('.js-plotly-plot .annotation-text')).fill")
-    brightness = lambda rgb: sum(int(v) for v in rgb[rgb.index("(") + 1:rgb.index(")")].split(",")[:3]) / 3  # noqa: E731
     # In dark mode a dark plot area (it stayed white, its grey labels near-invisible); labels stand out in both modes.
-    assert (brightness(background) < 80) == (scheme == "dark"), background
-    assert abs(brightness(background) - brightness(label)) > 80, (background, label)
+    assert (_brightness(background) < 80) == (scheme == "dark"), background
+    assert abs(_brightness(background) - _brightness(label)) > 80, (background, label)
+    assert page.locator(".js-plotly-plot").first.locator(".xtick text").count() == 8
+    assert _overlapping_headers(page) == []  # "param grad param after step" ran together
+    if scheme == "light":  # a laptop's window, narrower than the figure: the headers stand up instead
+        wide = _plot_width(page)
+        page.set_viewport_size({"width": 1280, "height": 1400})
+        page.wait_for_function(f"() => document.querySelector('.js-plotly-plot').getBoundingClientRect().width < {wide}")
+        page.wait_for_timeout(500)  # plotly lays the ticks out again after the resize
+        assert _overlapping_headers(page) == []
+        page.set_viewport_size({"width": 1600, "height": 1400})
+        page.wait_for_function(f"() => document.querySelector('.js-plotly-plot').getBoundingClientRect().width >= {wide}")
+        page.wait_for_timeout(500)
     outline = page.locator(".js-plotly-plot").first.locator(".scatterlayer .trace").last.locator("path.point")
     assert outline.count() == 1
     box = outline.bounding_box()
@@ -250,6 +265,7 @@ def test_the_first_hour_walk_runs_heatmap_outlined_cell_tensor_localize_matrix(d
     page.locator(".hoverlayer .hovertext").first.wait_for(timeout=30_000)
     hover = page.locator(".hoverlayer .hovertext").first.text_content()
     assert hover.startswith(first) and "first divergence" in hover, hover
+
     page.mouse.click(*centre)
     page.wait_for_function("() => location.pathname.endsWith('/tensor')", timeout=60_000)
     page.get_by_text("Shard map").wait_for(timeout=60_000)
@@ -257,18 +273,45 @@ def test_the_first_hour_walk_runs_heatmap_outlined_cell_tensor_localize_matrix(d
     assert _query(page)["tensor"] == first
     assert page.get_by_role("heading", name=first).count() == 1
     assert page.get_by_text("What ratio, mismatch and drift mean").count() == 1
+    bad = WALK["single_rank_shard"]
+    per_rank = page.locator("[data-testid=stMarkdownContainer]").filter(has_text="Beyond the tolerance (").inner_text()
+    assert per_rank.startswith("Beyond the tolerance (") and f"): rank {bad} (" in per_rank, per_rank
+    assert f"Within it: rank {1 - bad} (" in per_rank, per_rank  # the other rank of the two is right
     _no_dead_end(page)
 
-    _sidebar_link(page, "Localize")
-    page.get_by_role("button", name="Replay with reference inputs").wait_for(timeout=60_000)
-    assert (_query(page)["ref"], _query(page)["cand"]) == (WALK["reference"], WALK["name"])
+    page.get_by_role("button", name="Open in Localize").click()
+    page.wait_for_function("() => location.pathname.endsWith('/localize')", timeout=60_000)
+    module = WALK["first_divergence"]["fqn"].rsplit(".", 1)[0]  # linear_fc2's input comes from its mlp
+    assert (_query(page)["ref"], _query(page)["cand"], _query(page)["module"]) == (WALK["reference"], WALK["name"], module)
+    _no_dead_end(page)
+    replay = page.get_by_role("button", name="Replay with reference inputs")
+    if scheme == "light":  # a laptop's window: the label was cut there ("Replay with referen...")
+        page.set_viewport_size({"width": 1100, "height": 1400})
+        replay.wait_for(timeout=60_000)
+        assert replay.evaluate("b => [b, ...b.querySelectorAll('*')].every(e => e.scrollWidth <= e.clientWidth + 1)")
+        page.set_viewport_size({"width": 1600, "height": 1400})
+    replay.click(timeout=60_000)
+    page.get_by_role("button", name="Cancel").wait_for(timeout=60_000)  # running (a finished one is replayed again)
+    verdict = page.get_by_text("Culprit (introduces the error)")
+    verdict.wait_for(timeout=300_000)
+    assert f"Culprit (introduces the error): {module} " in verdict.inner_text(), verdict.inner_text()
+    assert CULPRITS[WALK["bug"]].names_module(module)  # the zoo's ground truth (decoder.layers.*.mlp)
+    _settled(page)
     _no_dead_end(page)
 
     _sidebar_link(page, "Layout matrix")
     page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=300_000)
     _settled(page)
-    assert _query(page)["ref"] == WALK["reference"] and WALK["name"] in _query(page)["cands"].split(",")
+    layouts = [s["name"] for s in SAMPLES if s.get("reference") == WALK["reference"]]
+    assert _query(page)["ref"] == WALK["reference"] and sorted(_query(page)["cands"].split(",")) == sorted(layouts)
+    assert sorted(_matrix_rows(page)) == sorted(layouts) and _outlines(page).count() == 1  # one buggy layout
     bar = page.locator(".js-plotly-plot").first.locator(".colorbar").bounding_box()
     assert bar["width"] >= 300, bar  # readable: it was squashed to about 15 px
+    # Faded cells (after the first divergence) keep their contrast on this theme's page: opacity made them vanish
+    # into the dark one.
+    faded = page.evaluate("() => document.querySelector('.js-plotly-plot').data"
+                          ".find(t => t.name === 'after the first divergence').marker.color")
+    page_background = page.evaluate("() => getComputedStyle(document.querySelector('.stApp')).backgroundColor")
+    assert faded and min(contrast_ratio(colour, page_background) for colour in faded) >= 3, (faded, page_background)
     _no_dead_end(page)
     context.close()
