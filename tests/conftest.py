@@ -11,6 +11,15 @@ MEGATRON_SIZE = ("--num-layers", "2")
 """Megatron tests run a 2-layer GPT: every layout still has one layer per pipeline stage."""
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that spawns gloo ranks (`distributed`) or installs ttrace (`slow_install`) is slow too, so
+    `-m "not slow"` leaves it out; tryfirst: before `-m` deselects."""
+    for item in items:
+        if item.get_closest_marker("distributed") or item.get_closest_marker("slow_install"):
+            item.add_marker(pytest.mark.slow)
+
+
 def run_ttrace(*args: str, timeout: float = 300, check_codes: tuple[int, ...] | None = None) -> subprocess.CompletedProcess:
     """Run the `ttrace` CLI in a subprocess, as a user would."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

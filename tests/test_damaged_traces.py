@@ -22,6 +22,7 @@ from tests.faults.meta_rows import write_legacy_copy
 from ttrace_core.format.tensor_index import TENSOR_INDEX
 
 
+pytestmark = pytest.mark.slow  # every test damages a copy of the robustness base (a megatron-core pair, minutes)
 TIME_LIMIT_S = 120
 """Seconds one command may take: a clean compare of this pair takes about 3 (imports included)."""
 STEP_FILE = "rank_00000.step_000000.h5"

@@ -15,6 +15,7 @@ import pytest
 
 from tests.golden import capture
 
+pytestmark = pytest.mark.slow  # the CLI end to end on every sample pair
 PAIRS = capture.sample_pairs()
 
 

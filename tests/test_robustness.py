@@ -10,6 +10,8 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 from tests.faults import corruptions, damage_runner
 
 CASES_PER_CLASS = 10
@@ -37,6 +39,7 @@ def _slice(cases, per_class: int):
     return [case for group in by_class.values() for case in rng.sample(group, min(per_class, len(group)))]
 
 
+@pytest.mark.slow
 def test_no_damaged_trace_crashes_hangs_or_passes_silently(robustness_base, tmp_path):
     cases = _slice(damage_runner.catalogue(robustness_base, seed=0, scale=1), CASES_PER_CLASS)
     assert {case.kind for case in cases} == CLASSES
@@ -55,6 +58,7 @@ JOB_CASES = ("status.json running as this process", "status.json running as init
              "status.json supervisor = 10000000000000000000")
 
 
+@pytest.mark.slow
 def test_a_shared_replay_job_is_read_as_untrusted(robustness_base, tmp_path):
     """A candidate shared with its replay job: the dashboard's reading of it (status, log, verdict, a
     cancel) never crashes, never signals a process it names, never reads a result outside the trace."""

@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - CI installs it
     playwright = None
 if (playwright is None or not Path("/usr/bin/chromium").exists()) and not os.environ.get("CI"):
     pytest.skip("needs playwright and Debian's chromium (apt-get install -y chromium)", allow_module_level=True)
+pytestmark = pytest.mark.slow  # two browsers at once
 
 
 def test_two_sessions_at_once_get_every_page_answered(tmp_path):

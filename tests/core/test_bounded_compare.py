@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.bounded_pair import same_rows, write_pair
 from ttrace_core.compare.bounded import BYTES_PER_ELEMENT, free_dims, slab_lengths
 from ttrace_core.compare.engine import compare_runs
@@ -68,6 +70,7 @@ def _compare_peak_rss(reference: Path, candidate: Path, out: Path, *extra: str) 
     return peak_kib * 1024, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_max_memory_bounds_peak_rss_of_a_trace_larger_than_it(tmp_path):
     """Peak RSS of `ttrace compare --max-memory 8M` on a 60 MiB trace whose tensors each take ~30 MiB to
     compare whole, against the fixed margin: the same command on tiny tensors (+4 MiB of measuring noise).

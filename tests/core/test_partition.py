@@ -32,6 +32,7 @@ def _copied(tmp_path, names):
     return pair
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("names", PAIRS, ids=["fp32-bug", "fp8-clean-with-exact-inputs"])
 def test_two_spawned_workers_give_the_one_worker_table(tmp_path, names):
     pair = _copied(tmp_path, names)

@@ -37,6 +37,7 @@ def test_a_values_pass_that_records_nothing_keeps_the_stats_trace(tmp_path):
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_adaptive_capture_finds_the_first_divergence_full_capture_finds(tmp_path):
     reference, full, adaptive = tmp_path / "reference", tmp_path / "full", tmp_path / "adaptive"
     run_ttrace("example", *FLAGS, "--out", str(reference), check_codes=(0,))

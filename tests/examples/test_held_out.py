@@ -6,7 +6,11 @@ through an estimate re-run in fp8 (`ttrace estimate --for-precision fp8`)."""
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import load_comparison, run_ttrace
+
+pytestmark = pytest.mark.slow  # megatron-core runs at 3 layers, in 3 precisions
 
 # Calibration saw 4 layers, hidden 64, 4 micro-batches of 2 x 16 tokens, seed 0.
 HELD_OUT = ["--num-layers", "3", "--hidden-size", "96", "--seq-len", "24", "--micro-batches", "2", "--seed", "7"]

@@ -128,6 +128,7 @@ def _fp8_emulation_available() -> bool:
     return all(hasattr(fp8, name) for name in ("reduced_amaxes", "Fp8Recipe", "fp8_gpt_layer_local_spec"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("worker", ["tensor_parallel_bugs", "data_parallel_bugs", "pipeline_bugs"])
 def test_each_bug_moves_what_it_targets_and_only_under_the_patch(worker):
     # tensor_parallel_bugs: sp-final-norm-grad, vocab-embedding-mask, row-parallel-bias-per-rank,

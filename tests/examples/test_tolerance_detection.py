@@ -35,6 +35,7 @@ def _compare(reference: Path, candidate: Path, json_path: Path) -> tuple[int, ob
     return result.returncode, load_comparison(json_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_estimated_tolerances_pass_clean_and_catch_the_bug_with_margin(case, tmp_path):
     precision, clean_flags, bugs = CASES[case]

@@ -11,6 +11,7 @@ import pytest
 
 import transformers  # noqa: F401 - imported, never skipped: requirements.txt pins it
 
+pytestmark = pytest.mark.slow  # transformers on 2 torchrun ranks
 SCRIPT = Path(__file__).parent / "hf_qk_norm_accumulation.py"
 
 

@@ -5,6 +5,7 @@ sorted by expert; the tracer must record each expert's rows as `inner_experts.<e
 token order: exactly the tokens the router sent to that expert, whatever the dispatcher's order. The
 expert-parallel all-to-all path is measured in benchmarks/thirdparty_torchtitan.py (moe ep2)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -16,6 +17,7 @@ from ttrace_core.format.reader import RunReader
 from ttrace_core.record.adapters import TorchAdapter, TracerSelection
 from ttrace_core.record.tracer import Tracer
 
+pytestmark = pytest.mark.slow  # a third-party trainer
 DIM, HIDDEN, EXPERTS, TOP_K = 8, 16, 4, 2
 
 
