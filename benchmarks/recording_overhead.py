@@ -190,6 +190,7 @@ def main() -> None:
            "model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": 4,
                      "vocab_size": 1024, "seq_len": args.seq_len}}
     out = Path(tempfile.mkdtemp(prefix="ttrace-overhead-", dir="/var/tmp"))
+    load_before = os.getloadavg()[0]
     try:
         sys.path.insert(0, str(Path(__file__).parent))
         run_ranks("overhead_ranks:measure", {"run": run, "out": str(out), "rounds": args.rounds}, args.tp,
@@ -201,7 +202,8 @@ def main() -> None:
     layout = f"TP {args.tp} + SP on {args.tp} gloo ranks" if args.tp > 1 else "1 gloo rank, no parallelism"
     setup = (f"megatron-core GPT, {layout} (1 thread each), {args.layers} layers, hidden "
              f"{args.hidden}, seq {args.seq_len}, {args.micro_batches} micro-batches of {args.micro_batch_size}, fp32; "
-             f"torch {torch.__version__}; median of {args.rounds} interleaved rounds, {os.cpu_count()} cores")
+             f"torch {torch.__version__}; median of {args.rounds} interleaved rounds, {os.cpu_count()} cores shared with "
+             f"other work: load average {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after")
     rows = summarize(results)
     text = (render(rows, setup) + "\n" + render_diagnosis(profiles, rows, per_call) + "\n" + render_per_call(per_call, rows)
             + "\n" + render_profiles(profiles, rows))
