@@ -1,0 +1,181 @@
+"""What an independent reference catches that a same-code reference cannot: model bugs in a megatron-core
+port of Llama, judged against transformers' Llama and against megatron itself on one rank, side by side.
+
+The candidate is `ttrace example megatron-gpt --llama --num-query-groups 2` (4 layers, hidden 64, 4 heads
+in 2 query groups, fp32, 1 step of 4 micro-batches), at TP1 and at TP2 + SP, clean and with each model-code
+bug of ttrace_examples/megatron_gpt/model_bugs.py (`ttrace bugs` lists them). Two references:
+
+- HF: `ttrace example hf-llama` (LlamaForCausalLM from LlamaConfig, same weights through the map), estimated,
+  compared through `--map hf-llama--megatron-gpt`; a failing candidate is localized against it;
+- same code: the megatron candidate's own script on one process, with the same bug (the porter's code is
+  the same in both), estimated. The TP1 candidate is that run itself, so its row has no same-code verdict.
+
+Writes results/porting.{md,json}; docs/porting.md quotes the table.
+
+    python benchmarks/porting.py [--work /var/tmp/ttrace-porting] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+MAP = "hf-llama--megatron-gpt"
+MODEL = ["--num-query-groups", "2"]
+LAYOUTS = {"TP1": [], "TP2+SP": ["--tp", "2", "--sp"]}
+BUGS = [None, "proj-transposed", "rotary-interleaved", "gqa-tiled-groups", "norm-eps-outside-sqrt"]
+
+
+def ttrace(work: Path, *args: str, timeout: float = 1800) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "ttrace_core", *args], cwd=work, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return done, time.perf_counter() - started
+
+
+def checked(work: Path, *args: str) -> float:
+    done, seconds = ttrace(work, *args)
+    if done.returncode != 0:
+        raise SystemExit(f"ttrace {' '.join(args)} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    print(f"  {seconds:5.0f} s  ttrace {' '.join(args)}", flush=True)
+    return seconds
+
+
+def compare(work: Path, reference: str, candidate: str, *, mapped: bool) -> dict:
+    out = work / f"compare-{reference}-{candidate}.json"
+    done, seconds = ttrace(work, "compare", reference, candidate, "--json", str(out), *(["--map", MAP] if mapped else []))
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"compare {reference} {candidate}: exit {done.returncode}\n{done.stderr[-2000:]}")
+    result = json.loads(out.read_text())
+    failing = [c for c in result["comparisons"] if c["status"] != "pass"]
+    first = failing[0] if failing else None
+    coverage = result.get("coverage") or {}
+    return {"verdict": result["verdict"], "seconds": round(seconds, 1), "num_tensors": len(result["comparisons"]),
+            "num_failing": len(failing), "unmapped": coverage.get("unmapped", 0),
+            "first_divergence": None if first is None else
+            f"{first['key']['phase']} / {first['key']['fqn']} / {first['key']['slot']}",
+            "first_ratio": None if first is None else first.get("ratio"),
+            "first_status": None if first is None else first["status"],
+            "max_ratio": max((c["ratio"] for c in result["comparisons"] if c.get("ratio") is not None), default=None)}
+
+
+def localize(work: Path, candidate: str, bug: str) -> dict:
+    from ttrace_core.localize.verdicts import Localization
+    from ttrace_examples.megatron_gpt.bugs import localized_correctly
+
+    out = work / f"localize-{candidate}.json"
+    done, seconds = ttrace(work, "localize", "hf", candidate, "--map", MAP, "--json", str(out))
+    if not out.exists():
+        return {"culprits": [], "exit": done.returncode, "seconds": round(seconds, 1), "correct": False,
+                "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+    result = Localization.from_json(out.read_text())
+    return {"culprits": result.culprits, "exit": done.returncode, "seconds": round(seconds, 1),
+            "correct": localized_correctly(bug, result), "notes": result.notes}
+
+
+def run(work: Path) -> dict:
+    print("recording (HF reference, then per bug: the same-code reference and the TP2+SP candidate)", flush=True)
+    seconds = {"hf": checked(work, "example", "hf-llama", *MODEL, "--out", "hf"), "estimate hf": checked(work, "estimate", "hf")}
+    rows = []
+    for bug in BUGS:
+        name = bug or "clean"
+        flags = ["--llama", *MODEL] + (["--bug", bug] if bug else [])
+        seconds[f"ref {name}"] = checked(work, "example", "megatron-gpt", *flags, "--out", f"ref-{name}")
+        seconds[f"estimate {name}"] = checked(work, "estimate", f"ref-{name}")
+        seconds[f"tp2sp {name}"] = checked(work, "example", "megatron-gpt", *flags, *LAYOUTS["TP2+SP"], "--out", f"tp2sp-{name}")
+        for layout, candidate in (("TP1", f"ref-{name}"), ("TP2+SP", f"tp2sp-{name}")):
+            row = {"bug": name, "layout": layout, "hf": compare(work, "hf", candidate, mapped=True)}
+            row["same_code"] = None if layout == "TP1" else compare(work, f"ref-{name}", candidate, mapped=False)
+            row["localized"] = localize(work, candidate, bug) if bug and row["hf"]["verdict"] != "equivalent" else None
+            rows.append(row)
+            print(f"  {name:<24} {layout:<7} HF {row['hf']['verdict']:<15} same code "
+                  f"{(row['same_code'] or {}).get('verdict', '-'):<15} culprit {(row['localized'] or {}).get('culprits')}",
+                  flush=True)
+    return {"rows": rows, "seconds": {k: round(v, 1) for k, v in seconds.items()}}
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        "# Model bugs against an independent reference (HF Llama) and against the same code",
+        "",
+        f"`python benchmarks/porting.py`: megatron-core {results['megatron_core']}, transformers {results['transformers']}, "
+        f"torch {results['torch']}, Python {results['python']}; {results['machine']}.",
+        "",
+        "Candidate: `ttrace example megatron-gpt --llama --num-query-groups 2` (4 layers, hidden 64, 4 heads in 2 query "
+        "groups, fp32, 1 step of 4 micro-batches) with the bug. References, each estimated (`ttrace estimate`, 4 samples): "
+        f"HF, `ttrace example hf-llama`, compared with `--map {MAP}`; same code, the candidate's script with the same bug on "
+        "one process (the TP1 candidate is that run, so it has no same-code verdict). Culprit: `ttrace localize` against "
+        "HF; \"correct\" when it names the bug's module (bugs.MODEL_CODE_CULPRITS).",
+        "",
+        "| bug | layout | vs HF: verdict | first divergence | ratio | culprit (localize) | vs same code: verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in results["rows"]:
+        hf, same, loc = row["hf"], row["same_code"], row["localized"]
+        culprit = "-" if loc is None else (", ".join(loc["culprits"][:2]) or "none") + (" (correct)" if loc["correct"] else " (wrong)")
+        lines.append(f"| {row['bug']} | {row['layout']} | {hf['verdict']} ({hf['num_tensors'] - hf['num_failing']}/"
+                     f"{hf['num_tensors']} pass) | {hf['first_divergence'] or '-'} | {_number(hf['first_ratio'])} | {culprit} | "
+                     f"{'-' if same is None else same['verdict'] + ' (' + str(same['num_tensors'] - same['num_failing']) + '/' + str(same['num_tensors']) + ' pass)'} |")
+    caught = [r for r in results["rows"] if r["bug"] != "clean"]
+    lines += [
+        "",
+        f"Against HF: {sum(r['hf']['verdict'] != 'equivalent' for r in caught)}/{len(caught)} bug rows fail, "
+        f"{sum(bool(r['localized'] and r['localized']['correct']) for r in caught)}/{len(caught)} localized to the bug's "
+        f"module; clean rows: {', '.join(r['hf']['verdict'] for r in results['rows'] if r['bug'] == 'clean')}. "
+        f"Against the same code (TP2+SP): {sum(r['same_code']['verdict'] == 'equivalent' for r in caught if r['same_code'])}/"
+        f"{sum(1 for r in caught if r['same_code'])} bug rows pass.",
+        "",
+        "Largest ratio (error / tolerance) of a clean row against HF: " + ", ".join(
+            f"{r['layout']} {_number(r['hf']['max_ratio'])}" for r in results["rows"] if r["bug"] == "clean") + "; "
+        "tensors without counterpart through the map (listed by reason in the coverage, not compared): " + ", ".join(
+            f"{r['layout']} {r['hf']['unmapped']}" for r in results["rows"] if r["bug"] == "clean") + ".",
+        "",
+        "Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["seconds"].items()) + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", default=None, help="where the runs go (default: a temporary directory)")
+    parser.add_argument("--keep", action="store_true", help="keep the runs")
+    parser.add_argument("--render", action="store_true", help="rewrite porting.md from porting.json (no run)")
+    args = parser.parse_args()
+    if args.render:
+        (RESULTS / "porting.md").write_text(markdown(json.loads((RESULTS / "porting.json").read_text())))
+        return
+    import megatron.core
+    import torch
+    import transformers
+
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="ttrace-porting-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        results = run(work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    results |= {"megatron_core": megatron.core.__version__, "transformers": transformers.__version__,
+                "torch": torch.__version__, "python": platform.python_version(),
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "porting.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / "porting.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
