@@ -228,3 +228,13 @@ def test_precision_choices_are_named_in_low_precision_only():
     mapped.precision = candidate.precision = "fp32"
     assert precision_choices(mapped, candidate) == []
     assert precision_choices(RunManifest(role="reference", world_size=1, precision="bf16"), candidate) == []
+
+
+def test_the_dashboard_finds_a_mapped_reference_beside_its_source(runs):
+    from ttrace_core.service.runs import MAPPED_RUNS, find_runs
+    from ttrace_core.workflows.mapped_reference import MAPPED_DIR
+
+    _, reference, map_path = runs
+    mapped_reference(reference, map_path)
+    assert Path(*MAPPED_RUNS) == MAPPED_DIR
+    assert [run.path for run in find_runs(reference.parent)] == ["ref", "ref/.ttrace/mapped/tiny"]

@@ -111,8 +111,14 @@ def run_info(run_dir: str | os.PathLike) -> RunInfo:
     return _run_info(run_dir.parent, run_dir)
 
 
+MAPPED_RUNS = (".ttrace", "mapped")
+"""Where `--map` keeps a reference rewritten through a correspondence map, inside the reference
+(workflows/mapped_reference.MAPPED_DIR; docs/porting.md): listed with the runs, so the dashboard can pair it."""
+
+
 def find_runs(root: str | os.PathLike) -> list[RunInfo]:
-    """Every directory under `root` holding a manifest.json, sorted by path; unreadable ones carry `error`."""
+    """Every directory under `root` holding a manifest.json, sorted by path, and the mapped references kept
+    inside them (MAPPED_RUNS); unreadable ones carry `error`."""
     root = Path(root).resolve()
     if not root.is_dir():
         raise TraceFormatError(f"{root}: not a directory; pass the folder that holds your run directories")
@@ -123,6 +129,9 @@ def find_runs(root: str | os.PathLike) -> list[RunInfo]:
         subdirs[:] = sorted(d for d in subdirs if d not in _DERIVED_DIRS and not d.startswith("."))
         if MANIFEST_NAME in files:
             found.append(_run_info(root, Path(directory)))
+            mapped = Path(directory, *MAPPED_RUNS)
+            found += [_run_info(root, manifest.parent) for manifest in sorted(mapped.glob(f"*/{MANIFEST_NAME}"))
+                      if not manifest.parent.name.endswith(".partial")]
     return sorted(found, key=lambda run: run.path)
 
 
