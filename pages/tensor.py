@@ -77,8 +77,8 @@ with per_rank:
     if (beyond := cells.ranks_beyond_text(view.shards, tolerance)) is not None:
         st.markdown(beyond)
     if view.replica_drift:
-        st.warning(f"replicas on ranks {list(view.replica_drift['ranks'])} differ by "
-                   f"{view.replica_drift['relative_diff']:.3g} relative")
+        st.warning(f"replicas on ranks {list(view.replica_drift.ranks)} differ by "
+                   f"{view.replica_drift.relative_diff:.3g} relative")
 
 image, histogram = st.columns(2)
 with image:

@@ -130,7 +130,7 @@ def test_tensor_view_shows_which_replica_drifts(pair):
     reference, candidate = pair
     view = api.tensor_view(reference, candidate, "forward/layers.1.norm/output.0", 0, 1)
     assert view.shards[0].error == 0.0 and view.shards[1].error == pytest.approx(1e-3, rel=1e-3)
-    assert view.replica_drift["ranks"] == (0, 1)
+    assert view.replica_drift.ranks == (0, 1)
 
 
 def test_tensor_view_of_an_unrecorded_tensor_is_one_line(pair):

@@ -57,7 +57,7 @@ def test_slab_by_slab_gives_the_rows_of_the_whole_tensors(tmp_path):
                                     {"comparisons": [c.to_dict() for c in whole.comparisons]})
     mismatch = slabbed.comparisons[2]
     assert mismatch.max_abs_index == (16, 2, 1) and mismatch.num_mismatched == 1  # rank 1's first row, placed globally
-    assert tuple(slabbed.comparisons[1].replica_drift["ranks"]) == (0, 1)
+    assert slabbed.comparisons[1].replica_drift.ranks == (0, 1)
 
 
 def _compare_peak_rss(reference: Path, candidate: Path, out: Path, *extra: str) -> tuple[int, dict]:

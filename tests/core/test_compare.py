@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from ttrace_core.canonicalize.replicas import ReplicaDrift
 from ttrace_core.compare.engine import RunComparison, TensorComparison, compare_values
 from ttrace_core.format.schema import TensorKey
 from ttrace_core.compare.tolerances import DtypeTolerances, Tolerance
@@ -91,7 +92,7 @@ def _judged(value_error: float, drift_relative: float | None) -> TensorCompariso
     tolerance = Tolerance(rel=1e-3, abs=0.0, source="test", drift_rel=1e-5)
     expected = torch.ones(4, dtype=torch.float64)
     metrics = compare_values(expected * (1 + value_error), expected, tolerance)
-    drift = None if drift_relative is None else {"ranks": [0, 1], "max_abs_diff": drift_relative, "relative_diff": drift_relative}
+    drift = None if drift_relative is None else ReplicaDrift(ranks=(0, 1), max_abs_diff=drift_relative, relative_diff=drift_relative)
     status, message = _verdict(metrics, drift, tolerance)
     value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(drift, tolerance)
     return TensorComparison(key=KEY, status=status, message=message, tolerance=tolerance, replica_drift=drift,

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from ttrace_core.canonicalize.replicas import ReplicaDrift
 from ttrace_core.compare.engine import RunComparison, TensorComparison
 from ttrace_core.errors import TtraceError
 from ttrace_core.format.naming import GRADIENT_CLIPPING, LOSS_FUNCTION
@@ -11,7 +12,7 @@ from ttrace_core.format.schema import NO_MICRO_BATCH, Layout, RunManifest, Tenso
 from ttrace_core.workflows.localize import localize
 
 
-def comparison(phase: str, fqn: str, slot: str, passed: bool, micro_batch: int = 0, drift: dict | None = None) -> TensorComparison:
+def comparison(phase: str, fqn: str, slot: str, passed: bool, micro_batch: int = 0, drift: ReplicaDrift | None = None) -> TensorComparison:
     micro_batch = NO_MICRO_BATCH if phase in ("grad", "step", "param") else micro_batch
     key = TensorKey(step=0, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot)
     status = "pass" if passed else ("replica_drift" if drift else "mismatch")
@@ -84,7 +85,7 @@ def test_modules_failing_only_before_rewriting_inherit():
 def test_replicas_differing_along_tp_name_the_tp_reduction():
     manifest = RunManifest(role="candidate", world_size=2, degrees={"pp": 1, "dp": 1, "tp": 2, "sp": 1}, mesh_shape=[1, 1, 2],
                            mesh_axis_names=["pp", "dp", "tp"], rank_coordinates=[[0, 0, 0], [0, 0, 1]])
-    drift = {"ranks": (0, 1), "max_abs_diff": 1.0, "relative_diff": 0.5}
+    drift = ReplicaDrift(ranks=(0, 1), max_abs_diff=1.0, relative_diff=0.5)
     replay = run(comparison("forward", "norm", "output.0", True), comparison("grad", "norm.weight", "grad", False, drift=drift),
                  comparison("param", "norm.weight", "value", False))
     findings, wgrad = sync_findings(run(), replay, None, None, manifest, module_culprits=[])
@@ -98,7 +99,7 @@ def test_replicas_differing_along_any_data_parallel_axis_name_the_dp_reduction(a
     """torchtitan names its axes dp_shard and dp_replicate: an unreduced gradient there is DP's, not "unknown"."""
     manifest = RunManifest(role="candidate", world_size=4, degrees={axis_names[0]: 2, "tp": 2}, mesh_shape=[2, 2],
                            mesh_axis_names=axis_names, rank_coordinates=[[0, 0], [0, 1], [1, 0], [1, 1]])
-    drift = {"ranks": (0, 2), "max_abs_diff": 1.0, "relative_diff": 0.5}
+    drift = ReplicaDrift(ranks=(0, 2), max_abs_diff=1.0, relative_diff=0.5)
     replay = run(comparison("forward", "norm", "output.0", True), comparison("grad", "norm.weight", "grad", False, drift=drift))
     findings, _ = sync_findings(run(), replay, None, None, manifest, module_culprits=[])
     assert [(f.reduction, f.bug_class) for f in findings] == [("DP", "gradient-sync")]

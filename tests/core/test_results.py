@@ -77,3 +77,23 @@ def test_a_status_is_one_of_comparison_status_and_is_written_as_its_value():
         TensorComparison.from_dict({**data, "status": "replica drift"})
     with pytest.raises(ValueError, match="not a valid ComparisonStatus"):
         _row("output", detectable=None, status="mis-match")
+
+
+def test_replica_drift_is_a_record_checked_on_decode_and_written_as_before():
+    """`replica_drift` is a ReplicaDrift, not a dict: the serialized form keeps its three fields (the table's
+    drift_* columns, the JSON output), strict JSON's null for an infinite difference reads back as None, and
+    decoding refuses a malformed one with one line naming the field."""
+    import math
+
+    from ttrace_core.canonicalize.replicas import ReplicaDrift
+    from ttrace_core.errors import TraceFormatError
+
+    drift = ReplicaDrift(ranks=(0, 1), max_abs_diff=math.inf, relative_diff=0.5)
+    row = TensorComparison(key=KEYS["param_grad"], status="replica_drift", replica_drift=drift)
+    data = row.to_dict()
+    assert data["replica_drift"] == {"ranks": (0, 1), "max_abs_diff": math.inf, "relative_diff": 0.5}
+    assert TensorComparison.from_dict(data).replica_drift == drift
+    again = RunComparison.from_json(RunComparison(reference="r", candidate="c", comparisons=[row]).to_json())
+    assert again.comparisons[0].replica_drift == ReplicaDrift(ranks=(0, 1), max_abs_diff=None, relative_diff=0.5)
+    with pytest.raises(TraceFormatError, match=r"field \$.replica_drift.ranks: Expected `array`, got `str`"):
+        TensorComparison.from_dict({**data, "replica_drift": {**data["replica_drift"], "ranks": "0,1"}})

@@ -116,9 +116,10 @@ def test_replicas_may_differ_by_one_rounding_not_by_the_layout_tolerance():
     provider = PerturbationTolerances(estimate=_estimate((quiet, 0.05, 1.0)), precision="bf16", alpha=4)
     tolerance = provider.tolerance_for(quiet, "bfloat16")
     assert tolerance.rel == pytest.approx(0.2) and tolerance.drift_rel == BF16_EPS
+    from ttrace_core.canonicalize.replicas import ReplicaDrift
     from ttrace_core.compare.engine import _drift_ratio
 
-    drift = {"ranks": (0, 1), "max_abs_diff": 0.1, "relative_diff": 0.02}
+    drift = ReplicaDrift(ranks=(0, 1), max_abs_diff=0.1, relative_diff=0.02)
     assert _drift_ratio(drift, tolerance) == pytest.approx(0.02 / BF16_EPS)
 
 

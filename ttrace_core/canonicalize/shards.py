@@ -17,6 +17,7 @@ import torch
 
 from ttrace_core.canonicalize import placements as pl
 from ttrace_core.canonicalize.memory import machine_memory_bytes
+from ttrace_core.canonicalize.replicas import ReplicaDifference, ReplicaDrift, worst_drift
 from ttrace_core.errors import LayoutError
 from ttrace_core.format.schema import Layout, TensorKey
 
@@ -28,17 +29,6 @@ class RecordedShard:
     rank: int
     layout: Layout
     value: torch.Tensor
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaDrift:
-    """Replicas of one block that are not bitwise equal."""
-
-    ranks: tuple[int, ...]
-    """The rank whose values were used first, then the rank that differs most from it."""
-    max_abs_diff: float
-    relative_diff: float
-    """||replica - first||_F / ||first||_F of the most different replica."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,31 +84,6 @@ def _check_consistent(key: TensorKey | None, shards: list[RecordedShard]) -> Lay
                 f"{shard_.layout.coordinate} imply {expected}; fix the layout annotation of this tensor"
             )
     return first
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaDifference:
-    """How one replica differs from the first of its block, in sums that add up over slabs of the
-    tensor (bounded.py compares a large tensor slab by slab)."""
-
-    ranks: tuple[int, int]
-    max_abs_diff: float
-    diff_norm: float
-    """||replica - first||_F over the finite differences (inf when NaN/Inf sit at different places)."""
-    base_norm: float
-    """||first||_F over its finite values."""
-
-
-def worst_drift(differences: list[ReplicaDifference]) -> ReplicaDrift | None:
-    """The replica that differs most, relative to the first of its block; None when all are equal."""
-    worst: ReplicaDrift | None = None
-    for difference in differences:
-        if difference.diff_norm == 0.0:
-            continue  # equal (but for NaNs at the same places: torch.equal is false on NaN)
-        relative = difference.diff_norm / difference.base_norm if difference.base_norm > 0 else math.inf
-        if worst is None or relative > worst.relative_diff:
-            worst = ReplicaDrift(ranks=difference.ranks, max_abs_diff=difference.max_abs_diff, relative_diff=relative)
-    return worst
 
 
 def _finite_norm(values: torch.Tensor) -> float:

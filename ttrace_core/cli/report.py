@@ -66,8 +66,8 @@ def render_comparison(result: RunComparison, *, num_worst: int = 10) -> str:
                          f"{first.num_mismatched}/{first.numel} elements outside tolerance; "
                          f"smallest passing rel tolerance {_number(first.min_rel_tolerance)}")
         if first.replica_drift:
-            lines.append(f"    replica drift between ranks {tuple(first.replica_drift['ranks'])}: "
-                         f"{_number(first.replica_drift['relative_diff'])} relative")
+            lines.append(f"    replica drift between ranks {tuple(first.replica_drift.ranks)}: "
+                         f"{_number(first.replica_drift.relative_diff)} relative")
         lines.append("")
     lines += [f"worst {num_worst} by ratio (mismatch: error / tolerance; drift: replica difference / its tolerance):", header]
     lines += [comparison_row(c) for c in result.worst(num_worst)]

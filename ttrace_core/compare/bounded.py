@@ -5,7 +5,7 @@ BYTES_PER_ELEMENT bytes per element (measured: benchmarks/compare_memory.py). A 
 take more than the budget (`ttrace compare --max-memory`) is cut along a dim that no placement of
 either run shards: every shard then holds the whole extent of that dim, so each slab is read from
 every shard as a hyperslab (HDF5 reads only its bytes), canonicalized and compared on its own, and
-the slabs' sums (compare.ValueSums, canonicalize.ReplicaDifference) give the row the whole tensor
+the slabs' sums (compare.ValueSums, canonicalize.replicas.ReplicaDifference) give the row the whole tensor
 would. A tensor with every dim sharded, flat ranges or blocked placements cannot be cut this way and
 is compared whole (`compare_runs` says so in a note).
 """
@@ -20,7 +20,8 @@ from collections import defaultdict
 import torch
 
 from ttrace_core.canonicalize import placements as pl
-from ttrace_core.canonicalize.shards import RecordedShard, ReplicaDifference, ReplicaDrift, canonicalize, worst_drift
+from ttrace_core.canonicalize.replicas import ReplicaDifference, ReplicaDrift, worst_drift
+from ttrace_core.canonicalize.shards import RecordedShard, canonicalize
 from ttrace_core.format.schema import Layout, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.metrics import ValueSums, metrics_from_sums, value_sums

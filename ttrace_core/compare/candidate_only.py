@@ -11,8 +11,6 @@ their shards differently, which the values downstream hide under the fp8 quantiz
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from ttrace_core.canonicalize.logical_value import canonical_tensor
 from ttrace_core.compare.results import ComparisonStatus, TensorComparison, Tolerance
 from ttrace_core.compare.fp8_scales import scale_replica_rel
@@ -43,7 +41,7 @@ def replica_disagreements(candidate: RunReader, keys: list[TensorKey]) -> list[T
                                      f"its dtype ({metas[0].dtype}); the reference has no scale to compare with")
         rows.append(TensorComparison(
             key=key, status=ComparisonStatus.REPLICA_DRIFT, dtype=metas[0].dtype, shape=metas[0].layout.global_shape,
-            tolerance=tolerance, replica_drift=asdict(drift), ratio=ratio, drift_ratio=ratio, decided_by="replica drift",
+            tolerance=tolerance, replica_drift=drift, ratio=ratio, drift_ratio=ratio, decided_by="replica drift",
             message=f"replica drift ratio {ratio:.3g}: ranks {', '.join(map(str, drift.ranks))} cast their shards with "
                     f"scales {drift.relative_diff:.3g} apart (relative), so the amax was not reduced over the group "
                     f"that shares this tensor"))

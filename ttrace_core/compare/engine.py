@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +20,7 @@ from ttrace_core.canonicalize import placements as pl
 from ttrace_core.compare.bounded import compare_in_slabs, slab_dims, working_bytes
 from ttrace_core.compare.metrics import metrics_from_sums, value_sums
 from ttrace_core.canonicalize.logical_value import canonical_tensor
-from ttrace_core.canonicalize.shards import ReplicaDrift
+from ttrace_core.canonicalize.replicas import ReplicaDrift
 from ttrace_core.compare.exact_inputs import ExactInputs
 from ttrace_core.errors import LayoutError
 from ttrace_core.compare.results import (
@@ -66,7 +66,7 @@ def compare_values(actual: torch.Tensor | ScaledValues, expected: torch.Tensor |
     return metrics_from_sums(sums, tolerance)
 
 
-def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[ComparisonStatus, str]:
+def _verdict(metrics: dict, drift: ReplicaDrift | None, tolerance: Tolerance) -> tuple[ComparisonStatus, str]:
     """The status and its message. A tensor can fail two ways at once, against the reference
     (mismatch) and between its own replicas (replica drift); the message gives both ratios and the
     larger one decides, so the status, the `ratio` column and the text always agree."""
@@ -80,8 +80,8 @@ def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[C
     value_ratio, drift_ratio = metrics["ratio"], _drift_ratio(drift, tolerance)
     mismatch = f"mismatch ratio {value_ratio:.3g} (relative error {metrics['error']:.3g}, tolerance {tolerance.rel:.3g})"
     if drift_ratio > 1:
-        relative = drift["relative_diff"]
-        drifting = f"replica drift ratio {drift_ratio:.3g} (replicas on ranks {drift['ranks']} differ by {relative:.3g} relative)"
+        drifting = f"replica drift ratio {drift_ratio:.3g} (replicas on ranks {drift.ranks} differ by " \
+                   f"{drift.relative_diff:.3g} relative)"
         if value_ratio > 1:
             decided = "replica drift" if drift_ratio > value_ratio else "mismatch"
             return (ComparisonStatus.REPLICA_DRIFT if decided == "replica drift" else ComparisonStatus.MISMATCH), \
@@ -92,14 +92,14 @@ def _verdict(metrics: dict, drift: dict | None, tolerance: Tolerance) -> tuple[C
     return ComparisonStatus.PASS, ""
 
 
-def _drift_ratio(drift: dict | None, tolerance: Tolerance) -> float:
+def _drift_ratio(drift: ReplicaDrift | None, tolerance: Tolerance) -> float:
     """How far candidate replicas disagree, in units of the tensor's relative tolerance (0 within abs)."""
-    if drift is None or drift["max_abs_diff"] <= tolerance.abs:
+    if drift is None or drift.max_abs_diff <= tolerance.abs:
         return 0.0
     allowed = tolerance.rel if tolerance.drift_rel is None else tolerance.drift_rel
     if allowed > 0:
-        return drift["relative_diff"] / allowed
-    return 0.0 if drift["relative_diff"] == 0 else math.inf
+        return drift.relative_diff / allowed
+    return 0.0 if drift.relative_diff == 0 else math.inf
 
 
 def _canonical_norm(metas: list[TensorMeta], key: TensorKey) -> float:
@@ -176,11 +176,10 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
                                           replica_drift)
     except LayoutError as error:
         return TensorComparison(key=key, status=ComparisonStatus.LAYOUT, dtype=cand_dtype, message=str(error))
-    drift = asdict(replica_drift) if replica_drift else None
-    status, message = _verdict(metrics, drift, tolerance)
-    value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(drift, tolerance)
+    status, message = _verdict(metrics, replica_drift, tolerance)
+    value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(replica_drift, tolerance)
     comparison = TensorComparison(key=key, status=status, message=message, dtype=cand_dtype, tolerance=tolerance,
-                                  replica_drift=drift, ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio,
+                                  replica_drift=replica_drift, ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio,
                                   drift_ratio=drift_ratio, decided_by="replica drift" if drift_ratio > value_ratio else "mismatch",
                                   **metrics)
     _judge_structure(comparison, structure, units)  # (none on slabs: bounded.py reads no whole tensor)
@@ -200,11 +199,10 @@ def _compare_aligned_rows(key: TensorKey, reference: RunReader, candidate: RunRe
     actual = ScaledValues(cand_full.full.index_select(0, aligned.candidate_rows), cand_metas[0].scale)
     expected = ScaledValues(expected_full.index_select(0, aligned.reference_rows), ref_metas[0].scale)
     metrics, replica_drift = compare_values(actual, expected, tolerance), cand_full.replica_drift
-    drift = asdict(replica_drift) if replica_drift else None
-    status, message = _verdict(metrics, drift, tolerance)
-    value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(drift, tolerance)
+    status, message = _verdict(metrics, replica_drift, tolerance)
+    value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(replica_drift, tolerance)
     return TensorComparison(key=key, status=status, message=f"{aligned.note}; {message}" if message else aligned.note,
-                            dtype=cand_metas[0].dtype, tolerance=tolerance, replica_drift=drift,
+                            dtype=cand_metas[0].dtype, tolerance=tolerance, replica_drift=replica_drift,
                             ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio, drift_ratio=drift_ratio,
                             decided_by="replica drift" if drift_ratio > value_ratio else "mismatch", **metrics)
 

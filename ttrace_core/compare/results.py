@@ -22,6 +22,7 @@ import statistics
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from ttrace_core.canonicalize.replicas import ReplicaDrift
 from ttrace_core.format import strict_json
 from ttrace_core.format.naming import KINDS, tensor_id, tensor_kind
 from ttrace_core.format.records import data_from_json, data_from_record, record_from_data
@@ -232,8 +233,8 @@ class TensorComparison:
     num_inf: tuple[int, int] = (0, 0)
     num_nonfinite_apart: int = 0
     """Elements NaN or Inf in one run and not the same value in the other (equal counts in other places fail too)."""
-    replica_drift: dict | None = None
-    """Candidate replicas that differ: {"ranks", "max_abs_diff", "relative_diff"}."""
+    replica_drift: ReplicaDrift | None = None
+    """The candidate's replicas that differ most (canonicalize/replicas.py); None when all are bitwise equal."""
     stats_only: bool = False
     structure: list[StructureTest] = field(default_factory=list)
     """The structure tests run on this tensor (empty without a perturbation estimate that measured them)."""

@@ -42,7 +42,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ttrace_core.canonicalize.logical_value import logical_value
-from ttrace_core.compare.results import STRUCTURAL_STATUSES as STRUCTURAL, RunComparison, TensorComparison
+from ttrace_core.canonicalize.replicas import ReplicaDrift
+from ttrace_core.compare.results import (
+    STRUCTURAL_STATUSES as STRUCTURAL, ComparisonStatus, RunComparison, TensorComparison,
+)
 from ttrace_core.format.naming import (
     DATA_PARALLEL_AXES, GRADIENT_CLIPPING, LOSS_FUNCTION, PSEUDO_MODULES, data_parallel_degree, in_subtree, is_descendant,
     module_of, owner_of, slot_family,
@@ -306,8 +309,8 @@ def _first_position(replay: RunComparison, fqn: str, suspect: _Suspect | None) -
     return min(recorded, suspect.position) if suspect else recorded
 
 
-def _drift_axes(drift: dict, manifest: RunManifest) -> list[str]:
-    ranks = list(drift.get("ranks") or [])
+def _drift_axes(drift: ReplicaDrift | None, manifest: RunManifest) -> list[str]:
+    ranks = list(drift.ranks) if drift is not None else []
     if len(ranks) < 2 or not manifest.rank_coordinates:
         return []
     first, second = (manifest.rank_coordinates[r] for r in ranks[:2])
@@ -337,8 +340,8 @@ def _scale_factor(reference: RunReader, replay: RunReader, key: TensorKey) -> tu
 
 def _classify_gradient(c: TensorComparison, reference: RunReader, replay: RunReader, manifest: RunManifest) -> tuple[str, str, str]:
     """(reduction, bug class, detail) of one failing reduced gradient; reduction "" = the module's own wgrad."""
-    if c.status == "replica_drift" or (c.replica_drift and c.replica_drift.get("relative_diff", 0) > 0):
-        axes = _drift_axes(c.replica_drift or {}, manifest)
+    if c.status == ComparisonStatus.REPLICA_DRIFT or c.replica_drift is not None:
+        axes = _drift_axes(c.replica_drift, manifest)
         if axes:
             return _reduction_name(axes, manifest), "gradient-sync", f"replicas differ along {'/'.join(axes)}"
     s, residual = _scale_factor(reference, replay, c.key)

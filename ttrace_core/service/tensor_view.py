@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ttrace_core.canonicalize import placements as pl
+from ttrace_core.canonicalize.replicas import ReplicaDrift
 from ttrace_core.canonicalize.shards import RecordedShard, canonicalize, shard
 from ttrace_core.compare.metrics import relative_difference
 from ttrace_core.errors import LayoutError, TraceFormatError
@@ -65,21 +66,17 @@ class TensorView:
     worst: list[dict] = field(default_factory=list)
     """{"index", "reference", "candidate", "abs_diff", "rel_diff"} by decreasing |difference|."""
     shards: list[ShardInfo] = field(default_factory=list)
-    replica_drift: dict | None = None
+    replica_drift: ReplicaDrift | None = None
 
 
-def _logical(run_dir: Path, key: TensorKey) -> tuple[torch.Tensor, list, dict | None]:
+def _logical(run_dir: Path, key: TensorKey) -> tuple[torch.Tensor, list, ReplicaDrift | None]:
     manifest = read_manifest(run_dir)
     recorded = read_shards(run_dir, key, manifest.world_size)
     if any(value is None for _, value in recorded):
         raise TraceFormatError(f"{run_dir}: {key} was recorded in stats-only mode; it has no values to show")
     shards = [RecordedShard(rank=meta.rank, layout=meta.layout, value=value) for meta, value in recorded]
     canonical = canonicalize(shards, key)
-    drift = None
-    if canonical.replica_drift is not None:
-        d = canonical.replica_drift
-        drift = {"ranks": d.ranks, "max_abs_diff": d.max_abs_diff, "relative_diff": d.relative_diff}
-    return canonical.full.double() / recorded[0][0].scale, recorded, drift
+    return canonical.full.double() / recorded[0][0].scale, recorded, canonical.replica_drift
 
 
 def as_matrix(array: np.ndarray) -> np.ndarray:
