@@ -60,14 +60,37 @@ def processes_of_group(pgid: int) -> list[int]:
     return found
 
 
+def replay_groups(pgid: int) -> set[int]:
+    """The process groups of a replay: the `ttrace localize` command's, and those of the processes it started.
+    A run recorded as a command (`ttrace record`, `ttrace example`) is relaunched in a session of its own, so its
+    ranks are not in the command's group."""
+    parents: dict[int, int] = {}
+    groups: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = _stat_fields(int(entry.name))
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents[int(entry.name)], groups[int(entry.name)] = int(fields[1]), int(fields[2])
+    found, frontier = {pgid}, [pid for pid, group in groups.items() if group == pgid]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found |= {groups[pid] for pid in children}
+        frontier = children
+    return found
+
+
 def rank_pids(pgid: int) -> list[int]:
     ranks = []
-    for pid in processes_of_group(pgid):
-        try:
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                ranks.append(pid)
-        except OSError:
-            pass
+    for group in replay_groups(pgid):
+        for pid in processes_of_group(group):
+            try:
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    ranks.append(pid)
+            except OSError:
+                pass
     return ranks
 
 
@@ -125,6 +148,7 @@ def run_trial(fault: str, delay_s: float, pair: tuple[Path, Path], baseline: lis
         _wait_until_ranks_run(pgid, deadline)
     time.sleep(delay_s)
     trial.finished_before_fault = job.status().done
+    groups = replay_groups(pgid)  # before the strike: a killed command's children leave its process tree
     if not trial.finished_before_fault:
         _strike(fault, job, pgid)
     struck = time.monotonic()
@@ -140,7 +164,7 @@ def run_trial(fault: str, delay_s: float, pair: tuple[Path, Path], baseline: lis
     trial.result_readable_when_not_complete = status.state != "complete" and job.result() is not None
     time.sleep(0.5)
     trial.lock_left = (job.directory / "lock").exists()
-    trial.processes_left = processes_of_group(pgid)
+    trial.processes_left = [pid for group in groups | replay_groups(pgid) for pid in processes_of_group(group)]
     for pid in trial.processes_left:  # never leave them behind, even when counted
         os.kill(pid, signal.SIGKILL)
     again = api.submit_replay(*pair, MODULE, rerun=True)
