@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+from ttrace_core.errors import LaunchError
+from ttrace_core.record.command import RANK_KILLED_EXIT
 from ttrace_examples.launch import WORKLOADS, launch, run_config
 
 
@@ -33,7 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as error:
         print(f"ttrace: error: {args.workload} --config: {error}", file=sys.stderr)
         return 2
-    launch(args.workload, config, timeout_s=args.timeout)
+    try:
+        launch(args.workload, config, timeout_s=args.timeout)
+    except LaunchError as error:
+        if not error.killed_by_signal:
+            raise
+        # A rank killed from outside (SIGKILL, the OOM killer), said the shell's way, so that a relaunch
+        # (`ttrace localize`) tells a fault from a run that cannot go on (record/command.py).
+        print(f"ttrace: error: {error}", file=sys.stderr)
+        return RANK_KILLED_EXIT
     return 0
 
 

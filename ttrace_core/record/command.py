@@ -24,6 +24,10 @@ from ttrace_core.format.schema import RunManifest
 from ttrace_core.record.session import SESSION_ENV, SessionSpec
 
 
+RANK_KILLED_EXIT = 128 + signal.SIGKILL
+"""The exit code of a command one of whose ranks was killed from outside (the shell's 128 + SIGKILL)."""
+
+
 @contextmanager
 def session_environment(spec: SessionSpec) -> Iterator[dict[str, str]]:
     """The environment of a command run in `spec`'s session: this process's plus TTRACE_SESSION, naming
@@ -59,7 +63,10 @@ def run_session(spec: SessionSpec, *, timeout_s: float, output: IO | None = None
             raise
     if code != 0:
         shown = "its output is above" if output is None else f"its output is in {getattr(output, 'name', 'the log')}"
-        raise LaunchError(f"{shlex.join(spec.command)} exited with code {code} ({shown})")
+        # Killed by a signal: the command itself (a negative code), or one of its processes, said the shell's way
+        # (128 + the signal; the bundled examples' RANK_KILLED_EXIT): a fault from outside, not the run's code.
+        raise LaunchError(f"{shlex.join(spec.command)} exited with code {code} ({shown})",
+                          killed_by_signal=code < 0 or code > 128)
 
 
 def record(out: str | os.PathLike, command: list[str], *, seed: int = 0, stats_only: bool = False,
