@@ -409,9 +409,9 @@ def test_a_declared_placement_that_does_not_fit_is_a_finding_and_the_training_go
                          ids=["inside record", "in a forward hook"])
 def test_an_error_inside_the_tracer_is_a_finding_and_the_training_goes_on(tmp_path, monkeypatch, target, slot):
     import ttrace_core.record.module_hooks as hooks_module
-    import ttrace_core.record.tracer as tracer_module
+    import ttrace_core.record.summaries as summaries_module
 
-    module = hooks_module if target == "hookable_output" else tracer_module
+    module = hooks_module if target == "hookable_output" else summaries_module
     original = getattr(module, target)
 
     def failing(value, *args):

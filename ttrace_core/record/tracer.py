@@ -28,7 +28,7 @@ no one can infer, an error of the tracer's own) is left out and its step keeps a
 The Tracer's parts: module_hooks.py (the hooks on traced modules), failures.py (its own errors as
 findings), selection.py (which modules are traced, under which name), layouts.py and declarations.py
 (the layout of a tensor that does not describe its own), step_state.py (which micro-batch and call a
-module boundary belongs to).
+module boundary belongs to), summaries.py (an activation's statistics, taken once per step for the same bytes).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from ttrace_core.record.module_hooks import ModuleHooks, quiet_hook_warnings
 from ttrace_core.record.producers import ProducerLayouts
 from ttrace_core.record import selection
 from ttrace_core.record.step_state import LossPieces, StepState
+from ttrace_core.record.summaries import StepSummaries
 from ttrace_core.canonicalize.token_rows import expert_fqn
 from ttrace_core.record.token_rows import RoutedTokens
 from ttrace_core.record.step_scalars import (
@@ -72,7 +73,7 @@ from ttrace_core.record.step_scalars import (
 from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.format.datasets import NATIVE_DTYPES, RAW_BITS
 from ttrace_core.format.reader import dtype_name
-from ttrace_core.format.writer import RunWriter, refuse_existing_trace, stats_from_tensor, write_failure, write_manifest
+from ttrace_core.format.writer import RunWriter, refuse_existing_trace, write_failure, write_manifest
 
 
 class InputRewriting(Protocol):
@@ -108,6 +109,8 @@ class Tracer:
         """The routed modules (MoE experts) whose activations are recorded by token (token_rows.py): an
         adapter names them (`route_tokens`) and tells, per call, which token each row holds."""
         self._state: StepState | None = None
+        self._summaries = StepSummaries()
+        """The statistics of the activations recorded this step, reused for the same bytes recorded again (summaries.py)."""
         self._handles: list = []
         self._rewriter = rewriter
         self._recording_stopped = False
@@ -308,7 +311,8 @@ class Tracer:
             key=key, rank=self.rank, dtype=name, local_shape=tuple(local.shape), layout=layout,
             seq=state.seq if seq is None else seq,
             scale=scale or (self.config.loss_scale if key.phase == "backward" else 1.0),
-            stats=stats_from_tensor(local), stats_only=stats_only,
+            stats=self._summaries.stats(local, reusable=key.phase in ("forward", "backward") and flat_range is None),
+            stats_only=stats_only,
         )
         if seq is None:
             state.seq += 1
@@ -522,6 +526,7 @@ class Tracer:
         self._to_writer(step, lambda: self._writer.begin_step(step))
         if not self._recording_stopped:
             self._state = StepState(step=step)
+            self._summaries.clear()
             self.routed.calls.clear()
             held, self._held_findings = self._held_findings, []
             for finding in held:
@@ -536,6 +541,7 @@ class Tracer:
         if not self._recording_stopped:
             self.guarded(self._record_losses)
             self._state = None
+            self._summaries.clear()
             self._to_writer(step, lambda: self._writer.end_step(self.blind_spots))
             if self._last_recorded_step is None:
                 self.guarded(self._observed_precision)
