@@ -87,3 +87,17 @@ def test_a_resolved_layout_follows_the_shape_and_the_latest_declaration(tmp_path
         (1, 0, "backward", "grad_input.0"): ((3, 4), ("S(1)",), (3, 8)),
         (1, 1, "backward", "grad_input.0"): ((5, 4), ("S(1)",), (5, 8)),
     }
+
+
+def test_layouts_shared_across_modules_name_each_module_in_their_findings():
+    """A layout is resolved once per shape and placements for every module (Declarations._fitted):
+    two modules get the same layout, and a placement that fits neither is refused naming each its own."""
+    from ttrace_core.record.declarations import UnknownLayoutError
+
+    declarations = Declarations()
+    for fqn in ("layers.0", "layers.1"):
+        declarations.declare(fqn, "*", ["S(1)"], MESH)
+    assert declarations.layout("layers.0", "output.0", (4, 6)) is declarations.layout("layers.1", "output.0", (4, 6))
+    for fqn in ("layers.0", "layers.1"):
+        with pytest.raises(UnknownLayoutError, match=rf"^{fqn} input.0: declared placements \['S\(1\)'\]"):
+            declarations.layout(fqn, "input.0", (4,))
