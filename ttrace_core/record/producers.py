@@ -33,6 +33,7 @@ forward hook saw is gone by the time the next module receives the alias.)
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -48,7 +49,12 @@ SHARDED_KINDS = ("shard", "strided", "blocked")
 
 def is_sharded(layout: Layout) -> bool:
     """Whether some mesh axis cuts the tensor (S, SS, SB): a replicated or partial tensor is not passed on here."""
-    return any(placement_from_str(text).kind in SHARDED_KINDS for text in layout.placements)
+    return _cuts(layout.placements)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cuts(placements: tuple[str, ...]) -> bool:
+    return any(placement_from_str(text).kind in SHARDED_KINDS for text in placements)
 
 
 def dim_groups(source: tuple[int, ...], target: tuple[int, ...]) -> list[tuple[list[int], list[int]]] | None:
