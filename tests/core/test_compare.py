@@ -23,8 +23,8 @@ KEY = TensorKey(step=0, micro_batch=0, phase="forward", fqn="layers.0", slot="ou
 )
 def test_metrics_table(actual, expected, error, ratio):
     metrics = compare_values(torch.tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), TOL)
-    assert metrics["error"] == pytest.approx(error)
-    assert metrics["ratio"] == pytest.approx(ratio)
+    assert metrics.error == pytest.approx(error)
+    assert metrics.ratio == pytest.approx(ratio)
 
 
 def test_metrics_locate_the_worst_element_and_the_minimum_tolerance():
@@ -32,17 +32,23 @@ def test_metrics_locate_the_worst_element_and_the_minimum_tolerance():
     actual = expected.clone()
     actual[2, 1] += 0.5
     metrics = compare_values(actual, expected, TOL)
-    assert metrics["max_abs_index"] == (2, 1) and metrics["max_abs_diff"] == pytest.approx(0.5)
-    assert metrics["max_rel_index"] == (2, 1) and metrics["num_mismatched"] == 1
+    assert metrics.max_abs_index == (2, 1) and metrics.max_abs_diff == pytest.approx(0.5)
+    assert metrics.max_rel_index == (2, 1) and metrics.num_mismatched == 1
     # the smallest passing rel tolerance passes exactly
-    tight = Tolerance(rel=metrics["min_rel_tolerance"] * (1 + 1e-12), abs=TOL.abs, source="min")
-    assert compare_values(actual, expected, tight)["ratio"] <= 1
+    tight = Tolerance(rel=metrics.min_rel_tolerance * (1 + 1e-12), abs=TOL.abs, source="min")
+    assert compare_values(actual, expected, tight).ratio <= 1
+
+
+def test_a_tensor_of_no_elements_passes_and_has_no_worst_element():
+    metrics = compare_values(torch.zeros(0, 3, dtype=torch.float64), torch.zeros(0, 3, dtype=torch.float64), TOL)
+    assert (metrics.shape, metrics.numel, metrics.ratio, metrics.max_abs_diff, metrics.max_rel_index, metrics.num_mismatched) \
+        == ((0, 3), 0, 0.0, None, None, None)
 
 
 def test_nan_counts_are_reported():
     actual = torch.tensor([1.0, float("nan")], dtype=torch.float64)
     metrics = compare_values(actual, torch.tensor([1.0, 2.0], dtype=torch.float64), TOL)
-    assert metrics["num_nan"] == (1, 0)
+    assert metrics.num_nan == (1, 0)
 
 
 def test_verdict_is_truthy_and_round_trips_through_json():
@@ -87,16 +93,13 @@ def test_a_first_divergence_in_integer_inputs_is_named_a_data_mismatch(dtype, sl
 def _judged(value_error: float, drift_relative: float | None) -> TensorComparison:
     """A tensor whose candidate is off the reference by `value_error` (relative) and whose two
     replicas differ by `drift_relative`, judged like compare_tensor does."""
-    from ttrace_core.compare.engine import _drift_ratio, _verdict
+    from ttrace_core.compare.engine import _judged_row
 
     tolerance = Tolerance(rel=1e-3, abs=0.0, source="test", drift_rel=1e-5)
     expected = torch.ones(4, dtype=torch.float64)
     metrics = compare_values(expected * (1 + value_error), expected, tolerance)
     drift = None if drift_relative is None else ReplicaDrift(ranks=(0, 1), max_abs_diff=drift_relative, relative_diff=drift_relative)
-    status, message = _verdict(metrics, drift, tolerance)
-    value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(drift, tolerance)
-    return TensorComparison(key=KEY, status=status, message=message, tolerance=tolerance, replica_drift=drift,
-                            ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio, drift_ratio=drift_ratio, **metrics)
+    return _judged_row(KEY, metrics, drift, tolerance, "float64")
 
 
 @pytest.mark.parametrize(

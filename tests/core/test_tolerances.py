@@ -198,4 +198,4 @@ def test_an_fp8_scale_that_does_not_follow_its_amax_still_fails():
     tolerance = with_step_scalars(_tight_estimate([scale]), reference, candidate).tolerance_for(scale, "float32")
     metrics = compare_values(torch.tensor([10.0 / 448 / 2], dtype=torch.float64),
                              torch.tensor([10.0 / 448], dtype=torch.float64), tolerance)
-    assert metrics["ratio"] > 3
+    assert metrics.ratio > 3

@@ -24,7 +24,7 @@ from ttrace_core.canonicalize.replicas import ReplicaDifference, ReplicaDrift, w
 from ttrace_core.canonicalize.shards import RecordedShard, canonicalize
 from ttrace_core.format.schema import Layout, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader
-from ttrace_core.compare.metrics import ValueSums, metrics_from_sums, value_sums
+from ttrace_core.compare.metrics import ValueMetrics, ValueSums, metrics_from_sums, value_sums
 
 BYTES_PER_ELEMENT = 160
 """Peak bytes per element of comparing one fp32 tensor whole. The value sums now promote chunk by
@@ -113,7 +113,7 @@ def _slab_values(reader: RunReader, metas: list[TensorMeta], key: TensorKey,
 
 
 def compare_in_slabs(key: TensorKey, reference: RunReader, candidate: RunReader, tolerance, budget: int,
-                     dims: list[int]) -> tuple[dict, ReplicaDrift | None]:
+                     dims: list[int]) -> tuple[ValueMetrics, ReplicaDrift | None]:
     """The metrics and candidate replica drift of `key`, compared slab by slab over its free `dims` so
     that a slab takes at most `budget` bytes (or one index of every free dim)."""
     ref_metas, cand_metas = reference.index[key], candidate.index[key]

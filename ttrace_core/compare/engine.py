@@ -18,7 +18,7 @@ import torch
 
 from ttrace_core.canonicalize import placements as pl
 from ttrace_core.compare.bounded import compare_in_slabs, slab_dims, working_bytes
-from ttrace_core.compare.metrics import metrics_from_sums, value_sums
+from ttrace_core.compare.metrics import ValueMetrics, metrics_from_sums, value_sums
 from ttrace_core.canonicalize.logical_value import canonical_tensor
 from ttrace_core.canonicalize.replicas import ReplicaDrift
 from ttrace_core.compare.exact_inputs import ExactInputs
@@ -59,26 +59,27 @@ class ScaledValues:
         return self.values.double() / self.scale
 
 
-def compare_values(actual: torch.Tensor | ScaledValues, expected: torch.Tensor | ScaledValues, tolerance: Tolerance) -> dict:
+def compare_values(actual: torch.Tensor | ScaledValues, expected: torch.Tensor | ScaledValues,
+                   tolerance: Tolerance) -> ValueMetrics:
     """Metrics of actual vs expected (same shape) under one tolerance; a plain tensor has scale 1."""
     actual, expected = (v if isinstance(v, ScaledValues) else ScaledValues(v, 1.0) for v in (actual, expected))
     sums = value_sums(actual.values, expected.values, tolerance, scales=(actual.scale, expected.scale))
     return metrics_from_sums(sums, tolerance)
 
 
-def _verdict(metrics: dict, drift: ReplicaDrift | None, tolerance: Tolerance) -> tuple[ComparisonStatus, str]:
+def _verdict(metrics: ValueMetrics, drift: ReplicaDrift | None, tolerance: Tolerance) -> tuple[ComparisonStatus, str]:
     """The status and its message. A tensor can fail two ways at once, against the reference
     (mismatch) and between its own replicas (replica drift); the message gives both ratios and the
     larger one decides, so the status, the `ratio` column and the text always agree."""
-    if metrics["num_nan"][0] != metrics["num_nan"][1] or metrics["num_inf"][0] != metrics["num_inf"][1]:
-        return ComparisonStatus.NONFINITE, f"NaN/Inf counts differ: candidate {metrics['num_nan'][0]}/{metrics['num_inf'][0]}, " \
-                            f"reference {metrics['num_nan'][1]}/{metrics['num_inf'][1]}"
-    if apart := metrics["num_nonfinite_apart"]:
-        return ComparisonStatus.NONFINITE, f"NaN/Inf in other places: {apart} elements are NaN or Inf in one run and not the same " \
-                            f"value in the other (counts candidate {metrics['num_nan'][0]}/{metrics['num_inf'][0]}, " \
-                            f"reference {metrics['num_nan'][1]}/{metrics['num_inf'][1]})"
-    value_ratio, drift_ratio = metrics["ratio"], _drift_ratio(drift, tolerance)
-    mismatch = f"mismatch ratio {value_ratio:.3g} (relative error {metrics['error']:.3g}, tolerance {tolerance.rel:.3g})"
+    (nan_candidate, nan_reference), (inf_candidate, inf_reference) = metrics.num_nan, metrics.num_inf
+    counts = f"candidate {nan_candidate}/{inf_candidate}, reference {nan_reference}/{inf_reference}"
+    if nan_candidate != nan_reference or inf_candidate != inf_reference:
+        return ComparisonStatus.NONFINITE, f"NaN/Inf counts differ: {counts}"
+    if apart := metrics.num_nonfinite_apart:
+        return ComparisonStatus.NONFINITE, f"NaN/Inf in other places: {apart} elements are NaN or Inf in one run and " \
+                                           f"not the same value in the other (counts {counts})"
+    value_ratio, drift_ratio = metrics.ratio, _drift_ratio(drift, tolerance)
+    mismatch = f"mismatch ratio {value_ratio:.3g} (relative error {metrics.error:.3g}, tolerance {tolerance.rel:.3g})"
     if drift_ratio > 1:
         drifting = f"replica drift ratio {drift_ratio:.3g} (replicas on ranks {drift.ranks} differ by " \
                    f"{drift.relative_diff:.3g} relative)"
@@ -90,6 +91,22 @@ def _verdict(metrics: dict, drift: ReplicaDrift | None, tolerance: Tolerance) ->
     if value_ratio > 1:
         return ComparisonStatus.MISMATCH, mismatch
     return ComparisonStatus.PASS, ""
+
+
+def _judged_row(key: TensorKey, metrics: ValueMetrics, drift: ReplicaDrift | None, tolerance: Tolerance, dtype: str,
+               note: str = "") -> TensorComparison:
+    """The row of a tensor compared by value: its metrics and replica drift judged under `tolerance`
+    (`note` goes before the verdict's message)."""
+    status, message = _verdict(metrics, drift, tolerance)
+    drift_ratio = _drift_ratio(drift, tolerance)
+    return TensorComparison(
+        key=key, status=status, message=f"{note}; {message}" if note and message else note or message, dtype=dtype,
+        shape=metrics.shape, numel=metrics.numel, error=metrics.error, abs_error=metrics.abs_error,
+        reference_norm=metrics.reference_norm, tolerance=tolerance, ratio=max(metrics.ratio, drift_ratio),
+        value_ratio=metrics.ratio, drift_ratio=drift_ratio, min_rel_tolerance=metrics.min_rel_tolerance,
+        max_abs_diff=metrics.max_abs_diff, max_abs_index=metrics.max_abs_index, max_rel_diff=metrics.max_rel_diff,
+        max_rel_index=metrics.max_rel_index, num_mismatched=metrics.num_mismatched, num_nan=metrics.num_nan,
+        num_inf=metrics.num_inf, num_nonfinite_apart=metrics.num_nonfinite_apart, replica_drift=drift)
 
 
 def _drift_ratio(drift: ReplicaDrift | None, tolerance: Tolerance) -> float:
@@ -176,12 +193,7 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
                                           replica_drift)
     except LayoutError as error:
         return TensorComparison(key=key, status=ComparisonStatus.LAYOUT, dtype=cand_dtype, message=str(error))
-    status, message = _verdict(metrics, replica_drift, tolerance)
-    value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(replica_drift, tolerance)
-    comparison = TensorComparison(key=key, status=status, message=message, dtype=cand_dtype, tolerance=tolerance,
-                                  replica_drift=replica_drift, ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio,
-                                  drift_ratio=drift_ratio, decided_by="replica drift" if drift_ratio > value_ratio else "mismatch",
-                                  **metrics)
+    comparison = _judged_row(key, metrics, replica_drift, tolerance, cand_dtype)
     _judge_structure(comparison, structure, units)  # (none on slabs: bounded.py reads no whole tensor)
     return comparison
 
@@ -198,13 +210,8 @@ def _compare_aligned_rows(key: TensorKey, reference: RunReader, candidate: RunRe
         return TensorComparison(key=key, status=ComparisonStatus.LAYOUT, dtype=cand_metas[0].dtype, message=str(error))
     actual = ScaledValues(cand_full.full.index_select(0, aligned.candidate_rows), cand_metas[0].scale)
     expected = ScaledValues(expected_full.index_select(0, aligned.reference_rows), ref_metas[0].scale)
-    metrics, replica_drift = compare_values(actual, expected, tolerance), cand_full.replica_drift
-    status, message = _verdict(metrics, replica_drift, tolerance)
-    value_ratio, drift_ratio = metrics.pop("ratio"), _drift_ratio(replica_drift, tolerance)
-    return TensorComparison(key=key, status=status, message=f"{aligned.note}; {message}" if message else aligned.note,
-                            dtype=cand_metas[0].dtype, tolerance=tolerance, replica_drift=replica_drift,
-                            ratio=max(value_ratio, drift_ratio), value_ratio=value_ratio, drift_ratio=drift_ratio,
-                            decided_by="replica drift" if drift_ratio > value_ratio else "mismatch", **metrics)
+    return _judged_row(key, compare_values(actual, expected, tolerance), cand_full.replica_drift, tolerance,
+                      cand_metas[0].dtype, note=aligned.note)
 
 
 @dataclass(frozen=True, slots=True)

@@ -201,21 +201,49 @@ def _without_nonfinite(a: torch.Tensor, e: torch.Tensor, work: _Workspace) -> tu
     return (counts[0], counts[1]), (counts[2], counts[3]), apart
 
 
-def metrics_from_sums(sums: ValueSums, tolerance: Tolerance) -> dict:
-    """The metrics of a comparison (TensorComparison's fields) from its sums under one tolerance."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValueMetrics:
+    """What comparing actual with expected values gives under one tolerance: the numbers a comparison row
+    (TensorComparison) carries from its values, which the engine judges and puts into the row."""
+
+    shape: tuple[int, ...]
+    numel: int
+    num_nan: tuple[int, int]
+    """(candidate, reference)."""
+    num_inf: tuple[int, int]
+    num_nonfinite_apart: int
+    """Elements NaN or Inf in one run and not the same value in the other."""
+    abs_error: float
+    """||actual - expected||_F over the places where both are finite."""
+    reference_norm: float
+    error: float
+    """abs_error / reference_norm (0 or inf for a zero reference)."""
+    ratio: float
+    """abs_error / (rel * reference_norm + abs * sqrt(numel)): <= 1 passes the norm test."""
+    min_rel_tolerance: float
+    """The smallest rel that would have passed with the same abs."""
+    max_abs_diff: float | None = None
+    """None for a tensor of no elements, like the four fields below."""
+    max_abs_index: tuple[int, ...] | None = None
+    max_rel_diff: float | None = None
+    """Under `relative_difference`'s rule: 0 where the reference is 0."""
+    max_rel_index: tuple[int, ...] | None = None
+    num_mismatched: int | None = None
+    """Elements outside abs + rel * |expected|."""
+
+
+def metrics_from_sums(sums: ValueSums, tolerance: Tolerance) -> ValueMetrics:
+    """The metrics of a comparison from its sums under one tolerance."""
     numel, abs_error, reference_norm = sums.numel, sums.abs_error, sums.reference_norm
     allowed = tolerance.rel * reference_norm + tolerance.abs * math.sqrt(numel)
-    metrics = {
-        "shape": sums.shape, "numel": numel, "num_nan": sums.num_nan, "num_inf": sums.num_inf,
-        "num_nonfinite_apart": sums.num_nonfinite_apart, "abs_error": abs_error,
-        "reference_norm": reference_norm,
-        "error": abs_error / reference_norm if reference_norm > 0 else (0.0 if abs_error == 0 else math.inf),
-        "ratio": abs_error / allowed if allowed > 0 else (0.0 if abs_error == 0 else math.inf),
-        "min_rel_tolerance": max(0.0, abs_error - tolerance.abs * math.sqrt(numel)) / reference_norm
-        if reference_norm > 0 else (0.0 if abs_error <= tolerance.abs * math.sqrt(numel) else math.inf),
-    }
-    if numel:
-        metrics |= {"max_abs_diff": sums.max_abs[0], "max_abs_index": sums.max_abs[1],
-                    "max_rel_diff": sums.max_rel[0], "max_rel_index": sums.max_rel[1],
-                    "num_mismatched": sums.num_mismatched}
-    return metrics
+    absolute_part = tolerance.abs * math.sqrt(numel)
+    max_abs, max_rel = sums.max_abs or (None, None), sums.max_rel or (None, None)  # None: no element
+    return ValueMetrics(
+        shape=sums.shape, numel=numel, num_nan=sums.num_nan, num_inf=sums.num_inf,
+        num_nonfinite_apart=sums.num_nonfinite_apart, abs_error=abs_error, reference_norm=reference_norm,
+        error=abs_error / reference_norm if reference_norm > 0 else (0.0 if abs_error == 0 else math.inf),
+        ratio=abs_error / allowed if allowed > 0 else (0.0 if abs_error == 0 else math.inf),
+        min_rel_tolerance=max(0.0, abs_error - absolute_part) / reference_norm if reference_norm > 0
+        else (0.0 if abs_error <= absolute_part else math.inf),
+        max_abs_diff=max_abs[0], max_abs_index=max_abs[1], max_rel_diff=max_rel[0], max_rel_index=max_rel[1],
+        num_mismatched=sums.num_mismatched if numel else None)
