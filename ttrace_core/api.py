@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from ttrace_core.compare.results import KindHeadroom, RunComparison, TensorComparison, VerdictSummary, detectable_of
+from ttrace_core.compare.results import ComparisonStatus, KindHeadroom, RunComparison, TensorComparison, VerdictSummary, detectable_of
 from ttrace_core.compare.settings import MIN_MAX_MEMORY, TOLERANCE_KINDS, CompareSettings
 from ttrace_core.errors import TraceFormatError, TtraceError, TtraceInternalError
 from ttrace_core.format.naming import KINDS, PSEUDO_MODULES, is_descendant, layer_module, owner_of, tensor_id
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from ttrace_core.workflows.adaptive import AdaptiveCapture
 
 __all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PRE_STEP_SLOT", "PSEUDO_MODULES", "ROOT_ENV", "TOLERANCE_KINDS",
-           "CompareSettings", "Job", "KindHeadroom", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError",
+           "CompareSettings", "ComparisonStatus", "Job", "KindHeadroom", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError",
            "TtraceError", "TtraceInternalError", "VerdictSummary",
            "cached_comparison_table", "check_outputs", "compare_as_rank", "compare_in_workers", "comparison",
            "comparison_streams", "comparison_table", "detectable_errors", "estimate", "finding_lines",

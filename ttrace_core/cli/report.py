@@ -8,7 +8,7 @@ import sys
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from ttrace_core.api import PSEUDO_MODULES, KindHeadroom, RunComparison, TensorComparison, finding_lines
+from ttrace_core.api import PSEUDO_MODULES, ComparisonStatus, KindHeadroom, RunComparison, TensorComparison, finding_lines
 
 if TYPE_CHECKING:
     from ttrace_core.api import RunReader
@@ -80,7 +80,7 @@ def render_comparison(result: RunComparison, *, num_worst: int = 10) -> str:
         lines += [f"unmapped: {line}" for line in result.coverage.unmapped_reasons]
     lines += [f"finding: {finding}" for finding in result.findings]
     statuses = Counter(c.status for c in result.comparisons)
-    passed = statuses.pop("pass", 0)
+    passed = statuses.pop(ComparisonStatus.PASS, 0)
     detail = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
     total = len(result.comparisons)
     lines.append(f"{summary.headline()} | {passed}/{total} tensors pass over steps {result.steps_compared}"
@@ -180,7 +180,7 @@ def render_localization(result) -> str:
 def render_markdown(result: RunComparison, localization=None) -> str:
     """A short summary for a review comment: verdict, first divergence, culprit, evidence."""
     statuses = Counter(c.status for c in result.comparisons)
-    passed = statuses.get("pass", 0)
+    passed = statuses.get(ComparisonStatus.PASS, 0)
     lines = [f"**ttrace: {'PASSED' if result else 'FAILED'}** ({result.verdict}) · {passed}/{len(result.comparisons)} "
              f"tensors pass over steps {result.steps_compared}", "",
              f"- reference: `{result.reference}`", f"- candidate: `{result.candidate}`"]
