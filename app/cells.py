@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from ttrace_core.api import KINDS, PRE_STEP_SLOT, detectable_errors, layer_module
+from ttrace_core.api import KINDS, PRE_STEP_SLOT, layer_module
 
 LOG_RATIO_LIMIT = 4.0
 """The colour scale spans log10(ratio) in [-4, 4]; 0 is the pass line."""
@@ -89,7 +89,7 @@ def hover_texts(rows: pd.DataFrame, counts: pd.Series | None = None) -> pd.Serie
     error the comparison catches on it, shape."""
     micro_batch = rows["micro_batch"].map(lambda m: "" if m < 0 else f" mb {m}")
     tolerance = _formatted(rows["tolerance_rel"]) + " (" + rows["tolerance_source"].fillna("none") + ")"
-    catches = detectable_errors(rows).map(lambda v: "" if math.isnan(v) else f"<br>catches errors above {v:.3g}")
+    catches = rows["detectable"].astype(float).map(lambda v: "" if math.isnan(v) else f"<br>catches errors above {v:.3g}")
     status = rows["status"].map(lambda code: STATUS_WORDS.get(code, code))
     text = ("<b>" + rows["tensor"] + "</b><br>step " + rows["step"].astype(str) + micro_batch + ": " + status
             + "<br>error " + _formatted(rows["error"]) + "<br>tolerance " + tolerance + "<br>ratio "
@@ -102,8 +102,8 @@ def hover_texts(rows: pd.DataFrame, counts: pd.Series | None = None) -> pd.Serie
 def detectable_text(row: pd.Series) -> str | None:
     """The tensor page's line on the smallest error this comparison catches on the tensor, naming the test
     (the row's `decided_by`, the norm test where no other test set the figure); None when not compared by value."""
-    detectable = detectable_errors(row.to_frame().T).iloc[0]
-    if math.isnan(detectable):
+    detectable = row["detectable"]
+    if pd.isna(detectable):
         return None
     return f"smallest error this comparison catches on this tensor: {detectable:.3g} (test: {_catching_test(row, detectable)})"
 

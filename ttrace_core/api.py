@@ -4,8 +4,8 @@
 - `comparison_table(ref, cand, settings)`: the comparison table (compare/table.py), computed once and
   cached as Parquet under the candidate until one of its inputs changes (service/comparisons.py);
   `run_comparison` is the same as a `RunComparison`, which the CLI renders; `verdict_of` reads the
-  verdict back from a table's provenance (with its headroom by tensor kind); `detectable_errors` gives
-  each row's smallest detectable error, the figure that headroom summarizes;
+  verdict back from a table's provenance (with its headroom by tensor kind, which sums up the rows'
+  `detectable` column);
 - `tensor_view(ref, cand, tensor, step, micro_batch)`: one tensor's canonical arrays, their
   difference and the per-rank shard map, read from the few datasets that hold it;
 - `submit_comparison(ref, cand, settings)`: a large pair's first comparison as a job that streams its
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from ttrace_core.compare.results import ComparisonStatus, KindHeadroom, RunComparison, TensorComparison, VerdictSummary, detectable_of
+from ttrace_core.compare.results import ComparisonStatus, KindHeadroom, RunComparison, TensorComparison, VerdictSummary
 from ttrace_core.compare.settings import MIN_MAX_MEMORY, TOLERANCE_KINDS, CompareSettings
 from ttrace_core.errors import TraceFormatError, TtraceError, TtraceInternalError
 from ttrace_core.format.naming import KINDS, PSEUDO_MODULES, is_descendant, layer_module, owner_of, tensor_id
@@ -58,7 +58,7 @@ __all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PRE_STEP_SLOT", "P
            "CompareSettings", "ComparisonStatus", "Job", "KindHeadroom", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError",
            "TtraceError", "TtraceInternalError", "VerdictSummary",
            "cached_comparison_table", "check_outputs", "compare_as_rank", "compare_in_workers", "comparison",
-           "comparison_streams", "comparison_table", "detectable_errors", "estimate", "finding_lines",
+           "comparison_streams", "comparison_table", "estimate", "finding_lines",
            "localize_here", "open_run", "read_check_config", "read_manifest", "record", "record_adaptively", "run_check",
            "serve_dashboard",
            "find_runs", "is_descendant", "layer_module", "localization", "mapped_reference", "owner_of", "pair_problem",
@@ -164,19 +164,6 @@ def finding_lines(findings: list[Finding]) -> list[str]:
 def verdict_of(provenance: dict) -> VerdictSummary:
     """The verdict a comparison table's provenance records, with its first divergence and coverage."""
     return VerdictSummary.from_provenance(provenance)
-
-
-def detectable_errors(frame: pd.DataFrame) -> pd.Series:
-    """Per row of a comparison table, the smallest relative error its tests catch: the `detectable` column,
-    else the norm test's tolerance; NaN where the row was not compared element-wise (results.detectable_of,
-    the rule `RunComparison.headroom` sums up, so a hover and the headroom table agree)."""
-    def known(value) -> float | None:
-        return None if pd.isna(value) else float(value)
-
-    compared = frame["value_ratio"].notna() & ~frame["stats_only"].fillna(False).astype(bool)
-    values = [detectable_of(known(own), known(rel), bool(elementwise))
-              for own, rel, elementwise in zip(frame["detectable"], frame["tolerance_rel"], compared)]
-    return pd.Series([float("nan") if v is None else v for v in values], index=frame.index, dtype=float)
 
 
 def tensor_view(reference: str | os.PathLike, candidate: str | os.PathLike, tensor: str, step: int, micro_batch: int,

@@ -74,25 +74,28 @@ def _float32_rel() -> float:
 
 
 def test_the_hover_says_which_error_the_comparison_catches_on_the_cells_tensor(frame):
-    edited = frame.copy()
-    edited.loc[(edited["fqn"] == "layers.0.act") & (edited["micro_batch"] == 1), "detectable"] = 3e-4
-    edited.loc[edited["fqn"] == "layers.0.lin", "detectable"] = float("nan")  # no test set it: the norm test's
-    view = cells.heatmap_cells(edited, 0, "all").set_index(["module", "kind"])
-    assert "<br>catches errors above 0.0003<br>" in view.loc[("layers.0.act", "output"), "hover"]  # the worst, mb 1
+    view = cells.heatmap_cells(frame, 0, "all").set_index(["module", "kind"])
+    # the table's rows come finished: the norm test's tolerance where no structure test set a smaller figure
     assert f"<br>catches errors above {_float32_rel():.3g}<br>" in view.loc[("layers.0.lin", "output"), "hover"]
     assert "catches" not in view.loc[("layers.1.out", "output"), "hover"]  # missing: not compared by value
+    edited = frame.copy()
+    edited.loc[(edited["fqn"] == "layers.0.act") & (edited["micro_batch"] == 1), "detectable"] = 3e-4
+    edited.loc[edited["fqn"] == "layers.0.lin", "detectable"] = float("nan")
+    view = cells.heatmap_cells(edited, 0, "all").set_index(["module", "kind"])
+    assert "<br>catches errors above 0.0003<br>" in view.loc[("layers.0.act", "output"), "hover"]  # the worst, mb 1
+    assert "catches" not in view.loc[("layers.0.lin", "output"), "hover"]  # the hover reads the column as it is
 
 
 def test_the_tensor_pages_line_names_the_smallest_error_caught_and_its_test(frame):
     row = frame[(frame["fqn"] == "layers.0.act") & (frame["micro_batch"] == 0)].iloc[0].copy()
+    assert cells.detectable_text(row) == \
+        f"smallest error this comparison catches on this tensor: {_float32_rel():.3g} (test: norm)"
     row["detectable"] = 2e-4
     row["structure"] = json.dumps([{"name": "offset", "value": 0.0, "tolerance": 3e-4, "ratio": 0.0, "finding": ""},
                                    {"name": "scale", "value": 0.0, "tolerance": 2e-4, "ratio": 0.0, "finding": ""}])
     assert cells.detectable_text(row) == "smallest error this comparison catches on this tensor: 0.0002 (test: scale)"
-    row["structure"] = None
     row["detectable"] = float("nan")
-    assert cells.detectable_text(row) == \
-        f"smallest error this comparison catches on this tensor: {_float32_rel():.3g} (test: norm)"
+    assert cells.detectable_text(row) is None
     missing = frame[frame["status"] == "missing"].iloc[0]
     assert cells.detectable_text(missing) is None
 

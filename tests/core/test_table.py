@@ -7,7 +7,7 @@ from tests.synthetic_runs import write_pair
 from ttrace_core.format.records import data_from_record
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.reader import RunReader
-from ttrace_core.compare.results import TensorComparison
+from ttrace_core.compare.results import TensorComparison, Tolerance, detectable_of, row_detectable
 from ttrace_core.compare.table import (
     COLUMNS, comparison_from_table, layer_of, read_table, row_from_comparison, table_from_comparison, tensor_id,
     tensor_kind, write_table,
@@ -102,3 +102,37 @@ def test_root_module_tensor_id_round_trips():
     key = TensorKey(0, 0, "forward", "", "output.0")
     assert key_from_tensor_id(tensor_id(key), 0, 0) == key
     assert tensor_id(key) == "forward//output.0"
+
+
+_TOLERANCE = Tolerance(rel=1e-5, abs=1e-7, source="test")
+_KEY = TensorKey(0, 0, "forward", "layers.0.mlp", "output.0")
+_KEEP = object()
+
+
+@pytest.mark.parametrize("fields, set_after, expected", [
+    ({"status": "pass", "tolerance": _TOLERANCE, "value_ratio": 0.5, "detectable": 3e-6}, _KEEP, 3e-6),
+    ({"status": "pass", "tolerance": _TOLERANCE, "value_ratio": 0.5}, _KEEP, 1e-5),
+    ({"status": "pass", "tolerance": _TOLERANCE, "value_ratio": 0.5}, None, 1e-5),
+    ({"status": "pass", "tolerance": _TOLERANCE, "value_ratio": 0.5, "stats_only": True, "detectable": 3e-6}, _KEEP, None),
+    ({"status": "missing"}, _KEEP, None),
+    ({"status": "pass", "tolerance": _TOLERANCE, "value_ratio": 0.5, "detectable": 3e-6}, 2e-6, 2e-6),
+], ids=["structure-test", "norm-test", "norm-test-set-after", "stats-only", "missing", "structure-set-after"])
+def test_a_rows_detectable_is_finished_as_detectable_of_gives(fields, set_after, expected):
+    comparison = TensorComparison(key=_KEY, **fields)
+    if set_after is not _KEEP:
+        comparison.detectable = set_after  # a field set after the row is made (the engine's structure tests do)
+    raw = comparison.detectable
+    comparison_elementwise = comparison.value_ratio is not None and not comparison.stats_only
+    row = row_from_comparison(comparison, order=0, stage=None)
+    assert row["detectable"] == detectable_of(raw, _TOLERANCE.rel, comparison_elementwise) == expected
+
+
+def test_every_row_of_a_compared_table_carries_its_finished_detectable(compared):
+    result, frame = compared
+    compared_rows = frame["value_ratio"].notna() & ~frame["stats_only"].astype(bool)
+    assert compared_rows.any() and (~compared_rows).any()
+    assert frame.loc[compared_rows, "detectable"].notna().all()
+    assert frame.loc[~compared_rows, "detectable"].isna().all()
+    for c, value in zip(result.comparisons, frame["detectable"]):
+        expected = row_detectable(c)
+        assert (value != value and expected is None) or value == expected

@@ -243,7 +243,9 @@ class TensorComparison:
     ("scale", "offset", "bias", "shard", "update"); None for a row not compared by value."""
     detectable: float | None = None
     """The smallest relative error ||actual - expected|| / ||expected|| that one of this row's tests
-    would catch: the headroom of a pass (a tensor scaled by 1 + s fails the scale test once |s| is above it)."""
+    would catch: the headroom of a pass (a tensor scaled by 1 + s fails the scale test once |s| is above it).
+    Finished when the row is made (`detectable_of`): the norm test's tolerance where no structure test set a
+    smaller figure, None where the row was not compared element-wise."""
 
     @property
     def passed(self) -> bool:
@@ -251,6 +253,7 @@ class TensorComparison:
 
     def __post_init__(self) -> None:
         self.status = ComparisonStatus(self.status)
+        self.detectable = row_detectable(self)
         if self.decided_by is None and self.value_ratio is not None:  # a row judged by the norm test alone
             self.decided_by = "replica drift" if (self.drift_ratio or 0.0) > self.value_ratio else "mismatch"
 
@@ -282,6 +285,7 @@ def detectable_of(detectable: float | None, tolerance_rel: float | None, compare
 
 
 def row_detectable(c: TensorComparison) -> float | None:
+    """A row's finished `detectable`, also for a row whose fields were set after it was made."""
     return detectable_of(c.detectable, c.tolerance.rel if c.tolerance else None,
                          c.value_ratio is not None and not c.stats_only)
 

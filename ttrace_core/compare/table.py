@@ -24,14 +24,15 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ttrace_core.compare.results import Coverage, RunComparison, TensorComparison
+from ttrace_core.compare.results import Coverage, RunComparison, TensorComparison, row_detectable
 from ttrace_core.format.naming import layer_of, module_of, tensor_id, tensor_kind
 from ttrace_core.format.reader import RunReader
 from ttrace_core.format.records import data_from_record, record_from_data
 from ttrace_core.format.schema import TensorKey
 
-TABLE_FORMAT_VERSION = 5  # 2: the "call" column; 3: the coverage block in the provenance; 4: structure tests;
-# 5: whether the reference trained (coverage) and the headroom by tensor kind (provenance)
+TABLE_FORMAT_VERSION = 6  # 2: the "call" column; 3: the coverage block in the provenance; 4: structure tests;
+# 5: whether the reference trained (coverage) and the headroom by tensor kind (provenance); 6: `detectable`
+# finished in the row (the norm test's tolerance where no structure test set it, empty where not compared by value)
 METADATA_KEY = b"ttrace"
 
 _INT_COLUMNS = ("layer", "stage", "numel", "num_mismatched")
@@ -90,6 +91,7 @@ def _at(data: object, path: tuple) -> object:
 def row_from_comparison(c: TensorComparison, order: int, stage: int | None) -> dict:
     data = data_from_record(c)
     row = {column: _at(data, path) for column, path in ROW_PATHS.items()}
+    row["detectable"] = row_detectable(c)  # a reader of the table (the heatmap's hover) takes it as it is
     if row["tolerance_params"] is not None:
         row["tolerance_params"] = dict(row["tolerance_params"])  # a JSON object in its cell
     derived = {"tensor": tensor_id(c.key), "module": module_of(c.key), "layer": layer_of(c.key.fqn), "stage": stage,
