@@ -149,12 +149,12 @@ def load_comparison(reference: Path, candidate: Path, partial_view: Callable[[ap
     streamed job: with `partial_view`, the page draws the rows compared so far with it, refreshed every
     `POLL_S`, and the whole page once the table is complete; without, it shows the job's progress."""
     try:
-        found = api.cached_comparison_table(reference, candidate, SETTINGS)
-        if found is not None:
-            return found
+        lookup = api.comparison_lookup(reference, candidate, SETTINGS)  # asked once; the calls below take the answer
+        if lookup.table is not None:
+            return lookup.table
         if not api.comparison_streams(reference, candidate):
-            return _compare_in_page(reference, candidate)
-        job = api.submit_comparison(reference, candidate, SETTINGS)
+            return _compare_in_page(reference, candidate, lookup)
+        job = api.submit_comparison(reference, candidate, SETTINGS, lookup=lookup)
     except TtraceError as error:
         stop_with(str(error))
     _streamed_comparison(job, partial_view)
@@ -165,22 +165,22 @@ def table_unless_streamed(reference: Path, candidate: Path):
     """The pair's comparison table (cached, or compared here when the pair is small); None when its first
     comparison would be a streamed job (a large pair), so a page showing many pairs never blocks on one:
     that pair's heatmap streams it. Raises TtraceError, for the page to show as that pair's one line."""
-    found = api.cached_comparison_table(reference, candidate, SETTINGS)
-    if found is not None:
-        return found
+    lookup = api.comparison_lookup(reference, candidate, SETTINGS)
+    if lookup.table is not None:
+        return lookup.table
     if api.comparison_streams(reference, candidate):
         return None
-    return _compare_in_page(reference, candidate)
+    return _compare_in_page(reference, candidate, lookup)
 
 
-def _compare_in_page(reference: Path, candidate: Path):
+def _compare_in_page(reference: Path, candidate: Path, lookup: api.CacheLookup):
     bar = st.empty()
 
     def progress(done: int, total: int) -> None:
         if done == 1 or done == total or done % 50 == 0:
             bar.progress(done / max(total, 1), text=f"comparing {done}/{total} tensors (done once, then cached)")
 
-    result = api.comparison_table(reference, candidate, SETTINGS, progress=progress)
+    result = api.comparison_table(reference, candidate, SETTINGS, progress=progress, lookup=lookup)
     bar.empty()
     return result
 

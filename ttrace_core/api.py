@@ -11,6 +11,8 @@
 - `submit_comparison(ref, cand, settings)`: a large pair's first comparison as a job that streams its
   rows (service/comparison_jobs.py); `streamed_rows(job)` reads the rows so far, in execution order,
   with the first divergence as soon as it is known; `cached_comparison_table` answers once it is done;
+  `comparison_lookup` asks the cache once and hands its answer to either, so a page load fingerprints each
+  run once;
 - `submit_replay(ref, cand, module, settings=...)`: a localization replay as a job (service/jobs.py),
   cached by its inputs; `localization(job)` reads its verdict;
 - `path_under_root(root, relative)`: a user-given path confined to the root (the dashboard serves
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
     from ttrace_core.service.check import CheckResult
     from ttrace_core.service.check_config import CheckConfig
     from ttrace_core.service.comparison_jobs import StreamedRows
-    from ttrace_core.service.comparisons import ComparisonTable
+    from ttrace_core.service.comparisons import CacheLookup, ComparisonTable
     from ttrace_core.service.tensor_view import TensorView
     from ttrace_core.workflows.adaptive import AdaptiveCapture
 
@@ -58,7 +60,7 @@ __all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PRE_STEP_SLOT", "P
            "CompareSettings", "ComparisonStatus", "Job", "KindHeadroom", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError",
            "TtraceError", "TtraceInternalError", "VerdictSummary",
            "cached_comparison_table", "check_outputs", "compare_as_rank", "compare_in_workers", "comparison",
-           "comparison_streams", "comparison_table", "estimate", "finding_lines",
+           "comparison_lookup", "comparison_streams", "comparison_table", "estimate", "finding_lines",
            "localize_here", "open_run", "read_check_config", "read_manifest", "record", "record_adaptively", "run_check",
            "serve_dashboard",
            "find_runs", "is_descendant", "layer_module", "localization", "mapped_reference", "owner_of", "pair_problem",
@@ -86,11 +88,13 @@ def ttrace_version() -> str:
 
 
 def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings | None = None,
-                     *, progress: Callable[[int, int], None] | None = None, rebuild: bool = False) -> ComparisonTable:
-    """The comparison of two runs as a table (frame, provenance, path, cached), from the cache when its inputs are unchanged."""
+                     *, progress: Callable[[int, int], None] | None = None, rebuild: bool = False,
+                     lookup: CacheLookup | None = None) -> ComparisonTable:
+    """The comparison of two runs as a table (frame, provenance, path, cached), from the cache when its inputs are
+    unchanged; `lookup`: the answer of `comparison_lookup` for these runs and settings, not asked again."""
     from ttrace_core.service.comparisons import comparison_table as table_of
 
-    return table_of(reference, candidate, settings, progress=progress, rebuild=rebuild)
+    return table_of(reference, candidate, settings, progress=progress, rebuild=rebuild, lookup=lookup)
 
 
 def comparison(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings | None = None,
@@ -110,6 +114,15 @@ def run_comparison(reference: str | os.PathLike, candidate: str | os.PathLike, s
     return comparison_from_table(result.frame, result.provenance)
 
 
+def comparison_lookup(reference: str | os.PathLike, candidate: str | os.PathLike,
+                      settings: CompareSettings | None = None) -> CacheLookup:
+    """Whether the comparison was computed with these inputs before (`.table`, else None), asked once: a page hands
+    the answer to `comparison_table` or `submit_comparison`, which then neither fingerprint nor read a manifest again."""
+    from ttrace_core.service.comparisons import lookup_table
+
+    return lookup_table(reference, candidate, settings)
+
+
 def cached_comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike,
                             settings: CompareSettings | None = None) -> ComparisonTable | None:
     """The comparison table if it was computed with these inputs before, else None (nothing is compared)."""
@@ -126,11 +139,12 @@ def comparison_streams(reference: str | os.PathLike, candidate: str | os.PathLik
 
 
 def submit_comparison(reference: str | os.PathLike, candidate: str | os.PathLike,
-                      settings: CompareSettings | None = None) -> Job:
-    """Start (or find) the streamed comparison job of a pair; `streamed_rows(job)` reads what it has compared."""
+                      settings: CompareSettings | None = None, *, lookup: CacheLookup | None = None) -> Job:
+    """Start (or find) the streamed comparison job of a pair; `streamed_rows(job)` reads what it has compared.
+    `lookup`: the answer of `comparison_lookup` for these runs and settings, not asked again."""
     from ttrace_core.service.comparison_jobs import submit_comparison as submit
 
-    return submit(reference, candidate, settings)
+    return submit(reference, candidate, settings, lookup=lookup)
 
 
 def streamed_rows(job: Job, known: StreamedRows | None = None) -> StreamedRows:

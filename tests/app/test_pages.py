@@ -393,3 +393,32 @@ def test_every_page_of_a_pair_explains_ratio_mismatch_and_drift(root):
         app = _open(page, **PAIR)
         assert not app.exception, page
         assert [e.label for e in app.expander if "ratio, mismatch and drift" in e.label], page
+
+
+@pytest.mark.parametrize("page", ["heatmap", "runs"])
+def test_one_page_load_asks_the_cache_once_on_a_miss_and_on_a_hit(root, monkeypatch, page):
+    """"Is it cached?" is asked once per page load: each run is fingerprinted once and its manifest read once by
+    the cache lookup (service/comparisons.lookup_table), whether the table is then computed or read."""
+    from ttrace_core.service import comparisons
+
+    compare_runs = comparisons.compare_runs
+    fingerprinted, manifests_read = [], []
+
+    def spy(calls: list, original):
+        def counted(run_dir, *args, **kwargs):
+            calls.append(Path(run_dir).name)
+            return original(run_dir, *args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(comparisons, "comparison_fingerprint", spy(fingerprinted, comparisons.comparison_fingerprint))
+    monkeypatch.setattr(comparisons, "read_manifest", spy(manifests_read, comparisons.read_manifest))
+    compared = []
+    monkeypatch.setattr(comparisons, "compare_runs", lambda *args, **kwargs: compared.append(1) or compare_runs(*args, **kwargs))
+    for cached in (False, True):
+        fingerprinted.clear(), manifests_read.clear(), compared.clear()
+        app = _open(page, **PAIR)
+        assert not app.exception
+        assert _figures(app) if page == "heatmap" else any(f"`{FIRST}`" in error for error in _errors(app))
+        assert compared == ([] if cached else [1])  # a miss computes the table, the next load reads it
+        assert sorted(fingerprinted) == ["candidate", "reference"], f"cached={cached}"
+        assert sorted(manifests_read) == ["candidate", "reference"], f"cached={cached}"

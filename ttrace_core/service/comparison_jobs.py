@@ -25,8 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from ttrace_core.compare.settings import CompareSettings
-from ttrace_core.format.reader import read_manifest
-from ttrace_core.service.comparisons import cache_path
+from ttrace_core.service.comparisons import CacheLookup, cache_path, lookup_table
 from ttrace_core.service.jobs import PROGRESS_PREFIX, Job, JobSpec, submit
 from ttrace_core.service.replays import job_environment, project_root
 
@@ -60,6 +59,11 @@ def streams(reference: Path, candidate: Path) -> bool:
 def comparison_job_dir(reference: Path, candidate: Path, settings: CompareSettings) -> Path:
     """Next to the cached table it will write, named by the same digest of the inputs."""
     table_path, _ = cache_path(reference, candidate, settings)
+    return _job_dir_of(table_path)
+
+
+def _job_dir_of(table_path: Path) -> Path:
+    table_path = table_path.resolve()  # the job runs in another working directory
     return table_path.parent.parent / "jobs" / table_path.stem
 
 
@@ -68,13 +72,15 @@ def _chunk_files(directory: Path) -> list[Path]:
 
 
 def submit_comparison(reference: str | os.PathLike, candidate: str | os.PathLike,
-                      settings: CompareSettings | None = None) -> Job:
-    """Start (or find, running or finished) the streamed comparison of a pair under `settings`."""
-    settings = settings or CompareSettings()
+                      settings: CompareSettings | None = None, *, lookup: CacheLookup | None = None) -> Job:
+    """Start (or find, running or finished) the streamed comparison of a pair under `settings`; `lookup`: the
+    caller's answer of comparisons.lookup_table for these runs and settings, not asked again."""
     reference, candidate = Path(reference).resolve(), Path(candidate).resolve()
-    for run_dir in (reference, candidate):
-        read_manifest(run_dir)
-    directory = comparison_job_dir(reference, candidate, settings)
+    if lookup is None:
+        lookup = lookup_table(reference, candidate, settings, read=False)
+    assert settings is None or settings == lookup.settings, "a lookup made for other settings"
+    settings = lookup.settings
+    directory = _job_dir_of(lookup.path)
     if (directory / "spec.json").exists():
         status = Job(directory).status()
         if status.state == "failed" and status.exit_code == BAD_INPUT_EXIT:

@@ -128,37 +128,63 @@ def _provenance(result: RunComparison, inputs: dict, settings: CompareSettings, 
     }
 
 
-def cached_table(reference: str | os.PathLike, candidate: str | os.PathLike,
-                 settings: CompareSettings | None = None) -> ComparisonTable | None:
-    """The comparison's table if it was computed with these inputs before, else None (nothing is compared)."""
+@dataclass(kw_only=True, slots=True)
+class CacheLookup:
+    """One answer to "is this comparison cached?": both runs checked to be runs, fingerprinted once, and the
+    table when it was computed with these inputs before. A page asks once and hands the answer on
+    (`comparison_table`, comparison_jobs.submit_comparison), so one page load reads each manifest once."""
+
+    path: Path
+    """Where the table is, or will be written."""
+    inputs: dict
+    """What the table is keyed by (`cache_path`): both runs' fingerprints, the settings, the versions."""
+    settings: CompareSettings
+    table: ComparisonTable | None
+    """The cached table; None when it must be computed."""
+
+
+def lookup_table(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings | None = None,
+                 *, read: bool = True) -> CacheLookup:
+    """Whether the comparison was computed with these inputs before; `read=False` (a rebuild) only says where
+    its table goes."""
+    settings = settings or CompareSettings()
     reference, candidate = Path(reference), Path(candidate)
     for run_dir in (reference, candidate):
         read_manifest(run_dir)  # one clear line for a missing or foreign directory
-    path, _ = cache_path(reference, candidate, settings or CompareSettings())
-    if not path.is_file():
-        return None
-    try:
-        frame, provenance = table.read_table(path)
-    except (OSError, ValueError):
-        return None  # a damaged cache file is computed again
-    return ComparisonTable(frame=frame, provenance=provenance, path=path, cached=True)
+    path, inputs = cache_path(reference, candidate, settings)
+    found = None
+    if read and path.is_file():
+        try:
+            frame, provenance = table.read_table(path)
+            found = ComparisonTable(frame=frame, provenance=provenance, path=path, cached=True)
+        except (OSError, ValueError):
+            pass  # a damaged cache file is computed again
+    return CacheLookup(path=path, inputs=inputs, settings=settings, table=found)
+
+
+def cached_table(reference: str | os.PathLike, candidate: str | os.PathLike,
+                 settings: CompareSettings | None = None) -> ComparisonTable | None:
+    """The comparison's table if it was computed with these inputs before, else None (nothing is compared)."""
+    return lookup_table(reference, candidate, settings).table
 
 
 def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings | None = None,
                      *, progress: Callable[[int, int], None] | None = None, rebuild: bool = False,
-                     partitioned: bool = False, stream: RowStream | None = None) -> ComparisonTable:
+                     partitioned: bool = False, stream: RowStream | None = None,
+                     lookup: CacheLookup | None = None) -> ComparisonTable:
     """The comparison of two runs as a table, from the cache when its inputs are unchanged. `partitioned`:
     this process is one rank of an initialized gloo group of compare workers (compare_workers.py), which
     each compare a part; rank 0 writes the cache. `stream` receives every row as soon as it is compared
-    (comparison_jobs.py), and is flushed before the cache is written."""
-    settings = settings or CompareSettings()
+    (comparison_jobs.py), and is flushed before the cache is written. `lookup`: the caller's answer of
+    `lookup_table` for these runs and settings, not asked again."""
     reference, candidate = Path(reference), Path(candidate)
-    for run_dir in (reference, candidate):
-        read_manifest(run_dir)
-    found = None if rebuild else cached_table(reference, candidate, settings)
-    if found is not None:
-        return found
-    path, inputs = cache_path(reference, candidate, settings)
+    if lookup is None:
+        lookup = lookup_table(reference, candidate, settings, read=not rebuild)
+    assert settings is None or settings == lookup.settings, "a lookup made for other settings"
+    settings = lookup.settings
+    if lookup.table is not None and not rebuild:
+        return lookup.table
+    path, inputs = lookup.path, lookup.inputs
     started = time.perf_counter()
     with RunReader(reference) as ref_reader, RunReader(candidate) as cand_reader:
         tolerances = tolerances_from_settings(settings, ref_reader, cand_reader)
