@@ -90,3 +90,20 @@ def test_a_comparison_job_that_fails_shows_its_one_line_error(streamed_pair):
     assert not app.exception
     (error,) = app.error
     assert "the comparison stopped (failed)" in error.value and step_file.name in error.value
+
+
+def test_a_streamed_comparison_is_submitted_with_the_pages_cache_answer(streamed_pair, monkeypatch):
+    """load_comparison asks the cache once (api.comparison_lookup) and submits the job with that answer: the
+    submission neither fingerprints a run nor reads a manifest again, and finds the same job directory."""
+    from ttrace_core.service import comparisons
+
+    reference, candidate = streamed_pair
+    lookup = api.comparison_lookup(reference, candidate)
+    asked = []
+    monkeypatch.setattr(comparisons, "comparison_fingerprint", lambda run_dir: asked.append(run_dir))
+    monkeypatch.setattr(comparisons, "read_manifest", lambda run_dir: asked.append(run_dir))
+    monkeypatch.setattr(comparison_jobs, "submit", lambda directory, spec: directory)
+    directory = api.submit_comparison(reference, candidate, lookup=lookup)
+    assert asked == []
+    monkeypatch.undo()
+    assert directory == comparison_job_dir(reference, candidate, api.CompareSettings())

@@ -9,7 +9,8 @@ from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.results import TensorComparison, Tolerance, detectable_of, row_detectable
 from ttrace_core.compare.table import (
-    COLUMNS, comparison_from_table, layer_of, read_table, row_from_comparison, table_from_comparison, tensor_id,
+    COLUMNS, comparison_from_table, frame_from_comparisons, layer_of, read_table, row_from_comparison,
+    table_from_comparison, tensor_id,
     tensor_kind, write_table,
 )
 from ttrace_core.format.naming import GRADIENT_CLIPPING, LOSS_FUNCTION, key_from_tensor_id
@@ -136,3 +137,15 @@ def test_every_row_of_a_compared_table_carries_its_finished_detectable(compared)
     for c, value in zip(result.comparisons, frame["detectable"]):
         expected = row_detectable(c)
         assert (value != value and expected is None) or value == expected
+
+
+def test_a_frame_of_rows_without_numbers_keeps_the_tables_float_columns(compared):
+    """A streamed chunk may hold one missing tensor alone: its float columns stay float, so the chunks
+    concatenate to the finished table's dtypes."""
+    result, frame = compared
+    missing = [c for c in result.comparisons if c.status == "missing"][:1]
+    with RunReader(result.candidate) as candidate:
+        chunk = frame_from_comparisons(missing, candidate)
+    floats = [name for name in frame.columns if frame[name].dtype == float]
+    assert {"ratio", "error", "detectable", "tolerance_rel"} <= set(floats)
+    assert {name: str(chunk[name].dtype) for name in floats} == {name: "float64" for name in floats}

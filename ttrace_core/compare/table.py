@@ -36,6 +36,10 @@ TABLE_FORMAT_VERSION = 6  # 2: the "call" column; 3: the coverage block in the p
 METADATA_KEY = b"ttrace"
 
 _INT_COLUMNS = ("layer", "stage", "numel", "num_mismatched")
+_FLOAT_COLUMNS = (*(spec.name for spec in fields(TensorComparison) if spec.type in ("float", "float | None")),
+                  "tolerance_rel", "tolerance_abs", "tolerance_drift_rel", "drift_max_abs_diff", "drift_relative_diff")
+"""Float columns stay float where every row of a frame is empty (a streamed chunk of one missing tensor): the
+chunks concatenate to the finished table's dtypes."""
 _NESTED_PATHS = {
     "step": ("key", "step"), "micro_batch": ("key", "micro_batch"), "phase": ("key", "phase"), "fqn": ("key", "fqn"),
     "slot": ("key", "slot"), "call": ("key", "call"),
@@ -114,6 +118,8 @@ def frame_from_comparisons(comparisons: list[TensorComparison], candidate: RunRe
     frame["structure"] = [None if not v or v == "[]" else v for v in frame["structure"]]
     for name in _INT_COLUMNS:
         frame[name] = frame[name].astype("Int64")
+    for name in _FLOAT_COLUMNS:
+        frame[name] = frame[name].astype(float)
     return frame
 
 
