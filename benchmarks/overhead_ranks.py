@@ -152,6 +152,8 @@ def measure(config_dict: dict) -> None:
                 results[mode].append(_one_step(mode, config, ddp, optimizer, rename, out, index))
         profiles = {mode: _profiled(mode, config, ddp, optimizer, rename, out) for mode in ("full", "stats-only")}
         per_call = {mode: _per_call(mode, config, ddp, optimizer, rename, out) for mode in ("full", "stats-only")}
+        for mode in ("full", "stats-only"):
+            per_call[mode]["replayed"] = _replayed(mode, config, ddp, optimizer, rename, out)
         if dist.get_rank() == 0:
             (out / "overhead.json").write_text(json.dumps({"steps": results, "profiles": profiles, "per_call": per_call}))
         dist.barrier()
@@ -255,3 +257,64 @@ def _per_call(mode: str, config, ddp, optimizer, rename, out: Path) -> dict:
             undo()
         found.append(breakdown(timers, seconds, raw))
     return median_breakdown(found)
+
+
+REPLAYS = 5
+STATISTICS_PLACES = (("ttrace_core.record.tracer", "stats_from_tensor"), ("ttrace_core.record.summaries:StepSummaries", "stats"))
+"""Where the tracer takes a tensor's statistics (before and after issue 43's summaries.py): stubbed for a replay."""
+
+
+def _replayed(mode: str, config, ddp, optimizer, rename, out: Path) -> dict:
+    """The record path alone, without hooks, timers or the model: one step's `Tracer.record` calls captured
+    (this rank's), then replayed REPLAYS times into a fresh tracer, in CPU time; and again with the statistics
+    stubbed (a constant), which leaves the tracer's Python and the writes. Seconds per call, the least of the
+    replays; rank 0's."""
+    import importlib
+
+    from ttrace_core.format.schema import TensorStats
+    from ttrace_core.record.tracer import Tracer
+
+    calls, original = [], Tracer.record
+
+    def capture(self, key, value, **options):
+        calls.append((key, value, options))
+        return original(self, key, value, **options)
+    Tracer.record = capture
+    try:
+        _one_step(mode, config, ddp, optimizer, rename, out, 3000)
+    finally:
+        Tracer.record = original
+    constant = TensorStats(numel=1, sum=0.0, sumsq=0.0, min=0.0, max=0.0, num_nan=0, num_inf=0)
+    found = {}
+    for variant in ("as recorded", "statistics stubbed"):
+        undo = []
+        if variant == "statistics stubbed":
+            for place, name in STATISTICS_PLACES:
+                module_name, _, class_name = place.partition(":")
+                try:
+                    owner = importlib.import_module(module_name)
+                except ImportError:
+                    continue
+                owner = getattr(owner, class_name, None) if class_name else owner
+                if owner is not None and name in vars(owner):
+                    undo.append((owner, name, vars(owner)[name]))
+                    setattr(owner, name, (lambda *args, **kwargs: constant))
+        seconds = []
+        try:
+            for index in range(REPLAYS):
+                run_dir = out / f"replay-{mode.replace(' ', '-')}-{variant.replace(' ', '-')}-{index}"
+                tracer = _tracer(config, ddp, optimizer, rename, run_dir, mode)
+                with tracer.step(0, parameters_before=False):  # the captured calls hold the step's first values
+                    started = time.process_time()
+                    for key, value, options in calls:
+                        tracer.record(key, value, **options)
+                    seconds.append(time.process_time() - started)
+                tracer.close()
+                dist.barrier()  # the ranks share the run directory
+                if dist.get_rank() == 0:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+        finally:
+            for owner, name, kept in undo:
+                setattr(owner, name, kept)
+        found[variant] = min(seconds) / max(1, len(calls))
+    return found

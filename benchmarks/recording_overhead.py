@@ -112,6 +112,14 @@ def render_per_call(per_call: dict[str, dict], rows: list[dict]) -> str:
         hooks_ms = (by_mode["hooks alone"]["cpu_overhead"] - 1) * base["cpu_ms_per_step"]
         lines.append("| hooks alone (torch's hook machinery, no tracer): extra CPU time over untraced (paired), per tensor | " +
                      " | ".join(f"{1000 * hooks_ms / max(1, per_call[m]['record_calls']):.1f}" for m in modes) + " |")
+    if all("replayed" in per_call[m] for m in modes):
+        replayed = {m: per_call[m]["replayed"] for m in modes}
+        lines.append("| **the record path replayed alone (no hooks, no timers; CPU time, least of 5)** | " + " | ".join(
+            f"**{1e6 * replayed[m]['as recorded']:.1f}**" for m in modes) + " |")
+        lines.append("| replayed with the statistics stubbed (the tracer's Python and the writes) | " + " | ".join(
+            f"{1e6 * replayed[m]['statistics stubbed']:.1f}" for m in modes) + " |")
+        lines.append("| replayed: the statistics (the difference) | " + " | ".join(
+            f"{1e6 * (replayed[m]['as recorded'] - replayed[m]['statistics stubbed']):.1f}" for m in modes) + " |")
     lines.append("| Tracer.record calls (tensors) | " + " | ".join(str(per_call[m]["record_calls"]) for m in modes) + " |")
     lines.append("| module hook calls | " + " | ".join(str(per_call[m]["hook_calls"]) for m in modes) + " |")
     lines.append("| step with timers (s) | " + " | ".join(f"{per_call[m]['step_s']:.3f}" for m in modes) + " |")
@@ -165,7 +173,16 @@ def render_diagnosis(profiles: dict[str, dict], rows: list[dict], per_call: dict
         f"{hooks:.0f} us of it torch's hook machinery (`hooks alone`, {by_mode['hooks alone']['overhead']:.2f}x). Of the "
         f"timed parts, the statistics take {statistics_us:.0f} us per tensor (four reductions, sum, sum of squares, "
         f"min and max, which eager torch runs apart and which must stay bit-identical; {reused}), the values of "
-        f"partial sums, which stats-only keeps, {writes:.0f} us, and the tracer's Python per call {python:.0f} us.")
+        f"partial sums, which stats-only keeps, {writes:.0f} us, and the tracer's Python per call {python:.0f} us "
+        f"(timers included).")
+    if "replayed" in per_call["stats-only"]:
+        replayed = per_call["stats-only"]["replayed"]
+        hooks_own = per_tensor("stats-only", next(iter(per_call["stats-only"]["parts"])))
+        lines.append(
+            f"- Without timers: the record path replayed alone takes {1e6 * replayed['as recorded']:.0f} us of CPU per "
+            f"tensor in stats-only mode, {1e6 * (replayed['as recorded'] - replayed['statistics stubbed']):.0f} us of it "
+            f"the statistics and {1e6 * replayed['statistics stubbed']:.0f} us the tracer's Python and the partial sums' "
+            f"writes; the module hooks' own code adds {hooks_own:.0f} us per tensor (timed).")
     return "\n".join(lines) + "\n"
 
 
