@@ -82,6 +82,9 @@ class Rotary(Op, tag="rotary"):
     head_dim: int | str
     source: Literal["half-split", "interleaved"]
     target: Literal["half-split", "interleaved"]
+    pieces: list[int] | None = None
+    """The pieces it acts on, by index in the rule's reference list; all when unset. torchtitan's fused
+    wqkv rotates q and k, not v: `pieces = [0, 1]`."""
 
 
 class Scale(Op, tag="scale"):
@@ -127,7 +130,10 @@ def _apply(op: AnyOp, pieces: list[torch.Tensor], facts: Facts, where: str) -> l
     if isinstance(op, Rotary):
         head_dim = size_of(op.head_dim, facts, where)
         out = []
-        for piece in pieces:
+        for index, piece in enumerate(pieces):
+            if op.pieces is not None and index not in op.pieces:
+                out.append(piece)
+                continue
             size = piece.shape[op.dim]
             if head_dim % 2 or size % head_dim:
                 raise ValueError(f"{where}: rotary head_dim {head_dim} must be even and divide dim {op.dim} "
@@ -192,7 +198,8 @@ def _invert(op: AnyOp, pieces: list[torch.Tensor], before: list[tuple[int, ...]]
     if isinstance(op, Scale):
         return [piece / op.factor for piece in pieces]
     if isinstance(op, Rotary):
-        return _apply(Rotary(dim=op.dim, head_dim=op.head_dim, source=op.target, target=op.source), pieces, facts, where)
+        return _apply(Rotary(dim=op.dim, head_dim=op.head_dim, source=op.target, target=op.source, pieces=op.pieces),
+                      pieces, facts, where)
     assert isinstance(op, Concat), f"{type(op).__name__} has no inverse"  # decoding refuses others in parameter rules
     groups = size_of(op.groups, facts, where)
     (whole,) = pieces
