@@ -162,3 +162,16 @@ def test_conversion_refuses_what_it_cannot_give():
         reference_state(loaded, megatron, shapes, facts)
     with pytest.raises(MapError, match=r"\$\.facts\.groups reads 'num_key_value_heads'.*the test config has no"):
         facts_from_config(loaded, {"num_attention_heads": 4}, "the test config")
+
+
+def test_rotary_on_chosen_pieces_rotates_q_and_k_not_v_and_inverts():
+    """torchtitan's wqkv: q and k rows move to interleaved pairs, v rows stay; the inverse gives HF's back."""
+    from ttrace_core.canonicalize import map_transforms as mt
+
+    q, k, v = (torch.arange(4.0).reshape(4, 1) + offset for offset in (0, 10, 20))
+    ops = [mt.Rotary(dim=0, head_dim=4, source="half-split", target="interleaved", pieces=[0, 1]),
+           mt.Concat(dim=0, groups=1)]
+    fused = mt.candidate_tensor(ops, [q, k, v], {}, "test")
+    assert fused.flatten().tolist() == [0, 2, 1, 3, 10, 12, 11, 13, 20, 21, 22, 23]
+    back = mt.reference_pieces(ops, fused, [(4, 1)] * 3, {}, "test")
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v)))
