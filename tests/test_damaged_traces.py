@@ -14,11 +14,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import h5py
 import pytest
 
 from tests.conftest import run_ttrace
 from tests.faults import byte_damage, size_lies
-from tests.faults.meta_rows import write_legacy_copy
+from tests.faults.meta_rows import index_rows, write_format4_copy, write_legacy_copy
 from ttrace_core.format.tensor_index import TENSOR_INDEX
 
 
@@ -90,10 +91,20 @@ def test_a_zeroed_heap_object_that_would_hang_hdf5_is_refused_first(pair):
     assert _error_line("compare", str(reference), str(candidate)) == expected
 
 
-def test_a_flipped_bit_in_a_datatype_message_is_one_line(pair):
+def _as_format_4(run: Path, tmp_path: Path) -> None:
+    """`run`'s step files rewritten in place as format 4 wrote them (a dataset per tensor), which is still read."""
+    write_format4_copy(run, tmp_path / "format4")
+    for copy in (tmp_path / "format4").iterdir():
+        shutil.copy(copy, run / copy.name)
+
+
+def test_a_flipped_bit_in_a_datatype_message_is_one_line(pair, tmp_path):
     """Bit 2 of the exponent bias's second byte: HDF5 still reads a float of 32 bits, which no numpy
-    type matches but its 128-bit longdouble (torch cannot take it)."""
+    type matches but its 128-bit longdouble (torch cannot take it). Format 5 keeps values in uint8 packs
+    (a flip there is refused when the file is opened, tests/core/test_packs.py): the candidate is rewritten
+    as format 4 wrote it, a dataset per tensor."""
     reference, candidate = pair
+    _as_format_4(candidate, tmp_path)
     path = candidate / STEP_FILE
     start, _ = byte_damage.message_of(path, FLOAT32_DATASET, "datatype")
     byte_damage.flip_bit(path, start + 17, 2)
@@ -138,9 +149,10 @@ ENORMOUS = {
     "Partial tensor over a mesh of 10**9 ranks": size_lies.HUGE_METADATA["Partial over 10**9 ranks"],
 }
 ENORMOUS_ANSWERS = {
+    # format 5: the tensor's row names a pack of 2**42 bytes, refused when the file is opened (the reference first)
     "2**40-element dataset over unallocated storage": (
-        "ttrace: error: {candidate}/" + STEP_FILE + ":" + FLOAT32_DATASET + ": declares shape (1048576, 1048576) of "
-        "<f4 (4398046511104 bytes) but the file holds 0 bytes of storage for it (a damaged header, or values never "
+        "ttrace: error: {reference}/" + STEP_FILE + ":packs/{pack}: declares shape (4398046511104,) of "
+        "|u1 (4398046511104 bytes) but the file holds 0 bytes of storage for it (a damaged header, or values never "
         "written); re-record rank 0 (or copy its file again)"),
     "flat range in a block of 10**12 elements": (
         "step 0 / param / decoder.final_layernorm.weight / value: no rank holds flat element 32 of block "
@@ -155,11 +167,13 @@ ENORMOUS_ANSWERS = {
 
 @pytest.mark.parametrize("lie", list(ENORMOUS), ids=list(ENORMOUS))
 def test_metadata_claiming_enormous_sizes_is_refused_before_allocation(pair, lie):
-    """Told by every shard of the tensor in both runs: exit 2 for a dataset (its storage is checked
-    before it is read), a finding on the tensor's row for a layout (the rest of the run is judged)."""
+    """Told by every shard of the tensor in both runs: exit 2 for its storage (a pack's is checked when its
+    file is opened), a finding on the tensor's row for a layout (the rest of the run is judged)."""
     reference, candidate = pair
     size_lies.apply_everywhere(reference, candidate, FLOAT32_DATASET, ENORMOUS[lie])
-    expected = ENORMOUS_ANSWERS[lie].format(candidate=candidate)  # the candidate is read first
+    with h5py.File(reference / STEP_FILE) as handle:
+        pack = next(row["pack"] for row in index_rows(handle) if row["dataset"] == FLOAT32_DATASET)
+    expected = ENORMOUS_ANSWERS[lie].format(reference=reference, pack=pack)
     if expected.startswith("ttrace: error: "):
         assert _error_line("compare", str(reference), str(candidate)) == expected
     else:
@@ -214,8 +228,6 @@ def test_a_group_where_a_step_files_dataset_belongs_is_one_line(pair, dataset, p
     """Another tool's file with an HDF5 group in place of the tensor index or the findings: one line naming
     the file and the object (exit 2), never an AttributeError from h5py (exit 3); a partial step file's
     damage is absorbed like its other errors."""
-    import h5py
-
     reference, candidate = pair
     path = candidate / STEP_FILE
     with h5py.File(path, "a") as handle:

@@ -44,7 +44,7 @@ def test_the_table_opens_in_plain_pandas_with_its_provenance(pair):
     assert len(frame) == len(result.frame) == 11
     provenance = read_provenance(result.path)
     assert provenance["reference_manifest_sha256"] and provenance["candidate_manifest_sha256"]
-    assert provenance["ttrace_version"] == api.ttrace_version() and provenance["trace_format"] == FORMAT_VERSION == 4
+    assert provenance["ttrace_version"] == api.ttrace_version() and provenance["trace_format"] == FORMAT_VERSION == 5
     assert provenance["first_divergence"] == {"tensor": "forward/layers.0.act/output.0", "step": 0, "micro_batch": 0}
     assert provenance["num_failed"] == 8 and not provenance["passed"]
     assert api.comparison(reference, candidate).attrs["ttrace"]["created"] == provenance["created"]

@@ -43,14 +43,16 @@ def test_values_round_trip_bit_exactly(tmp_path, dtype):
     assert torch.equal(read.view(torch.uint8), value.contiguous().view(torch.uint8))
 
 
-def test_datasets_are_contiguous_and_uncompressed(tmp_path):
-    _record(tmp_path, {0: torch.randn(4, 4)})
+def test_packs_are_contiguous_and_uncompressed(tmp_path):
+    value = torch.randn(4, 4)
+    _record(tmp_path, {0: value})
     with h5py.File(tmp_path / step_file_name(0, 0)) as handle:
-        dataset = handle["forward/mb_0000/m0#output.0"]
-        assert dataset.chunks is None and dataset.compression is None
-        assert "meta" not in dataset.attrs  # format 4: the metadata is the step's tensor index
         (row,) = [json.loads(line) for line in bytes(handle[TENSOR_INDEX][()]).split(b"\n")]
-        assert (row["dataset"], row["meta"]["key"]["fqn"]) == ("forward/mb_0000/m0#output.0", "m0")
+        assert (row["dataset"], row["meta"]["key"]["fqn"], row["pack"], row["offset"]) == \
+            ("forward/mb_0000/m0#output.0", "m0", 0, 0)
+        pack = handle["packs/0"]  # format 5: the values are a span of a pack, the metadata the index's row
+        assert pack.chunks is None and pack.compression is None and pack.dtype == "uint8" and not pack.attrs
+        assert bytes(pack[:64]) == value.numpy().tobytes()
 
 
 def test_interrupted_step_is_reported_and_completed_steps_stay_readable(tmp_path):

@@ -1,6 +1,8 @@
-"""Format 4's tensor index (ttrace_core/format/tensor_index.py) and each recorded byte written once
-(ttrace_core/format/same_storage.py): what is written reads back whole, a lying index row is named,
-and a tensor recorded twice in a step is one dataset behind two names."""
+"""The tensor index (ttrace_core/format/tensor_index.py) and each recorded byte written once
+(ttrace_core/format/same_storage.py): what is written reads back whole, in format 5 and in its format-4
+and format-3 copies; a format-4 index lying about its datasets is named; a tensor recorded twice in a
+step is one span behind two rows (format 5), one dataset behind two names (format 4). Format 5's packs
+have their own tests (tests/core/test_packs.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import h5py
 import pytest
 import torch
 
-from tests.faults.meta_rows import drop_meta, index_rows, read_meta, write_index_rows, write_legacy_copy, write_meta
+from tests.faults.meta_rows import (drop_meta, index_rows, read_meta, write_format4_copy, write_index_rows, write_legacy_copy,
+                                   write_meta)
 from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.reader import RunReader, dataset_path, step_file_name
 from ttrace_core.format.shard_reads import read_shards
@@ -58,6 +61,14 @@ def _written_run(run_dir) -> dict[TensorKey, tuple[TensorMeta, torch.Tensor | No
     return written
 
 
+def _format4_run(tmp_path, written: dict | None = None):
+    """`_written_run`'s step as format 4 wrote it (a dataset per tensor, a hard link for the same bytes);
+    `written` takes what was written."""
+    (written if written is not None else {}).update(_written_run(tmp_path / "written"))
+    write_format4_copy(tmp_path / "written", tmp_path / "format4")
+    return tmp_path / "format4"
+
+
 def _read_back(run_dir) -> dict[TensorKey, tuple[TensorMeta, torch.Tensor | None]]:
     with RunReader(run_dir) as reader:
         assert not reader.misplaced and not reader.inventory_gaps
@@ -72,20 +83,37 @@ def _same(read: dict, written: dict) -> None:
                                                                         value.contiguous().view(torch.uint8)), key
 
 
+NAMES = [FIRST, "forward/mb_0000/m1#input.0", "forward/mb_0000/m2#output.0", "forward/mb_0000/m3#output.0",
+         "forward/mb_0000/m4#output.0", "forward/mb_0000/m1#output.0", None]
+
+
 def test_every_key_meta_and_value_reads_back_as_written(tmp_path):
     written = _written_run(tmp_path)
     _same(_read_back(tmp_path), written)
     with h5py.File(tmp_path / STEP_FILE) as handle:
-        assert handle.attrs["format_version"] == 4 and handle.attrs[LINKS_ATTR] == 1
-        assert [row["dataset"] for row in index_rows(handle)] == [
-            FIRST, "forward/mb_0000/m1#input.0", "forward/mb_0000/m2#output.0", "forward/mb_0000/m3#output.0",
-            "forward/mb_0000/m4#output.0", "forward/mb_0000/m1#output.0", None]
-        # the recorded-twice tensor is one object behind two names; the one changed in place is its own
-        first, again, changed = (h5py.h5o.get_info(handle[name].id).addr for name in
-                                 (FIRST, "forward/mb_0000/m1#input.0", "forward/mb_0000/m1#output.0"))
+        assert handle.attrs["format_version"] == 5 and handle.attrs[LINKS_ATTR] == 1
+        rows = index_rows(handle)
+        assert [row["dataset"] for row in rows] == NAMES
+        # the recorded-twice tensor is one span behind two rows; the one changed in place is its own
+        first, again, changed = ((row["pack"], row["offset"]) for row in (rows[0], rows[1], rows[5]))
         assert first == again != changed
     key = TensorKey(step=0, micro_batch=0, phase="forward", fqn="m1", slot="input.0")
     ((meta, value),) = read_shards(tmp_path, key, 1)  # the tensor page's single-tensor read
+    assert meta == written[key][0] and torch.equal(value, written[key][1])
+
+
+def test_a_format_4_copy_reads_the_same(tmp_path):
+    """The same step written the way format 4 wrote it: a dataset per tensor, the same bytes twice one dataset."""
+    written = {}
+    run = _format4_run(tmp_path, written)
+    with h5py.File(run / STEP_FILE) as handle:
+        assert handle.attrs["format_version"] == 4 and handle.attrs[LINKS_ATTR] == 1
+        assert [row["dataset"] for row in index_rows(handle)] == NAMES and "packs" not in handle
+        first, again, changed = (h5py.h5o.get_info(handle[name].id).addr for name in (NAMES[0], NAMES[1], NAMES[5]))
+        assert first == again != changed
+    _same(_read_back(run), written)
+    key = TensorKey(step=0, micro_batch=0, phase="forward", fqn="m1", slot="input.0")
+    ((meta, value),) = read_shards(run, key, 1)
     assert meta == written[key][0] and torch.equal(value, written[key][1])
 
 
@@ -154,19 +182,19 @@ LIES_REFUSED_ON_OPEN = [
                                                                   "malformed-row", "row-renamed",
                                                                   "dataset-outside-ttraces-names"])
 def test_an_index_that_lies_about_the_files_datasets_is_refused_in_one_line(tmp_path, lie, line):
-    _written_run(tmp_path)
-    lie(tmp_path)
+    run = _format4_run(tmp_path)
+    lie(run)
     with pytest.raises(TraceFormatError) as raised:
-        RunReader(tmp_path)
-    assert str(raised.value) == f"{tmp_path}/{line}"
+        RunReader(run)
+    assert str(raised.value) == f"{run}/{line}"
 
 
 def test_a_row_naming_another_tensor_is_misplaced_and_a_row_without_its_dataset_is_a_gap(tmp_path):
-    _written_run(tmp_path)
-    _edit_row(tmp_path, FIRST, micro_batch=1, rank=3)
-    with h5py.File(tmp_path / STEP_FILE, "r+") as handle:
+    run = _format4_run(tmp_path)
+    _edit_row(run, FIRST, micro_batch=1, rank=3)
+    with h5py.File(run / STEP_FILE, "r+") as handle:
         del handle["forward/mb_0000/m3#output.0"]  # its values are lost, its row is still there
-    with RunReader(tmp_path) as reader:
+    with RunReader(run) as reader:
         placed = TensorKey(step=0, micro_batch=0, phase="forward", fqn="m0", slot="output.0")
         assert reader.misplaced == {placed: f"{placed}: the index row of the dataset in rank 0's file says it is "
                                             "step 0 / mb 1 / forward / m0 / output.0 of rank 3"}
@@ -182,26 +210,26 @@ def test_a_row_naming_another_tensor_is_misplaced_and_a_row_without_its_dataset_
                          "message is damaged"),
 ], ids=["shape", "dtype"])
 def test_a_row_lying_about_shape_or_dtype_is_refused_before_its_values_are_read(tmp_path, change, line):
-    _written_run(tmp_path)
-    _edit_row(tmp_path, FIRST, **change)
-    with RunReader(tmp_path) as reader:
+    run = _format4_run(tmp_path)
+    _edit_row(run, FIRST, **change)
+    with RunReader(run) as reader:
         (meta,) = reader.index[TensorKey(step=0, micro_batch=0, phase="forward", fqn="m0", slot="output.0")]
         with pytest.raises(TraceFormatError) as raised:
             reader.read(meta)
-    assert str(raised.value) == f"{tmp_path}/{STEP_FILE}:{FIRST}: {line}; re-record rank 0 (or copy its file again)"
+    assert str(raised.value) == f"{run}/{STEP_FILE}:{FIRST}: {line}; re-record rank 0 (or copy its file again)"
 
 
 @pytest.mark.parametrize("link, kind", [(lambda: h5py.SoftLink("/forward"), "a soft"),
                                         (lambda: h5py.ExternalLink("/etc/hostname", "x"), "an external")],
                          ids=["soft", "external"])
 def test_a_soft_or_external_link_in_an_indexed_file_is_refused_in_one_line(tmp_path, link, kind):
-    _written_run(tmp_path)
-    with h5py.File(tmp_path / STEP_FILE, "r+") as handle:
+    run = _format4_run(tmp_path)
+    with h5py.File(run / STEP_FILE, "r+") as handle:
         del handle[FIRST]
         handle[FIRST] = link()
     with pytest.raises(TraceFormatError) as raised:
-        RunReader(tmp_path)
-    assert str(raised.value) == (f"{tmp_path}/{STEP_FILE}: {FIRST} is {kind} link; ttrace writes only hard links "
+        RunReader(run)
+    assert str(raised.value) == (f"{run}/{STEP_FILE}: {FIRST} is {kind} link; ttrace writes only hard links "
                                  "inside a step file and reads nothing outside the trace, re-record this rank")
 
 

@@ -29,7 +29,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from tests.faults.meta_rows import drop_meta, read_meta, write_meta
+from tests.faults.meta_rows import (drop_meta, index_rows, is_packed, read_meta, span_of, storage_of, tensor_names,
+                                   tensor_values, write_index_rows, write_meta, write_tensor_values)
 from ttrace_core.format.reader import INVENTORY_ATTR, MANIFEST_NAME
 from ttrace_core.format.tensor_index import TENSOR_INDEX
 
@@ -46,10 +47,14 @@ class Corruption:
 
 
 def datasets_of(path: Path) -> list[str]:
-    found: list[str] = []
+    """The places of a step file's tensors with values (their datasets up to format 4, their index rows' names in
+    format 5): what the damage families aim at, one tensor each. The index is damaged through its tensors' rows."""
     with h5py.File(path, "r") as handle:
+        if is_packed(handle):
+            return tensor_names(handle)
+        found: list[str] = []
         handle.visititems(lambda name, node: found.append(name) if isinstance(node, h5py.Dataset) else None)
-    return [name for name in found if name != TENSOR_INDEX]  # the index is damaged through its tensors' rows
+    return [name for name in found if name != TENSOR_INDEX]
 
 
 def step_files(run: Path) -> list[Path]:
@@ -74,11 +79,11 @@ def _set(*path: str, value) -> Callable[[dict], None]:
 
 def _rewrite_values(path: Path, dataset: str, change: Callable[[np.ndarray], np.ndarray]) -> None:
     with h5py.File(path, "r+") as handle:
-        values = handle[dataset][()]
+        values = tensor_values(handle, dataset)
         meta = read_meta(handle, dataset)
         if meta["dtype"] != "float32" or values.size == 0:
             return
-        handle[dataset][...] = change(values.astype(np.float32))
+        write_tensor_values(handle, dataset, change(values.astype(np.float32)))
 
 
 # -- file bytes ------------------------------------------------------------------------------------
@@ -109,9 +114,14 @@ def truncations(pair: tuple[Path, Path], rng: random.Random, count: int) -> list
     boundaries = {0, 8, 48, 96, 512, 1024, size // 2, size - 1}
     with h5py.File(path, "r") as handle:
         for name in datasets_of(path):
-            offset = handle[name].id.get_offset()
+            if is_packed(handle):  # the tensor's bytes within its pack
+                pack, start, nbytes, _, _ = span_of(handle, name)
+                offset, size = handle[pack].id.get_offset(), nbytes
+                offset = None if offset is None else offset + start
+            else:
+                offset, size = handle[name].id.get_offset(), handle[name].id.get_storage_size()
             if offset is not None:
-                boundaries |= {offset, offset + max(handle[name].id.get_storage_size() // 2, 1)}
+                boundaries |= {offset, offset + max(size // 2, 1)}
     points = sorted(b for b in boundaries if 0 <= b < size)
     points = rng.sample(points, min(count, len(points)))
     cases = []
@@ -250,6 +260,12 @@ def duplicated_tensors(pair: tuple[Path, Path], rng: random.Random, count: int) 
 
         def damage(reference: Path, candidate: Path, name=path.name, source=source, target=target) -> None:
             with h5py.File(candidate / name, "r+") as handle:
+                if is_packed(handle):  # the target's row names the source's bytes, with the source's metadata
+                    rows = index_rows(handle)
+                    first = next(row for row in rows if row["dataset"] == source)
+                    write_index_rows(handle, [{**first, "dataset": target} if row["dataset"] == target else row
+                                              for row in rows])
+                    return
                 meta = read_meta(handle, source)
                 del handle[target]
                 handle[target] = handle[source][()]
@@ -371,11 +387,12 @@ def _values_file(outside: Path, step_file: Path, dataset: str) -> Path:
 
 
 def _replace_dataset(step_file: Path, dataset: str, make: Callable[[h5py.File], None]) -> None:
+    """`dataset` (a tensor's, or a format-5 pack) replaced by what `make` plants under its name."""
     with h5py.File(step_file, "r+") as handle:
-        meta = read_meta(handle, dataset)
+        meta = None if dataset.startswith("packs/") else read_meta(handle, dataset)
         del handle[dataset]
         make(handle)
-        if isinstance(handle.get(dataset, getlink=True), h5py.HardLink):
+        if meta is not None and isinstance(handle.get(dataset, getlink=True), h5py.HardLink):
             write_meta(handle, dataset, meta)  # format 4: its index row stays as it was
 
 
@@ -438,7 +455,9 @@ def ways_out(pair: tuple[Path, Path]) -> list[Corruption]:
     outside is an exact copy): what counts is the refusal, and that the file outside stays unread."""
     cases = []
     for path in step_files(pair[1]):
-        dataset = next(name for name in datasets_of(path) if name.startswith("forward/") and "#output" in name)
+        tensor = next(name for name in datasets_of(path) if name.startswith("forward/") and "#output" in name)
+        with h5py.File(path, "r") as handle:
+            dataset = storage_of(handle, tensor)  # format 5: the pack holding its bytes
         for name, plant in PLANTS.items():
             def damage(reference: Path, candidate: Path, plant=plant, dataset=dataset, file=path.name) -> None:
                 outside = outside_of(candidate)

@@ -1,7 +1,10 @@
-"""Reading and rewriting one tensor's recorded metadata in a step file, whatever its trace format:
-the dataset's own `meta` attribute up to format 3, its row of the tensor index from format 4.
+"""Reading and rewriting one tensor's recorded metadata and values in a step file, whatever its trace
+format: the dataset's own `meta` attribute up to format 3, its row of the tensor index from format 4;
+its values in its own dataset up to format 4, in a span of a pack in format 5 (`tensor_names`,
+`tensor_values`, `write_tensor_values`, `storage_of`).
 
-Also `write_legacy_copy`: a format-4 run rewritten as format 3 wrote it (an attribute per dataset).
+Also `write_legacy_copy`: a run rewritten as format 3 wrote it (an attribute per dataset), and
+`write_format4_copy`: a run rewritten as format 4 wrote it (a dataset per tensor, hard links).
 
 Used by the damage families (corruptions.py, size_lies.py, pristine.py), by the tests that make a trace
 lie or read an old format (tests/core/test_store.py, tests/core/test_tensor_index.py,
@@ -23,7 +26,74 @@ import numpy as np
 
 from ttrace_core.format.findings import FINDINGS
 from ttrace_core.format.reader import INVENTORY_ATTR, MANIFEST_NAME, STATS_ONLY_METAS
-from ttrace_core.format.tensor_index import TENSOR_INDEX, read_rows
+from ttrace_core.format.tensor_index import LINKS_ATTR, TENSOR_INDEX, read_rows
+
+RAW_BITS = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8", "float8_e4m3fnuz": "uint8",
+            "float8_e5m2fnuz": "uint8"}
+"""How a dtype's values are stored (docs/trace-format.md), told here apart from ttrace's reader."""
+
+
+def is_packed(handle: h5py.File) -> bool:
+    """Format 5: the file keeps its tensors' values in packs (spans of `packs/N`), not a dataset each."""
+    return int(handle.attrs.get("format_version", 0)) >= 5
+
+
+def tensor_names(handle: h5py.File) -> list[str]:
+    """The places of the file's tensors with values: their datasets (every name of one, hard links
+    included) up to format 4, the names their index rows give in format 5."""
+    if is_packed(handle):
+        return [row["dataset"] for row in index_rows(handle) if row["dataset"] is not None]
+    return [name for name in dataset_names(handle) if name != TENSOR_INDEX]
+
+
+def _row_of(handle: h5py.File, name: str) -> dict:
+    return next(row for row in index_rows(handle) if row["dataset"] == name)
+
+
+def storage_of(handle: h5py.File, name: str) -> str:
+    """The HDF5 dataset holding tensor `name`'s bytes: its own up to format 4, its pack in format 5."""
+    return f"packs/{_row_of(handle, name)['pack']}" if is_packed(handle) else name
+
+
+def stored_dtype(name: str) -> np.dtype:
+    return np.dtype(RAW_BITS.get(name, name))
+
+
+def span_of(handle: h5py.File, name: str) -> tuple[str, int, int, np.dtype, tuple[int, ...]]:
+    """Format 5: (pack, offset, bytes, stored dtype, shape) of tensor `name`, as its index row says."""
+    row = _row_of(handle, name)
+    dtype, shape = stored_dtype(row["meta"]["dtype"]), tuple(row["meta"]["local_shape"])
+    return f"packs/{row['pack']}", row["offset"], int(np.prod(shape)) * dtype.itemsize, dtype, shape
+
+
+def tensor_values(handle: h5py.File, name: str) -> np.ndarray:
+    """Tensor `name`'s stored values (raw bits for bf16 and fp8), read with plain h5py."""
+    if not is_packed(handle):
+        return handle[name][()]
+    pack, offset, nbytes, dtype, shape = span_of(handle, name)
+    return np.asarray(handle[pack][offset:offset + nbytes]).view(dtype).reshape(shape)
+
+
+def write_tensor_values(handle: h5py.File, name: str, values: np.ndarray) -> None:
+    """Overwrite tensor `name`'s values in place (the same dtype and size)."""
+    if not is_packed(handle):
+        handle[name][...] = values
+        return
+    pack, offset, nbytes, dtype, _ = span_of(handle, name)
+    raw = np.ascontiguousarray(values, dtype=dtype).reshape(-1).view(np.uint8)
+    assert raw.nbytes == nbytes, (name, raw.nbytes, nbytes)
+    handle[pack][offset:offset + nbytes] = raw
+
+
+def add_pack(handle: h5py.File, values: np.ndarray | None = None, **create) -> tuple[int, str]:
+    """A new pack holding `values`' bytes (or made by `create`, e.g. never written): (its number, its name)."""
+    group = handle.require_group("packs")
+    number = max((int(name) for name in group if name.isdigit()), default=-1) + 1
+    if values is not None:
+        group[str(number)] = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+    else:
+        group.create_dataset(str(number), **create)
+    return number, f"packs/{number}"
 
 
 def index_rows(handle: h5py.File) -> list[dict]:
@@ -101,8 +171,8 @@ _LEGACY_META = msgspec.json.Encoder()
 
 
 def write_legacy_copy(run_dir: Path, legacy_dir: Path) -> None:
-    """A format-4 run rewritten as format 3 wrote it: a dataset per tensor (links become copies) carrying its
-    metadata as its `meta` attribute, stats-only records in STATS_ONLY_METAS, findings as they are."""
+    """A format-4 or -5 run rewritten as format 3 wrote it: a dataset per tensor (links become copies) carrying
+    its metadata as its `meta` attribute, stats-only records in STATS_ONLY_METAS, findings as they are."""
     legacy_dir.mkdir(parents=True, exist_ok=True)
     manifest = json.loads((run_dir / MANIFEST_NAME).read_text())
     (legacy_dir / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 3}))
@@ -115,7 +185,7 @@ def write_legacy_copy(run_dir: Path, legacy_dir: Path) -> None:
             rows = read_rows(source, str(path))
             for row in rows:
                 if row.dataset is not None:
-                    legacy[row.dataset] = source[row.dataset][()]
+                    legacy[row.dataset] = tensor_values(source, row.dataset)
                     legacy[row.dataset].attrs["meta"] = _LEGACY_META.encode(row.meta).decode()
             stats_only = [_LEGACY_META.encode(row.meta) for row in rows if row.dataset is None]
             if stats_only:
@@ -123,6 +193,34 @@ def write_legacy_copy(run_dir: Path, legacy_dir: Path) -> None:
             if FINDINGS in source:
                 legacy[FINDINGS] = source[FINDINGS][()]
             legacy.attrs[INVENTORY_ATTR] = len(rows)
+
+
+def write_format4_copy(run_dir: Path, copy_dir: Path) -> None:
+    """A format-5 run rewritten as format 4 wrote it: a dataset per tensor, a second row of the same bytes a
+    hard link to the first, every row without pack and offset; attributes, findings and stats-only rows as they are."""
+    copy_dir.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads((run_dir / MANIFEST_NAME).read_text())
+    (copy_dir / MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 4}))
+    for path in sorted(run_dir.glob("rank_*.step_*.h5")):
+        with h5py.File(path, "r") as source, h5py.File(copy_dir / path.name, "w") as copy:
+            for name, value in source.attrs.items():
+                copy.attrs[name] = value
+            copy.attrs["format_version"] = 4
+            first_of_span: dict[tuple, str] = {}
+            rows = index_rows(source)
+            for row in rows:
+                if row["dataset"] is not None:
+                    span = (row["pack"], row["offset"], tuple(row["meta"]["local_shape"]), row["meta"]["dtype"])
+                    if span in first_of_span:
+                        copy[row["dataset"]] = copy[first_of_span[span]]  # a hard link, as format 4 wrote it
+                    else:
+                        copy[row["dataset"]] = tensor_values(source, row["dataset"])
+                        first_of_span[span] = row["dataset"]
+                row.pop("pack", None), row.pop("offset", None)
+            write_index_rows(copy, rows)
+            if FINDINGS in source:
+                copy[FINDINGS] = source[FINDINGS][()]
+            copy.attrs[LINKS_ATTR] = sum(1 for row in rows if row["dataset"] is not None) - len(first_of_span)
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Objects of the wrong kind where a step file's own objects belong, for the robustness cases: an HDF5
-group in place of the `tensor_index` or `findings` dataset (or of a tensor's dataset), and a dataset in
-place of a phase's group, as another tool writing HDF5 by name would leave them (issue 42, defect 7).
+group in place of the `tensor_index` or `findings` dataset (or of a tensor's dataset, a pack in format 5),
+and a dataset in place of a phase's group, as another tool writing HDF5 by name would leave them (issue 42,
+defect 7).
 
 h5py opens a group by the name ttrace gives a dataset without complaint, and a reader that goes on to
 ask for the dataset's storage layout fails with an AttributeError from h5py's property lists. Each is
@@ -18,6 +19,7 @@ from pathlib import Path
 import h5py
 
 from tests.faults.corruptions import Corruption, datasets_of, step_files
+from tests.faults.meta_rows import storage_of
 from ttrace_core.format.findings import FINDINGS
 from ttrace_core.format.tensor_index import TENSOR_INDEX
 
@@ -52,7 +54,8 @@ def misplaced_objects(pair: tuple[Path, Path]) -> list[Corruption]:
     cases = []
     files = [("candidate", path) for path in step_files(pair[1])] + [("reference", step_files(pair[0])[0])]
     for role, path in files:
-        first_tensor = datasets_of(path)[0]
+        with h5py.File(path, "r") as handle:
+            first_tensor = storage_of(handle, datasets_of(path)[0])  # format 5: the pack holding its bytes
         for name, damage in ((TENSOR_INDEX, group_in_place_of), (FINDINGS, group_in_place_of),
                              (first_tensor, group_in_place_of), ("forward", dataset_in_place_of)):
             what = "group" if damage is group_in_place_of else "dataset"

@@ -28,7 +28,7 @@ from ttrace_core.format.global_heap import refuse_looping_heaps
 from ttrace_core.format.reader import MANIFEST_NAME, tensor_from_array
 from ttrace_core.format.tensor_index import TENSOR_INDEX
 
-from tests.faults.meta_rows import dataset_names, metas_by_dataset
+from tests.faults.meta_rows import dataset_names, is_packed, metas_by_dataset, span_of, tensor_values
 
 # Manifest fields that say how the run was laid out or what it computed.
 JUDGED_MANIFEST = ("format_version", "role", "world_size", "degrees", "mesh_shape", "mesh_axis_names",
@@ -69,18 +69,23 @@ class Pristine:
         try:
             with h5py.File(path, "r") as handle:
                 refuse_looping_heaps(handle, path, "")  # HDF5 itself would hang on such a file: it cannot be read
-                names = dataset_names(handle)  # every name: a hard link (format 4) is a tensor of its own
-                metas = metas_by_dataset(handle)  # the attributes' or the tensor index's (format 4)
-                if set(names) - {TENSOR_INDEX} != set(datasets) or set(metas) != set(datasets):
+                metas = metas_by_dataset(handle)  # the attributes' or the tensor index's (formats 4 and 5)
+                if is_packed(handle):
+                    if _packs_changed(handle, metas):
+                        return True
+                else:  # every name: a hard link (format 4) is a tensor of its own
+                    if set(dataset_names(handle)) - {TENSOR_INDEX} != set(datasets):
+                        return True
+                if set(metas) != set(datasets):
                     return True
-                return any(self._dataset_changed(handle[name], metas[name], *datasets[name]) for name in datasets)
+                return any(self._dataset_changed(tensor_values(handle, name), metas[name], *datasets[name])
+                           for name in datasets)
         except Exception:  # noqa: BLE001 - anything h5py cannot read is material: ttrace must say so
             return True
 
-    def _dataset_changed(self, dataset: h5py.Dataset, now_meta: dict, meta: dict, values: np.ndarray) -> bool:
+    def _dataset_changed(self, now: np.ndarray, now_meta: dict, meta: dict, values: np.ndarray) -> bool:
         if _judged(now_meta) != _judged(meta):
             return True
-        now = dataset[()]
         if now.dtype != values.dtype or now.shape != values.shape:
             return True
         if np.array_equal(now, values, equal_nan=False) or values.size == 0:
@@ -91,6 +96,19 @@ class Pristine:
             return True
         key = TensorKey(**meta["key"])
         return float((after - before).norm()) > self.allowed.get(key, 0.0)
+
+
+def _packs_changed(handle: h5py.File, metas: dict[str, dict]) -> bool:
+    """Format 5: whether a pack a row names is one ttrace would not read as bytes (not a contiguous, unfiltered
+    uint8 row, or holding fewer bytes than the rows' spans need): its tensors then cannot be read as recorded."""
+    for name in metas:
+        pack, offset, nbytes, _, _ = span_of(handle, name)
+        dataset = handle.get(pack)
+        if not isinstance(dataset, h5py.Dataset) or dataset.dtype != np.uint8 or dataset.ndim != 1 or \
+                dataset.chunks is not None or dataset.id.get_storage_size() < dataset.shape[0] or \
+                offset + nbytes > dataset.shape[0]:
+            return True
+    return False
 
 
 def _contradicts(before: dict, now: dict) -> bool:
@@ -121,6 +139,6 @@ def _snapshot(run: Path) -> dict[str, dict[str, tuple[dict, np.ndarray]]]:
     files = {}
     for path in sorted(run.glob("rank_*.step_*.h5")):
         with h5py.File(path, "r") as handle:
-            datasets = {name: (meta, handle[name][()]) for name, meta in metas_by_dataset(handle).items()}
+            datasets = {name: (meta, tensor_values(handle, name)) for name, meta in metas_by_dataset(handle).items()}
         files[path.name] = datasets
     return files

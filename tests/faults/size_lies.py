@@ -23,7 +23,8 @@ import h5py
 import numpy as np
 
 from tests.faults.corruptions import Corruption, datasets_of, step_files
-from tests.faults.meta_rows import read_meta, write_meta
+from tests.faults.meta_rows import (add_pack, index_rows, is_packed, read_meta, stored_dtype, tensor_names, tensor_values,
+                                   write_index_rows, write_meta)
 
 BIG = 10**12
 HUGE_MESH = 10**9
@@ -33,7 +34,20 @@ Rewrite = Callable[[h5py.File, str, dict], None]
 
 
 def _write(handle: h5py.File, dataset: str, meta: dict, values: np.ndarray | None = None, **create) -> None:
-    """Replace `dataset` by `values` (or by an unallocated dataset made with `create`) under `meta`."""
+    """Replace `dataset` by `values` (or by an unallocated dataset made with `create`) under `meta`; in format 5,
+    the tensor's row names a new pack holding them (made with `create` in bytes: the same lie told to a pack)."""
+    if is_packed(handle):
+        if values is None:
+            itemsize = np.dtype(create.pop("dtype")).itemsize
+            create["shape"] = (int(np.prod(create["shape"])) * itemsize,)
+            if create.get("chunks") not in (None, True):
+                create["chunks"] = (int(np.prod(create["chunks"])) * itemsize,)
+            number, _ = add_pack(handle, dtype=np.uint8, **create)
+        else:
+            number, _ = add_pack(handle, values)
+        write_index_rows(handle, [{**row, "pack": number, "offset": 0, "meta": meta} if row["dataset"] == dataset else row
+                                  for row in index_rows(handle)])
+        return
     del handle[dataset]
     if values is not None:
         handle[dataset] = values
@@ -53,7 +67,7 @@ def _replicated(meta: dict, shape: list[int], **layout) -> dict:
 
 def _unallocated(shape: tuple[int, ...], chunks: tuple[int, ...] | None = None) -> Rewrite:
     def rewrite(handle: h5py.File, dataset: str, meta: dict) -> None:
-        dtype = handle[dataset].dtype
+        dtype = stored_dtype(meta["dtype"])
         _write(handle, dataset, _replicated(meta, list(shape)), shape=shape, dtype=dtype, chunks=chunks)
     return rewrite
 
@@ -61,7 +75,14 @@ def _unallocated(shape: tuple[int, ...], chunks: tuple[int, ...] | None = None) 
 def _resized_past_its_chunks(numel: int) -> Rewrite:
     """The recorded values in chunks, then the dataspace grown to `numel` elements: storage stays that of the values."""
     def rewrite(handle: h5py.File, dataset: str, meta: dict) -> None:
-        values = handle[dataset][()].reshape(-1)
+        values = tensor_values(handle, dataset).reshape(-1)
+        if is_packed(handle):  # a chunked pack of the values' bytes, grown to the claimed size
+            number, name = add_pack(handle, shape=(values.nbytes,), dtype=np.uint8, chunks=True, maxshape=(None,))
+            handle[name][...] = values.view(np.uint8)
+            handle[name].resize((numel * values.itemsize,))
+            write_index_rows(handle, [{**row, "pack": number, "offset": 0, "meta": _replicated(meta, [numel])}
+                                      if row["dataset"] == dataset else row for row in index_rows(handle)])
+            return
         _write(handle, dataset, _replicated(meta, [numel]), shape=values.shape, dtype=values.dtype, chunks=True,
                maxshape=(None,))
         handle[dataset][...] = values
@@ -72,7 +93,7 @@ def _resized_past_its_chunks(numel: int) -> Rewrite:
 def _flat_range_over(numel: int, *, claims_all: bool) -> Rewrite:
     """A flat range in a block of `numel` elements: the recorded values (flattened), or all `numel` of them."""
     def rewrite(handle: h5py.File, dataset: str, meta: dict) -> None:
-        values = handle[dataset][()].reshape(-1)
+        values = tensor_values(handle, dataset).reshape(-1)
         held = numel if claims_all else values.size
         _write(handle, dataset, _replicated(meta, [held], global_shape=[numel], flat_range=[0, held]), values)
     return rewrite
@@ -81,7 +102,7 @@ def _flat_range_over(numel: int, *, claims_all: bool) -> Rewrite:
 def _on_mesh(placement: str, mesh_size: int, *, sharded_dim: int | None = None) -> Rewrite:
     """The recorded values under `placement` on a one-axis mesh of `mesh_size` ranks, each rank at its own coordinate."""
     def rewrite(handle: h5py.File, dataset: str, meta: dict) -> None:
-        shape = list(handle[dataset].shape)
+        shape = list(tensor_values(handle, dataset).shape)
         global_shape = list(shape)
         if sharded_dim is not None:
             global_shape[sharded_dim] *= mesh_size
@@ -115,7 +136,7 @@ def apply_everywhere(reference: Path, candidate: Path, dataset: str, rewrite: Re
     for run in (reference, candidate):
         for path in step_files(run):
             with h5py.File(path, "r+") as handle:
-                if dataset in handle:
+                if dataset in tensor_names(handle):
                     rewrite(handle, dataset, read_meta(handle, dataset))
 
 
@@ -124,8 +145,10 @@ def _tensors(pair: tuple[Path, Path]) -> list[str]:
     all their shards leaves the two runs agreeing on the tensor's shape, so only its size gives it away."""
     common = set(datasets_of(step_files(pair[0])[0])) & set(datasets_of(step_files(pair[1])[0]))
     with h5py.File(step_files(pair[0])[0], "r") as reference, h5py.File(step_files(pair[1])[0], "r") as candidate:
-        return sorted(name for name in common if "#" in name and candidate[name].ndim >= 1
-                      and candidate[name].shape == reference[name].shape)
+        shapes = [(read_meta(candidate, name)["local_shape"], read_meta(reference, name)["local_shape"]) for name in sorted(common)
+                  if "#" in name]
+        return sorted(name for name, (mine, theirs) in zip(sorted(n for n in common if "#" in n), shapes)
+                      if len(mine) >= 1 and mine == theirs)
 
 
 def _cases(pair: tuple[Path, Path], rng: random.Random, kind: str, lies: dict[str, Rewrite], per_lie: int) -> list[Corruption]:

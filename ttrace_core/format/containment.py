@@ -1,9 +1,10 @@
 """What a trace reader may touch: the files of its own run directory, and the data inside them.
 
-Part of the trace format's reading side (reader.py and datasets.py read through it). A shared trace must never make ttrace read
-elsewhere: a symlink out of the run directory, an HDF5 soft or external link, a virtual dataset or
-external raw storage would each lead a reader to another file (`/etc/...` or another run's data,
-which would then be judged as this run's). ttrace writes none of them, so each is refused before
+Part of the trace format's reading side: step_file.py's wall checks every step file through it, and
+reader.py its manifest. A shared trace must never make ttrace read elsewhere: a symlink out of the
+run directory, an HDF5 soft or external link, a virtual dataset or external raw storage would each
+lead a reader to another file (`/etc/...` or another run's data, which would then be judged as this
+run's). ttrace writes none of them, so each is refused before
 anything is read through it, with one line naming the file. `dataset_metas` lists a step file's
 datasets and their metadata through HDF5's low-level API with those checks built in.
 

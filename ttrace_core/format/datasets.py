@@ -1,8 +1,8 @@
 """Reading one HDF5 object of a step file: what the file declares is checked before anything is
 allocated, and whatever HDF5, numpy or torch raise on a damaged file becomes one line.
 
-Part of stage 0, the trace format; reader.py and findings.py read every dataset and attribute
-through here. This is the boundary between HDF5 and ttrace: a damaged file fails deep below h5py
+Part of stage 0, the trace format; behind the wall of step_file.py, every dataset and attribute of a
+step file is read through here. This is the boundary between HDF5 and ttrace: a damaged file fails deep below h5py
 (a zeroed global heap: "bad global heap collection signature"; a flipped bit in a datatype message:
 a float of 128 bits numpy holds as longdouble and torch cannot take), and each failure becomes a
 `TraceFormatError` that names the file and the dataset, says what is wrong and what to do.

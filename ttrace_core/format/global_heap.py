@@ -1,6 +1,6 @@
 """A check of a step file's global heap before HDF5 reads a string from it, which it could loop on forever.
 
-Part of stage 0, the trace format (reader.py opens every step file through it). Each dataset's `meta`
+Part of stage 0, the trace format (step_file.py's wall opens every step file through it). Each dataset's `meta`
 and the file's `blind_spots` are variable-length strings, which HDF5 keeps in global heap collections
 ("GCOL"). To read one, HDF5 walks its collection object by object (H5HG__cache_heap_deserialize), and
 an object whose size reads 0 (a zeroed range of the file) never moves that walk on: the reader hangs

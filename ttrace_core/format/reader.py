@@ -3,88 +3,43 @@
 A run directory holds `manifest.json` and one HDF5 file per rank and step,
 `rank_00001.step_000000.h5`. A step file is written as `<name>.partial` and renamed only after it
 is complete and flushed, so a killed recording leaves every finished step readable and its
-interrupted step marked partial. Datasets are uncompressed and contiguous: fp32 activations
-compress by under 10% while gzip makes writing 10x slower. Every tensor's `TensorMeta` is one row of
-its step file's tensor index (tensor_index.py; format 4); up to format 3 each dataset carried its own
-as one JSON attribute, and those files are read as they were. Values are raw bits: bf16 as int16, fp8 as uint8 plus its scale; nothing is
-upcast. Reading never executes code: JSON and HDF5 numeric arrays only, no pickle, no torch.load.
+interrupted step marked partial. `RunReader` reads the manifest, tells complete steps from partial
+ones by the files' names, and opens every step file through one wall, step_file.py's `open_step`,
+which checks the file once (containment, regular file, links, attributes, the tensor index against
+the datasets) and reads its values on demand. Reading never executes code: JSON and HDF5 numeric
+arrays only, no pickle, no torch.load.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
 from collections import defaultdict
 from pathlib import Path
 
-import h5py
-import numpy as np
 import torch
 
-from ttrace_core.format.containment import contained, dataset_metas, refuse_external_storage, refuse_links
-from ttrace_core.format.regular_files import regular_file_bytes
-from ttrace_core.errors import TraceFormatError, TtraceError
-from ttrace_core.format.datasets import (
-    INTEGER, READ_ERRORS, STRING, damaged_file_errors, read_bytes_dataset, read_values, read_whole_values, scalar_attribute,
-    stored_dtype,
-    tensor_from_array,
-)
-from ttrace_core.format.findings import FINDINGS, findings_in_file
+from ttrace_core.errors import TraceFormatError
+from ttrace_core.format.containment import contained
+from ttrace_core.format.datasets import tensor_from_array  # noqa: F401 - re-exported: readers of raw arrays
 from ttrace_core.format.naming import in_subtree
-from ttrace_core.format.global_heap import refuse_looping_heaps
-from ttrace_core.format.records import data_from_json, meta_from_json, record_from_data
-from ttrace_core.format.tensor_index import IndexRow, checked_rows, collector_paused
+from ttrace_core.format.records import data_from_json, record_from_data
+from ttrace_core.format.regular_files import regular_file_bytes
 from ttrace_core.format.schema import (
-    FORMAT_VERSION, INDEXED_FORMAT, NO_MICRO_BATCH, PHASES, PRE_STEP_SLOT, READABLE_FORMAT_VERSIONS, REQUIRED_MANIFEST_FIELDS, Finding, RunManifest,
-    TOKENS_SLOT, TensorKey, TensorMeta,
+    FORMAT_VERSION, PRE_STEP_SLOT, READABLE_FORMAT_VERSIONS, REQUIRED_MANIFEST_FIELDS, Finding, RunManifest, TOKENS_SLOT,
+    TensorKey, TensorMeta,
 )
+from ttrace_core.format.step_file import (  # noqa: F401 - the step file's names, re-exported for the writer and tools
+    INVENTORY_ATTR, MAX_STOPPED_CHARS, PARTIAL_SUFFIX, STATS_ONLY_METAS, STEP_FILE, STOPPED_ATTR, StepFile, dataset_path,
+    open_step, remedy_of, step_file_name,
+)
+from ttrace_core.format.tensor_index import collector_paused
 
 MANIFEST_NAME = "manifest.json"
-INVENTORY_ATTR = "num_tensors"
-"""Step-file attribute: how many datasets the writer put in it (a reader that finds fewer names the gap)."""
-PARTIAL_SUFFIX = ".partial"
-STATS_ONLY_METAS = "stats_only_metas"
-"""Step-file dataset: the metadata of every stats-only tensor of the step, one JSON record per line
-(a stats-only tensor has no values, and one dataset per tensor cost more than recording it)."""
-STOPPED_ATTR = "stopped"
-"""Partial step-file attribute: the exception that stopped the step on that rank (a killed rank leaves none)."""
-MAX_STOPPED_CHARS = 300
-STEP_FILE = re.compile(r"^rank_(\d{5})\.step_(\d{6})\.h5(\.partial)?$")
-
-def step_file_name(rank: int, step: int) -> str:
-    return f"rank_{rank:05d}.step_{step:06d}.h5"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def dataset_path(key: TensorKey) -> str:
-    group = "all" if key.micro_batch < 0 else f"mb_{key.micro_batch:04d}"
-    call = f"@{key.call}" if key.call else ""
-    return f"{key.phase}/{group}/{key.fqn or '<root>'}#{key.slot}{call}"
-
-
-def key_fromdataset_path(path: str, step: int) -> TensorKey | None:
-    """The key a dataset's place in its file names (the inverse of `_dataset_path`); None for a name
-    ttrace does not write."""
-    parts = path.split("/")
-    if len(parts) != 3 or "#" not in parts[2] or parts[0] not in PHASES:
-        return None
-    group, (fqn, _, slot) = parts[1], parts[2].partition("#")
-    slot, _, call = slot.partition("@")
-    if group == "all":
-        micro_batch = NO_MICRO_BATCH
-    elif group.startswith("mb_") and group[3:].isdigit():
-        micro_batch = int(group[3:])
-    else:
-        return None
-    if call and not call.isdigit():
-        return None
-    return TensorKey(step=step, micro_batch=micro_batch, phase=parts[0], fqn="" if fqn == "<root>" else fqn, slot=slot,
-                     call=int(call or 0))
 
 
 def pre_step_key(reader: RunReader, key: TensorKey) -> TensorKey | None:
@@ -128,73 +83,20 @@ def _step_file_states(run_dir: Path) -> dict[int, dict[int, bool]]:
     return found
 
 
-def _why_partial(run_dir: Path, step: int, by_rank: dict[int, bool], world_size: int) -> str:
+def _why_partial(leftovers: dict[int, StepFile], step: int, by_rank: dict[int, bool], world_size: int) -> str:
     """Which ranks left step `step` unfinished (a `.partial` file, and what stopped each) and which have
     no file for it at all."""
     interrupted = [r for r in range(world_size) if by_rank.get(r) is False]
     missing = [r for r in range(world_size) if r not in by_rank]
     reasons = []
     if interrupted:
-        words = "; ".join(f"rank {r} {_stopped_word(run_dir, r, step)}" for r in interrupted)
+        words = "; ".join(f"rank {r} {leftovers[r].stopped}" for r in interrupted)
         reasons.append(f"ranks {interrupted} did not finish step {step} ({words})")
     if missing:
         finished = [r for r in range(world_size) if by_rank.get(r)]
         reasons.append(f"ranks {missing} have no file for step {step} (the rank died before the step began, or its "
                        f"file was not copied){f'; ranks {finished} finished it' if finished else ''}")
     return "; ".join(reasons)
-
-
-def open_step_file(path: Path, rank: int) -> h5py.File:
-    """A step file opened read-only (after `contained` checked what `path` is) whose global heap HDF5 can
-    read without looping (global_heap.py), or one line saying why not."""
-    try:
-        handle = h5py.File(path, "r")
-    except READ_ERRORS as error:
-        reason = str(error).split("(")[0].strip() or "unreadable"
-        raise TraceFormatError(f"{path}: not a readable HDF5 file ({reason}); it is truncated or corrupted, "
-                               f"{remedy_of(rank)}") from error
-    try:
-        with damaged_file_errors(str(path), remedy_of(rank)):
-            refuse_looping_heaps(handle, path, remedy_of(rank))
-    except TraceFormatError:
-        handle.close()
-        raise
-    return handle
-
-
-def remedy_of(rank: int) -> str:
-    return f"re-record rank {rank} (or copy its file again)"
-
-
-def _stopped_word(run_dir: Path, rank: int, step: int) -> str:
-    """What a rank's partial step file says stopped it; a file without a word was killed or lost its machine."""
-    silent = "left no word: killed, or its machine died"
-    path = Path(run_dir) / (step_file_name(rank, step) + PARTIAL_SUFFIX)
-    try:
-        with open_step_file(contained(run_dir, path.name), rank) as handle, damaged_file_errors(str(path), remedy_of(rank)):
-            word = scalar_attribute(handle, STOPPED_ATTR, STRING, str(path), remedy_of(rank))
-    except TtraceError:  # a file cut off mid-write is expected here: the step was interrupted
-        return silent
-    if isinstance(word, bytes):
-        word = word.decode(errors="replace")
-    if not isinstance(word, str) or not word.strip():
-        return silent
-    return "stopped on " + " ".join(word.split())[:MAX_STOPPED_CHARS]
-
-
-def _findings_of_unfinished_step(run_dir: Path, step: int, by_rank: dict[int, bool]) -> list[Finding]:
-    """The findings the files of a partial step kept (RunWriter.close writes them into a stopped step's
-    file); a file cut off mid-write is expected here and gives none."""
-    found = []
-    for rank, complete in sorted(by_rank.items()):
-        path = Path(run_dir) / (step_file_name(rank, step) + ("" if complete else PARTIAL_SUFFIX))
-        try:
-            with open_step_file(contained(run_dir, path.name), rank) as handle, damaged_file_errors(str(path), remedy_of(rank)):
-                refuse_links(handle, str(path))
-                found += findings_in_file(handle, str(path))
-        except TtraceError:
-            continue
-    return found
 
 
 def step_files(run_dir: str | os.PathLike, world_size: int) -> tuple[list[int], list[int]]:
@@ -204,43 +106,19 @@ def step_files(run_dir: str | os.PathLike, world_size: int) -> tuple[list[int], 
     return complete, [step for step in sorted(found) if step not in complete]
 
 
-def stats_only_metas(handle: h5py.File, where: str) -> list[TensorMeta]:
-    """The step file's stats-only records (STATS_ONLY_METAS), each checked like a dataset's metadata."""
-    text = read_bytes_dataset(handle[STATS_ONLY_METAS], f"{where}:{STATS_ONLY_METAS}", "re-record this rank")
-    return [meta_from_json(line, f"{where}:{STATS_ONLY_METAS} line {number}")
-            for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
-
-
-def is_indexed(handle: h5py.File, path: Path, rank: int) -> bool:
-    """Whether a step file keeps its tensors' metadata in a tensor index (format 4) rather than one attribute each."""
-    version = scalar_attribute(handle, "format_version", INTEGER, str(path), remedy_of(rank))
-    return isinstance(version, (int, np.integer)) and int(version) >= INDEXED_FORMAT
-
-
-def _blind_spots_of(handle: h5py.File, path: Path, rank: int) -> dict[str, str]:
-    """The modules one rank's trace could not see into (Tracer.blind_spots), from its step file."""
-    try:
-        blind_spots = json.loads(scalar_attribute(handle, "blind_spots", STRING, str(path), remedy_of(rank)) or "{}")
-    except (TypeError, ValueError) as error:
-        raise TraceFormatError(f"{path}: attribute blind_spots is not JSON ({error}); re-record rank {rank}") from error
-    if not isinstance(blind_spots, dict) or not all(isinstance(v, str) for v in blind_spots.values()):
-        raise TraceFormatError(f"{path}: attribute blind_spots must map module names to text; re-record rank {rank}")
-    return blind_spots
-
-
 def read_blind_spots(run_dir: str | os.PathLike, manifest: RunManifest, step: int) -> dict[str, str]:
     """Every blind spot of a run: the manifest's and those each rank wrote with `step` (tensors are not read)."""
     found = dict(manifest.blind_spots)
     for rank in range(manifest.world_size):
-        path = contained(run_dir, step_file_name(rank, step))
-        with open_step_file(path, rank) as handle:
-            for fqn, why in _blind_spots_of(handle, path, rank).items():
+        with open_step(run_dir, rank, step, tensors=False) as step_file:
+            for fqn, why in step_file.blind_spots.items():
                 found.setdefault(fqn, why)
     return found
 
 
 class RunReader:
-    """Read-only view of a run directory: the manifest, which steps are complete, and every shard."""
+    """Read-only view of a run directory: the manifest, which steps are complete, and every shard.
+    Every step file is opened through step_file.py's wall, once."""
 
     def __init__(self, run_dir: str | os.PathLike, *, subtree: str | None = None) -> None:
         """`subtree`: index only the tensors of that module and its descendants (their parameters
@@ -248,7 +126,7 @@ class RunReader:
         self.run_dir = Path(run_dir)
         self.subtree = subtree or None
         self.manifest = read_manifest(run_dir)
-        self._files: dict[tuple[int, int], h5py.File] = {}
+        self._files: dict[tuple[int, int], StepFile] = {}
         self.index: dict[TensorKey, list[TensorMeta]] = defaultdict(list)
         self.complete_steps: list[int] = []
         self.partial_steps: dict[int, str] = {}
@@ -261,7 +139,11 @@ class RunReader:
         """What the tracer could not record, and why (findings.py), from complete and partial steps alike."""
         self.tokens: dict[TensorKey, list[TensorMeta]] = {}
         """The token positions of routed modules' pieces (TOKENS_SLOT), by the key of the expert's forward call."""
-        self._scan()
+        try:
+            self._scan()
+        except BaseException:
+            self.close()
+            raise
         self._set_tokens_apart()
 
     def _set_tokens_apart(self) -> None:
@@ -281,94 +163,26 @@ class RunReader:
                 )
         for step, by_rank in sorted(found.items()):
             if any(not by_rank.get(r, False) for r in range(self.manifest.world_size)):
-                self.partial_steps[step] = _why_partial(self.run_dir, step, by_rank, self.manifest.world_size)
-                self.findings += [f for f in _findings_of_unfinished_step(self.run_dir, step, by_rank) if self._in_subtree(f.fqn)]
+                leftovers = {rank: open_step(self.run_dir, rank, step, complete=complete, unfinished=True)
+                             for rank, complete in sorted(by_rank.items())}
+                self.partial_steps[step] = _why_partial(leftovers, step, by_rank, self.manifest.world_size)
+                self.findings += [f for left in leftovers.values() for f in left.findings if self._in_subtree(f.fqn)]
                 continue
             for rank in range(self.manifest.world_size):
-                self._index_file(rank, step)
+                self._add(open_step(self.run_dir, rank, step, wanted=self._wanted if self.subtree else None))
             self.complete_steps.append(step)
 
-    def _index_file(self, rank: int, step: int) -> None:
-        path = contained(self.run_dir, step_file_name(rank, step))
-        handle = self._files[(rank, step)] = open_step_file(path, rank)
-        with damaged_file_errors(str(path), remedy_of(rank)):
-            self._index_open_file(handle, path, rank, step)
-
-    def _index_open_file(self, handle: h5py.File, path: Path, rank: int, step: int) -> None:
-        where = f"{path}"
-        for fqn, why in _blind_spots_of(handle, path, rank).items():
+    def _add(self, step_file: StepFile) -> None:
+        self._files[(step_file.rank, step_file.step)] = step_file
+        for fqn, why in step_file.blind_spots.items():
             self.manifest.blind_spots.setdefault(fqn, why)
-        if is_indexed(handle, path, rank):
-            self._index_table(handle, path, rank, step)
-            return
-        metas = dataset_metas(handle, where)
-        stats_only = stats_only_metas(handle, where) if metas.pop(STATS_ONLY_METAS, False) is not False else []
-        if metas.pop(FINDINGS, False) is not False:
-            self.findings += [f for f in findings_in_file(handle, where) if self._in_subtree(f.fqn)]
-        for name, text in metas.items():
-            if self._wanted(name):
-                self._index_dataset(name, text, rank, step, where)
-        for meta in stats_only:
-            if self._wanted(dataset_path(meta.key)):
-                self._index_stats_only(meta, rank, step)
-        self._check_inventory(handle, path, rank, len(metas) + len(stats_only))
-
-    def _index_table(self, handle: h5py.File, path: Path, rank: int, step: int) -> None:
-        """A format-4 step file, from its tensor index (checked against the file's datasets)."""
-        table = checked_rows(handle, str(path))
-        self.findings += [f for f in findings_in_file(handle, str(path)) if self._in_subtree(f.fqn)]
-        wanted = table.rows if self.subtree is None else \
-            [row for row in table.rows if self._wanted(row.dataset or dataset_path(row.meta.key))]
-        with collector_paused():  # 15k rows placed make the collector walk every object again: 1/4 of the time
-            for row in wanted:
-                if row.dataset is None:
-                    self._index_stats_only(row.meta, rank, step)
-                else:
-                    self._index_row(row, rank, step, str(path))
-        self.inventory_gaps += [f"{path.name}: its tensor index lists {name}, which the file does not hold"
-                                for name in table.missing]
-        self._check_inventory(handle, path, rank, len(table.rows) + len(table.missing))
-
-    def _index_row(self, row: IndexRow, rank: int, step: int, where: str) -> None:
-        meta = row.meta
-        if meta.rank == rank and meta.key.step == step and row.dataset == dataset_path(meta.key):
-            self.index[meta.key].append(meta)  # the row tells the truth (nearly always): no name to parse
-            return
-        placed = key_fromdataset_path(row.dataset, step)
-        if placed is None:
-            raise TraceFormatError(f"{where}: dataset {row.dataset} is not where ttrace writes tensors; the file was "
-                                   "not written by ttrace")
-        self.misplaced[placed] = (f"{placed}: the index row of the dataset in rank {rank}'s file says it is {meta.key} "
-                                  f"of rank {meta.rank}")
-        self.index[placed].append(dataclasses.replace(meta, key=placed, rank=rank))
-
-    def _check_inventory(self, handle: h5py.File, path: Path, rank: int, held: int) -> None:
-        written = scalar_attribute(handle, INVENTORY_ATTR, INTEGER, str(path), remedy_of(rank))
-        if written is None:
-            return
-        written = int(written) if isinstance(written, (int, np.integer)) else repr(written)
-        if written != held:
-            self.inventory_gaps.append(f"{path.name} holds {held} tensors, its writer recorded {written}")
-
-    def _index_stats_only(self, meta: TensorMeta, rank: int, step: int) -> None:
-        placed = dataclasses.replace(meta.key, step=step)
-        if meta.key.step != step or meta.rank != rank or not meta.stats_only:
-            self.misplaced[placed] = (f"{placed}: the stats-only record in rank {rank}'s file of step {step} says it is "
-                                      f"{meta.key} of rank {meta.rank}{'' if meta.stats_only else ', with values'}")
-            meta = dataclasses.replace(meta, key=placed, rank=rank, stats_only=True)
-        self.index[placed].append(meta)
-
-    def _index_dataset(self, name: str, text: bytes | None, rank: int, step: int, where: str) -> None:
-        if text is None:
-            raise TraceFormatError(f"{where}: dataset {name} has no ttrace metadata; the file was not written by ttrace")
-        meta = meta_from_json(text, f"{where}:{name}")
-        placed = key_fromdataset_path(name, step)
-        if placed is None:
-            raise TraceFormatError(f"{where}: dataset {name} is not where ttrace writes tensors; the file was not written by ttrace")
-        if placed != meta.key or meta.rank != rank:
-            self.misplaced[placed] = (f"{placed}: the dataset in rank {rank}'s file says it is {meta.key} of rank {meta.rank}")
-            meta = dataclasses.replace(meta, key=placed, rank=rank)
-        self.index[placed].append(meta)
+        self.findings += [f for f in step_file.findings if self._in_subtree(f.fqn)]
+        self.misplaced.update(step_file.misplaced)
+        self.inventory_gaps += step_file.inventory_gaps
+        index = self.index
+        with collector_paused():
+            for meta in step_file.metas:
+                index[meta.key].append(meta)
 
     def _wanted(self, dataset_path: str) -> bool:
         return self._in_subtree(dataset_path.rsplit("/", 1)[-1].split("#", 1)[0])
@@ -378,30 +192,15 @@ class RunReader:
 
     def read(self, meta: TensorMeta, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The recorded local values of one shard, in its recorded dtype; `region` (a slice per leading
-        dim): only that part, read as a hyperslab (HDF5 reads only its bytes)."""
-        path = dataset_path(meta.key)
-        where = f"{self.run_dir / step_file_name(meta.rank, meta.key.step)}:{path}"
-        if meta.stats_only:
-            raise TraceFormatError(f"{where}: recorded in stats-only mode; it holds no values")
-        with damaged_file_errors(where, remedy_of(meta.rank)):
-            handle = self._files[(meta.rank, meta.key.step)]
-            if region is None:
-                array = read_whole_values(handle, path, stored_dtype(meta.dtype), meta.local_shape, where,
-                                          remedy_of(meta.rank), check=lambda dataset: refuse_external_storage(dataset, where))
-            else:
-                dataset = handle.get(path)
-                if not isinstance(dataset, h5py.Dataset):
-                    raise TraceFormatError(f"{where}: the file holds no such dataset; {remedy_of(meta.rank)}")
-                refuse_external_storage(dataset.id, where)  # format 4 checks it here, not while indexing
-                array = read_values(dataset, stored_dtype(meta.dtype), meta.local_shape, where, remedy_of(meta.rank), region)
-            return tensor_from_array(array, meta.dtype, where)
+        dim): only that part (only its bytes are read)."""
+        return self._files[(meta.rank, meta.key.step)].read(meta, region)
 
     def keys(self) -> list[TensorKey]:
         return list(self.index)
 
     def close(self) -> None:
-        for handle in self._files.values():
-            handle.close()
+        for step_file in self._files.values():
+            step_file.close()
         self._files.clear()
 
     def __enter__(self) -> RunReader:

@@ -1,5 +1,6 @@
 """Which recorded tensors are the same bytes: a module's output is often the next module's input, and
-a tensor recorded twice in a step is written once (format 4), the second time as a hard link.
+a tensor recorded twice in a step is written once (format 5: a second index row naming the same bytes;
+format 4 made it a hard link).
 
 Part of stage 1 (record): writer.py and record/background_writer.py ask `WrittenStorages` before
 writing. Two records hold the same values when they view the same storage the same way (data

@@ -18,17 +18,20 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta
 
-FORMAT_VERSION = 4
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
 """2: stats-only tensors keep their records in one STATS_ONLY_METAS dataset per step file (full traces
 are written as in version 1). 3: the phase "step" and the slot family "scalar" (the step's scalars:
 loss, token count, gradient norm, clip coefficient, loss scale, learning rate, skipped steps), and
 findings (tensors the tracer could not map or record) in each step file. 4: every tensor's metadata
 (stats-only ones included) in one index per step file (tensor_index.py) instead of an attribute per
 dataset, and a tensor recorded twice in a step (same storage, same version) as a hard link to its first
-dataset."""
+dataset. 5: a step's values packed into a few contiguous byte datasets (packs.py), each index row giving
+its tensor's pack and offset; a tensor recorded twice is a second row naming the same bytes."""
 INDEXED_FORMAT = 4
 """The first format whose step files hold a tensor index (tensor_index.TENSOR_INDEX)."""
+PACKED_FORMAT = 5
+"""The first format whose step files keep their values in packs (packs.py), not a dataset per tensor."""
 
 # Phases in execution order. `grad` holds parameter gradients after every data-/tensor-parallel
 # reduction and before optimizer.step(); `step` the scalars the optimizer step computes from them

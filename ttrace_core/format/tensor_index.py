@@ -1,6 +1,6 @@
-"""A step file's tensor index (format 4): its inventory and every tensor's metadata in one dataset.
+"""A step file's tensor index (formats 4 and 5): its inventory and every tensor's metadata in one dataset.
 
-Part of stage 1's store: writer.py writes it when a step ends, reader.py indexes a file with it.
+Part of stage 1's store: writer.py writes it when a step ends, step_file.py's wall indexes a file with it.
 Until format 3 each dataset carried its `TensorMeta` as its own attribute, and indexing a 48-layer
 run (15,838 tensors) read 15,838 attributes one HDF5 object at a time: 1-3 s. The index is one uint8
 dataset, TENSOR_INDEX, of JSON lines, one `IndexRow` per tensor: the dataset that holds its values
@@ -8,7 +8,7 @@ dataset, TENSOR_INDEX, of JSON lines, one `IndexRow` per tensor: the dataset tha
 
 The index is checked against the file as the attributes were: every dataset it names must exist, every
 dataset of the file must have exactly one row (`TableCheck`), and a row whose metadata names another key
-or rank than its dataset is misplaced (reader.py). Stored dtype, shape and storage size are checked
+or rank than its dataset is misplaced (step_file.py). Stored dtype, shape and storage size are checked
 against the row before values are read (datasets.check_storage), as before. Soft and external links
 are refused while the names are listed; hard links, which the writer uses for a tensor recorded twice
 in one step (the same storage and version), stay inside the file by construction.
@@ -28,7 +28,7 @@ from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.containment import link_refusal, refuse_external_storage
 from ttrace_core.format.datasets import read_bytes_dataset
 from ttrace_core.format.records import _reason
-from ttrace_core.format.schema import TensorMeta
+from ttrace_core.format.schema import Count, TensorMeta
 
 TENSOR_INDEX = "tensor_index"
 """Step-file dataset (format 4): one JSON `IndexRow` per line, as uint8."""
@@ -41,18 +41,23 @@ class IndexRow:
     """One tensor of a step file."""
 
     dataset: str | None
-    """The dataset holding its values (`reader.dataset_path(meta.key)` when the row tells the truth);
-    None for a stats-only tensor."""
+    """Where its values are (`step_file.dataset_path(meta.key)` when the row tells the truth): format 4,
+    the dataset holding them; format 5, a name only, the bytes being at `offset` of pack `pack`. None
+    for a stats-only tensor."""
     meta: TensorMeta
+    pack: Count | None = None
+    """Format 5: the pack holding its bytes (packs.py)."""
+    offset: Count | None = None
+    """Format 5: where its bytes start in that pack."""
 
 
 _ROW_ENCODER = msgspec.json.Encoder()
 _ROW_DECODER = msgspec.json.Decoder(IndexRow)
 
 
-def row_line(dataset: str | None, meta: TensorMeta) -> bytes:
+def row_line(dataset: str | None, meta: TensorMeta, pack: int | None = None, offset: int | None = None) -> bytes:
     """One line of the index (no newline inside: JSON escapes it in strings)."""
-    return _ROW_ENCODER.encode(IndexRow(dataset=dataset, meta=meta))
+    return _ROW_ENCODER.encode(IndexRow(dataset=dataset, meta=meta, pack=pack, offset=offset))
 
 
 @contextmanager

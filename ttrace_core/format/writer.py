@@ -6,9 +6,12 @@ recording keeps every finished step. Values are stored dtype-exact (bf16 as int1
 uint8), uncompressed and contiguous. A write that would not fit on the disk, or past the file-size
 limit, is refused while the file can still be closed (`RunWriter._check_room`).
 
-Format 4: every tensor's metadata is one row of the step's tensor index (tensor_index.py), written when
-the step ends (and, best effort, when a stopped step is closed); datasets carry no attribute. A tensor
-recorded again in the same step with the same bytes (same_storage.py) is a hard link to its first dataset.
+Format 5: a step's values are packed (packs.py). A tensor of at least OWN_PACK_BYTES is a pack of its own,
+written as it is recorded; smaller ones are copied into one buffer of PACK_BYTES, written as one pack
+when it is full or the step ends, so a small tensor costs a copy in memory instead of an HDF5 dataset.
+Every tensor's metadata is one row of the step's tensor index (tensor_index.py) with its pack and
+offset, written when the step ends (and, best effort, when a stopped step is closed). A tensor recorded
+again in the same step with the same bytes (same_storage.py) is a second row naming the same span.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.findings import FINDINGS
 from ttrace_core.format.schema import FORMAT_VERSION, Finding, RunManifest, TensorMeta, TensorStats
 from ttrace_core.format.datasets import NATIVE_DTYPES, RAW_BITS
+from ttrace_core.format.packs import OWN_PACK_BYTES, PACK_BYTES, aligned, pack_path
 from ttrace_core.format.same_storage import WrittenStorages
 from ttrace_core.format.tensor_index import LINKS_ATTR, TENSOR_INDEX, row_line
 from ttrace_core.format.reader import (
@@ -113,11 +117,6 @@ def _write_dataset(handle: h5py.File, path: str, data: np.ndarray) -> None:
         dataset.write(h5py.h5s.ALL, h5py.h5s.ALL, np.ascontiguousarray(data))
 
 
-def _write_hard_link(handle: h5py.File, path: str, first: str) -> None:
-    """`path` names the dataset `first` (written earlier in this file): the values are stored once."""
-    handle.id.links.create_hard(path.encode(), handle.id, first.encode(), lcpl=_LINK_CREATE)
-
-
 class RunWriter:
     """Writes one rank's step files. Only the tracer uses it."""
 
@@ -131,6 +130,14 @@ class RunWriter:
         """The step's tensor index so far, one encoded `IndexRow` per tensor."""
         self._findings: list[bytes] = []
         self._written = WrittenStorages()
+        self._places: dict[str, tuple[int, int]] = {}
+        """The step's tensors so far -> (pack, offset) of their bytes, for a second record of the same bytes."""
+        self._num_packs = 0
+        self._gathering: int | None = None
+        """The pack the gathering buffer will be written as; None while it holds nothing."""
+        self._buffer: np.ndarray | None = None
+        """The gathering buffer (PACK_BYTES, allocated at the first small tensor and kept from step to step)."""
+        self._fill = 0
         self._step_links = 0
         self._step_bytes = 0
         self.num_bytes_written = 0
@@ -155,6 +162,8 @@ class RunWriter:
         self._rows = []
         self._findings = []
         self._written.clear()
+        self._places.clear()
+        self._num_packs, self._gathering, self._fill = 0, None, 0
         self._step_links = 0
 
     def add_finding(self, finding: Finding) -> None:
@@ -177,19 +186,46 @@ class RunWriter:
             self.write_link(meta, first, value.numel() * value.element_size())
             return
         data = _EMPTY if value is None else array_from_tensor(value)
-        self._check_room(data.nbytes)
-        _write_dataset(self._file, path, data)
-        self._rows.append(row_line(path, meta))
+        pack, offset = self._places[path] = self._store(data.reshape(-1).view(np.uint8))
+        self._rows.append(row_line(path, meta, pack, offset))
         self.num_bytes_written += data.nbytes
         if value is not None:
             self._written.remember(identity, value, path, meta.stats)
 
+    def _store(self, raw: np.ndarray) -> tuple[int, int]:
+        """(pack, offset) of `raw`'s bytes (uint8): a pack of its own when it is large, else a place in the
+        gathering buffer, which is written as a pack first when it has no room left."""
+        if raw.nbytes >= OWN_PACK_BYTES:
+            self._check_room(raw.nbytes)
+            number = self._num_packs
+            self._num_packs += 1
+            _write_dataset(self._file, pack_path(number), raw)
+            return number, 0
+        offset = aligned(self._fill) if raw.nbytes else self._fill
+        if self._gathering is None or offset + raw.nbytes > PACK_BYTES:
+            self._write_gathered()
+            self._gathering, offset = self._num_packs, 0
+            self._num_packs += 1
+        if raw.nbytes:
+            if self._buffer is None:
+                self._buffer = np.empty(PACK_BYTES, dtype=np.uint8)
+            self._buffer[offset:offset + raw.nbytes] = raw
+            self._fill = offset + raw.nbytes
+        return self._gathering, offset
+
+    def _write_gathered(self) -> None:
+        """The gathering buffer as its pack, when it holds any tensor."""
+        if self._gathering is not None:
+            self._check_room(self._fill)
+            gathered = _EMPTY if self._buffer is None else self._buffer[:self._fill]
+            _write_dataset(self._file, pack_path(self._gathering), gathered)
+            self._gathering, self._fill = None, 0
+
     def write_link(self, meta: TensorMeta, first: str, num_bytes: int) -> None:
-        """A tensor whose bytes were written earlier in this step to dataset `first` (`num_bytes` of them)."""
+        """A tensor whose bytes were written earlier in this step as tensor `first` (`num_bytes` of them)."""
         assert self._file is not None, "write outside a step"
         path = dataset_path(meta.key)
-        _write_hard_link(self._file, path, first)
-        self._rows.append(row_line(path, meta))
+        self._rows.append(row_line(path, meta, *self._places[first]))
         self.num_links_written += 1
         self._step_links += 1
         self.num_link_bytes += num_bytes
@@ -217,6 +253,7 @@ class RunWriter:
         assert self._file is not None and self._step is not None
         # Even empty: a rank that held none of the traced modules (a pipeline stage without the module
         # `ttrace localize --module` replays) completes a step of no tensors, which the reader must find.
+        self._write_gathered()
         self._write_rows_dataset(TENSOR_INDEX, self._rows, even_empty=True)
         self._write_rows_dataset(FINDINGS, self._findings)
         if blind_spots:
@@ -230,6 +267,7 @@ class RunWriter:
         os.replace(str(final) + PARTIAL_SUFFIX, final)
         self._file, self._step = None, None
         self._written.clear()  # links stay within a step; hold no weak reference to training's storages past it
+        self._places.clear()
 
     def _write_rows_dataset(self, name: str, rows: list[bytes], *, even_empty: bool = False) -> None:
         """The tensor index or the findings: JSON lines as one uint8 dataset (none when there is no row,
@@ -248,6 +286,7 @@ class RunWriter:
                 if why:
                     self._file.attrs[STOPPED_ATTR] = why[:MAX_STOPPED_CHARS]
                 self._write_rows_dataset(FINDINGS, self._findings)
+                self._write_gathered()
                 self._write_rows_dataset(TENSOR_INDEX, self._rows)
             except Exception:  # best effort: a full disk may refuse the word, never the close
                 pass

@@ -1,0 +1,228 @@
+"""Format 5: a step's tensors packed into a few large contiguous byte datasets, each tensor a span of one.
+
+Part of stage 0, the trace format: writer.py fills the packs, and step_file.py's wall checks them once
+when it opens a file (`checked_spans`); after that a tensor is read with one `pread` at an offset
+checked at open (`read_span`), with no HDF5 object opened and no metadata checked per tensor. Up to
+format 4 every tensor was its own dataset, and reading one cost an HDF5 open and a storage check:
+more than reading the bytes of a typical activation (benchmarks/results/compare_throughput.md).
+
+Layout. The group PACKS holds the datasets "0", "1", ...: one-dimensional uint8, contiguous,
+unfiltered, each a run of tensors' raw bytes (the bits format 4 stored: bf16 as int16, fp8 as uint8),
+each tensor starting at a multiple of ALIGN bytes within its pack. The tensor index row of a tensor
+with values names its `pack` and its `offset` in it; its size follows from its metadata (local shape
+times the stored dtype's size). A tensor recorded again with the same bytes (same_storage.py) is a
+second row naming the same span, so no hard link is needed. h5py still reads any tensor:
+`file["packs/3"][offset:offset + nbytes].view(dtype).reshape(local_shape)`.
+
+Checked at open, before any value is read: every object of the file is one ttrace writes (the index,
+the findings, the packs), no link leads out of it; every pack a row names is a contiguous, unfiltered,
+allocated uint8 dataset whose bytes lie inside the file; every row's span lies inside its pack (so a
+shape claiming 2**40 elements is refused by its size alone); two rows name the same span or none of it.
+A pack's bytes that no row names are lost tensors, reported as an inventory gap.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+
+from ttrace_core.errors import TraceFormatError
+from ttrace_core.format.containment import link_refusal, refuse_external_storage
+from ttrace_core.format.datasets import check_storage, damaged_file_errors, stored_dtype
+from ttrace_core.format.tensor_index import IndexRow
+
+PACKS = "packs"
+"""Step-file group (format 5): the packs, datasets named by their number."""
+PACK_BYTES = 16 * 2**20
+"""Tensors smaller than OWN_PACK_BYTES are gathered in memory up to this many bytes, then written as one pack."""
+OWN_PACK_BYTES = 2**20
+"""A tensor of at least this many bytes is a pack of its own, written as it is recorded (gathering it
+would copy it once more: an HDF5 dataset costs less than copying a megabyte)."""
+ALIGN = 64
+"""Each tensor starts at a multiple of this many bytes of its pack (a cache line; any dtype's size divides it)."""
+
+
+def pack_path(number: int) -> str:
+    return f"{PACKS}/{number}"
+
+
+def aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Where one tensor's bytes lie in its step file."""
+
+    start: int
+    """Byte offset in the file."""
+    nbytes: int
+
+
+@dataclass(slots=True)
+class CheckedSpans:
+    """The spans of a format-5 step file's rows, checked against its packs."""
+
+    spans: dict[str, Span]
+    """Row name (`IndexRow.dataset`) -> its span in the file."""
+    missing: list[str]
+    """Rows whose pack the file does not hold (their tensors are lost)."""
+    unnamed: list[str]
+    """Packs holding bytes no row names (tensors whose rows were lost)."""
+
+
+def refuse_foreign_objects(handle: h5py.File, where: str, own: tuple[str, ...]) -> None:
+    """Every link of the file is a hard link to one of the objects a format-5 step file holds (`own`, the
+    group PACKS and its numbered packs); a soft or external link, or any other object, is refused."""
+    found: list[tuple[bytes, int]] = []
+
+    def visit(name: bytes, info) -> bool | None:  # raising inside an HDF5 callback corrupts h5py's lock
+        found.append((name, info.type))
+        return True if info.type != h5py.h5l.TYPE_HARD else None
+
+    handle.id.links.visit(visit, info=True)
+    allowed = {name.encode() for name in (*own, PACKS)}
+    for name, kind in found:
+        if kind != h5py.h5l.TYPE_HARD:
+            raise link_refusal(where, name, kind)
+        if name not in allowed and not (name.startswith(b"packs/") and name[6:].isdigit()):
+            raise TraceFormatError(f"{where}: {name.decode('utf-8', 'backslashreplace')} is not an object a format-5 step "
+                                   "file holds (its tensors live in packs); the file was not written by ttrace or is "
+                                   "damaged, re-record this rank")
+
+
+def _pack_extent(handle: h5py.File, number: int, file_size: int, where: str, remedy: str) -> tuple[int, int] | None:
+    """(file offset, bytes) of pack `number`, checked; None when the file has no such pack."""
+    name = pack_path(number)
+    where = f"{where}:{name}"
+    try:
+        dataset = h5py.h5o.open(handle.id, name.encode())
+    except (KeyError, ValueError, TypeError):
+        return None
+    refuse_external_storage(dataset, where)
+    if dataset.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS:
+        raise TraceFormatError(f"{where}: not stored contiguously; ttrace writes packs as one run of bytes, so the "
+                               f"file was not written by ttrace or is damaged; {remedy}")
+    if len(dataset.shape) != 1:
+        raise TraceFormatError(f"{where}: stored shape {dataset.shape}, ttrace writes a pack as one row of bytes; {remedy}")
+    check_storage(dataset, np.dtype("uint8"), dataset.shape, where, remedy)
+    size, offset = dataset.shape[0], dataset.get_offset()
+    if size and offset is None:
+        raise TraceFormatError(f"{where}: declares {size} bytes but the file holds no storage for them; {remedy}")
+    if size and offset + size > file_size:
+        raise TraceFormatError(f"{where}: its {size} bytes at byte {offset} run past the end of the file ({file_size} "
+                               f"bytes): the file is truncated; {remedy}")
+    return offset or 0, size
+
+
+def row_nbytes(row: IndexRow) -> int:
+    """Bytes of a row's values, from its metadata (a Python int: a lying shape may claim 2**100)."""
+    return math.prod(row.meta.local_shape) * stored_dtype(row.meta.dtype).itemsize
+
+
+def checked_spans(handle: h5py.File, rows: list[IndexRow], where: str, remedy: str) -> CheckedSpans:
+    """Each row's span in the file, every pack a row names checked once (`_pack_extent`), every span
+    inside its pack; rows that name a span partly taken by another are refused."""
+    file_size = os.fstat(handle.id.get_vfd_handle()).st_size
+    extents: dict[int, tuple[int, int] | None] = {}
+    checked = CheckedSpans(spans={}, missing=[], unnamed=[])
+    by_pack: dict[int, set[tuple[int, int]]] = {}
+    for row in rows:
+        if row.dataset is None:
+            continue
+        if row.pack is None or row.offset is None:
+            raise TraceFormatError(f"{where}: the index row of {row.dataset} names no pack and offset, which every "
+                                   f"tensor with values has in format 5: the index is damaged; {remedy}")
+        if row.pack not in extents:
+            with damaged_file_errors(f"{where}:{pack_path(row.pack)}", remedy):
+                extents[row.pack] = _pack_extent(handle, row.pack, file_size, where, remedy)
+        if (extent := extents[row.pack]) is None:
+            checked.missing.append(row.dataset)
+            continue
+        nbytes = row_nbytes(row)
+        if row.offset + nbytes > extent[1]:
+            raise TraceFormatError(f"{where}:{row.dataset}: its index row places {nbytes} bytes (shape "
+                                   f"{row.meta.local_shape} of {row.meta.dtype}) at byte {row.offset} of "
+                                   f"{pack_path(row.pack)}, which holds {extent[1]}: the index or the pack is "
+                                   f"damaged; {remedy}")
+        checked.spans[row.dataset] = Span(extent[0] + row.offset, nbytes)
+        by_pack.setdefault(row.pack, set()).add((row.offset, nbytes))
+    for number, taken in by_pack.items():
+        if (unnamed := _unnamed_bytes(number, sorted(taken), extents[number][1], where, remedy)) is not None:
+            checked.unnamed.append(unnamed)
+    checked.unnamed += [f"{pack_path(number)} holds {extent[1]} bytes no index row names"
+                        for number, extent in _packs_without_rows(handle, extents, by_pack, file_size, where, remedy)]
+    return checked
+
+
+def _unnamed_bytes(number: int, taken: list[tuple[int, int]], size: int, where: str, remedy: str) -> str | None:
+    """Bytes of a pack no row names (past the alignment padding), or one line refusing overlapping rows."""
+    end, lost = 0, 0
+    for offset, nbytes in taken:
+        if offset < end:
+            raise TraceFormatError(f"{where}: two rows of its tensor index name overlapping bytes of {pack_path(number)} "
+                                   f"(at {offset}, before {end}): the index is damaged; {remedy}")
+        lost += offset - end if offset - end >= ALIGN else 0
+        end = offset + nbytes
+    lost += size - end if size - end >= ALIGN else 0
+    return f"{pack_path(number)} holds {lost} bytes no index row names" if lost else None
+
+
+def _packs_without_rows(handle: h5py.File, extents: dict, by_pack: dict, file_size: int, where: str,
+                        remedy: str) -> list[tuple[int, tuple[int, int]]]:
+    """Packs the file holds that no row names (every row of theirs was lost)."""
+    group = handle.get(PACKS)
+    names = [name for name in group] if isinstance(group, h5py.Group) else []
+    found = []
+    for name in names:
+        if name.isdigit() and int(name) not in by_pack:
+            with damaged_file_errors(f"{where}:{pack_path(int(name))}", remedy):
+                extent = _pack_extent(handle, int(name), file_size, where, remedy)
+            if extent is not None and extent[1]:
+                found.append((int(name), extent))
+    return found
+
+
+def read_span(descriptor: int, span: Span, dtype: np.dtype, shape: tuple[int, ...], where: str, remedy: str,
+              region: tuple[slice, ...] | None = None) -> np.ndarray:
+    """A tensor's values from its span (checked at open), in one `pread`; `region` (a slice per leading
+    dim, step 1): only the bytes of that part, one `pread` per contiguous run of them."""
+    if region is not None:
+        return _read_region(descriptor, span, dtype, shape, where, remedy, region)
+    values = np.empty(shape, dtype=dtype)
+    _read_into(descriptor, values, span.start, where, remedy)
+    return values
+
+
+def _read_into(descriptor: int, values: np.ndarray, start: int, where: str, remedy: str) -> None:
+    if not values.nbytes:
+        return
+    try:
+        got = os.preadv(descriptor, [values.reshape(-1).view(np.uint8)], start)
+    except OSError as error:
+        raise TraceFormatError(f"{where}: cannot be read ({error.strerror}); {remedy}") from error
+    if got != values.nbytes:
+        raise TraceFormatError(f"{where}: the file ends {values.nbytes - got} bytes before this tensor's last byte: it "
+                               f"was truncated after it was opened; {remedy}")
+
+
+def _read_region(descriptor: int, span: Span, dtype: np.dtype, shape: tuple[int, ...], where: str, remedy: str,
+                 region: tuple[slice, ...]) -> np.ndarray:
+    bounds = [part.indices(shape[dim]) for dim, part in enumerate(region)]
+    assert all(step == 1 for _, _, step in bounds), "regions are slices of step 1 (bounded.py)"
+    lengths = [max(0, stop - start) for start, stop, _ in bounds]
+    values = np.empty((*lengths, *shape[len(region):]), dtype=dtype)
+    if not values.size:
+        return values
+    strides = [math.prod(shape[dim + 1:]) * dtype.itemsize for dim in range(len(shape))]
+    last = len(region) - 1
+    runs = values.reshape(*lengths[:last], -1) if last else values.reshape(1, -1)
+    for index, outer in enumerate(itertools.product(*(range(start, stop) for start, stop, _ in bounds[:last]))):
+        start = span.start + sum(i * strides[dim] for dim, i in enumerate(outer)) + bounds[last][0] * strides[last]
+        _read_into(descriptor, runs.reshape(-1, runs.shape[-1])[index], start, where, remedy)
+    return values
