@@ -148,9 +148,13 @@ def test_a_tensor_larger_than_the_machine_is_refused_with_one_line(monkeypatch):
     from ttrace_core.canonicalize import shards
 
     monkeypatch.setattr(shards, "machine_memory_bytes", lambda: 15)
+    halves = [RecordedShard(rank, Layout(global_shape=(4,), mesh_shape=(2,), coordinate=(rank,), placements=("S(0)",)),
+                            torch.zeros(2)) for rank in range(2)]
     with pytest.raises(LayoutError, match=r"w: assembling it takes 0.0 GiB, more than this machine's 0.0 GiB; compare it "
                                           r"with --max-memory"):
-        canonicalize([RecordedShard(0, Layout.replicated((4,)), torch.zeros(4))], key="w")
+        canonicalize(halves, key="w")
+    whole = canonicalize([RecordedShard(0, Layout.replicated((4,)), torch.zeros(4))], key="w")  # nothing to assemble
+    assert whole.full.numel() == 4
 
 
 def test_blocked_shard_holds_its_chunk_of_every_block():

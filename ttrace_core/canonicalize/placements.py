@@ -29,10 +29,14 @@ A layout assigns one placement to each mesh axis. Their meaning, once:
 Along each dim a coordinate holds a tuple of runs, (start, length) ranges of global indices in the
 order the local tensor stores them (`local_runs`). Every placement but SS keeps that a single run;
 an empty shard is one run of length 0 at the place it would start.
+
+A layout is parsed once: the functions of a `Layout` (a frozen record) keep their answers
+(`functools.lru_cache`), since a run repeats a few hundred layouts over thousands of tensors.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -66,6 +70,24 @@ class PlacementSpec:
         return "R"
 
 
+LAYOUTS_KEPT = 1 << 16
+"""Layouts whose parsed form each function keeps (a 48-layer run has a few thousand distinct ones)."""
+
+
+def _kept(function):
+    """`function` of a layout, its answers kept; a layout built with lists (unhashable) is parsed each time."""
+    cached = functools.lru_cache(maxsize=LAYOUTS_KEPT)(function)
+
+    @functools.wraps(function)
+    def kept(*args):
+        try:
+            return cached(*args)
+        except TypeError:
+            return function(*args)
+    return kept
+
+
+@functools.lru_cache(maxsize=4096)
 def placement_from_str(text: str) -> PlacementSpec:
     text = text.replace(" ", "")
     if text == "R":
@@ -141,6 +163,7 @@ def runs_at(runs: Runs, positions: Runs) -> Runs:
     return tuple(taken) or ((_global_position(runs, positions[0][0]), 0),)
 
 
+@_kept
 def local_runs(layout: Layout) -> tuple[Runs, ...]:
     """Per tensor dim, the runs of global indices that `layout.coordinate` holds (see the module docstring).
 
@@ -180,14 +203,20 @@ def local_region(layout: Layout) -> tuple[tuple[int, int], ...]:
 def local_blocks(layout: Layout) -> list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]]:
     """(global region, local region) of every contiguous block `layout.coordinate` holds, each region
     (start, length) per dim: the local tensor at the local region equals the full one at the global."""
+    return list(_local_blocks(layout))
+
+
+@_kept
+def _local_blocks(layout: Layout) -> tuple[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]], ...]:
     blocks: list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = [((), ())]
     for runs in local_runs(layout):
         offsets = [sum(length for _, length in runs[:i]) for i in range(len(runs))]
         blocks = [(global_ + (run,), local + ((offset, run[1]),))
                   for global_, local in blocks for run, offset in zip(runs, offsets)]
-    return blocks
+    return tuple(blocks)
 
 
+@_kept
 def local_shape(layout: Layout) -> tuple[int, ...]:
     if layout.flat_range is not None:
         start, end = layout.flat_range
@@ -204,6 +233,7 @@ def _blocked_dim(layout: Layout) -> int:
     return _normalized_dim(spec.dim, len(layout.global_shape))
 
 
+@_kept
 def blocked_view(layout: Layout) -> Layout | None:
     """For a layout with an SB(d,b) placement: the same layout on the tensor viewed with dim d split
     into (b, size / b), where SB becomes a plain S(d + 1); None when there is no SB placement."""
@@ -236,7 +266,12 @@ def blocked_view(layout: Layout) -> Layout | None:
 
 
 def axes_of_kind(layout: Layout, kind: str) -> list[int]:
-    return [axis for axis, spec in enumerate(parsed_placements(layout)) if spec.kind == kind]
+    return list(_axes_of_kind(layout, kind))
+
+
+@_kept
+def _axes_of_kind(layout: Layout, kind: str) -> tuple[int, ...]:
+    return tuple(axis for axis, spec in enumerate(parsed_placements(layout)) if spec.kind == kind)
 
 
 def partial_coordinate(layout: Layout) -> tuple[int, ...]:

@@ -169,6 +169,13 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None, *,
     if any(s.layout.flat_range is not None for s in shards):
         return _canonicalize_flat_ranges(shards, key)
     _check_coverage(key, layout, shards)
+    if _each_holds_the_whole(layout, shards):
+        # One rank's tensor, or replicas of it: the first (by rank) is the logical tensor as it is, no
+        # copy and nothing to allocate; the others are compared with it, as below.
+        ordered = sorted(shards, key=lambda s: s.rank)
+        differences = _replica_differences(ordered, every=every_replica)
+        return CanonicalTensor(full=ordered[0].value, replica_drift=worst_drift(differences), num_shards=len(shards),
+                               replica_differences=tuple(differences) if every_replica else ())
     _check_fits_in_memory(key, layout, shards)
     dtype = shards[0].value.dtype
     blocks: dict[tuple, dict[tuple[int, ...], list[RecordedShard]]] = defaultdict(lambda: defaultdict(list))
@@ -193,6 +200,13 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None, *,
         full = (full / num_avg).to(dtype)
     return CanonicalTensor(full=full, replica_drift=worst_drift(differences), num_shards=len(shards),
                            replica_differences=tuple(differences) if every_replica else ())
+
+
+def _each_holds_the_whole(layout: Layout, shards: list[RecordedShard]) -> bool:
+    """Every shard holds the whole tensor in order (unsharded, or sharded over a mesh axis of size 1) and
+    nothing is a partial sum still to be reduced."""
+    whole = tuple(((0, size),) for size in layout.global_shape)
+    return not pl.axes_of_kind(layout, "partial") and all(pl.local_runs(s.layout) == whole for s in shards)
 
 
 def _canonicalize_flat_ranges(shards: list[RecordedShard], key: TensorKey | None) -> CanonicalTensor:

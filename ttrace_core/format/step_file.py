@@ -128,11 +128,17 @@ class StepFile:
         if meta.stats_only:
             raise TraceFormatError(f"{where}: recorded in stats-only mode; it holds no values")
         remedy = remedy_of(self.rank)
+        if self._spans is not None:  # every placed tensor with values has its span, checked at open
+            try:
+                array = read_span(self._descriptor, self._spans[path], stored_dtype(meta.dtype), meta.local_shape, where,
+                                  remedy, region)
+                return tensor_from_array(array, meta.dtype, where)
+            except TtraceError:
+                raise
+            except READ_ERRORS as error:
+                raise TraceFormatError(f"{where}: cannot be read ({error}); {remedy}") from error
         with damaged_file_errors(where, remedy):
-            if self._spans is not None:
-                span = self._spans[path]  # every placed tensor with values has its span (checked at open)
-                array = read_span(self._descriptor, span, stored_dtype(meta.dtype), meta.local_shape, where, remedy, region)
-            elif region is None:
+            if region is None:
                 array = read_whole_values(self._handle, path, stored_dtype(meta.dtype), meta.local_shape, where, remedy,
                                           check=lambda dataset: refuse_external_storage(dataset, where))
             else:
