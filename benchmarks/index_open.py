@@ -1,12 +1,15 @@
-"""Opening a large run: format 4's tensor index against format 3's attribute per dataset, in one run.
+"""Opening a large run: the tensor index (format 5's packs, format 4's dataset per tensor) against format 3's
+attribute per dataset, in one run.
 
 Writes one rank of a 48-layer-sized step through RunWriter (15,838 tensors, as a 48-layer Megatron
 GPT run records: every module's inputs, outputs and gradients over micro-batches, and every
 parameter's gradient and value; a module's output is the next one's input, recorded twice, so about
-a fifth of the tensors are links), then the same step as format 3 wrote it (`write_legacy_copy` of
-tests/faults/meta_rows.py, run as a child: every dataset carries its metadata as an attribute). Times `RunReader(run)`
-(the whole index) on each, the two interleaved round by round, and reports medians and their ratio, with where the new open's time
-goes. Values are small: opening reads metadata only. Writes results/index_open.{md,json}.
+a fifth of the tensors are links), then the same step as format 4 and format 3 wrote it
+(`write_format4_copy` and `write_legacy_copy` of tests/faults/meta_rows.py, run as a child: a dataset
+per tensor; and each carrying its metadata as an attribute). Times `RunReader(run)` (the whole index,
+every file checked: format 5 checks its packs and every span at open) on each, interleaved round by
+round, and reports medians and the ratio of format 3 to format 5, with where the new open's time goes.
+Values are small: opening reads metadata only. Writes results/index_open.{md,json}.
 
     python benchmarks/index_open.py [--rounds 9] [--work /tmp/ttrace-index-open]
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import time
@@ -26,7 +30,9 @@ import torch
 from harness import run_harness
 from ttrace_core.format.reader import RunReader, step_file_name
 from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta, TensorStats
-from ttrace_core.format.tensor_index import read_rows, tensor_names
+from ttrace_core.format.findings import FINDINGS
+from ttrace_core.format.packs import checked_spans, refuse_foreign_objects
+from ttrace_core.format.tensor_index import TENSOR_INDEX, read_rows
 from ttrace_core.format.writer import RunWriter, write_manifest
 
 RESULTS = Path(__file__).parent / "results"
@@ -79,7 +85,7 @@ def _step_tensors() -> list[tuple[TensorKey, torch.Tensor]]:
 
 
 def write_run(run_dir: Path) -> tuple[int, int]:
-    """The format-4 run; (tensors, links)."""
+    """The run as RunWriter writes it (format 5); (tensors, links)."""
     write_manifest(run_dir, RunManifest(role="candidate", world_size=1, degrees={"tp": 1}))
     writer = RunWriter(run_dir, 0)
     writer.begin_step(0)
@@ -102,49 +108,57 @@ def new_open_parts(run_dir: Path) -> dict[str, float]:
     path = run_dir / step_file_name(0, 0)
     with h5py.File(path, "r") as handle:
         started = time.perf_counter()
-        tensor_names(handle, str(path))
+        refuse_foreign_objects(handle, str(path), (TENSOR_INDEX, FINDINGS))
         names = time.perf_counter() - started
         started = time.perf_counter()
-        read_rows(handle, str(path))
-        return {"link walk (names, no soft/external link)": names, "index read + decode": time.perf_counter() - started}
+        rows = read_rows(handle, str(path))
+        decoded = time.perf_counter() - started
+        started = time.perf_counter()
+        checked_spans(handle, rows, str(path), "")
+        return {"link walk (every object one a format-5 file holds)": names, "index read + decode": decoded,
+                "packs and spans checked": time.perf_counter() - started}
 
 
 def measure(work: Path, rounds: int) -> dict:
     shutil.rmtree(work, ignore_errors=True)
-    new_dir, old_dir = work / "format4", work / "format3"
+    new_dir, four_dir, old_dir = work / "format5", work / "format4", work / "format3"
     num_tensors, num_links = write_run(new_dir)
+    run_harness("tests.faults.meta_rows", str(new_dir), str(four_dir), "--format", "4")  # write_format4_copy, in a child
     run_harness("tests.faults.meta_rows", str(new_dir), str(old_dir))  # write_legacy_copy, in a child
-    seconds: dict[str, list[float]] = {"format 3 (attribute per dataset)": [], "format 4 (tensor index)": []}
+    seconds: dict[str, list[float]] = {"format 3 (attribute per dataset)": [], "format 4 (tensor index, a dataset per tensor)": [],
+                                       "format 5 (tensor index, packs)": []}
+    runs = (old_dir, four_dir, new_dir)
     parts: dict[str, list[float]] = {}
     for index in range(rounds):
-        order = list(zip(seconds, (old_dir, new_dir)))
+        order = list(zip(seconds, runs))
         for name, run in order if index % 2 == 0 else order[::-1]:  # alternate which goes first
             took, indexed = open_seconds(run)
             assert indexed == num_tensors, (name, indexed, num_tensors)
             seconds[name].append(took)
         for part, took in new_open_parts(new_dir).items():
             parts.setdefault(part, []).append(took)
-    old, new = (statistics.median(values) for values in seconds.values())
+    old, _, new = (statistics.median(values) for values in seconds.values())
     return {"num_tensors": num_tensors, "num_links": num_links, "rounds": rounds,
-            "file_mib": {name: (run / step_file_name(0, 0)).stat().st_size / 2**20
-                         for name, run in zip(seconds, (old_dir, new_dir))},
+            "file_mib": {name: (run / step_file_name(0, 0)).stat().st_size / 2**20 for name, run in zip(seconds, runs)},
             "median_s": {name: statistics.median(values) for name, values in seconds.items()},
             "all_s": seconds, "new_open_parts_median_s": {part: statistics.median(v) for part, v in parts.items()},
             "speedup": old / new, "target": TARGET}
 
 
 def render(result: dict) -> str:
-    lines = ["# Opening a large run: tensor index (format 4) against an attribute per dataset (format 3)", "",
+    lines = ["# Opening a large run: tensor index (formats 5 and 4) against an attribute per dataset (format 3)", "",
              f"`python benchmarks/index_open.py --rounds {result['rounds']}`: one rank's step of "
              f"{result['num_tensors']:,} tensors (a 48-layer run's count; {result['num_links']:,} of them recorded twice "
-             "and stored as hard links), written through RunWriter, and the same step rewritten as format 3 wrote it. "
+             "and stored once), written through RunWriter (format 5), and the same step rewritten as format 4 and as "
+             "format 3 wrote it. "
              "`RunReader(run)` (the whole index) timed on each, interleaved round by round, warm page cache; medians. "
              "2 shared CPU cores: single timings vary 2x, the ratio is what counts.", "",
              "| format | open (s, median) | step file (MiB) |", "| --- | --- | --- |"]
     for name, median in result["median_s"].items():
         lines.append(f"| {name} | {median:.3f} | {result['file_mib'][name]:.1f} |")
     met = "met" if result["speedup"] >= result["target"] else "**not met**"
-    lines += ["", f"**{result['speedup']:.1f}x faster** (target >= {result['target']:.0f}x: {met}).", "",
+    lines += ["", f"Format 5 opens **{result['speedup']:.1f}x faster** than format 3 (target >= {result['target']:.0f}x: "
+              f"{met}); load average {os.getloadavg()[0]:.1f} when it ended.", "",
               "Where the new open's time goes (medians, measured apart):", ""]
     lines += [f"- {part}: {seconds * 1000:.0f} ms" for part, seconds in result["new_open_parts_median_s"].items()]
     lines += ["- the rest: blind spots, findings and inventory attributes, and placing each row in the index "

@@ -9,8 +9,8 @@ Also `write_legacy_copy`: a run rewritten as format 3 wrote it (an attribute per
 Used by the damage families (corruptions.py, size_lies.py, pristine.py), by the tests that make a trace
 lie or read an old format (tests/core/test_store.py, tests/core/test_tensor_index.py,
 tests/test_damaged_traces.py), and by benchmarks/index_open.py (the format-3 copy it times, made in a
-child: `python -m tests.faults.meta_rows RUN LEGACY --out FILE`), so one lie is told the same way to
-both formats.
+child: `python -m tests.faults.meta_rows RUN LEGACY [--format 4] --out FILE`), so one lie is told the same
+way to every format.
 """
 
 from __future__ import annotations
@@ -59,18 +59,20 @@ def stored_dtype(name: str) -> np.dtype:
     return np.dtype(RAW_BITS.get(name, name))
 
 
-def span_of(handle: h5py.File, name: str) -> tuple[str, int, int, np.dtype, tuple[int, ...]]:
-    """Format 5: (pack, offset, bytes, stored dtype, shape) of tensor `name`, as its index row says."""
-    row = _row_of(handle, name)
+def span_of(handle: h5py.File, name: str, row: dict | None = None) -> tuple[str, int, int, np.dtype, tuple[int, ...]]:
+    """Format 5: (pack, offset, bytes, stored dtype, shape) of tensor `name`, as its index row (`row`, when
+    the caller has it) says."""
+    row = row or _row_of(handle, name)
     dtype, shape = stored_dtype(row["meta"]["dtype"]), tuple(row["meta"]["local_shape"])
     return f"packs/{row['pack']}", row["offset"], int(np.prod(shape)) * dtype.itemsize, dtype, shape
 
 
-def tensor_values(handle: h5py.File, name: str) -> np.ndarray:
-    """Tensor `name`'s stored values (raw bits for bf16 and fp8), read with plain h5py."""
+def tensor_values(handle: h5py.File, name: str, row: dict | None = None) -> np.ndarray:
+    """Tensor `name`'s stored values (raw bits for bf16 and fp8), read with plain h5py; `row`: its index
+    row, when the caller has it (finding it reads the whole index)."""
     if not is_packed(handle):
         return handle[name][()]
-    pack, offset, nbytes, dtype, shape = span_of(handle, name)
+    pack, offset, nbytes, dtype, shape = span_of(handle, name, row)
     return np.asarray(handle[pack][offset:offset + nbytes]).view(dtype).reshape(shape)
 
 
@@ -183,9 +185,10 @@ def write_legacy_copy(run_dir: Path, legacy_dir: Path) -> None:
             legacy.attrs["format_version"] = 3
             del legacy.attrs["num_links"]
             rows = read_rows(source, str(path))
+            by_name = {row["dataset"]: row for row in index_rows(source)}
             for row in rows:
                 if row.dataset is not None:
-                    legacy[row.dataset] = tensor_values(source, row.dataset)
+                    legacy[row.dataset] = tensor_values(source, row.dataset, by_name[row.dataset])
                     legacy[row.dataset].attrs["meta"] = _LEGACY_META.encode(row.meta).decode()
             stats_only = [_LEGACY_META.encode(row.meta) for row in rows if row.dataset is None]
             if stats_only:
@@ -214,7 +217,7 @@ def write_format4_copy(run_dir: Path, copy_dir: Path) -> None:
                     if span in first_of_span:
                         copy[row["dataset"]] = copy[first_of_span[span]]  # a hard link, as format 4 wrote it
                     else:
-                        copy[row["dataset"]] = tensor_values(source, row["dataset"])
+                        copy[row["dataset"]] = tensor_values(source, row["dataset"], row)
                         first_of_span[span] = row["dataset"]
                 row.pop("pack", None), row.pop("offset", None)
             write_index_rows(copy, rows)
@@ -224,12 +227,13 @@ def write_format4_copy(run_dir: Path, copy_dir: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Rewrite a format-4 run as format 3 wrote it (write_legacy_copy).")
+    parser = argparse.ArgumentParser(description="Rewrite a run as format 3 (write_legacy_copy) or 4 (write_format4_copy) wrote it.")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("legacy_dir", type=Path)
+    parser.add_argument("--format", type=int, choices=(3, 4), default=3)
     parser.add_argument("--out", type=Path, required=True, help="JSON: the legacy copy's directory")
     args = parser.parse_args()
-    write_legacy_copy(args.run_dir, args.legacy_dir)
+    (write_legacy_copy if args.format == 3 else write_format4_copy)(args.run_dir, args.legacy_dir)
     args.out.write_text(json.dumps({"legacy_dir": str(args.legacy_dir)}))
 
 
