@@ -144,8 +144,10 @@ def test_a_pair_whose_evidence_is_incomplete_is_not_shown_as_passing(tmp_path, m
     samples = Path(MAIN).parents[1] / "sample_traces" / "fp32"
     shutil.copytree(samples / "reference", tmp_path / "reference")
     shutil.copytree(samples / "tp2_sp_clean", tmp_path / "candidate")
-    with h5py.File(tmp_path / "candidate" / "rank_00001.step_000000.h5", "r+") as handle:
-        del handle["forward/mb_0000/decoder.layers.0.mlp#output.1"]
+    from tests.faults.meta_rows import drop_tensor
+
+    with h5py.File(tmp_path / "candidate" / "rank_00001.step_000000.h5", "r+") as handle:  # its values lost, its row kept
+        drop_tensor(handle, "forward/mb_0000/decoder.layers.0.mlp#output.1", keep_row=True)
     monkeypatch.setenv(ROOT_ENV, str(tmp_path))
     for page in ("runs", "heatmap"):
         app = _open(page, **PAIR)

@@ -16,7 +16,7 @@ import h5py
 import pytest
 
 from tests.cli_support import run_main
-from tests.faults.meta_rows import drop_meta, read_meta, write_meta
+from tests.faults.meta_rows import drop_tensor, read_meta, write_meta
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.reader import INVENTORY_ATTR, RunReader, step_file_name
 from ttrace_core.compare.tolerances import DtypeTolerances
@@ -51,9 +51,8 @@ def _edit_meta(run: Path, rank: int, dataset: str, **changes) -> None:
 
 def _drop_dataset(run: Path, rank: int, dataset: str, *, keep_inventory: bool) -> None:
     with h5py.File(run / step_file_name(rank, 0), "r+") as handle:
-        del handle[dataset]
+        drop_tensor(handle, dataset, keep_row=keep_inventory)
         if not keep_inventory:  # the writer itself never recorded it: its index and inventory agree with the file
-            drop_meta(handle, dataset)
             handle.attrs[INVENTORY_ATTR] = handle.attrs[INVENTORY_ATTR] - 1
 
 
@@ -91,7 +90,8 @@ def test_metadata_naming_another_tensor_than_its_place_is_a_named_finding(runs):
 
 
 @pytest.mark.parametrize("keep_inventory, findings", [
-    (True, [f"incomplete: rank_00001.step_000000.h5: its tensor index lists {REPLICATED}, which the file does not hold",
+    (True, [f"incomplete: rank_00001.step_000000.h5: its tensor index lists {REPLICATED}, whose pack the file does "
+            "not hold",
             "missing-replica: 1 of"]),
     (False, ["missing-replica: 1 of 2361 expected copies were not recorded, e.g. step 0 / mb 0 / forward / "
              "decoder.layers.0.mlp / output.1: 1 of 2 copies in candidate (ranks [0])"]),

@@ -50,8 +50,13 @@ def _replayed(original, candidate, tmp_path, moved: TensorKey | None = None):
     rank 1 is 1.0 off in the copy."""
     def move(replay_dir):
         import h5py
+
+        from tests.faults.meta_rows import tensor_values, write_tensor_values
+        name = f"forward/mb_{moved.micro_batch:04d}/{moved.fqn}#{moved.slot}"
         with h5py.File(replay_dir / "rank_00001.step_000000.h5", "r+") as handle:
-            handle[f"forward/mb_{moved.micro_batch:04d}/{moved.fqn}#{moved.slot}"][0, 0] += 1.0
+            values = tensor_values(handle, name).copy()
+            values[0, 0] += 1.0
+            write_tensor_values(handle, name, values)
 
     shutil.rmtree(tmp_path / "replay", ignore_errors=True)
     with RunReader(candidate) as cand, RunReader(_copy_with(candidate, tmp_path, move if moved else None)) as replay:

@@ -87,6 +87,37 @@ def write_tensor_values(handle: h5py.File, name: str, values: np.ndarray) -> Non
     handle[pack][offset:offset + nbytes] = raw
 
 
+def drop_tensor(handle: h5py.File, name: str, *, keep_row: bool) -> None:
+    """Tensor `name`'s values gone from the file: its dataset deleted (up to format 4); in format 5 its bytes cut
+    out of its pack (the later spans moved up, their rows with them) unless another row names them too.
+    `keep_row`: its index row stays, naming what the file no longer holds (format 5: a pack it lacks)."""
+    if not is_packed(handle):
+        del handle[name]
+        if not keep_row:
+            drop_meta(handle, name)
+        return
+    rows = index_rows(handle)
+    row = next(row for row in rows if row["dataset"] == name)
+    if keep_row:
+        row["pack"] = 10**6
+        write_index_rows(handle, rows)
+        return
+    rows.remove(row)
+    pack, offset, nbytes, _, _ = span_of(handle, name, row)
+    shared = any(other["pack"] == row["pack"] and other["offset"] == offset for other in rows if other["dataset"])
+    if not shared:
+        later = sorted({other["offset"] for other in rows if other["pack"] == row["pack"] and other["offset"] is not None
+                        and other["offset"] > offset})
+        cut = (later[0] if later else offset + nbytes) - offset  # the span and the padding after it
+        values = np.asarray(handle[pack][()])
+        del handle[pack]
+        handle[pack] = np.concatenate([values[:offset], values[offset + cut:]]) if later else values[:offset]
+        for other in rows:
+            if other["pack"] == row["pack"] and other["offset"] is not None and other["offset"] > offset:
+                other["offset"] -= cut
+    write_index_rows(handle, rows)
+
+
 def add_pack(handle: h5py.File, values: np.ndarray | None = None, **create) -> tuple[int, str]:
     """A new pack holding `values`' bytes (or made by `create`, e.g. never written): (its number, its name)."""
     group = handle.require_group("packs")

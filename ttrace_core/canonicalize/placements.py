@@ -75,15 +75,25 @@ LAYOUTS_KEPT = 1 << 16
 
 
 def _kept(function):
-    """`function` of a layout, its answers kept; a layout built with lists (unhashable) is parsed each time."""
+    """`function` of a layout, its answers kept: by the layout object itself first (a tensor's shards ask
+    several functions of the same object, and a frozen dataclass's hash and equality run in Python), then
+    by its value; a layout built with lists (unhashable) is parsed each time."""
     cached = functools.lru_cache(maxsize=LAYOUTS_KEPT)(function)
+    by_object: dict[tuple, tuple] = {}
 
     @functools.wraps(function)
-    def kept(*args):
+    def kept(layout, *args):
+        key = (id(layout), *args)
+        if (found := by_object.get(key)) is not None and found[0] is layout:
+            return found[1]
         try:
-            return cached(*args)
+            answer = cached(layout, *args)
         except TypeError:
-            return function(*args)
+            return function(layout, *args)
+        if len(by_object) >= LAYOUTS_KEPT:
+            by_object.clear()
+        by_object[key] = (layout, answer)  # holds the layout: its id cannot be another's while it is here
+        return answer
     return kept
 
 

@@ -48,15 +48,37 @@ def inconsistency(key: TensorKey, metas: list[TensorMeta], manifest: RunManifest
     """Why the shards of `key` cannot all be right (their metadata disagree with each other or with
     the manifest), naming the field and the ranks; None when they agree."""
     first = metas[0]
-    for name, value_of in _SHARED_FIELDS:
-        for other in metas[1:]:
-            if value_of(other) != value_of(first):
-                return (f"{key}: rank {first.rank} recorded {name} {value_of(first)}, rank {other.rank} recorded {name} "
-                        f"{value_of(other)}")
+    if len(metas) > 1 and any(_shared(other) != _shared(first) for other in metas[1:]):  # else: nothing to name
+        for name, value_of in _SHARED_FIELDS:
+            for other in metas[1:]:
+                if value_of(other) != value_of(first):
+                    return (f"{key}: rank {first.rank} recorded {name} {value_of(first)}, rank {other.rank} recorded "
+                            f"{name} {value_of(other)}")
     for meta in metas:
         if (why := _against_manifest(meta, manifest)) is not None:
             return f"{key}: {why}"
     return _duplicate_coordinate(key, metas)
+
+
+def _shared(meta: TensorMeta) -> tuple:
+    """Every field of _SHARED_FIELDS at once: shards that agree (nearly always) are told apart by one comparison."""
+    layout = meta.layout
+    return (meta.dtype, meta.scale, meta.stats_only, layout.global_shape, layout.mesh_shape, layout.mesh_axis_names,
+            layout.placements, layout.flat_range is not None)
+
+
+_WORLDS: dict[int, tuple[RunManifest, list[dict]]] = {}
+"""id(manifest) -> (the manifest, each rank's {mesh axis: (size, coordinate)}): made once per run, not per shard."""
+
+
+def _world_of(manifest: RunManifest, rank: int) -> dict:
+    found = _WORLDS.get(id(manifest))
+    if found is None or found[0] is not manifest:
+        if len(_WORLDS) > 64:
+            _WORLDS.clear()
+        found = _WORLDS[id(manifest)] = (manifest, [dict(zip(manifest.mesh_axis_names, zip(manifest.mesh_shape, coordinates)))
+                                                    for coordinates in manifest.rank_coordinates])
+    return found[1][rank]
 
 
 def _against_manifest(meta: TensorMeta, manifest: RunManifest) -> str | None:
@@ -71,7 +93,7 @@ def _against_manifest(meta: TensorMeta, manifest: RunManifest) -> str | None:
                 f"on mesh {meta.layout.mesh_shape} at coordinate {meta.layout.coordinate} give {expected_shape}")
     if not manifest.rank_coordinates:
         return None
-    world = dict(zip(manifest.mesh_axis_names, zip(manifest.mesh_shape, manifest.rank_coordinates[meta.rank])))
+    world = _world_of(manifest, meta.rank)
     for axis, name in enumerate(meta.layout.mesh_axis_names):
         size, coordinate = world.get(name, (None, None))
         if size == meta.layout.mesh_shape[axis] and coordinate != meta.layout.coordinate[axis]:
