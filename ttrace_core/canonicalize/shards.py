@@ -124,8 +124,12 @@ def _replica_drift(replicas: list[RecordedShard]) -> ReplicaDrift | None:
 def _check_coverage(key: TensorKey | None, layout: Layout, shards: list[RecordedShard]) -> None:
     replicate_axes = set(pl.axes_of_kind(layout, "replicate"))
     kept_axes = [axis for axis in range(len(layout.mesh_shape)) if axis not in replicate_axes]
+    if not kept_axes:  # every axis replicated, or no mesh: any shard holds it all
+        return
     held = {tuple(s.layout.coordinate[axis] for axis in kept_axes) for s in shards}
     needed_shape = tuple(layout.mesh_shape[axis] for axis in kept_axes)
+    if len(held) == math.prod(needed_shape):  # as many distinct coordinates as the mesh has, each inside it (schema)
+        return
     # the first missing coordinate, found lazily: at most one past the coordinates held (a damaged mesh may claim 10**9)
     coordinates = (pl.coordinate_from_rank(index, needed_shape) for index in range(math.prod(needed_shape)))
     missing = next((coord for coord in coordinates if coord not in held), None)
