@@ -20,7 +20,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from playwright.sync_api import Page, sync_playwright
 from ttrace_core import api
 from ttrace_core.errors import TtraceError
 from ttrace_core.format.reader import RunReader
+from ttrace_core.record.launch import free_port
 from ttrace_dashboard import cells, figures
 
 RESULTS = Path(__file__).parent / "results"
@@ -84,12 +84,6 @@ def record(workdir: Path, num_layers: int) -> dict[str, float | None]:
         subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         seconds[name] = time.perf_counter() - started
     return seconds
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_dashboard(root: Path, port: int, log: Path) -> subprocess.Popen:

@@ -21,6 +21,7 @@ import pytest
 
 from ttrace_core import INSTALL_DASHBOARD
 
+from tests.app.server import free_port, wait_healthy
 from tests.conftest import ROOT
 from tests.synthetic_runs import write_pair
 
@@ -126,8 +127,6 @@ def test_the_readmes_first_command_installs_the_dashboard_only(venv, tmp_path):
     """The README's first command, as written, in the fresh venv: it installs the dashboard's needs and none of
     the test tooling or the frameworks, and `ttrace dashboard` then serves the URL it prints."""
     import shlex
-    import socket
-    import urllib.request
 
     first = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("pip install"))
     install, _, serve = first.partition(" && ttrace dashboard ")
@@ -144,24 +143,14 @@ def test_the_readmes_first_command_installs_the_dashboard_only(venv, tmp_path):
         assert not re.search(rf"^{unwanted}==", listed, flags=re.MULTILINE), unwanted
 
     write_pair(tmp_path / "runs")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}
     server = subprocess.Popen([str(venv / "bin" / "ttrace"), "dashboard", "runs", "--port", str(port)], cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
         printed = server.stdout.readline()
         assert f"http://127.0.0.1:{port}/runs" in printed, printed
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=5) as answer:
-                    assert answer.status == 200
-                    break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "the dashboard did not come up"
-                time.sleep(1)
+        wait_healthy(f"http://127.0.0.1:{port}", server, timeout_s=120)
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)

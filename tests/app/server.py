@@ -1,15 +1,10 @@
 """Starting and waiting for a dashboard server in tests."""
 
-import socket
 import subprocess
 import time
 import urllib.request
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from ttrace_core.record.launch import free_port  # noqa: F401  (the tests' one way to a free port)
 
 
 def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 90) -> None:

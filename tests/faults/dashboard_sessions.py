@@ -27,7 +27,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import shutil
 import subprocess
 import time
@@ -35,6 +34,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ttrace_core.record.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -152,12 +153,6 @@ def warm_up(root: Path, base: str, pairs: list[dict] | None = None) -> float:
         browser.close()
     assert job.wait(timeout_s=600).state == "complete", job.log_tail()
     return time.monotonic() - started
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_dashboard(root: Path, port: int, log: Path) -> subprocess.Popen:
