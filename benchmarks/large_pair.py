@@ -235,8 +235,8 @@ def fit(points: list[dict]) -> dict:
 
 def plot(points: list[dict], out: Path) -> None:
     import plotly.graph_objects as go
-    import plotly.offline
-    from playwright.sync_api import sync_playwright
+
+    from scale import save_png  # benchmarks/scale.py, beside this script
 
     figure = go.Figure()
     for name in dict.fromkeys(p["shape"] for p in points):
@@ -248,18 +248,7 @@ def plot(points: list[dict], out: Path) -> None:
     figure.update_layout(title="compare of a large pair against its bytes (TP 2 candidate vs 1-rank reference, bounded memory)",
                          xaxis=dict(title="tensor GiB (both runs)", type="log"), yaxis=dict(title="seconds", type="log"),
                          width=900, height=560, template="plotly_white")
-    page = out.with_suffix(".html")
-    page.write_text(plotly.offline.plot(figure, include_plotlyjs=True, output_type="div", config={"staticPlot": True}))
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-        try:
-            tab = browser.new_page(viewport={"width": 940, "height": 600})
-            tab.goto(page.resolve().as_uri())
-            tab.wait_for_selector(".js-plotly-plot .main-svg")
-            tab.locator(".js-plotly-plot").first.screenshot(path=str(out))
-        finally:
-            browser.close()
-    page.unlink()
+    save_png(figure, out)
 
 
 def render(points: list[dict], fitted: dict, max_bytes: int, load: str) -> str:

@@ -78,14 +78,8 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
 
 
-def plot(points: list[dict], out: Path) -> None:
-    figure = go.Figure()
-    mib = [p["trace_bytes"] / 2**20 for p in points]
-    for cost in COSTS:
-        figure.add_trace(go.Scatter(x=mib, y=[p[cost] for p in points], mode="lines+markers", name=cost.removesuffix("_s")))
-    figure.update_layout(title="ttrace cost against trace size (megatron-gpt, ref + TP2 candidate, 2 CPU cores)",
-                         xaxis=dict(title="trace MiB (both runs)", type="log"), yaxis=dict(title="seconds", type="log"),
-                         width=900, height=560, template="plotly_white")
+def save_png(figure: go.Figure, out: Path) -> None:
+    """The figure as a PNG at `out`, drawn by plotly.js in Debian's chromium (no downloaded browser, no kaleido)."""
     page = out.with_suffix(".html")
     page.write_text(plotly.offline.plot(figure, include_plotlyjs=True, output_type="div", config={"staticPlot": True}))
     with sync_playwright() as playwright:
@@ -98,6 +92,17 @@ def plot(points: list[dict], out: Path) -> None:
         finally:
             browser.close()
     page.unlink()
+
+
+def plot(points: list[dict], out: Path) -> None:
+    figure = go.Figure()
+    mib = [p["trace_bytes"] / 2**20 for p in points]
+    for cost in COSTS:
+        figure.add_trace(go.Scatter(x=mib, y=[p[cost] for p in points], mode="lines+markers", name=cost.removesuffix("_s")))
+    figure.update_layout(title="ttrace cost against trace size (megatron-gpt, ref + TP2 candidate, 2 CPU cores)",
+                         xaxis=dict(title="trace MiB (both runs)", type="log"), yaxis=dict(title="seconds", type="log"),
+                         width=900, height=560, template="plotly_white")
+    save_png(figure, out)
 
 
 def render(points: list[dict], fits: dict) -> str:
