@@ -105,3 +105,19 @@ def test_the_check_catches_a_stale_name(tmp_path: Path):
     assert missing_in("see ttrace_core/format/store.py and trace_writer.py", ROOT / "README.md") == [
         "trace_writer.py", "ttrace_core/format/store.py"]
     assert missing_in("see record/producers.py and settings.py", ROOT / "README.md") == []
+
+
+def test_the_readme_is_a_one_screen_start_with_its_two_commands():
+    """Under 200 lines; it opens with exactly two commands (the dashboard on the samples, then the whole suite),
+    and the second is the one .ci/run finds and runs."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 200, len(lines)
+    block = lines[lines.index("```bash") + 1:lines.index("```", lines.index("```bash") + 1)]
+    assert len(block) == 2, block
+    serve, suite = block
+    assert serve.startswith("pip install ") and serve.endswith("&& ttrace dashboard sample_traces"), serve
+    assert "pytest" in suite and "-m" not in suite.split("pytest", 1)[1].split(), suite  # the whole suite
+    ci = (ROOT / ".ci" / "run").read_text()
+    pattern = re.search(r"grep -m1 -E '([^']+)' README.md", ci).group(1)
+    assert next(line for line in lines if re.search(pattern, line)) == suite
+    assert 'bash -c "$test_command"' in ci
