@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+
 from ttrace_core import api
 from ttrace_core.service.jobs import Job
 
@@ -43,41 +45,32 @@ HUNG_JOB_TIMEOUT_S = 20.0
 STOP_LIMIT_S = 120.0
 
 
-def _stat_fields(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _live_processes() -> dict[int, tuple[int, int]]:
+    """Every live (not zombie) process: pid -> (parent pid, process group), through psutil, as
+    record/processes.py reads liveness."""
+    found = {}
+    for process in psutil.process_iter(["ppid", "status"]):
+        try:
+            if process.info["status"] != psutil.STATUS_ZOMBIE:
+                found[process.pid] = (process.info["ppid"], os.getpgid(process.pid))
+        except (psutil.Error, OSError):
+            continue
+    return found
 
 
 def processes_of_group(pgid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = _stat_fields(int(entry.name))
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                found.append(int(entry.name))
-    return found
+    return [pid for pid, (_, group) in _live_processes().items() if group == pgid]
 
 
 def replay_groups(pgid: int) -> set[int]:
     """The process groups of a replay: the `ttrace localize` command's, and those of the processes it started.
     A run recorded as a command (`ttrace record`, `ttrace example`) is relaunched in a session of its own, so its
     ranks are not in the command's group."""
-    parents: dict[int, int] = {}
-    groups: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = _stat_fields(int(entry.name))
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                parents[int(entry.name)], groups[int(entry.name)] = int(fields[1]), int(fields[2])
-    found, frontier = {pgid}, [pid for pid, group in groups.items() if group == pgid]
+    live = _live_processes()
+    found, frontier = {pgid}, [pid for pid, (_, group) in live.items() if group == pgid]
     while frontier:
-        children = [pid for pid, parent in parents.items() if parent in frontier]
-        found |= {groups[pid] for pid in children}
+        children = [pid for pid, (parent, _) in live.items() if parent in frontier]
+        found |= {live[pid][1] for pid in children}
         frontier = children
     return found
 
@@ -87,9 +80,9 @@ def rank_pids(pgid: int) -> list[int]:
     for group in replay_groups(pgid):
         for pid in processes_of_group(group):
             try:
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if any("spawn_main" in part for part in psutil.Process(pid).cmdline()):
                     ranks.append(pid)
-            except OSError:
+            except psutil.Error:
                 pass
     return ranks
 
