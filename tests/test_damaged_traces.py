@@ -101,7 +101,7 @@ def _as_format_4(run: Path, tmp_path: Path) -> None:
 def test_a_flipped_bit_in_a_datatype_message_is_one_line(pair, tmp_path):
     """Bit 2 of the exponent bias's second byte: HDF5 still reads a float of 32 bits, which no numpy
     type matches but its 128-bit longdouble (torch cannot take it). Format 5 keeps values in uint8 packs
-    (a flip there is refused when the file is opened, tests/core/test_packs.py): the candidate is rewritten
+    (a flip there is refused when the file is opened, tests/core/format/test_packs.py): the candidate is rewritten
     as format 4 wrote it, a dataset per tensor."""
     reference, candidate = pair
     _as_format_4(candidate, tmp_path)

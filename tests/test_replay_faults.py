@@ -1,7 +1,7 @@
 """CI slice of benchmarks/replay_faults.py: a real replay (the Localize page's job) hit by a fault.
 A rank of the replay killed mid-run must fail the job: never a verdict from a broken replay, never a
 silent fallback to another replay, the lock released, no process left, and asking again gives the
-uninterrupted verdict. (tests/core/test_jobs.py covers a killed command or supervisor, timeouts,
+uninterrupted verdict. (tests/core/service/test_jobs.py covers a killed command or supervisor, timeouts,
 cancels and hostile job files with small commands.)"""
 
 from __future__ import annotations

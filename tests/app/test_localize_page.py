@@ -1,6 +1,6 @@
 """The Localize page through AppTest: no replay yet, a finished replay shown at once, a running one
 polled, a failed one explained, a refused path. Replay jobs are written as a finished job would
-leave them (tests/core/test_jobs.py runs real ones, tests/test_localize_samples.py real replays)."""
+leave them (tests/core/service/test_jobs.py runs real ones, tests/test_localize_samples.py real replays)."""
 
 import json
 import time

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from tests.core.test_liveness import _pair as record_pair
+from tests.support.tiny_mlp import recorded_pair as record_pair
 from tests.synthetic_runs import write_pair, write_run
 from ttrace_core.compare.tolerances import DTYPE_TOLERANCES
 from ttrace_core.service.dashboard import ROOT_ENV

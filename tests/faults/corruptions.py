@@ -11,7 +11,7 @@ Also the ways out of a trace (`PLANTS`: links, virtual datasets, external storag
 exact copy outside) with their read detector (`outside_of`, `untouched`, `was_read`), and damaged
 replay-job files (`job_file_damage`).
 
-Used by damage_runner.py (every case), tests/test_robustness.py, tests/core/test_containment.py (the
+Used by damage_runner.py (every case), tests/test_robustness.py, tests/core/format/test_containment.py (the
 ways out) and, through damage_runner.py, benchmarks/robustness.py.
 """
 

@@ -7,7 +7,7 @@ Also `write_legacy_copy`: a run rewritten as format 3 wrote it (an attribute per
 `write_format4_copy`: a run rewritten as format 4 wrote it (a dataset per tensor, hard links).
 
 Used by the damage families (corruptions.py, size_lies.py, pristine.py), by the tests that make a trace
-lie or read an old format (tests/core/test_store.py, tests/core/test_tensor_index.py,
+lie or read an old format (tests/core/format/test_writer.py, tests/core/format/test_tensor_index.py,
 tests/test_damaged_traces.py), and by benchmarks/index_open.py (the format-3 copy it times, made in a
 child: `python -m tests.faults.meta_rows RUN LEGACY [--format 4] --out FILE`), so one lie is told the same
 way to every format.

@@ -8,7 +8,7 @@ ask for the dataset's storage layout fails with an AttributeError from h5py's pr
 material (the step file's evidence is gone); on a `.partial` step file, which the reader absorbs,
 ttrace must still answer with one line or a finding, never a traceback.
 
-Used by damage_runner.py (the class "group or dataset out of place"), tests/core/test_containment.py and,
+Used by damage_runner.py (the class "group or dataset out of place"), tests/core/format/test_containment.py and,
 through damage_runner.py, benchmarks/robustness.py.
 """
 

@@ -6,7 +6,7 @@ DEPTH): even ones split over rows (S(0)), odd ones replicated; tensor 1's rank-1
 and tensor 2 mismatches in one element. `same_rows` says whether two comparisons' rows agree
 (statuses and indices equal, numbers within float rounding).
 
-Used by tests/core/test_bounded_compare.py (slab by slab against whole, peak RSS under --max-memory)
+Used by tests/core/compare/test_bounded.py (slab by slab against whole, peak RSS under --max-memory)
 and, as a child process (benchmarks/harness.py), by benchmarks/compare_memory.py (peak RSS per budget,
 results/compare_memory.{md,json}):
 

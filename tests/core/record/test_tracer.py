@@ -9,19 +9,7 @@ from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.reader import RunReader
 from ttrace_core.record.tracer import Tracer, TracerConfig
 
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
-
-
-def _train_step(model: nn.Module, optimizer, *, num_micro_batches: int = 2, scale: float | None = None) -> None:
-    optimizer.zero_grad()
-    for index in range(num_micro_batches):
-        inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(index), requires_grad=True)
-        loss = model(inputs).square().mean() * (scale if scale is not None else 1.0 / num_micro_batches)
-        loss.backward()
-    optimizer.step()
+from tests.support.tiny_mlp import mlp as _model, train_step as _train_step
 
 
 def _record(run_dir, config: TracerConfig | None = None, *, steps: int = 1, scale: float | None = None) -> nn.Module:

@@ -21,9 +21,10 @@ from tests.cli_support import run_main
 from tests.faults import corruptions
 from tests.faults.meta_rows import is_packed, storage_of
 from ttrace_core.format.reader import step_file_name
+from tests.support.paths import SAMPLES_DIR
 
 
-SAMPLES = Path(__file__).resolve().parents[2] / "sample_traces" / "fp32"
+SAMPLES = SAMPLES_DIR / "fp32"
 DATASET = "forward/mb_0000/decoder.layers.0.self_attention.linear_qkv#output.0"
 VALUE_PLANTS = (corruptions.virtual_dataset, corruptions.external_storage)
 """Ways out planted in one tensor's storage: format 5 refuses them when it opens the file (its packs are

@@ -22,27 +22,9 @@ from ttrace_core.format.schema import Layout, NO_MICRO_BATCH, PRE_STEP_SLOT, Run
 from ttrace_core.format.writer import RunWriter, write_manifest
 from ttrace_core.record.tracer import Tracer, TracerConfig
 
+from tests.support.tiny_mlp import recorded_pair as _pair
+
 HINT = "check that the reference's loss reaches backward (a detached loss or lr 0 makes a pass meaningless)"
-
-
-def _record(run_dir: Path, *, role: str, lr: float = 0.1, loss_factor: float = 1.0,
-            config: TracerConfig | None = None) -> Path:
-    """One step of SGD on a 4 -> 8 -> 2 MLP (4 parameters); `loss_factor` 0 zeroes every gradient."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    tracer = Tracer(run_dir, model, role=role, optimizer=optimizer, config=config)
-    with tracer.step(0):
-        optimizer.zero_grad()
-        inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
-        (model(inputs).square().mean() * loss_factor).backward()
-        optimizer.step()
-    tracer.close()
-    return run_dir
-
-
-def _pair(root: Path, **how) -> tuple[Path, Path]:
-    return _record(root / "reference", role="reference", **how), _record(root / "candidate", role="candidate", **how)
 
 
 def _compare(reference: Path, candidate: Path):

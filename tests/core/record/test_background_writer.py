@@ -15,7 +15,7 @@ from ttrace_core.format.reader import RunReader
 from ttrace_core.format.writer import RunWriter
 from ttrace_core.record.tracer import Tracer, TracerConfig
 
-from tests.core.test_tracer import _model, _train_step
+from tests.support.tiny_mlp import mlp as _model, train_step as _train_step
 
 KIB = 1024
 

@@ -3,25 +3,28 @@
 The rules' tables first; then a scan of the core and the dashboard (ttrace_core, app, pages) that
 fails when one of these conventions is written again outside format/naming.py: a subtree test by
 name prefix, the data-parallel axis names, the fp8 scale module's name, a rule on numbered name
-components (the layer index) or the embeddings' names.
+components (the layer index), the embeddings' names or how the root module is shown.
 """
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
 
 from ttrace_core.format import naming
 from ttrace_core.format.naming import (
-    DATA_PARALLEL_AXES, EMBEDDING_NAMES, FP8_SCALE_MODULE, fp8_scale_linear, global_fqn, in_subtree, is_descendant,
+    DATA_PARALLEL_AXES, EMBEDDING_NAMES, FP8_SCALE_MODULE, ROOT_NAME, fp8_scale_linear, global_fqn, in_subtree, is_descendant,
     layer_family,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO
+
+ROOT = REPO
 SCANNED = ("ttrace_core", "app", "pages")
 HOME = ROOT / "ttrace_core" / "format" / "naming.py"
 ALLOWED = {
+    ("ttrace_core/format/schema.py", "root name"): "ROOT_NAME is defined below naming.py, which re-exports it, "
+                                                   "because a TensorKey's own text shows it",
     ("ttrace_core/record/command.py", "subtree"): "a Python module path (\"pkg.mod:function\"), not a module fqn",
 }
 """(file, rule) -> why that file may write the rule itself."""
@@ -117,6 +120,8 @@ def convention_uses(source: str) -> list[tuple[str, int, str]]:
                 found.append(("data parallel", node.lineno, repr(node.value)))
             if node.value in EMBEDDING_NAMES:
                 found.append(("layer", node.lineno, repr(node.value)))
+            if ROOT_NAME in node.value:
+                found.append(("root name", node.lineno, repr(node.value)))
     return found
 
 
@@ -143,8 +148,9 @@ def test_no_naming_convention_is_written_outside_format_naming():
     ('class L:\n    def __init__(self):\n        self.fp8_scale_inv = None\n', "fp8 scale"),
     ('import re\nINDEX = re.compile(r"\\.\\d+\\.")\n', "layer"),
     ('NAMES = ("emb", "wte", "wpe")\n', "layer"),
+    ('def f(fqn):\n    return f"{fqn or \'<root>\'}: failed"\n', "root name"),
 ], ids=["plus-dot", "f-string", "tuple", "dp-axis", "dp-degree", "fp8-string", "fp8-attribute", "layer-regex",
-        "embedding-names"])
+        "embedding-names", "root-name"])
 def test_the_scan_sees_a_convention_written_again(source, rule):
     assert rule in {found_rule for found_rule, _, _ in convention_uses(source)}
 
@@ -162,4 +168,5 @@ def test_the_home_itself_writes_each_rule():
     """The scan's patterns match the home's own code: a rule moved out of naming.py would be seen."""
     rules = {rule for rule, _, _ in convention_uses(HOME.read_text())}
     assert {"subtree", "fp8 scale", "data parallel", "layer"} <= rules, rules
+    assert naming.display_fqn("") == naming.ROOT_NAME and naming.display_fqn("a.b") == "a.b"
     assert naming.__file__ == str(HOME)

@@ -2,7 +2,7 @@
 (ttrace_core/format/same_storage.py): what is written reads back whole, in format 5 and in its format-4
 and format-3 copies; a format-4 index lying about its datasets is named; a tensor recorded twice in a
 step is one span behind two rows (format 5), one dataset behind two names (format 4). Format 5's packs
-have their own tests (tests/core/test_packs.py)."""
+have their own tests (tests/core/format/test_packs.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from tests.faults.meta_rows import (drop_meta, index_rows, read_meta, write_format4_copy, write_index_rows, write_legacy_copy,
                                    write_meta)
 from ttrace_core.errors import TraceFormatError
-from ttrace_core.format.reader import RunReader, dataset_path, step_file_name
+from ttrace_core.format.reader import RunReader, step_file_name
 from ttrace_core.format.shard_reads import read_shards
 from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta, TensorStats
 from ttrace_core.format.tensor_index import LINKS_ATTR, TENSOR_INDEX

@@ -23,9 +23,9 @@ from ttrace_core.compare.metrics import CHUNK_ELEMENTS, ValueSums, metrics_from_
 from ttrace_core.compare.results import Tolerance
 from ttrace_core.compare.tolerances import select_tolerances
 from ttrace_core.format.reader import RunReader
+from tests.support.paths import SAMPLES_DIR
 
 TOL = Tolerance(rel=1e-5, abs=1e-7, source="test")
-SAMPLES_DIR = Path(__file__).resolve().parents[2] / "sample_traces"
 SAMPLES = json.loads((SAMPLES_DIR / "samples.json").read_text())
 
 

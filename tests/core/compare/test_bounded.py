@@ -15,8 +15,9 @@ from ttrace_core.compare.bounded import BYTES_PER_ELEMENT, free_dims, slab_lengt
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.schema import Layout, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 MIB = 2**20
 PEAK_RSS = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, code, file=sys.stderr)")

@@ -20,8 +20,9 @@ from tests.faults.meta_rows import drop_tensor, read_meta, write_meta
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.reader import INVENTORY_ATTR, RunReader, step_file_name
 from ttrace_core.compare.tolerances import DtypeTolerances
+from tests.support.paths import SAMPLES_DIR
 
-SAMPLES = Path(__file__).resolve().parents[2] / "sample_traces" / "fp32"
+SAMPLES = SAMPLES_DIR / "fp32"
 # A module output that both TP ranks hold whole (placement R on the tp axis) and one that each holds a shard of.
 REPLICATED = "forward/mb_0000/decoder.layers.0.mlp#output.1"
 SHARDED = "forward/mb_0000/decoder.layers.0.self_attention.linear_qkv#output.0"
