@@ -18,7 +18,7 @@ from plotly.subplots import make_subplots
 
 from ttrace_dashboard.cells import KIND_LABELS, LOG_RATIO_LIMIT
 from ttrace_dashboard.colours import faded_colour
-from ttrace_core.api import KINDS
+from ttrace_core.api import KINDS, display_fqn
 
 RATIO_SCALE = [[0.0, "#2166ac"], [0.35, "#92c5de"], [0.5, "#f7f7f7"], [0.5001, "#fddbc7"], [0.75, "#ef8a62"],
                [1.0, "#67001f"]]
@@ -86,7 +86,7 @@ def _row_labels(rows: pd.DataFrame, focus: str | None = None) -> list[dict]:
     draw, which took 20+ s for the 774 rows of a 48-layer model (benchmarks/results/dashboard.md);
     annotations draw in well under a second. The `focus` module's name is bold."""
     def label(module: str) -> str:
-        text = module or "<root>"
+        text = display_fqn(module)
         return f"<b>{text}</b>" if module == focus else text
 
     return [dict(xref="paper", yref="y", x=0, y=row, xanchor="right", xshift=-6, showarrow=False, text=label(module),
@@ -372,7 +372,7 @@ def matrix_figure(cells: pd.DataFrame, layouts: list[str], columns: list[str], p
         margin=dict(l=min(MAX_LABEL_PX, 12 + LABEL_CHAR_PX * max((len(l) for l in layouts), default=4)), r=20, t=90,
                     b=min(MAX_LABEL_PX, 20 + 5.4 * longest_column)),
         annotations=notes, clickmode="event+select", dragmode=False, legend=dict(orientation="h", y=1.0, x=0, yanchor="bottom"),
-        xaxis=dict(tickvals=list(range(len(columns))), ticktext=[c or "<root>" for c in columns], tickangle=-60,
+        xaxis=dict(tickvals=list(range(len(columns))), ticktext=[display_fqn(c) for c in columns], tickangle=-60,
                    tickfont=dict(size=10), range=[-0.6, len(columns) - 0.4], fixedrange=True, showgrid=False),
         yaxis=dict(type="category", categoryarray=list(layouts), categoryorder="array", autorange="reversed",
                    fixedrange=True, tickfont=dict(size=12)),

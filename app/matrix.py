@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
-from ttrace_core.api import layer_module
+from ttrace_core.api import display_fqn, layer_module
 from ttrace_dashboard.cells import _ranked, category, first_divergence, log_ratio, module_rows
 
 ROWS_BY = ("modules", "layers")
@@ -51,7 +51,7 @@ def column_order(frames: Sequence[pd.DataFrame]) -> list[str]:
 def _hover(worst: pd.DataFrame, counts: pd.Series) -> pd.Series:
     ratio = worst["ratio"].astype(float).map(lambda r: "-" if pd.isna(r) else f"{r:.3g}")
     source = worst["source_module"].where(worst["source_module"] != worst["module"], "")
-    return ("<b>" + worst["layout"] + "</b><br>" + worst["module"].replace("", "<root>")
+    return ("<b>" + worst["layout"] + "</b><br>" + worst["module"].map(display_fqn)
             + source.map(lambda m: f" ({m})" if m else "") + "<br>worst: " + worst["tensor"] + " (step "
             + worst["step"].astype(str) + ")<br>ratio " + ratio + " · " + worst["status"]
             + counts.map(lambda n: f"<br>worst of {n} tensors" if n > 1 else "")

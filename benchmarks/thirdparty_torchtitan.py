@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
 
+from ttrace_core.format.naming import display_fqn
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 LAUNCHER = ["-m", "ttrace_examples.torchtitan"]
@@ -158,7 +160,7 @@ def _compared(work: Path, reference: str, candidate: str, row: Row) -> None:
     if ratios:
         ratio, key = max(ratios, key=lambda item: item[0])
         row.largest_ratio = ratio
-        row.largest_at = f"step {key['step']} / {key['phase']} / {key['fqn'] or '<root>'} / {key['slot']}"
+        row.largest_at = f"step {key['step']} / {key['phase']} / {display_fqn(key['fqn'])} / {key['slot']}"
     text = (work / f"{candidate}.compare.log").read_text()
     if "first divergence" in text:
         lines = [line for line in text.split("first divergence", 1)[1].splitlines() if line.startswith("FAILED")]

@@ -38,7 +38,7 @@ import pandas as pd
 from ttrace_core.compare.results import ComparisonStatus, KindHeadroom, RunComparison, TensorComparison, VerdictSummary
 from ttrace_core.compare.settings import MIN_MAX_MEMORY, TOLERANCE_KINDS, CompareSettings
 from ttrace_core.errors import TraceFormatError, TtraceError, TtraceInternalError
-from ttrace_core.format.naming import KINDS, PSEUDO_MODULES, is_descendant, layer_module, owner_of, tensor_id
+from ttrace_core.format.naming import KINDS, PSEUDO_MODULES, display_fqn, is_descendant, layer_module, owner_of, tensor_id
 from ttrace_core.format.schema import PRE_STEP_SLOT
 from ttrace_core.service.jobs import Job
 from ttrace_core.service.dashboard import ROOT_ENV
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 __all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PRE_STEP_SLOT", "PSEUDO_MODULES", "ROOT_ENV", "TOLERANCE_KINDS",
            "CompareSettings", "ComparisonStatus", "Job", "KindHeadroom", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError",
            "TtraceError", "TtraceInternalError", "VerdictSummary",
-           "cached_comparison_table", "check_outputs", "compare_as_rank", "compare_in_workers", "comparison",
+           "cached_comparison_table", "check_outputs", "compare_as_rank", "display_fqn", "compare_in_workers", "comparison",
            "comparison_lookup", "comparison_streams", "comparison_table", "estimate", "finding_lines",
            "localize_here", "open_run", "read_check_config", "read_manifest", "record", "record_adaptively", "run_check",
            "serve_dashboard",
@@ -266,8 +266,8 @@ def estimate(reference: str | os.PathLike, **kwargs) -> tuple[PerturbationEstima
 
 def compare_in_workers(reference: str | os.PathLike, candidate: str | os.PathLike, settings: CompareSettings, *,
                        workers: int, rebuild: bool) -> RunComparison:
-    """The comparison computed by `workers` local processes, each a part of the tensors (service/compare_workers.py)."""
-    from ttrace_core.service.compare_workers import run_workers
+    """The comparison computed by `workers` local processes, each a part of the tensors (service/comparisons.py)."""
+    from ttrace_core.service.comparisons import run_workers
 
     return run_workers(reference, candidate, settings, workers=workers, rebuild=rebuild)
 
@@ -276,7 +276,7 @@ def compare_as_rank(reference: str | os.PathLike, candidate: str | os.PathLike, 
                     rebuild: bool) -> RunComparison | None:
     """This process's part of a comparison run by every rank of a torchrun launch; rank 0 gets the result, the
     others None."""
-    from ttrace_core.service.compare_workers import compare_distributed
+    from ttrace_core.service.comparisons import compare_distributed
 
     return compare_distributed(reference, candidate, settings, rebuild=rebuild)
 

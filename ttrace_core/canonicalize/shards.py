@@ -9,17 +9,40 @@ every rank its slice of a logical tensor (consistent init, input rewriting).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
+import psutil
 import torch
 
 from ttrace_core.canonicalize import placements as pl
-from ttrace_core.canonicalize.memory import machine_memory_bytes
 from ttrace_core.canonicalize.replicas import ReplicaDifference, ReplicaDrift, worst_drift
 from ttrace_core.errors import LayoutError
 from ttrace_core.format.schema import Layout, TensorKey
+
+
+CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+"""cgroup v2, then v1; "max" (v2) or a huge number (v1) means no limit."""
+
+
+@functools.cache
+def machine_memory_bytes() -> int:
+    """The bound no tensor's assembly may exceed: the smaller of the physical memory and the cgroup's
+    limit (a container's `memory.max`), read once. A tensor whose metadata claims more is refused with
+    one line before anything is allocated, instead of dying in the allocator (MemoryError, or the
+    kernel's OOM killer)."""
+    limits = [psutil.virtual_memory().total]
+    for path in CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits)
 
 
 @dataclass(frozen=True, slots=True)

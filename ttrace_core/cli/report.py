@@ -8,7 +8,7 @@ import sys
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from ttrace_core.api import PSEUDO_MODULES, ComparisonStatus, KindHeadroom, RunComparison, TensorComparison, finding_lines
+from ttrace_core.api import PSEUDO_MODULES, display_fqn, ComparisonStatus, KindHeadroom, RunComparison, TensorComparison, finding_lines
 
 if TYPE_CHECKING:
     from ttrace_core.api import RunReader
@@ -100,7 +100,7 @@ def render_run(reader: RunReader, *, list_tensors: bool) -> str:
              f"mesh: {m.mesh_shape} {m.mesh_axis_names}  rank coordinates: {m.rank_coordinates}",
              f"precision: {m.precision}  seed: {m.seed}  entrypoint: {_entrypoint_text(m.entrypoint)}",
              f"model: {m.model}", f"complete steps: {reader.complete_steps}"]
-    lines += [f"blind spot: {fqn or '<root>'}: {why}" for fqn, why in sorted(m.blind_spots.items())]
+    lines += [f"blind spot: {display_fqn(fqn)}: {why}" for fqn, why in sorted(m.blind_spots.items())]
     lines += [f"partial step {s}: {why}" for s, why in sorted(reader.partial_steps.items())]
     lines += [f"finding: {line}" for line in finding_lines(reader.findings)]
     by_phase = Counter(key.phase for key in reader.index)

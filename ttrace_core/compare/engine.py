@@ -26,7 +26,7 @@ from ttrace_core.errors import LayoutError
 from ttrace_core.compare.results import (
     VALUE_STATUSES, ComparisonStatus, RunComparison, StructureTest, TensorComparison, Tolerance,
 )
-from ttrace_core.compare.candidate_only import replica_disagreements, scale_owner
+from ttrace_core.compare.fp8_scales import replica_disagreements, scale_owner
 from ttrace_core.compare.module_bias import module_bias
 from ttrace_core.compare.shard_errors import candidate_shards, worst_shard
 from ttrace_core.compare.routed_rows import TokenAlignment, token_alignment

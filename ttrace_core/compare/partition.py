@@ -1,5 +1,5 @@
 """Compare partitioned over workers: the ranks of an initialized gloo process group each compare a
-part (service/compare_workers.py starts them: `ttrace compare --workers N`, or `--distributed` under torchrun).
+part (service/comparisons.py starts them: `ttrace compare --workers N`, or `--distributed` under torchrun).
 
 Each worker compares every N-th tensor of the plan (execution order, round robin) without the
 exact-inputs rule, then every worker receives every row (as JSON over gloo: no pickle) and runs

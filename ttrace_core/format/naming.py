@@ -1,7 +1,7 @@
 """Naming conventions of traced tensors, written once: which layer a module is in, which module owns
 a parameter, which modules a subtree holds, a slot's family, a tensor's module and kind, the mesh axes
 that are data parallelism, the fp8 scale module, and the id the URL and the table use.
-tests/core/test_naming.py checks that none of these rules is written again elsewhere.
+tests/core/format/test_naming.py checks that none of these rules is written again elsewhere.
 
 A key names one tensor instance (format.schema.TensorKey): `phase` forward | backward | grad | param,
 `fqn` the module (activations) or the parameter (grad, param), `slot` "<family>.<index or name>"
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 
-from ttrace_core.format.schema import TensorKey
+from ttrace_core.format.schema import ROOT_NAME, TensorKey
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
 """A transformer layer in a module path: "decoder.layers.3.mlp" is in layer 3 (also "blocks.3", "h.3")."""
@@ -88,6 +88,11 @@ def layer_family(fqn: str) -> str:
 def is_embedding(fqn: str) -> bool:
     """An embedding's module or parameter (EMBEDDING_NAMES), which sits below the first layer."""
     return any(name in fqn for name in EMBEDDING_NAMES)
+
+
+def display_fqn(fqn: str) -> str:
+    """A module's name as shown: the root module ("") as ROOT_NAME."""
+    return fqn or ROOT_NAME
 
 
 def owner_of(parameter_fqn: str) -> str:

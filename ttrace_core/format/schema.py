@@ -88,6 +88,12 @@ def strip_wrappers(fqn: str) -> str:
     return ".".join(part for part in fqn.split(".") if part not in WRAPPER_COMPONENTS)
 
 
+ROOT_NAME = "<root>"
+"""How the model's root module (fqn "") is written where a name must show: in messages, the dashboard and a
+step file's dataset paths. Its home is format/naming.py (`display_fqn`); it is defined here, below naming,
+because a key's own text shows it."""
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class TensorKey:
     """Canonical name of one logical tensor in one iteration."""
@@ -106,7 +112,7 @@ class TensorKey:
     def __str__(self) -> str:
         mb = "" if self.micro_batch == NO_MICRO_BATCH else f" / mb {self.micro_batch}"
         call = f" / call {self.call}" if self.call else ""
-        return f"step {self.step}{mb} / {self.phase} / {self.fqn or '<root>'}{call} / {self.slot}"
+        return f"step {self.step}{mb} / {self.phase} / {self.fqn or ROOT_NAME}{call} / {self.slot}"
 
     def execution_order(self) -> tuple[int, int, int]:
         if self.phase == "param" and self.slot == PRE_STEP_SLOT:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ttrace_core.errors import TraceFormatError
+from ttrace_core.format.naming import display_fqn
 from ttrace_core.format.schema import TensorKey, TensorMeta
 from ttrace_core.format.step_file import dataset_path, open_step
 
@@ -33,7 +34,7 @@ def read_shards(run_dir: str | os.PathLike, key: TensorKey, world_size: int) -> 
 def forward_inputs(run_dir: str | os.PathLike, rank: int, step: int, fqn: str) -> dict[int, dict[str, torch.Tensor]]:
     """{global micro-batch: {slot: value}} of the forward inputs one rank recorded for one module,
     reading only those tensors' values."""
-    prefix = f"{fqn or '<root>'}#input."
+    prefix = f"{display_fqn(fqn)}#input."
 
     def wanted(path: str) -> bool:
         return path.startswith("forward/") and path.rsplit("/", 1)[-1].startswith(prefix)

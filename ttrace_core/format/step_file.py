@@ -43,6 +43,7 @@ from ttrace_core.format.datasets import (
 )
 from ttrace_core.format.findings import FINDINGS, findings_in_file
 from ttrace_core.format.global_heap import refuse_looping_heaps
+from ttrace_core.format.naming import ROOT_NAME, display_fqn
 from ttrace_core.format.records import meta_from_json
 from ttrace_core.format.packs import Span, checked_spans, read_span, refuse_foreign_objects
 from ttrace_core.format.schema import INDEXED_FORMAT, NO_MICRO_BATCH, PACKED_FORMAT, PHASES, Finding, TensorKey, TensorMeta
@@ -70,7 +71,7 @@ def step_file_name(rank: int, step: int) -> str:
 def dataset_path(key: TensorKey) -> str:
     group = "all" if key.micro_batch < 0 else f"mb_{key.micro_batch:04d}"
     call = f"@{key.call}" if key.call else ""
-    return f"{key.phase}/{group}/{key.fqn or '<root>'}#{key.slot}{call}"
+    return f"{key.phase}/{group}/{display_fqn(key.fqn)}#{key.slot}{call}"
 
 
 def key_from_dataset_path(path: str, step: int) -> TensorKey | None:
@@ -89,7 +90,7 @@ def key_from_dataset_path(path: str, step: int) -> TensorKey | None:
         return None
     if call and not call.isdigit():
         return None
-    return TensorKey(step=step, micro_batch=micro_batch, phase=parts[0], fqn="" if fqn == "<root>" else fqn, slot=slot,
+    return TensorKey(step=step, micro_batch=micro_batch, phase=parts[0], fqn="" if fqn == ROOT_NAME else fqn, slot=slot,
                      call=int(call or 0))
 
 

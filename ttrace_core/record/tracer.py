@@ -25,20 +25,23 @@ the training. A tensor that cannot be recorded (a declared placement that does n
 no one can infer, an error of the tracer's own) is left out and its step keeps a finding instead
 (format/findings.py); a step that cannot be written (a full disk) stops the recording, not the training.
 
-The Tracer's parts: module_hooks.py (the hooks on traced modules), failures.py (its own errors as
-findings), selection.py (which modules are traced, under which name), layouts.py and declarations.py
+Its own errors become findings here (`never_raises`, `failure_message`). Its parts: module_hooks.py
+(the hooks on traced modules), selection.py (which modules are traced, under which name), layouts.py and declarations.py
 (the layout of a tensor that does not describe its own), step_state.py (which micro-batch and call a
 module boundary belongs to), summaries.py (an activation's statistics, taken once per step for the same bytes).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -52,13 +55,12 @@ from ttrace_core.integrations.dtensor import (
 )
 from ttrace_core.format.fingerprint import environment_fingerprint
 from ttrace_core.canonicalize.placements import without_mesh_axes
-from ttrace_core.format.naming import DATA_PARALLEL_AXES, LOSS_FUNCTION, owner_of, slot_family
+from ttrace_core.format.naming import DATA_PARALLEL_AXES, LOSS_FUNCTION, display_fqn, owner_of, slot_family
 from ttrace_core.format.schema import (
     MAX_FINDING_CHARS, NO_MICRO_BATCH, PRE_STEP_SLOT, TOKENS_SLOT, Finding, Layout, RunManifest, TensorKey, TensorMeta, strip_wrappers,
 )
 from ttrace_core.record.background_writer import BackgroundWriter
 from ttrace_core.record.declarations import Declarations, UnknownLayoutError
-from ttrace_core.record.failures import failure_message, never_raises, one_sentence
 from ttrace_core.record.layouts import has_partial, plain_layout, with_flat_range
 from ttrace_core.record.module_hooks import ModuleHooks, quiet_hook_warnings
 from ttrace_core.record.producers import ProducerLayouts
@@ -74,6 +76,35 @@ from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.format.datasets import NATIVE_DTYPES, RAW_BITS
 from ttrace_core.format.reader import dtype_name
 from ttrace_core.format.writer import RunWriter, refuse_existing_trace, write_failure, write_manifest
+
+
+def one_sentence(error: BaseException) -> str:
+    """`RuntimeError: [gloo ...] Read error ...: Connection reset by peer.` without gloo's advice after it."""
+    text = " ".join(str(error).split())
+    sentence, stop, _ = text.partition(". ")
+    return f"{type(error).__name__}: {sentence}{stop.strip()}"
+
+
+def failure_message(fqn: str, slot: str, error: Exception) -> str:
+    """A failure of the tracer's own code in one line: what it left out, and where in ttrace it failed."""
+    where = f"{display_fqn(fqn)} {slot}".rstrip() if fqn or slot else "ttrace"
+    frames = traceback.extract_tb(error.__traceback__)
+    origin = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return (f"{where}: the tracer failed ({one_sentence(error)}{origin}) and left {'it' if slot else 'what it was recording'} "
+            "out; the training went on. A ttrace bug: report it with this line")
+
+
+def never_raises(method):
+    """A recording entry point the training code calls: its error is the trace's finding (Tracer.record_error),
+    never the training's exception. It returns what the method returns, None after an error."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - the run must go on; the error is recorded
+            self.record_error(error)
+            return None
+    return guarded
 
 
 class InputRewriting(Protocol):
@@ -472,7 +503,7 @@ class Tracer:
         before it. Made outside a step, it is written with the next recorded step."""
         key = key_or_fqn if isinstance(key_or_fqn, TensorKey) else None
         fqn, slot = (key.fqn, key.slot) if key is not None else (key_or_fqn, slot)
-        self._keep_finding(fqn, slot, f"{fqn or '<root>'} {slot}".rstrip() + f": {message}", key)
+        self._keep_finding(fqn, slot, f"{display_fqn(fqn)} {slot}".rstrip() + f": {message}", key)
 
     def record_error(self, error: Exception, fqn: str = "", slot: str = "", key: TensorKey | None = None) -> None:
         """An error of the tracer's own code, met while recording `key` (or a call of module `fqn`): a finding,

@@ -1,15 +1,20 @@
 """The comparison of two runs as a cached table: computed once (compare), kept as Parquet under the
 candidate (compare/table.py) and reused until either run's files, the reference's tolerance
-estimate or the settings change."""
+estimate or the settings change.
+
+The same table computed by worker processes: `ttrace compare --workers N` spawns N local gloo workers,
+and `ttrace compare --distributed` makes every rank of a torchrun launch one. Each worker compares its
+part of the tensors (compare/partition.py); rank 0 writes the table, which the parent reads."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
@@ -31,6 +36,7 @@ from ttrace_core import DISTRIBUTION
 from ttrace_core.format.reader import MANIFEST_NAME, RunReader, read_manifest
 from ttrace_core.format.records import data_from_record
 from ttrace_core.format.schema import FORMAT_VERSION
+from ttrace_core.record.launch import run_ranks
 
 
 def ttrace_version() -> str:
@@ -173,7 +179,7 @@ def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike,
                      partitioned: bool = False, stream: RowStream | None = None,
                      lookup: CacheLookup | None = None) -> ComparisonTable:
     """The comparison of two runs as a table, from the cache when its inputs are unchanged. `partitioned`:
-    this process is one rank of an initialized gloo group of compare workers (compare_workers.py), which
+    this process is one rank of an initialized gloo group of compare workers (compare_worker), which
     each compare a part; rank 0 writes the cache. `stream` receives every row as soon as it is compared
     (comparison_jobs.py), and is flushed before the cache is written. `lookup`: the caller's answer of
     `lookup_table` for these runs and settings, not asked again."""
@@ -207,3 +213,37 @@ def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike,
         pass  # a read-only place: the table is still returned, just not kept
     return ComparisonTable(frame=frame, provenance=provenance, path=path, cached=False)
 
+
+def compare_worker(config: dict) -> None:
+    """A spawned worker of `ttrace compare --workers N` (launch.run_ranks): compare, and on rank 0
+    write the comparison table (the cache, and a copy where the parent reads it)."""
+    dist.init_process_group("gloo")
+    try:
+        settings = CompareSettings(**config["settings"])
+        result = comparison_table(config["reference"], config["candidate"], settings, rebuild=config["rebuild"],
+                                  partitioned=True)
+        if dist.get_rank() == 0:  # the cache's own format: infinite ratios survive, unlike in strict JSON
+            table.write_table(Path(config["out"]), result.frame, result.provenance)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(reference: str, candidate: str, settings: CompareSettings, *, workers: int, rebuild: bool) -> RunComparison:
+    """`ttrace compare --workers N`: N local gloo workers; the parent reads rank 0's result."""
+    with tempfile.TemporaryDirectory(prefix="ttrace-compare-") as folder:
+        out = Path(folder) / "comparison.parquet"
+        run_ranks("ttrace_core.service.comparisons:compare_worker",
+                  {"reference": os.fspath(reference), "candidate": os.fspath(candidate), "settings": asdict(settings),
+                   "rebuild": rebuild, "out": str(out)}, workers, timeout_s=24 * 3600)
+        return table.comparison_from_table(*table.read_table(out))
+
+
+def compare_distributed(reference: str, candidate: str, settings: CompareSettings, *, rebuild: bool) -> RunComparison | None:
+    """`ttrace compare --distributed`, run by every rank of a torchrun launch: each compares its part;
+    rank 0 gets the result, the others None."""
+    dist.init_process_group("gloo")
+    try:
+        result = comparison_table(reference, candidate, settings, rebuild=rebuild, partitioned=True)
+        return table.comparison_from_table(result.frame, result.provenance) if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
