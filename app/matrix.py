@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
-from ttrace_core.api import display_fqn, layer_module
-from ttrace_dashboard.cells import _ranked, category, first_divergence, log_ratio, module_rows
+from ttrace_core.api import display_fqn
+from ttrace_dashboard.cells import _ranked, category, first_divergence, log_ratio, module_rows, rows_by_layer
 
 ROWS_BY = ("modules", "layers")
 CELL_COLUMNS = ["layout", "module", "row", "column", "value", "category", "tensor", "source_module", "ratio", "status",
@@ -29,10 +29,7 @@ def folded(frame: pd.DataFrame, rows_by: str) -> pd.DataFrame:
     if rows_by not in ROWS_BY:
         raise ValueError(f"rows_by must be one of {ROWS_BY}, not {rows_by!r}")
     frame = frame.assign(source_module=frame["module"])
-    if rows_by == "layers":
-        prefixes = {module: layer_module(module) for module in frame["module"].unique()}
-        frame = frame.assign(module=frame["module"].map(prefixes))
-    return frame
+    return rows_by_layer(frame) if rows_by == "layers" else frame
 
 
 def column_order(frames: Sequence[pd.DataFrame]) -> list[str]:
