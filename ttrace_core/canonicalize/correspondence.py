@@ -43,6 +43,7 @@ import torch
 
 from ttrace_core.canonicalize import map_transforms as mt
 from ttrace_core.errors import MapError
+from ttrace_core.format.records import error_at
 from ttrace_core.format.schema import SLOT_FAMILIES
 
 FORMAT_HELP = "docs/porting.md describes the map format"
@@ -117,8 +118,8 @@ class LoadedMap:
 
 
 def _reason(error: msgspec.ValidationError) -> str:
-    message, _, at = str(error).rpartition(" - at ")
-    return f"{at.strip('`')}: {message}" if message and at.startswith("`$") else f"$: {error}"
+    message, path = error_at(error)
+    return f"{path or '$'}: {message}"
 
 
 def load_map(path: str | Path) -> LoadedMap:
@@ -148,10 +149,19 @@ def _placeholders(pattern: str) -> set[str]:
     return set(_PLACEHOLDER.findall(pattern))
 
 
+def _check_select(ops: list[mt.AnyOp], where: str) -> str | None:
+    positions = [i for i, op in enumerate(ops) if isinstance(op, mt.Select)]
+    if positions and positions != [0]:
+        return (f"{where}[{positions[-1]}]: a select op comes first, once: it picks a slice of the reference's "
+                "tensor as recorded, which the weight conversion puts back in place")
+    return None
+
+
 def _ops_facts(ops: list[mt.AnyOp]) -> set[str]:
     named = set()
     for op in ops:
-        for value in (getattr(op, "groups", 1), getattr(op, "head_dim", 2), *getattr(op, "sizes", ())):
+        counts = (op.count,) if isinstance(op, mt.Select) else ()
+        for value in (getattr(op, "groups", 1), getattr(op, "head_dim", 2), *getattr(op, "sizes", ()), *counts):
             if isinstance(value, str):
                 named.add(value)
     return named
@@ -177,10 +187,16 @@ def check_map(spec: CorrespondenceMap) -> str | None:
     for where, candidate, reference, ops in rules:
         if not reference:
             return f"{where}.reference: empty; name the reference tensors the candidate's is made of"
-        missing = _placeholders(candidate) - _placeholders(reference[0])
+        if problem := _check_select(ops, f"{where}.transform"):
+            return problem
+        select = mt.leading_select(ops)
+        missing = _placeholders(candidate) - _placeholders(reference[0]) - {getattr(select, "index", None)}
         if missing:
             return (f"{where}.candidate: placeholder {{{sorted(missing)[0]}}} does not appear in the first reference "
-                    f"name {reference[0]!r}, so no reference tensor says its value")
+                    f"name {reference[0]!r} nor is a select op's index, so nothing says its value")
+        if select is not None and isinstance(select.index, str) and select.index not in _placeholders(candidate):
+            return (f"{where}.transform[0]: select's index {select.index!r} is no placeholder of the candidate name "
+                    f"{candidate!r}; name the placeholder that says which index it is")
         if unknown := sorted(_ops_facts(ops) - set(spec.facts)):
             return f"{where}.transform: names fact {unknown[0]!r}, which [facts] does not define"
         combines = sum(op.combines for op in ops)
@@ -273,15 +289,18 @@ def facts_from_config(loaded: LoadedMap, config: dict, where: str) -> dict[str, 
 
 # ---- the weight conversion: [[parameters]] applied to a state dict ------------------------------------
 
-def _parameter_bindings(rule: ParameterRule, names: set[str]) -> list[dict[str, str]]:
-    """Each placeholder binding for which every reference parameter of `rule` is in `names`."""
+def _parameter_bindings(rule: ParameterRule, names: set[str], facts: dict[str, int]
+                        ) -> list[tuple[dict[str, str], list[mt.AnyOp]]]:
+    """Each placeholder binding for which every reference parameter of `rule` is in `names` (a `select` op's
+    index bound to each of its values in turn), with the rule's ops bound to it."""
     first = pattern_regex(rule.reference[0])
     found = []
     for name in sorted(names):
         if (match := first.match(name)) is not None:
             binding = match.groupdict()
             if all(item.format(**binding) in names for item in rule.reference):
-                found.append(binding)
+                for selected in mt.select_bindings(rule.transform, facts, rule.candidate):
+                    found.append(({**binding, **selected}, mt.bind(rule.transform, selected)))
     return found
 
 
@@ -291,10 +310,10 @@ def candidate_state(loaded: LoadedMap, reference: dict[str, torch.Tensor], facts
     parameter that no rule uses is left out (reference_state's caller sees it missing)."""
     out = {}
     for index, rule in enumerate(loaded.spec.parameters):
-        for binding in _parameter_bindings(rule, set(reference)):
+        for binding, ops in _converted(lambda: _parameter_bindings(rule, set(reference), facts), loaded, index):
             name = rule.candidate.format(**binding)
             pieces = [reference[item.format(**binding)] for item in rule.reference]
-            out[name] = _converted(lambda: mt.candidate_tensor(rule.transform, pieces, facts, name), loaded, index)
+            out[name] = _converted(lambda: mt.candidate_tensor(ops, pieces, facts, name), loaded, index)
     return out
 
 
@@ -303,33 +322,49 @@ def candidate_shapes(loaded: LoadedMap, reference: dict[str, tuple[int, ...]], f
     """The candidate's parameter shapes from the reference's (what a script draws the logical weights in)."""
     out = {}
     for index, rule in enumerate(loaded.spec.parameters):
-        for binding in _parameter_bindings(rule, set(reference)):
+        for binding, ops in _converted(lambda: _parameter_bindings(rule, set(reference), facts), loaded, index):
             name = rule.candidate.format(**binding)
             shapes = [tuple(reference[item.format(**binding)]) for item in rule.reference]
-            out[name] = _converted(lambda: mt.candidate_shape(rule.transform, shapes, facts, name), loaded, index)
+            out[name] = _converted(lambda: mt.candidate_shape(ops, shapes, facts, name), loaded, index)
     return out
 
 
 def reference_state(loaded: LoadedMap, candidate: dict[str, torch.Tensor], reference_shapes: dict[str, tuple[int, ...]],
                     facts: dict[str, int]) -> dict[str, torch.Tensor]:
     """The reference's parameters (named and shaped as in `reference_shapes`) from the candidate's: the
-    [[parameters]] rules inverted. MapError when a reference parameter is given by no rule or by two."""
+    [[parameters]] rules inverted; a rule that selects puts each candidate tensor at its index. MapError when a
+    reference parameter (or an index of one) is given by no rule or by two."""
     out: dict[str, torch.Tensor] = {}
+    selected: dict[str, tuple[int, set[int]]] = {}
+    """A reference parameter filled index by index: its select dim and the indices given so far."""
     for index, rule in enumerate(loaded.spec.parameters):
-        for binding in _parameter_bindings(rule, set(reference_shapes)):
+        for binding, ops in _converted(lambda: _parameter_bindings(rule, set(reference_shapes), facts), loaded, index):
             name = rule.candidate.format(**binding)
             if name not in candidate:
                 raise MapError(f"{loaded.path}: $.parameters[{index}] gives candidate parameter {name}, which the "
                                "candidate's state does not hold; check the map against the candidate model")
             targets = [item.format(**binding) for item in rule.reference]
             shapes = [tuple(reference_shapes[t]) for t in targets]
-            pieces = _converted(lambda: mt.reference_pieces(rule.transform, candidate[name], shapes, facts, name),
-                                loaded, index)
-            for target, piece in zip(targets, pieces):
-                if target in out:
-                    raise MapError(f"{loaded.path}: $.parameters[{index}] gives reference parameter {target} a second "
-                                   "time; each reference parameter belongs to one rule")
-                out[target] = piece
+            pieces = _converted(lambda: mt.reference_pieces(ops, candidate[name], shapes, facts, name), loaded, index)
+            select = mt.leading_select(ops)
+            for target, shape, piece in zip(targets, shapes, pieces):
+                whole_given = target in out and target not in selected
+                if whole_given or select is not None and select.index in selected.get(target, (0, set()))[1] \
+                        or select is None and target in out:
+                    raise MapError(f"{loaded.path}: $.parameters[{index}] gives reference parameter {target}"
+                                   f"{'' if select is None else f' index {select.index}'} a second time; each "
+                                   "reference parameter (or index of one) belongs to one rule")
+                if select is None:
+                    out[target] = piece
+                    continue
+                selected.setdefault(target, (select.dim, set()))[1].add(select.index)
+                out.setdefault(target, torch.empty(shape, dtype=piece.dtype)).select(select.dim, select.index).copy_(piece)
+    for target, (dim, given) in selected.items():
+        if len(given) != reference_shapes[target][dim]:
+            lacking = min(set(range(reference_shapes[target][dim])) - given)
+            raise MapError(f"{loaded.path}: no [[parameters]] rule gives index {lacking} along dim {dim} of reference "
+                           f"parameter {target} ({len(given)} of {reference_shapes[target][dim]} given); the select's "
+                           "count must cover the dim")
     if missing := sorted(set(reference_shapes) - set(out)):
         raise MapError(f"{loaded.path}: no [[parameters]] rule gives reference parameter {missing[0]} "
                        f"({len(missing)} in all); add one, or the two runs cannot start from the same weights")

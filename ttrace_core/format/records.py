@@ -26,13 +26,21 @@ _META_DECODER = msgspec.json.Decoder(TensorMeta)
 _FINDING_DECODER = msgspec.json.Decoder(Finding)
 
 
-def _reason(error: Exception) -> str:
-    """msgspec's "Expected `int` >= 1 - at `$.world_size`" as "field $.world_size: Expected `int` >= 1"."""
+def error_at(error: Exception) -> tuple[str, str | None]:
+    """msgspec's "Expected `int` >= 1 - at `$.world_size`" as ("Expected `int` >= 1", "$.world_size"); the
+    path is None for an error at no field. The one reading of msgspec's error text: a trace's records, a
+    correspondence map and a `ttrace check` config each word it for their reader."""
     text = str(error)
     message, _, path = text.rpartition(" - at ")
     if message and path.startswith("`$"):
-        return f"field {path.strip('`')}: {message}"
-    return text
+        return message, path.strip("`")
+    return text, None
+
+
+def _reason(error: Exception) -> str:
+    """msgspec's "Expected `int` >= 1 - at `$.world_size`" as "field $.world_size: Expected `int` >= 1"."""
+    message, path = error_at(error)
+    return f"field {path}: {message}" if path else message
 
 
 def record_from_data(data: object, record: type[Record], where: str, what: str, remedy: str) -> Record:

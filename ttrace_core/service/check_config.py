@@ -38,6 +38,7 @@ from typing import Annotated, Literal, get_args
 import msgspec
 
 from ttrace_core.errors import TtraceError
+from ttrace_core.format.records import error_at
 
 Precision = Literal["fp32", "bf16", "fp8"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -148,7 +149,6 @@ def _layout(table: LayoutTable, default_name: str) -> Layout:
 
 # --- msgspec's validation errors, as one line a user can act on ------------------------------------
 
-_ERROR = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false", "array": "a list",
                "object": "a table", "str | array": "a string or a list of strings", "null": "nothing"}
 
@@ -194,8 +194,8 @@ def _known_keys(steps: list[str | int]) -> tuple[str, ...]:
 
 def _problem(error: msgspec.ValidationError, data: dict) -> str:
     """One line for msgspec's error: where (the key, in the config's words), what is wrong, what it takes."""
-    match = _ERROR.match(str(error))
-    what, steps = match["what"], _steps(match["path"] or "")
+    what, path = error_at(error)
+    steps = _steps((path or "$")[1:])
     place = _place(data, steps)
     if unknown := re.fullmatch(r"Object contains unknown field `(\w+)`", what):
         key, known = unknown[1], _known_keys(steps)
