@@ -6,8 +6,8 @@ Part of stage 2 (canonicalize). Input: the logical tensors a map rule names on t
 also run backwards (`reference_pieces`): the weight conversion that puts both runs on identical logical
 weights is the same ops inverted, so the correspondence is stated once.
 
-Ops act on the list of pieces: `permute`, `unflatten`, `flatten`, `rotary` and `scale` act on each piece;
-`concat` and `sum` turn the list into one tensor. A worked example, megatron's fused QKV with 2 query
+Ops act on the list of pieces: `select`, `permute`, `unflatten`, `flatten`, `rotary` and `scale` act on
+each piece; `concat` and `sum` turn the list into one tensor. A worked example, megatron's fused QKV with 2 query
 groups of 2 query heads (head_dim 1, so rows are heads):
 
     q_proj.weight rows [q0 q1 q2 q3], k_proj [k0 k1], v_proj [v0 v1]
@@ -18,6 +18,14 @@ With groups 1 it is a plain concatenation: megatron's SwiGLU fc1 [gate; up]. `ro
 of each head's rotary pairs between the half-split layout (HF's rotate_half: [x0 x1 .. | y0 y1 ..]) and the
 interleaved one ([x0 y0 x1 y1 ..]), as a checkpoint converter permutes q/k rows between the two.
 Sizes may name facts of the model (`groups = "num_query_groups"`), resolved by the caller.
+
+`select` takes one index of a fused parameter: HF's Mixtral stores its experts as 3-D tensors
+(`experts.gate_up_proj` [experts, 2 x intermediate, hidden]), megatron one module per expert
+(`local_experts.{expert}.linear_fc1.weight` [2 x intermediate, hidden]). Its `index` names the candidate's
+placeholder, which one rule binds to every index below `count` (`select_bindings`, `bind`); the weight
+conversion puts each expert's tensor back at its index, and all of them make the whole:
+
+    gate_up_proj [4, 512, 64]  select(dim=0, index="expert", count=4)  ->  local_experts.{0,1,2,3}.linear_fc1.weight
 """
 
 from __future__ import annotations
@@ -87,13 +95,24 @@ class Rotary(Op, tag="rotary"):
     wqkv rotates q and k, not v: `pieces = [0, 1]`."""
 
 
+class Select(Op, tag="select"):
+    """Index `index` of each piece along `dim`, that dim dropped: one expert's weight of a fused 3-D parameter.
+    `index` names a placeholder of the candidate's name, bound to each of 0 .. `count` - 1 (an int or a fact)
+    in turn, or is an int. It comes first in a transform (correspondence.check_map): its inverse is a slice of
+    the reference's tensor as recorded, which the weight conversion fills in (`reference_pieces`)."""
+
+    dim: int
+    index: int | str
+    count: int | str
+
+
 class Scale(Op, tag="scale"):
     """Each piece times `factor` (a loss normalized otherwise on one side)."""
 
     factor: float
 
 
-AnyOp = Permute | Unflatten | Flatten | Concat | Sum | Rotary | Scale
+AnyOp = Select | Permute | Unflatten | Flatten | Concat | Sum | Rotary | Scale
 Facts = dict[str, int]
 
 
@@ -104,6 +123,28 @@ def size_of(value: int | str, facts: Facts, where: str) -> int:
     if value not in facts:
         raise KeyError(f"{where}: names fact {value!r}, which the run does not state")
     return facts[value]
+
+
+def leading_select(ops: list[AnyOp]) -> Select | None:
+    """The rule's `select`, which check_map allows first only, or None."""
+    return ops[0] if ops and isinstance(ops[0], Select) else None
+
+
+def select_bindings(ops: list[AnyOp], facts: Facts, where: str) -> list[dict[str, str]]:
+    """The placeholder bindings a rule's `select` adds, one per index ([{}] without one): a rule whose select
+    names placeholder "expert" with count 4 gives [{"expert": "0"}, .., {"expert": "3"}]."""
+    select = leading_select(ops)
+    if select is None or isinstance(select.index, int):
+        return [{}]
+    return [{select.index: str(index)} for index in range(size_of(select.count, facts, where))]
+
+
+def bind(ops: list[AnyOp], binding: dict[str, str]) -> list[AnyOp]:
+    """The ops with a `select` index that names a placeholder replaced by its bound value."""
+    select = leading_select(ops)
+    if select is None or isinstance(select.index, int):
+        return list(ops)
+    return [msgspec.structs.replace(select, index=int(binding[select.index])), *ops[1:]]
 
 
 def _rotary_index(size: int, head_dim: int, source: str, target: str) -> torch.Tensor:
@@ -117,7 +158,20 @@ def _rotary_index(size: int, head_dim: int, source: str, target: str) -> torch.T
     return (torch.arange(size // head_dim)[:, None] * head_dim + within[None, :]).reshape(-1)
 
 
+def _select(op: Select, pieces: list[torch.Tensor], facts: Facts, where: str) -> list[torch.Tensor]:
+    if isinstance(op.index, str):
+        raise ValueError(f"{where}: select's index {op.index!r} is not bound to a value (bind the rule's placeholders)")
+    count = size_of(op.count, facts, where)
+    for piece in pieces:
+        if piece.shape[op.dim] != count or not 0 <= op.index < count:
+            raise ValueError(f"{where}: select index {op.index} of {count} along dim {op.dim}, but a piece of shape "
+                             f"{tuple(piece.shape)} has {piece.shape[op.dim]} there")
+    return [piece.select(op.dim, op.index) for piece in pieces]
+
+
 def _apply(op: AnyOp, pieces: list[torch.Tensor], facts: Facts, where: str) -> list[torch.Tensor]:
+    if isinstance(op, Select):
+        return _select(op, pieces, facts, where)
     if isinstance(op, Permute):
         return [piece.permute(*op.dims) for piece in pieces]
     if isinstance(op, Unflatten):
@@ -214,12 +268,15 @@ def _invert(op: AnyOp, pieces: list[torch.Tensor], before: list[tuple[int, ...]]
 def reference_pieces(ops: list[AnyOp], value: torch.Tensor, shapes: list[tuple[int, ...]], facts: Facts,
                      where: str) -> list[torch.Tensor]:
     """The reference's pieces (of `shapes`) whose transform is `value`: the inverse of `candidate_tensor`,
-    for rules whose ops are all invertible."""
+    for rules whose ops are all invertible. A transform that opens with a bound `select` gives the pieces'
+    slices at its index instead (of `shapes` without its dim): the caller puts them in place."""
     stages = _stage_shapes(ops, shapes, facts, where)
     if stages[-1] != [tuple(value.shape)]:
         raise ValueError(f"{where}: a candidate tensor of shape {tuple(value.shape)}, but the reference's pieces "
                          f"{shapes} give {stages[-1]}")
     pieces = [value]
     for op, before in zip(reversed(ops), reversed(stages[:-1])):
+        if isinstance(op, Select):  # first (check_map): what is left are the slices
+            break
         pieces = _invert(op, pieces, before, facts, where)
     return [piece.contiguous() for piece in pieces]

@@ -84,9 +84,11 @@ def _rule_sources(loaded: LoadedMap) -> list[tuple[str, str, list[tuple[str, str
     return expanded
 
 
-def plan_mapping(loaded: LoadedMap, keys: list[TensorKey]) -> tuple[list[MappedTensor], list[str]]:
+def plan_mapping(loaded: LoadedMap, keys: list[TensorKey], facts: dict[str, int]
+                 ) -> tuple[list[MappedTensor], list[str]]:
     """The candidate's tensors the map gives from the reference's `keys`, and what keeps a rule from giving
-    one (a source of another micro-batch or step missing). MapError when two rules give one tensor."""
+    one (a source of another micro-batch or step missing); a rule with a `select` op gives one per index.
+    MapError when two rules give one tensor."""
     by_phase_slot: dict[tuple[str, str], list[TensorKey]] = defaultdict(list)
     present = set(keys)
     for key in keys:
@@ -97,21 +99,26 @@ def plan_mapping(loaded: LoadedMap, keys: list[TensorKey]) -> tuple[list[MappedT
         phase, candidate, slot = target.split("|")
         first_phase, first_fqn, first_slot = sources[0]
         first = pattern_regex(first_fqn)
+        try:
+            selections = mt.select_bindings(ops, facts, rule)
+        except KeyError as error:
+            raise MapError(f"{loaded.path}: {error.args[0]}") from error
         for key in by_phase_slot.get((first_phase, first_slot), ()):
             if (match := first.match(key.fqn)) is None:
                 continue
             binding = match.groupdict()
             wanted = tuple(TensorKey(step=key.step, micro_batch=key.micro_batch, phase=p, fqn=fqn.format(**binding),
                                      slot=s, call=key.call) for p, fqn, s in sources)
-            mapped = TensorKey(step=key.step, micro_batch=key.micro_batch, phase=phase, fqn=candidate.format(**binding),
-                               slot=slot, call=key.call)
-            if missing := [w for w in wanted if w not in present]:
-                gaps.append(f"{mapped}: {rule} needs {missing[0]}, which the reference did not record")
-                continue
-            if mapped in planned:
-                raise MapError(f"{loaded.path}: {planned[mapped].rule} and {rule} both give {tensor_id(mapped)}; "
-                               "each candidate tensor belongs to one rule")
-            planned[mapped] = MappedTensor(key=mapped, sources=wanted, rule=rule, ops=tuple(ops))
+            for selected in selections:
+                mapped = TensorKey(step=key.step, micro_batch=key.micro_batch, phase=phase,
+                                   fqn=candidate.format(**binding, **selected), slot=slot, call=key.call)
+                if missing := [w for w in wanted if w not in present]:
+                    gaps.append(f"{mapped}: {rule} needs {missing[0]}, which the reference did not record")
+                    continue
+                if mapped in planned:
+                    raise MapError(f"{loaded.path}: {planned[mapped].rule} and {rule} both give {tensor_id(mapped)}; "
+                                   "each candidate tensor belongs to one rule")
+                planned[mapped] = MappedTensor(key=mapped, sources=wanted, rule=rule, ops=tuple(mt.bind(ops, selected)))
     return list(planned.values()), gaps
 
 
@@ -189,7 +196,7 @@ def mapped_manifest(loaded: LoadedMap, source: RunManifest, source_dir: Path, ma
 def write_mapped_run(loaded: LoadedMap, reader: RunReader, out_dir: Path, provenance: dict) -> MappedRun:
     """Write the mapped run of `reader` into `out_dir` (a new directory): every complete step, one rank."""
     facts = facts_from_config(loaded, reader.manifest.model.get("config", {}), f"the manifest of {reader.run_dir}")
-    planned, gaps = plan_mapping(loaded, [key for key in reader.index if key.step in reader.complete_steps])
+    planned, gaps = plan_mapping(loaded, [key for key in reader.index if key.step in reader.complete_steps], facts)
     if not planned:
         raise MapError(f"{loaded.path}: none of its rules matches a tensor of {reader.run_dir}; is it a run of "
                        f"{loaded.spec.reference}?")

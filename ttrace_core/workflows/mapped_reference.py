@@ -115,7 +115,8 @@ def _absolute_deviations(deviation: TensorDeviation) -> list[float]:
 def mapped_deviation(tensor: MappedTensor, sources: list[TensorDeviation], norm: float) -> TensorDeviation:
     """The deviation of a mapped tensor from those of its sources, sample by sample: the same for a relayout,
     the root of the squares' sum for a concatenation, the sum (the triangle inequality: an upper bound) for a
-    sum; a `scale` op scales it."""
+    sum; a `scale` op scales it. A `select` keeps the whole source's deviation, an upper bound of its slice's
+    (the estimate holds norms of whole tensors, not of slices)."""
     factor = math.prod(abs(op.factor) for op in tensor.ops if isinstance(op, mt.Scale))
     per_source = [_absolute_deviations(source) for source in sources]
     num_samples = min(len(samples) for samples in per_source)

@@ -65,8 +65,15 @@ def test_every_shipped_map_decodes():
      r"\$\.tensors\[0\]\.transform: 3 reference tensors need exactly one op that combines them"),
     (lambda t: t.replace('reason = "angles against cosines"', 'reason = " "'), r"\$\.unmapped\[0\]: give the tensors"),
     (lambda t: t + "\n[[parameters]\n", "not TOML"),
+    (lambda t: t.replace('transform = [{op = "concat", dim = 0, groups = "groups"}]',
+                         'transform = [{op = "concat", dim = 0, groups = "groups"}, {op = "select", dim = 0, index = 0, count = 2}]'),
+     r"\$\.parameters\[0\]\.transform\[1\]: a select op comes first"),
+    (lambda t: t.replace('transform = [{op = "concat", dim = 0, groups = "groups"}]',
+                         'transform = [{op = "select", dim = 0, index = "expert", count = 2}, {op = "concat", dim = 0, groups = "groups"}]'),
+     r"\$\.parameters\[0\]\.transform\[0\]: select's index 'expert' is no placeholder of the candidate name"),
 ], ids=["unknown-field", "wrong-type", "unknown-op", "free-placeholder", "undefined-fact", "sum-in-parameter",
-        "scalar-without-phase", "bad-slot", "pieces-not-combined", "empty-reason", "not-toml"])
+        "scalar-without-phase", "bad-slot", "pieces-not-combined", "empty-reason", "not-toml", "select-not-first",
+        "select-index-not-a-placeholder"])
 def test_a_bad_map_is_one_line_naming_file_and_key(tmp_path, change, message):
     path = write_map(tmp_path, change(VALID))
     with pytest.raises(MapError, match=message) as caught:
@@ -175,3 +182,65 @@ def test_rotary_on_chosen_pieces_rotates_q_and_k_not_v_and_inverts():
     assert fused.flatten().tolist() == [0, 2, 1, 3, 10, 12, 11, 13, 20, 21, 22, 23]
     back = mt.reference_pieces(ops, fused, [(4, 1)] * 3, {}, "test")
     assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v)))
+
+
+# ---- the weight conversion of the shipped Mixtral map: experts selected from HF's fused parameters -----
+
+MIXTRAL = "hf-mixtral--megatron-gpt-moe"
+MIXTRAL_CONFIG = {**LLAMA_CONFIG, "num_local_experts": 3, "max_position_embeddings": 4}
+
+
+def mixtral_shapes() -> dict[str, tuple[int, ...]]:
+    shapes = {name: shape for name, shape in llama_shapes().items() if ".mlp." not in name}
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp"
+        shapes |= {f"{prefix}.gate.weight": (3, HIDDEN), f"{prefix}.experts.gate_up_proj": (3, 2 * FFN, HIDDEN),
+                   f"{prefix}.experts.down_proj": (3, HIDDEN, FFN)}
+    return shapes
+
+
+def test_experts_are_slices_of_hfs_fused_parameters_and_round_trip():
+    loaded, shapes = find_map(MIXTRAL), mixtral_shapes()
+    facts = facts_from_config(loaded, MIXTRAL_CONFIG, "the test config")
+    hf = {name: torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, (name, shape) in enumerate(shapes.items())}
+    megatron = candidate_state(loaded, hf, facts)
+    assert {name: tuple(v.shape) for name, v in megatron.items()} == candidate_shapes(loaded, shapes, facts)
+    experts = sorted(name for name in megatron if ".local_experts." in name)
+    assert len(experts) == 2 * 3 * 2  # layers x experts x (fc1, fc2)
+    for expert in range(3):
+        fc1 = megatron[f"decoder.layers.1.mlp.experts.local_experts.{expert}.linear_fc1.weight"]
+        assert torch.equal(fc1, hf["model.layers.1.mlp.experts.gate_up_proj"][expert])  # [gate; up] on both sides
+        fc2 = megatron[f"decoder.layers.1.mlp.experts.local_experts.{expert}.linear_fc2.weight"]
+        assert torch.equal(fc2, hf["model.layers.1.mlp.experts.down_proj"][expert])
+    assert torch.equal(megatron["decoder.layers.0.mlp.router.weight"], hf["model.layers.0.mlp.gate.weight"])
+    back = reference_state(loaded, megatron, shapes, facts)
+    assert set(back) == set(hf) and all(torch.equal(back[name], hf[name]) for name in hf)
+
+
+def test_an_expert_the_candidate_lacks_is_refused():
+    loaded, shapes = find_map(MIXTRAL), mixtral_shapes()
+    facts = facts_from_config(loaded, MIXTRAL_CONFIG, "the test config")
+    megatron = candidate_state(loaded, {name: torch.zeros(s) for name, s in shapes.items()}, facts)
+    with pytest.raises(MapError, match=r"\$\.parameters\[6\]: decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight: "
+                                       r"select index 0 of 2 along dim 0, but a piece of shape \(3, 24, 8\) has 3 there"):
+        reference_state(loaded, megatron, shapes, {**facts, "experts": 2})  # a count that does not cover the experts
+    del megatron["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"]
+    with pytest.raises(MapError, match="gives candidate parameter decoder.layers.0.mlp.experts.local_experts.1.linear_fc2"):
+        reference_state(loaded, megatron, shapes, facts)
+
+
+def test_a_fused_parameter_whose_indices_no_rule_covers_is_refused(tmp_path):
+    """A rule that selects one fixed index gives only that slice: the conversion names the index left over."""
+    loaded = load_map(write_map(tmp_path, '''
+name = "tiny"
+reference = "a"
+candidate = "b"
+[[parameters]]
+candidate = "first_expert.weight"
+reference = ["experts.weight"]
+transform = [{op = "select", dim = 0, index = 0, count = 2}]
+'''))
+    assert candidate_state(loaded, {"experts.weight": torch.arange(4.0).reshape(2, 2)}, {})["first_expert.weight"].tolist() == [0, 1]
+    with pytest.raises(MapError, match=r"no \[\[parameters\]\] rule gives index 1 along dim 0 of reference parameter "
+                                       r"experts.weight \(1 of 2 given\)"):
+        reference_state(loaded, {"first_expert.weight": torch.zeros(2)}, {"experts.weight": (2, 2)}, {})

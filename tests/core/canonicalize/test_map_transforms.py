@@ -1,6 +1,7 @@
 """The correspondence map's tensor transforms (canonicalize/map_transforms.py) on small tensors, exact values:
-megatron's fused QKV interleaved per query group, the SwiGLU [gate; up] fusion, the rotary layouts, and every
-invertible transform recovered by its inverse (the weight conversion)."""
+megatron's fused QKV interleaved per query group, the SwiGLU [gate; up] fusion, the rotary layouts, one expert
+of HF's fused 3-D expert parameters, and every invertible transform recovered by its inverse (the weight
+conversion)."""
 
 import pytest
 import torch
@@ -80,6 +81,33 @@ def test_reference_pieces_invert_the_transform(ops, shapes):
         assert torch.equal(original, recovered)
 
 
+def test_select_takes_one_expert_of_a_fused_parameter():
+    """HF's gate_up_proj [experts, 2 x intermediate, hidden]: expert e's [gate; up] is index e along dim 0; the
+    rule's placeholder takes each index below the count, and the inverse is that slice, for the caller to place."""
+    fused = torch.arange(3 * 4 * 2, dtype=torch.float64).reshape(3, 4, 2)  # 3 experts of [4, 2]
+    ops = [mt.Select(dim=0, index="expert", count="experts"), mt.Flatten(start=0, end=1)]
+    facts = {"experts": 3}
+    bindings = mt.select_bindings(ops, facts, "fc1")
+    assert bindings == [{"expert": "0"}, {"expert": "1"}, {"expert": "2"}]
+    bound = mt.bind(ops, bindings[2])
+    assert bound[0] == mt.Select(dim=0, index=2, count="experts") and bound[1:] == ops[1:]
+    expert = mt.candidate_tensor(bound, [fused], facts, "fc1")
+    assert expert.tolist() == list(range(16, 24))
+    (back,) = mt.reference_pieces(bound, expert, [(3, 4, 2)], facts, "fc1")
+    assert torch.equal(back, fused[2])
+    assert mt.select_bindings([mt.Flatten(start=0, end=1)], facts, "fc1") == [{}]
+
+
+def test_a_select_that_is_unbound_or_out_of_range_is_named():
+    fused = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="fc1: select's index 'expert' is not bound"):
+        mt.candidate_tensor([mt.Select(dim=0, index="expert", count=3)], [fused], {}, "fc1")
+    with pytest.raises(ValueError, match=r"fc1: select index 1 of 2 along dim 0, but a piece of shape \(3, 4\) has 3"):
+        mt.candidate_tensor([mt.Select(dim=0, index=1, count=2)], [fused], {}, "fc1")
+    with pytest.raises(KeyError, match="names fact 'experts'"):
+        mt.select_bindings([mt.Select(dim=0, index="expert", count="experts")], {}, "fc1")
+
+
 def test_a_piece_that_does_not_fit_is_named():
     with pytest.raises(ValueError, match=r"qkv: concat in 3 groups, but a piece of shape \(4, 2\)"):
         mt.candidate_tensor([mt.Concat(dim=0, groups=3)], [Q, K, V], {}, "qkv")
@@ -91,5 +119,6 @@ def test_a_piece_that_does_not_fit_is_named():
 
 def test_only_sum_cannot_be_inverted():
     assert [op for op in (mt.Permute(dims=[0]), mt.Unflatten(dim=0, sizes=[1]), mt.Flatten(start=0, end=0), mt.Concat(dim=0),
-                          mt.Sum(), mt.Scale(factor=2.0), mt.Rotary(dim=0, head_dim=2, source="half-split", target="interleaved"))
+                          mt.Sum(), mt.Scale(factor=2.0), mt.Rotary(dim=0, head_dim=2, source="half-split", target="interleaved"),
+                          mt.Select(dim=0, index=0, count=1))
             if not op.invertible] == [mt.Sum()]
