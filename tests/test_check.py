@@ -142,9 +142,14 @@ def test_a_reference_that_does_not_train_is_refused_with_one_line(tmp_path):
      "unknown key 'wold_size' in [[candidate]] 1 ('a'); did you mean 'world_size'? known keys: name, layout, world_size"),
     ('command = "x"\n[reference]\nnmae = "r"\n[[candidate]]\nname = "a"\n', "unknown key 'nmae' in [reference]; did you mean 'name'?"),
     ('command = [1\n', "not valid TOML"),
+    ('command = "x"\nmap = "hf-llama--megatron"\n[[candidate]]\nname = "a"\n',
+     "map 'hf-llama--megatron' is neither a shipped map (hf-llama--megatron-gpt, "),
+    ('command = "x"\nmap = 3\n[[candidate]]\nname = "a"\n', "map is 3; give a string"),
+    ('command = "x"\n[reference]\ncommand = ""\n[[candidate]]\nname = "a"\n',
+     "[reference]: command is empty; give this layout's command or leave the key out"),
 ], ids=["empty-command", "no-command", "no-candidate", "precision", "world-size-range", "world-size-type", "timeout-type",
         "code-item-type", "name-repeats", "no-name", "name-slash", "unknown-key", "typo-top-level", "typo-in-candidate",
-        "typo-in-reference", "toml"])
+        "typo-in-reference", "toml", "unknown-map", "map-type", "empty-layout-command"])
 def test_a_bad_config_is_one_line_naming_the_file_the_key_and_what_to_give(tmp_path, text, says):
     path = tmp_path / "bad.toml"
     path.write_text(text)
@@ -164,6 +169,25 @@ def test_a_good_config_is_read_with_every_key(tmp_path):
         path=path, command=("torchrun", "train.py", "{layout}"), precisions=("bf16",), output=tmp_path / "out",
         cwd=tmp_path, code=("*.py",), timeout_s=60.0, estimate_samples=2, localize=False,
         reference=Layout(name="single", args=("--seed", "1")), candidates=(Layout(name="tp2", args=("--tp", "2"), world_size=2),))
+
+
+def test_another_implementation_as_the_reference_has_its_own_command_and_a_map(tmp_path):
+    """`[reference] command` and `map` (docs/porting.md): the reference runs its own command, the candidates the
+    config's; a shipped map is kept by name, a map file is resolved against the config's folder."""
+    from ttrace_core.integrations.shipped_maps import MAPS_DIR
+
+    (tmp_path / "maps").mkdir()
+    (tmp_path / "maps" / "mine.toml").write_text((MAPS_DIR / "hf-llama--megatron-gpt.toml").read_text())
+    for written, expected in (("hf-llama--megatron-gpt", "hf-llama--megatron-gpt"),
+                              ("maps/mine.toml", str(tmp_path / "maps" / "mine.toml"))):
+        path = tmp_path / "c.toml"
+        path.write_text(f'command = "python cand.py {{layout}}"\nmap = "{written}"\n[reference]\n'
+                        'command = ["python", "hf.py", "--precision", "{precision}"]\n'
+                        '[[candidate]]\nname = "tp2"\nlayout = "--tp 2"\nworld_size = 2\n')
+        config = read_check_config(path)
+        assert config.map == expected
+        assert config.command_for(config.reference, "bf16") == ["python", "hf.py", "--precision", "bf16"]
+        assert config.command_for(config.candidates[0], "bf16") == ["python", "cand.py", "--tp", "2"]
 
 
 def test_a_minimal_config_takes_the_defaults(tmp_path):
@@ -186,20 +210,29 @@ def test_the_command_takes_each_layouts_arguments_world_size_and_precision(tmp_p
         "torchrun", "--nproc-per-node", "1", "train.py", "--precision", "fp32"]
 
 
-@pytest.mark.parametrize("name", ["torch-gpt", "megatron-gpt"])
-def test_the_example_configs_name_valid_layouts_of_their_example(name):
-    """Every layout and precision of the shipped configs is a config the example accepts (no recording)."""
+@pytest.mark.parametrize("name, workloads", [
+    ("torch-gpt", ("torch-gpt", "torch-gpt")), ("megatron-gpt", ("megatron-gpt", "megatron-gpt")),
+    ("hf-llama", ("hf-llama", "megatron-gpt")),
+], ids=["torch-gpt", "megatron-gpt", "hf-llama"])
+def test_the_example_configs_name_valid_layouts_of_their_example(name, workloads):
+    """Every layout and precision of the shipped configs is a config the example accepts (no recording); the
+    hf-llama config's reference is HF's model, which takes the candidate's config (check_reference_config)."""
     from ttrace_examples.__main__ import _with_fields
     from ttrace_examples.launch import run_config
 
     config = read_check_config(ROOT / "ttrace_examples" / "configs" / f"{name}.toml")
     assert config.cwd == ROOT and config.output == ROOT / "ttrace-check" / name
-    for layout in (config.reference, *config.candidates):
+    for layout, workload in ((config.reference, workloads[0]), *((c, workloads[1]) for c in config.candidates)):
         for precision in config.precisions:
             command = config.command_for(layout, precision)
-            assert command[:4] == ["python", "-m", "ttrace_examples", name]
-            run = run_config(name, _with_fields({}, command[4:]))
+            assert command[:4] == ["python", "-m", "ttrace_examples", workload]
+            run = run_config(workload, _with_fields({}, command[4:]))
             assert run.world_size == layout.world_size and run.precision == precision
+    if name == "hf-llama":
+        from ttrace_examples.hf_llama.train import check_reference_config
+
+        assert config.map == "hf-llama--megatron-gpt"
+        check_reference_config(run_config("megatron-gpt", _with_fields({}, config.command_for(config.reference, "fp32")[4:])))
 
 
 def test_the_user_script_config_runs_torchrun_with_each_layouts_world_size():

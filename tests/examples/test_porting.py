@@ -86,3 +86,40 @@ def test_a_bad_map_is_refused_in_one_line(hf, port, tmp_path):
     result = run_ttrace("compare", str(hf), str(port), "--map", str(bad), check_codes=(2,))
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"ttrace: error: {bad}: $.parameters[1].transform: names fact 'kv_groups'")
+
+
+LLAMA_FIELDS = ("model.num_layers=1 num_micro_batches=1 model.num_query_groups=2 model.swiglu=true "
+                "model.normalization=RMSNorm model.position_embedding=rope model.add_bias_linear=false")
+
+
+def test_ttrace_check_gates_megatron_layouts_against_hf_through_the_map(tmp_path):
+    """`ttrace check` with `map` and the reference's own command: HF recorded and estimated once, mapped, and
+    every megatron layout judged against it; the model bug, which the same code on one rank cannot see, fails."""
+    config = tmp_path / "hf-llama.toml"
+    config.write_text(f'''
+command = "python -m ttrace_examples megatron-gpt {LLAMA_FIELDS} {{layout}}"
+map = "{MAP}"
+output = "out"
+code = []
+estimate_samples = 2
+localize = false
+
+[reference]
+command = "python -m ttrace_examples hf-llama {LLAMA_FIELDS}"
+
+[[candidate]]
+name = "port"
+
+[[candidate]]
+name = "proj-transposed"
+layout = "bug=proj-transposed"
+''')
+    done = run_ttrace("check", str(config), "--no-html", timeout=900, check_codes=(1,))
+    check = json.loads((tmp_path / "out" / "check.json").read_text())
+    outcomes = {layout["name"]: layout for layout in check["layouts"]}
+    assert outcomes["port"]["outcome"] == "equivalent", done.stdout
+    assert outcomes["proj-transposed"]["outcome"] == "not equivalent"
+    assert outcomes["proj-transposed"]["first_divergence"] == "step 0 forward/decoder.layers.0.self_attention.linear_proj/output.0"
+    mapped = Path(check["references"]["fp32"]["mapped"])
+    assert mapped.parent.name == "mapped" and (mapped / "manifest.json").is_file()
+    assert f"through {MAP}" in done.stdout

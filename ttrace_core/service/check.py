@@ -6,6 +6,8 @@ culprit. A recording is reused while its inputs are unchanged: the command, the 
 fingerprint and the hash of the code (`recording_inputs`), kept beside the run as
 `<name>.inputs.json`. Comparisons and replays reuse their own caches (comparisons.py, replays.py).
 A layout whose command fails is that layout's error, with its log's tail; the others still run.
+With a `map` (another implementation as the reference, docs/porting.md), the recorded reference is
+rewritten through it once per precision (`mapped_through`), and the candidates are judged against that.
 
 Output: a `CheckResult` (one `LayoutResult` per layout and precision), which check_outputs.py writes
 as JUnit XML, a Markdown summary and JSON.
@@ -187,6 +189,19 @@ def prepare_reference(config: CheckConfig, precision: str, code: str) -> tuple[P
     return run_dir, {"run_dir": str(run_dir), "reused": reused, "record_s": round(seconds, 3), "estimate_s": round(estimated, 3)}
 
 
+def mapped_through(reference: Path, map_name: str, progress: Callable[[str], None]) -> Path:
+    """The reference, another implementation, rewritten through the config's map into the candidates' names and
+    layouts (workflows/mapped_reference.py): what every candidate is compared with and replayed against.
+    ReferenceRefused (exit 2) when the map does not fit the recorded reference."""
+    from ttrace_core.errors import MapError
+    from ttrace_core.workflows.mapped_reference import mapped_reference
+
+    try:
+        return mapped_reference(reference, map_name, progress=progress)
+    except MapError as error:
+        raise ReferenceRefused(f"{reference}: the map does not fit the reference ({error})") from None
+
+
 def _culprit(reference: Path, candidate: Path, config: CheckConfig, settings: CompareSettings) -> tuple[str, float]:
     from ttrace_core.service.replays import localization, submit_replay
 
@@ -263,6 +278,9 @@ def run_check(config: CheckConfig, *, jobs: int = 1, settings: CompareSettings |
     for precision in config.precisions:
         reference, check.references[precision] = prepare_reference(config, precision, code)
         progress(f"[{precision}] reference {'reused' if check.references[precision]['reused'] else 'recorded'}: {reference}")
+        if config.map is not None:
+            reference = mapped_through(reference, config.map, progress)
+            check.references[precision]["mapped"] = str(reference)
         recorded = _record_candidates(config, precision, code, jobs)
         for layout in config.candidates:
             outcome = recorded[layout.name]

@@ -13,6 +13,18 @@ the candidate layouts, the precisions and where the results go.
     layout = "--tp 2"
     world_size = 2
 
+Another implementation as the reference (docs/porting.md): `[reference]` takes a `command` of its own
+and `map` names the correspondence map that relates its tensors to the candidates' (a shipped map's
+name, or a .toml file relative to the config):
+
+    command = "python -m ttrace_examples megatron-gpt {layout}"
+    map = "hf-llama--megatron-gpt"
+
+    [reference]
+    command = "python -m ttrace_examples hf-llama"
+
+Any layout table may set its own `command`; the others run the top-level one.
+
 Placeholders in the command: `{layout}` (a layout's arguments; standing alone it becomes as many
 arguments as the layout has), `{world_size}`, `{precision}`, `{name}`. A relative `output` is
 relative to the config file, and so is the directory the commands run in (`cwd`, default the config's
@@ -37,7 +49,7 @@ from typing import Annotated, Literal, get_args
 
 import msgspec
 
-from ttrace_core.errors import TtraceError
+from ttrace_core.errors import MapError, TtraceError
 from ttrace_core.format.records import error_at
 
 Precision = Literal["fp32", "bf16", "fp8"]
@@ -50,6 +62,11 @@ NO_CANDIDATE = "no candidate layout; add at least one [[candidate]] table with n
 
 class CheckConfigError(TtraceError):
     """A config `ttrace check` cannot run: exit code 2."""
+
+
+def _argv(command: str | list[str]) -> list[str]:
+    """A command written as one string (split like a shell) or as a list of arguments."""
+    return shlex.split(command) if isinstance(command, str) else list(command)
 
 
 def _strings(value: str | list[str]) -> tuple[str, ...]:
@@ -65,8 +82,12 @@ class LayoutTable(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     layout: str | list[str] = ""
     """What replaces {layout} in the command: one string split like a shell, or a list of arguments."""
     world_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    command: str | list[str] | None = None
+    """This layout's own command (the same placeholders); by default the config's `command`."""
 
     def __post_init__(self) -> None:
+        if self.command is not None and not _argv(self.command):
+            raise ValueError("command is empty; give this layout's command or leave the key out")
         if self.name is not None and (not self.name or "/" in self.name or self.name.startswith(".")):
             raise ValueError(f"name {self.name!r}: give a non-empty name without '/' or a leading '.' (it names a directory)")
 
@@ -85,9 +106,12 @@ class CheckFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Seconds per recording, estimate re-run and replay."""
     estimate_samples: Annotated[int, msgspec.Meta(gt=0)] = 4
     localize: bool = True
+    map: str | None = None
+    """The correspondence map from the reference's tensors to the candidates' (another implementation as the
+    reference): a shipped map's name or a .toml file; by default none (the same code on one rank)."""
 
     def __post_init__(self) -> None:
-        if not (shlex.split(self.command) if isinstance(self.command, str) else self.command):
+        if not _argv(self.command):
             raise ValueError(NO_COMMAND)
         if not self.candidate:
             raise ValueError(NO_CANDIDATE)
@@ -108,6 +132,8 @@ class Layout:
     args: tuple[str, ...] = ()
     """What replaces {layout} in the command."""
     world_size: int = 1
+    command: tuple[str, ...] | None = None
+    """Its own command; None: the config's."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -127,12 +153,14 @@ class CheckConfig:
     estimate_samples: int = 4
     localize: bool = True
     """Replay every failing layout to name its culprit module."""
+    map: str | None = None
+    """The correspondence map the reference is compared through: a shipped map's name or a resolved .toml path."""
 
     def command_for(self, layout: Layout, precision: str) -> list[str]:
         values = {"{world_size}": str(layout.world_size), "{precision}": precision, "{name}": layout.name,
                   "{layout}": shlex.join(layout.args)}
         command = []
-        for part in self.command:
+        for part in layout.command or self.command:
             if part == "{layout}":
                 command += list(layout.args)
                 continue
@@ -144,7 +172,26 @@ class CheckConfig:
 
 def _layout(table: LayoutTable, default_name: str) -> Layout:
     args = shlex.split(table.layout) if isinstance(table.layout, str) else table.layout
-    return Layout(name=table.name or default_name, args=tuple(args), world_size=table.world_size)
+    command = tuple(_argv(table.command)) if table.command is not None else None
+    return Layout(name=table.name or default_name, args=tuple(args), world_size=table.world_size, command=command)
+
+
+def _map(written: str | None, path: Path, base: Path) -> str | None:
+    """The map's name or resolved path, checked now: a bad map is the config's one line, before anything runs."""
+    if written is None:
+        return None
+    from ttrace_core.integrations.shipped_maps import find_map, shipped_map_names
+
+    shipped = shipped_map_names()
+    resolved = written if written in shipped else str((base / written).resolve())
+    if written not in shipped and not Path(resolved).is_file():
+        raise CheckConfigError(f"{path}: map {written!r} is neither a shipped map ({', '.join(shipped)}) nor a file "
+                               f"({resolved}); docs/porting.md describes both")
+    try:
+        find_map(resolved)
+    except MapError as error:
+        raise CheckConfigError(f"{path}: map {written!r}: {error}") from None
+    return resolved
 
 
 # --- msgspec's validation errors, as one line a user can act on ------------------------------------
@@ -206,7 +253,8 @@ def _problem(error: msgspec.ValidationError, data: dict) -> str:
     if missing := re.fullmatch(r"Object missing required field `(\w+)`", what):
         return {"command": NO_COMMAND, "candidate": NO_CANDIDATE}.get(missing[1], f"{missing[1]} is missing")
     if expected := re.fullmatch(r"Expected `([^`]+)`(.*?)(?:, got `(\w+)`)?", what):
-        wanted = _TYPE_WORDS.get(expected[1], expected[1]) + expected[2]
+        kind = expected[1].removesuffix(" | null")  # an optional key's "nothing" is leaving it out
+        wanted = _TYPE_WORDS.get(kind, kind) + expected[2]
         return f"{place} is {_toml_text(_value_at(data, steps))}; give {wanted}"
     if enum := re.fullmatch(r"Invalid enum value (.+)", what):
         return f"{place}: {enum[1]} is no precision; choose from {', '.join(PRECISIONS)}"
@@ -227,9 +275,8 @@ def read_check_config(path: str | Path) -> CheckConfig:
     except msgspec.ValidationError as error:
         raise CheckConfigError(f"{path}: {_problem(error, data)}") from None
     base = path.resolve().parent
-    command = shlex.split(written.command) if isinstance(written.command, str) else written.command
     return CheckConfig(
-        path=path, command=tuple(command), reference=_layout(written.reference, "reference"),
+        path=path, command=tuple(_argv(written.command)), map=_map(written.map, path, base), reference=_layout(written.reference, "reference"),
         candidates=tuple(_layout(table, "") for table in written.candidate), precisions=_strings(written.precisions),
         output=(base / written.output).resolve(), cwd=(base / written.cwd).resolve(), code=_strings(written.code),
         timeout_s=written.timeout, estimate_samples=written.estimate_samples, localize=written.localize)
