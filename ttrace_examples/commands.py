@@ -66,7 +66,9 @@ def add_example_parser(commands) -> None:
     megatron.add_argument("--dispatcher", default="allgather", choices=["allgather", "alltoall"],
                           help="megatron's MoE token dispatcher (with --moe)")
     hf_llama = workloads.add_parser("hf-llama", help="transformers' Llama on one process: the independent reference of "
-                                                     "megatron-gpt --llama (compare with --map hf-llama--megatron-gpt)")
+                                                     "megatron-gpt --llama (compare with --map hf-llama--megatron-gpt); "
+                                                     "with --moe Mixtral, of megatron-gpt --llama --moe "
+                                                     "(--map hf-mixtral--megatron-gpt-moe)")
     for flag, kwargs in (("--steps", dict(type=int, default=1)), ("--seed", dict(type=int, default=0)),
                          ("--num-layers", dict(type=int, default=4, help="transformer blocks")),
                          ("--seq-len", dict(type=int, default=16, help="tokens per sequence")),
@@ -78,6 +80,9 @@ def add_example_parser(commands) -> None:
                          ("--out", dict(required=True, help="run directory to record into"))):
         hf_llama.add_argument(flag, **kwargs)
     hf_llama.add_argument("--tie-embeddings", action="store_true", help="share input embedding and output layer")
+    hf_llama.add_argument("--moe", action="store_true", help="MixtralForCausalLM: routed SwiGLU experts (2, top-2 unless set below)")
+    hf_llama.add_argument("--num-experts", type=int, default=2, help="experts per MoE layer (with --moe)")
+    hf_llama.add_argument("--topk", type=int, default=2, help="experts per token (with --moe; 2 or more)")
     hf_llama.add_argument("--stats-only", action="store_true", help=argparse.SUPPRESS)
     hf_llama.add_argument("--adaptive", default=None, help=argparse.SUPPRESS)
     example.set_defaults(handler=run_example)
@@ -121,6 +126,7 @@ def _hf_llama_config(args: argparse.Namespace):
         steps=args.steps, seed=args.seed, num_micro_batches=args.micro_batches,
         model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, seq_len=args.seq_len,
                                   swiglu=True, tie_embeddings=args.tie_embeddings,
+                                  num_experts=args.num_experts if args.moe else 0, moe_topk=args.topk,
                                   num_query_groups=args.num_query_groups, **LLAMA_CHOICES))
     check_reference_config(config)
     return ENTRYPOINT, config

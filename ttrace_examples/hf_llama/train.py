@@ -1,4 +1,6 @@
-"""One training run of transformers' LlamaForCausalLM on one process: what `ttrace example hf-llama` launches.
+"""One training run of transformers' LlamaForCausalLM on one process: what `ttrace example hf-llama` launches;
+with `--moe`, of MixtralForCausalLM (Llama with top-k routed SwiGLU experts), the reference of
+`ttrace example megatron-gpt --llama --moe` through the map hf-mixtral--megatron-gpt-moe.
 
 The independent reference of a megatron-core candidate (`ttrace example megatron-gpt --llama`): the same
 logical model built by another implementation, from a config (no hub access), on the same data with the
@@ -35,16 +37,27 @@ from ttrace_examples.megatron_gpt.train import LOSSES_FILE, MegatronGPTRunConfig
 
 ENTRYPOINT = "ttrace_examples.hf_llama.train:run"
 MAP = "hf-llama--megatron-gpt"
+MOE_MAP = "hf-mixtral--megatron-gpt-moe"
+
+
+def map_name(config: MegatronGPTRunConfig) -> str:
+    return MOE_MAP if config.model.num_experts else MAP
 
 
 def check_reference_config(config: MegatronGPTRunConfig) -> None:
-    """ValueError unless the candidate's config describes a dense Llama that one HF process can train alike."""
+    """ValueError unless the candidate's config describes a Llama (or, with experts, a Mixtral) that one HF
+    process can train alike."""
     m = config.model
     problems = [text for bad, text in (
         (config.world_size != 1 or config.vpp != 1, "one process (tp, pp, dp, vpp 1): the reference runs alone"),
         (not (m.swiglu and m.normalization == "RMSNorm" and m.position_embedding == "rope" and not m.add_bias_linear),
          "Llama's choices (--llama: RMSNorm, RoPE, SwiGLU, no linear biases)"),
-        (m.num_experts > 0 or config.mtp_num_layers > 0 or config.per_token_loss, "a dense model without MTP or per-token loss"),
+        (config.mtp_num_layers > 0 or config.per_token_loss, "a model without MTP or per-token loss"),
+        # Mixtral renormalizes its top-k softmax; megatron at top-1 takes the softmax before the top-k
+        # (moe_router_pre_softmax, train._moe_fields): a probability, not Mixtral's 1.
+        (m.num_experts > 0 and not 2 <= m.moe_topk <= m.num_experts, "with experts, top-k of 2 or more"),
+        (config.moe_aux_loss is not None or config.moe_z_loss_coeff or config.moe_shared_expert_size,
+         "Mixtral's experts: no aux or z loss, no shared expert"),
         (config.precision != "fp32", "precision fp32"),
         (config.bug is not None, "no bug: bugs are injected into the megatron candidate"),
     ) if bad]
@@ -66,10 +79,27 @@ def llama_config(config: MegatronGPTRunConfig):
     return llama
 
 
+def mixtral_config(config: MegatronGPTRunConfig):
+    """Llama's config as Mixtral's, with megatron's experts: each a SwiGLU of ffn_hidden_size (megatron's
+    moe_ffn_hidden_size defaults to it), softmax over top-k routing, no router jitter; the aux loss is not
+    computed (output_router_logits off), as megatron's is off."""
+    from transformers import MixtralConfig
+
+    m, llama = config.model, llama_config(config)
+    mixtral = MixtralConfig(**{key: getattr(llama, key) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "max_position_embeddings", "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "hidden_act", "attention_dropout")},
+        num_local_experts=m.num_experts, num_experts_per_tok=m.moe_topk, router_jitter_noise=0.0,
+        output_router_logits=False, sliding_window=None)
+    mixtral._attn_implementation = "eager"
+    mixtral._experts_implementation = "eager"  # the loop over experts, not a grouped GEMM kernel
+    return mixtral
+
+
 def init_weights(model: torch.nn.Module, config: MegatronGPTRunConfig, facts: dict[str, int]) -> None:
     """The candidate's logical weights, drawn by megatron's names, converted into this model's parameters
     through the map; perturbed by HF name for `ttrace estimate` (each HF parameter is its own tensor there)."""
-    loaded = find_map(MAP)
+    loaded = find_map(map_name(config))
     reference_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     drawn = {name: _logical_weight(config.seed, name, shape)
              for name, shape in candidate_shapes(loaded, reference_shapes, facts).items()}
@@ -82,13 +112,15 @@ def init_weights(model: torch.nn.Module, config: MegatronGPTRunConfig, facts: di
 
 
 def run(config_dict: dict) -> None:
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, MixtralForCausalLM
 
     config = MegatronGPTRunConfig.from_dict(config_dict)
     check_reference_config(config)
-    hf_config = llama_config(config)
-    model = LlamaForCausalLM(hf_config)
-    init_weights(model, config, facts_from_config(find_map(MAP), hf_config.to_dict(), "the LlamaConfig"))
+    moe = config.model.num_experts > 0
+    hf_config = mixtral_config(config) if moe else llama_config(config)
+    model = (MixtralForCausalLM if moe else LlamaForCausalLM)(hf_config)
+    init_weights(model, config, facts_from_config(find_map(map_name(config)), hf_config.to_dict(),
+                                                  f"the {type(hf_config).__name__}"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.999), eps=config.adam_eps,
                                   weight_decay=0.0)
     manifest = manifest_from_model(model, "reference", 1)  # ttrace

@@ -264,6 +264,16 @@ _MODEL_CODE_BUGS = (
         culprit="decoder.layers.*.input_layernorm, decoder.layers.*.pre_mlp_layernorm, decoder.final_layernorm",
         first_divergence="forward / decoder.layers.0.input_layernorm / output.0",
         runs_on="megatron-core", apply=model_bugs.apply_norm_eps_outside_sqrt),
+    ZooBug(
+        name="router-topk-unnormalized", upstream="MoE router: softmax before top-k without renormalizing (class)",
+        bug_class="model-code",
+        description="The MoE router keeps the top-k of the softmax over all experts as the experts' weights, where "
+                    "Mixtral divides them by their sum: each token's expert outputs scaled by the mass of its top k "
+                    "(against the HF Mixtral reference, --map hf-mixtral--megatron-gpt-moe).",
+        triggers=("--llama --moe --num-experts 4 --tp 1", "--llama --moe --num-experts 4 --dp 2 --ep 2"),
+        culprit="decoder.layers.*.mlp (the router inside it: its probabilities have no HF counterpart)",
+        first_divergence="forward / decoder.layers.0.mlp / output.0",
+        runs_on="megatron-core", apply=model_bugs.apply_router_topk_unnormalized),
 )
 
 MODEL_CODE_BUGS: dict[str, ZooBug] = {bug.name: bug for bug in _MODEL_CODE_BUGS}
@@ -326,6 +336,7 @@ MODEL_CODE_CULPRITS: dict[str, CulpritTruth] = {
     "gqa-tiled-groups": CulpritTruth(modules=("decoder.layers.*.self_attention",)),
     "norm-eps-outside-sqrt": CulpritTruth(modules=("decoder.layers.*.input_layernorm", "decoder.layers.*.pre_mlp_layernorm",
                                                    "decoder.final_layernorm")),
+    "router-topk-unnormalized": CulpritTruth(modules=("decoder.layers.*.mlp",)),
 }
 
 

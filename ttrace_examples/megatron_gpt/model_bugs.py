@@ -195,3 +195,20 @@ def apply_norm_eps_outside_sqrt() -> Undo:
         return norm
 
     return replace(torch_norm.WrappedTorchNorm, "__new__", staticmethod(new))
+
+
+# --- MoE routing: the top-k probabilities not renormalized -------------------------------------------------
+
+def apply_router_topk_unnormalized() -> Undo:
+    """megatron's top-k router takes the softmax over all experts and keeps the top k as they are: Mixtral's
+    (and megatron's default) routing renormalizes them over the chosen k. A port that reads a DeepSeek-style
+    router setting onto Mixtral's weights computes it; every token is routed alike on every layout."""
+    router = _megatron("transformer.moe.router")
+    original = router.topk_routing_with_score_function
+
+    @functools.wraps(original)
+    def routing(logits: torch.Tensor, topk: int, *args: Any, use_pre_softmax: bool = False, **kwargs: Any):
+        # BUG: the softmax over every expert before the top-k, and no renormalization over the chosen k after it.
+        return original(logits, topk, *args, use_pre_softmax=True, **kwargs)
+
+    return replace(router, "topk_routing_with_score_function", routing)
