@@ -21,7 +21,9 @@ class TracerConfig:
     """Globs of modules recorded in forward only: a full backward hook wraps a module's inputs, so
     a module that modifies an input in place (megatron's masked softmax) cannot have one."""
     slots: tuple[str, ...] = SLOT_FAMILIES
-    """Which kinds of tensor to record: input, output, grad_output, grad_input, grad, value."""
+    """Which kinds of tensor to record (SLOT_FAMILIES): input, output, grad_output, grad_input, grad, value,
+    scalar (the step's scalars: the loss, the learning rate, the gradient norm) and tokens (a routed module's
+    token positions)."""
     steps: tuple[int, ...] | None = None
     """Steps to record; None records every step."""
     stats_only: bool = False
