@@ -73,13 +73,16 @@ def traced_modules(config: TracerConfig, model: nn.Module) -> Iterator[tuple[str
 
 def untraced_modules(config: TracerConfig, model: nn.Module) -> dict[str, str]:
     """Global fqn -> why the trace cannot see into it, for every module the configuration leaves
-    out (the outermost of a subtree left out for the same reason)."""
-    found = {}
+    out: the outermost of a subtree left out whole for the same reason stands for it; a module left out
+    inside an ancestor that is left out alone (some of its descendants traced) is listed itself."""
+    why_of: dict[str, str | None] = {}
     for local_fqn, module in model.named_modules():
         name = strip_wrappers(local_fqn)
         if local_fqn and _is_wrapper(module):
             continue
-        if not is_selected(config, name):
+        if not _matches(name_in_chunk(config, name), config.include):
+            why = "not traced (tracer configuration: not in include): its own inputs and outputs are not recorded"
+        elif not is_selected(config, name):
             why = "not traced (tracer configuration: exclude): its own inputs and outputs are not recorded"
         elif _matches(name_in_chunk(config, name), config.exclude_activations):
             why = ("activations not traced (tracer configuration: exclude_activations): its parameters, "
@@ -88,8 +91,13 @@ def untraced_modules(config: TracerConfig, model: nn.Module) -> dict[str, str]:
             why = ("backward not hooked (tracer configuration: forward_only): its grad_output is recorded "
                    "through tensor hooks on its outputs, its grad_input is not")
         else:
-            continue
-        fqn = global_name(config, local_fqn)
-        if not any(found[p] == why for p in _proper_ancestors(fqn) if p in found):
-            found[fqn] = why
-    return found
+            why = None
+        why_of.setdefault(global_name(config, local_fqn), why)
+    # The modules whose whole subtree is left out for their own reason.
+    whole = {fqn for fqn, why in why_of.items() if why is not None}
+    for fqn, why in why_of.items():
+        for ancestor in _proper_ancestors(fqn):
+            if ancestor in whole and why_of[ancestor] != why:
+                whole.discard(ancestor)
+    return {fqn: why for fqn, why in why_of.items()
+            if why is not None and not any(a in whole and why_of[a] == why for a in _proper_ancestors(fqn))}
