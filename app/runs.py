@@ -1,11 +1,12 @@
-"""Choosing a (reference, candidate) pair among the runs under the root: pure functions, no streamlit."""
+"""Choosing a (reference, candidate) pair among the runs under the root, and the correspondence map between them when
+the reference is another implementation: no streamlit."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import PurePosixPath
 
-from ttrace_core.api import RunInfo
+from ttrace_core.api import RunInfo, fitting_maps
 
 
 def usable(runs: list[RunInfo]) -> list[RunInfo]:
@@ -120,3 +121,55 @@ def metadata_rows(run: RunInfo) -> dict[str, str]:
         "versions": ", ".join(f"{name} {version}" for name, version in run.versions.items()) or "not recorded",
         "model": ", ".join(f"{k}={v}" for k, v in sorted(run.model.items())),
     }
+
+
+NO_MAP = ""
+"""The map picker's "none": the reference runs the candidate's own code."""
+
+
+def map_options(shipped: list[str], url_map: str | None) -> list[str]:
+    """The map picker's choices: none, every shipped map, and the URL's map when it is a file (or unknown: the page
+    then says why it cannot be used, instead of silently showing another choice)."""
+    return [NO_MAP, *shipped, *([url_map] if url_map and url_map not in shipped else [])]
+
+
+def map_label(choice: str) -> str:
+    return "none (the same code)" if choice == NO_MAP else choice
+
+
+def suggested_maps(reference: RunInfo, candidate: RunInfo) -> list[str]:
+    """The shipped maps that relate this pair when the reference is another implementation (api.fitting_maps: its
+    recorded transformers config and parameters against the candidate's); none for a pair of the same code."""
+    if reference.world_size != 1 or not isinstance(reference.model.get("config"), dict):
+        return []
+    return fitting_maps(reference.model, candidate.model)
+
+
+def suggestion_text(reference: RunInfo, names: list[str]) -> str:
+    model_type = reference.model["config"].get("model_type")
+    others = f" ({', '.join(f'`{n}`' for n in names[1:])} fit as well)" if len(names) > 1 else ""
+    return (f"The reference records a transformers `{model_type}` model and the candidate is another implementation: "
+            f"the correspondence map `{names[0]}` relates them{others} (its facts resolve in the reference's config "
+            "and its rules turn the reference's parameters into the candidate's, names and shapes). Without a map "
+            "the two cannot be compared tensor by tensor.")
+
+
+def map_text(name: str, reference_words: str, candidate_words: str, mapped: str) -> str:
+    """What a chosen map does, in words, for the Runs page."""
+    return (f"Compared through the correspondence map `{name}`: the reference ({reference_words}) is rewritten "
+            f"in the candidate's names and layouts ({candidate_words}), once, into `{mapped}`; tensors either side "
+            "has no counterpart for are listed by reason, not compared.")
+
+
+def unmapped_lines(coverage) -> list[str]:
+    """The comparison's tensors without counterpart through the map: a headline, then one line per reason and the
+    first tensors the map neither relates nor declares (a `Coverage` of a mapped comparison; [] without a map)."""
+    if coverage is None or not (coverage.unmapped or coverage.num_unaccounted):
+        return []
+    lines = [f"{coverage.unmapped} tensor{'s' if coverage.unmapped != 1 else ''} without counterpart through the map "
+             "(declared in it, not compared):", *(f"- {reason}" for reason in coverage.unmapped_reasons)]
+    if coverage.num_unaccounted:
+        lines += [f"{coverage.num_unaccounted} tensor{'s' if coverage.num_unaccounted != 1 else ''} the map neither "
+                  "relates nor declares (the evidence is incomplete until it does), e.g.:",
+                  *(f"- `{tensor}`" for tensor in coverage.unaccounted[:5])]
+    return lines

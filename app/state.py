@@ -1,9 +1,10 @@
 """The view state of every page, and the URL that carries it: pure functions, no streamlit.
 
-A view is (ref, cand, cands, tensor, step, mb, rank, module, rows); each is a query parameter of the same
+A view is (ref, cand, map, cands, tensor, step, mb, rank, module, rows); each is a query parameter of the same
 name, so a copied URL opens the same view (`cands`, the layout matrix's candidates, is comma-separated).
 `ref`, `cand` and `cands` are paths relative to the dashboard's root and are resolved only through
-`ttrace_core.api.path_under_root`, which refuses anything outside it.
+`ttrace_core.api.path_under_root`, which refuses anything outside it; so is `map` when it is not the name of
+a shipped correspondence map (then it is a .toml file under the root).
 A click on a heatmap cell is a plotly selection; `view_from_click` turns it into the tensor view's state.
 """
 
@@ -21,6 +22,9 @@ ALL_MICRO_BATCHES = "all"
 class ViewState:
     ref: str | None = None
     cand: str | None = None
+    map: str | None = None
+    """The correspondence map the reference is compared through (another implementation, docs/porting.md): a
+    shipped map's name, or the path of a .toml map file relative to the root; None: the same code."""
     cands: tuple[str, ...] | None = None
     """The layout matrix's candidates (run paths), in the URL as "a,b"."""
     tensor: str | None = None
@@ -57,7 +61,7 @@ def state_from_query(params: Mapping[str, str | list[str]]) -> ViewState:
 
     mb_text = first("mb")
     mb = ALL_MICRO_BATCHES if mb_text == ALL_MICRO_BATCHES else _as_int(mb_text)
-    return ViewState(ref=first("ref"), cand=first("cand"), cands=candidates_from_text(first("cands")),
+    return ViewState(ref=first("ref"), cand=first("cand"), map=first("map"), cands=candidates_from_text(first("cands")),
                      tensor=first("tensor"), step=_as_int(first("step")), mb=mb, rank=_as_int(first("rank")),
                      module=first("module"),
                      rows=first("rows") if first("rows") in ROW_CHOICES else None)

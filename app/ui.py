@@ -52,14 +52,15 @@ def navigation_pages() -> list[st.Page]:
 
 
 def sidebar_links(slot) -> None:
-    """The sidebar's page links, each carrying the URL's pair (and the matrix its reference), so a pair picked
+    """The sidebar's page links, each carrying the URL's pair and map (the matrix its reference), so a pair picked
     on Runs travels with every link. Streamlit's own navigation links drop the query parameters, so the
     app hides them (`position="hidden"`) and draws these in `slot` (an `st.sidebar.empty()`)."""
     st.session_state["_sidebar_slot"] = slot  # for `show_in_url`, which redraws the links with the new pair
     state = view_state()
     with slot.container():
         for name in PAGES:
-            pair = ViewState(ref=state.ref) if name == "matrix" else ViewState(ref=state.ref, cand=state.cand)
+            # The layout matrix compares every layout of one reference by the same code: no map there.
+            pair = ViewState(ref=state.ref) if name == "matrix" else ViewState(ref=state.ref, cand=state.cand, map=state.map)
             st.page_link(page(name), query_params=query_from_state(pair))
 
 
@@ -134,14 +135,48 @@ def link_problem(state: ViewState) -> str | None:
 
 
 def run_pair(state: ViewState) -> tuple[Path, Path]:
-    """The reference and candidate directories of the URL, confined to the root; stops the page otherwise."""
+    """The reference and candidate directories of the URL, confined to the root; stops the page otherwise. With a
+    map in the URL the reference is its mapped copy (made the first time, `ttrace compare --map` does the same),
+    so every page compares, shows and replays against it unchanged."""
     if not state.ref or not state.cand:
         st.info("Pick a reference and a candidate on the Runs page first.")
         st.page_link(page("runs"), label="Go to Runs", icon=":material/folder_open:")
         st.stop()
     if (problem := link_problem(state)) is not None:
         back_to_runs(problem)
-    return api.path_under_root(dashboard_root(), state.ref), api.path_under_root(dashboard_root(), state.cand)
+    reference = api.path_under_root(dashboard_root(), state.ref)
+    if state.map:
+        reference = _mapped_reference(reference, correspondence(state))
+    return reference, api.path_under_root(dashboard_root(), state.cand)
+
+
+def correspondence(state: ViewState):
+    """The URL's correspondence map (an `api.correspondence_map`), None without one: a shipped map by name, else a
+    .toml file under the root (confined as run paths are). A map that cannot be used stops the page with its line."""
+    if not state.map:
+        return None
+    try:
+        if state.map in api.shipped_map_names():
+            return api.correspondence_map(state.map)
+        path = api.path_under_root(dashboard_root(), state.map)
+        if path.suffix != ".toml" or not path.is_file():
+            raise TtraceError(f"map={state.map}: neither a shipped map ({', '.join(api.shipped_map_names())}) nor a "
+                              f".toml map file under the dashboard root {dashboard_root()}")
+        return api.correspondence_map(path)
+    except TtraceError as error:
+        stop_with(str(error))
+
+
+def _mapped_reference(reference: Path, loaded) -> Path:
+    """The reference rewritten through `loaded`, made under a spinner when it is not up to date (the check is quick)."""
+    line = st.empty()
+    try:
+        with st.spinner(f"Mapping the reference through {loaded.name} (done once, then reused)"):
+            mapped = api.mapped_reference(reference, loaded.path, progress=lambda text: line.caption(text))
+    except TtraceError as error:
+        stop_with(str(error))
+    line.empty()
+    return mapped
 
 
 def load_comparison(reference: Path, candidate: Path, partial_view: Callable[[api.StreamedRows], None] | None = None):
@@ -208,7 +243,8 @@ def legend() -> None:
 
 
 def pair_caption(state: ViewState) -> None:
-    st.caption(f"reference `{state.ref}` · candidate `{state.cand}` · root `{dashboard_root()}`")
+    through = f" through the map `{state.map}`" if state.map else ""
+    st.caption(f"reference `{state.ref}`{through} · candidate `{state.cand}` · root `{dashboard_root()}`")
 
 
 @st.cache_data(max_entries=8, show_spinner=False)

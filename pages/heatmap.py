@@ -41,7 +41,7 @@ def heatmap_so_far(rows: "api.StreamedRows") -> None:
     marked = None if first is None else (shown.loc[first.name, "module"], first["kind"])
     st.caption(f"Step {step}, the tensors compared so far. Colour: log10(error / tolerance), 0 is the pass line.")
     # Redrawn when the rows grew by a quarter: each poll drawing every row again took the cores the comparison needs.
-    drawn_key = f"_heatmap_so_far:{state.ref}:{state.cand}"
+    drawn_key = f"_heatmap_so_far:{state.ref}:{state.cand}:{state.map}"
     drawn = st.session_state.get(drawn_key)
     if drawn is None or len(frame) >= 1.25 * drawn[0] or (first is not None) != drawn[1]:
         so_far = cells.heatmap_cells(shown, step, ALL_MICRO_BATCHES)

@@ -1,12 +1,13 @@
-"""Runs: every run under the root; pick a reference and a candidate, see their metadata and the verdict."""
+"""Runs: every run under the root; pick a reference, a candidate and (for another implementation) a correspondence
+map, see their metadata and the verdict."""
 
 import pandas as pd
 import streamlit as st
 
 from ttrace_dashboard import cells, runs as pairing
 from ttrace_dashboard.state import ViewState, query_from_state
-from ttrace_dashboard.ui import (bind_choice, dashboard_root, legend, load_comparison, page, run_pair, show_in_url,
-                                 stop_with, view_state, wrote_to_url)
+from ttrace_dashboard.ui import (bind_choice, correspondence, dashboard_root, legend, load_comparison, page, run_pair,
+                                 show_in_url, stop_with, view_state, wrote_to_url)
 from ttrace_core import api
 
 
@@ -43,14 +44,20 @@ def follow_candidate() -> None:
 # was reread only when the widget changed identity, and lost every second pick).
 bind_choice("runs_ref", state.ref, ref if ref in ref_paths else ref_paths[0], ref_paths)
 bind_choice("runs_cand", state.cand, cand, cand_paths)
-left, right = st.columns(2)
+map_choices = pairing.map_options(api.shipped_map_names(), state.map)
+bind_choice("runs_map", state.map, state.map or pairing.NO_MAP, map_choices)
+left, middle, right = st.columns(3)
 chosen_ref = left.selectbox("Reference", ref_paths, key="runs_ref")
-chosen_cand = right.selectbox("Candidate", cand_paths, key="runs_cand", on_change=follow_candidate)
-if (chosen_ref, chosen_cand) != (state.ref, state.cand):
-    state = ViewState(ref=chosen_ref, cand=chosen_cand)
+chosen_cand = middle.selectbox("Candidate", cand_paths, key="runs_cand", on_change=follow_candidate)
+chosen_map = right.selectbox("Correspondence map", map_choices, key="runs_map", format_func=pairing.map_label,
+                             help="Another implementation as the reference (docs/porting.md): the map relates the two "
+                                  "tensor by tensor")
+if (chosen_ref, chosen_cand, chosen_map or None) != (state.ref, state.cand, state.map):
+    state = ViewState(ref=chosen_ref, cand=chosen_cand, map=chosen_map or None)
 show_in_url(state)
 wrote_to_url("runs_ref", state.ref)
 wrote_to_url("runs_cand", state.cand)
+wrote_to_url("runs_map", state.map)
 
 table = pd.DataFrame({name: pairing.metadata_rows(by_path[path]) for name, path in
                       (("reference", state.ref), ("candidate", state.cand))})
@@ -60,7 +67,11 @@ if (better := pairing.better_reference(runs, by_path[state.ref], by_path[state.c
             f"{by_path[state.ref].precision}: `{better.path}` is the reference of the same model in "
             f"{better.precision}.", icon=":material/info:")
     st.page_link(page("runs"), label=f"Compare against {better.path}", icon=":material/swap_horiz:",
-                 query_params=query_from_state(ViewState(ref=better.path, cand=state.cand)))
+                 query_params=query_from_state(ViewState(ref=better.path, cand=state.cand, map=state.map)))
+if not state.map and (fitting := pairing.suggested_maps(by_path[state.ref], by_path[state.cand])):
+    st.info(pairing.suggestion_text(by_path[state.ref], fitting), icon=":material/lightbulb:")
+    st.page_link(page("runs"), label=f"Compare through {fitting[0]}", icon=":material/compare_arrows:",
+                 query_params=query_from_state(ViewState(ref=state.ref, cand=state.cand, map=fitting[0])))
 
 
 def verdict_so_far(rows: "api.StreamedRows") -> None:
@@ -73,11 +84,17 @@ def verdict_so_far(rows: "api.StreamedRows") -> None:
 
 
 reference, candidate = run_pair(state)
+if (loaded := correspondence(state)) is not None:
+    st.info(pairing.map_text(loaded.name, loaded.spec.reference, loaded.spec.candidate,
+                             reference.relative_to(dashboard_root()).as_posix()), icon=":material/compare_arrows:")
 result = load_comparison(reference, candidate, partial_view=verdict_so_far)
 provenance = result.provenance
-level, text = api.verdict_of(provenance).banner()
+verdict = api.verdict_of(provenance)
+level, text = verdict.banner()
 ICONS = {"success": ":material/check_circle:", "warning": ":material/warning:", "error": ":material/cancel:"}
 getattr(st, level)(text, icon=ICONS[level])
+if unmapped := pairing.unmapped_lines(verdict.coverage):
+    st.markdown("\n".join(unmapped))
 for note in provenance.get("notes", []):
     st.warning(note)
 st.caption(f"tolerances: {provenance['tolerance_provider']} · table {result.path.name} "
@@ -86,5 +103,6 @@ st.caption(cells.next_step_caption(cells.first_divergence(result.frame) is not N
 legend()
 # A link, not a button: the browser switches page at once instead of first rerunning this one.
 st.page_link(page("heatmap"), label="Open the heatmap", icon=":material/grid_on:", query_params=query_from_state(state))
-st.page_link(page("matrix"), label="Every layout of this reference (layout matrix)", icon=":material/table_chart:",
-             query_params=query_from_state(ViewState(ref=state.ref)))
+if not state.map:  # the layout matrix compares the layouts of one code: a reference of another has none
+    st.page_link(page("matrix"), label="Every layout of this reference (layout matrix)", icon=":material/table_chart:",
+                 query_params=query_from_state(ViewState(ref=state.ref)))

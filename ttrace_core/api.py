@@ -47,6 +47,7 @@ from ttrace_core.service.runs import RunInfo, find_runs, pair_problem, path_unde
 if TYPE_CHECKING:
     from ttrace_core.compare.estimate_file import PerturbationEstimate
     from ttrace_core.format.reader import RunReader
+    from ttrace_core.canonicalize.correspondence import LoadedMap
     from ttrace_core.format.schema import Finding, RunManifest
     from ttrace_core.localize.verdicts import Localization
     from ttrace_core.service.check import CheckResult
@@ -60,7 +61,8 @@ __all__ = ["KINDS", "LOCALIZE_EXIT_CODES", "MIN_MAX_MEMORY", "PRE_STEP_SLOT", "P
            "CompareSettings", "ComparisonStatus", "Job", "KindHeadroom", "RunComparison", "RunInfo", "TensorComparison", "TraceFormatError",
            "TtraceError", "TtraceInternalError", "VerdictSummary",
            "cached_comparison_table", "check_outputs", "compare_as_rank", "display_fqn", "compare_in_workers", "comparison",
-           "comparison_lookup", "comparison_streams", "comparison_table", "estimate", "finding_lines",
+           "comparison_lookup", "comparison_streams", "comparison_table", "correspondence_map", "estimate", "finding_lines",
+           "fitting_maps", "shipped_map_names",
            "localize_here", "open_run", "read_check_config", "read_manifest", "record", "record_adaptively", "run_check",
            "serve_dashboard",
            "find_runs", "is_descendant", "layer_module", "localization", "mapped_reference", "owner_of", "pair_problem",
@@ -79,6 +81,30 @@ def mapped_reference(reference: str | os.PathLike, map_name: str | os.PathLike,
     from ttrace_core.workflows.mapped_reference import mapped_reference as mapped
 
     return mapped(reference, map_name, progress=progress)
+
+
+def shipped_map_names() -> list[str]:
+    """The correspondence maps ttrace ships, by the name `--map` takes (integrations/maps/*.toml)."""
+    from ttrace_core.integrations.shipped_maps import shipped_map_names as names
+
+    return names()
+
+
+def correspondence_map(name_or_path: str | os.PathLike) -> LoadedMap:
+    """A shipped map by name or a map file, decoded and checked (`.spec.reference`, `.spec.candidate` say what it
+    relates, in words); MapError in one line naming the file, the key and what is wrong."""
+    from ttrace_core.integrations.shipped_maps import find_map
+
+    return find_map(name_or_path)
+
+
+def fitting_maps(reference_model: dict, candidate_model: dict) -> list[str]:
+    """The shipped maps that relate a reference of another implementation to a candidate, judged from the model
+    facts their manifests record (`RunInfo.model`): the map's facts resolve in the reference's transformers config,
+    and its rules turn the reference's parameters into the candidate's (integrations/shipped_maps.map_fits)."""
+    from ttrace_core.integrations.shipped_maps import fitting_maps as fitting
+
+    return fitting(reference_model, candidate_model)
 
 
 def ttrace_version() -> str:

@@ -54,7 +54,7 @@ def test_runs_page_picks_a_pair_shows_its_verdict_and_writes_it_into_the_url(roo
     assert _url(app) == PAIR
     assert any("broken" in warning.value and "not a valid manifest" in warning.value for warning in app.warning)
     assert any(f"first divergence at `{FIRST}`" in error for error in _errors(app))
-    assert [box.value for box in app.selectbox] == ["reference", "candidate"]
+    assert [box.value for box in app.selectbox] == ["reference", "candidate", ""]  # the map: none, the same code
     heatmap, layouts = app.main.get("page_link")  # straight to the heatmap of this pair, and to every layout of its reference
     assert heatmap.proto.page == "heatmap" and heatmap.proto.query_string == "ref=reference&cand=candidate"
     assert layouts.proto.page == "matrix" and layouts.proto.query_string == "ref=reference"
