@@ -125,6 +125,9 @@ def test_the_heatmap_compares_through_the_map_of_its_link(root):
     assert not app.exception and not app.error
     assert any("through the map `maps/tiny.toml`" in caption.value for caption in app.caption)
     assert _url(app)["map"] == "maps/tiny.toml"
+    sidebar = {link.proto.page: link.proto.query_string for link in app.sidebar.get("page_link")}
+    assert all(sidebar[name].endswith("&map=maps%2Ftiny.toml") for name in ("runs", "heatmap", "tensor", "localize"))
+    assert sidebar["matrix"] == "ref=hf"  # the layout matrix compares layouts of one code: no map
 
 
 def test_without_the_map_the_pair_is_not_compared_through_one(root):
