@@ -10,9 +10,14 @@ bug of ttrace_examples/megatron_gpt/model_bugs.py (`ttrace bugs` lists them). Tw
 - same code: the megatron candidate's own script on one process, with the same bug (the porter's code is
   the same in both), estimated. The TP1 candidate is that run itself, so its row has no same-code verdict.
 
-Writes results/porting.{md,json}; docs/porting.md quotes the table.
+The MoE suite does the same for a megatron-core MoE port against transformers' Mixtral
+(`ttrace example megatron-gpt --llama --num-query-groups 2 --moe --num-experts 4`, top-2, at TP1 and at
+DP2 x EP2; `ttrace example hf-llama --moe`, `--map hf-mixtral--megatron-gpt-moe`), clean and with the routing bug.
 
-    python benchmarks/porting.py [--work /var/tmp/ttrace-porting] [--keep]
+Writes results/porting.{md,json}; docs/porting.md quotes the tables. `--only SUITE` runs one suite and keeps
+the other's rows from results/porting.json (each row names its suite and the versions it was measured with).
+
+    python benchmarks/porting.py [--only llama|moe] [--work /var/tmp/ttrace-porting] [--keep]
 """
 
 from __future__ import annotations
@@ -33,6 +38,15 @@ MAP = "hf-llama--megatron-gpt"
 MODEL = ["--num-query-groups", "2"]
 LAYOUTS = {"TP1": [], "TP2+SP": ["--tp", "2", "--sp"]}
 BUGS = [None, "proj-transposed", "rotary-interleaved", "gqa-tiled-groups", "norm-eps-outside-sqrt"]
+MOE = [*MODEL, "--moe", "--num-experts", "4"]
+SUITES = {
+    "llama": {"map": MAP, "hf": MODEL, "candidate": ["--llama", *MODEL], "layout": ("TP2+SP", LAYOUTS["TP2+SP"]),
+              "bugs": BUGS},
+    "moe": {"map": "hf-mixtral--megatron-gpt-moe", "hf": MOE, "candidate": ["--llama", *MOE],
+            "layout": ("DP2+EP2", ["--dp", "2", "--ep", "2"]), "bugs": [None, "router-topk-unnormalized"]},
+}
+"""Per suite: the map, the flags of `ttrace example hf-llama` and of the megatron candidate, the parallel
+layout beside TP1, and the bugs (None: the clean port)."""
 
 
 def ttrace(work: Path, *args: str, timeout: float = 1800) -> tuple[subprocess.CompletedProcess, float]:
@@ -50,9 +64,10 @@ def checked(work: Path, *args: str) -> float:
     return seconds
 
 
-def compare(work: Path, reference: str, candidate: str, *, mapped: bool) -> dict:
+def compare(work: Path, reference: str, candidate: str, *, map_name: str | None) -> dict:
     out = work / f"compare-{reference}-{candidate}.json"
-    done, seconds = ttrace(work, "compare", reference, candidate, "--json", str(out), *(["--map", MAP] if mapped else []))
+    done, seconds = ttrace(work, "compare", reference, candidate, "--json", str(out),
+                           *(["--map", map_name] if map_name else []))
     if done.returncode not in (0, 1):
         raise SystemExit(f"compare {reference} {candidate}: exit {done.returncode}\n{done.stderr[-2000:]}")
     result = json.loads(out.read_text())
@@ -68,12 +83,12 @@ def compare(work: Path, reference: str, candidate: str, *, mapped: bool) -> dict
             "max_ratio": max((c["ratio"] for c in result["comparisons"] if c.get("ratio") is not None), default=None)}
 
 
-def localize(work: Path, candidate: str, bug: str) -> dict:
+def localize(work: Path, hf: str, candidate: str, bug: str, map_name: str) -> dict:
     from ttrace_core.localize.verdicts import Localization
     from ttrace_examples.megatron_gpt.bugs import localized_correctly
 
     out = work / f"localize-{candidate}.json"
-    done, seconds = ttrace(work, "localize", "hf", candidate, "--map", MAP, "--json", str(out))
+    done, seconds = ttrace(work, "localize", hf, candidate, "--map", map_name, "--json", str(out))
     if not out.exists():
         return {"culprits": [], "exit": done.returncode, "seconds": round(seconds, 1), "correct": False,
                 "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
@@ -82,22 +97,29 @@ def localize(work: Path, candidate: str, bug: str) -> dict:
             "correct": localized_correctly(bug, result), "notes": result.notes}
 
 
-def run(work: Path) -> dict:
-    print("recording (HF reference, then per bug: the same-code reference and the TP2+SP candidate)", flush=True)
-    seconds = {"hf": checked(work, "example", "hf-llama", *MODEL, "--out", "hf"), "estimate hf": checked(work, "estimate", "hf")}
+def run(work: Path, suite: str) -> dict:
+    spec = SUITES[suite]
+    hf, prefix = ("hf", "") if suite == "llama" else (f"hf-{suite}", f"{suite}-")
+    layout, layout_flags = spec["layout"]
+    print(f"{suite}: recording (HF reference, then per bug: the same-code reference and the {layout} candidate)", flush=True)
+    seconds = {f"{prefix}hf": checked(work, "example", "hf-llama", *spec["hf"], "--out", hf),
+               f"{prefix}estimate hf": checked(work, "estimate", hf)}
     rows = []
-    for bug in BUGS:
+    for bug in spec["bugs"]:
         name = bug or "clean"
-        flags = ["--llama", *MODEL] + (["--bug", bug] if bug else [])
-        seconds[f"ref {name}"] = checked(work, "example", "megatron-gpt", *flags, "--out", f"ref-{name}")
-        seconds[f"estimate {name}"] = checked(work, "estimate", f"ref-{name}")
-        seconds[f"tp2sp {name}"] = checked(work, "example", "megatron-gpt", *flags, *LAYOUTS["TP2+SP"], "--out", f"tp2sp-{name}")
-        for layout, candidate in (("TP1", f"ref-{name}"), ("TP2+SP", f"tp2sp-{name}")):
-            row = {"bug": name, "layout": layout, "hf": compare(work, "hf", candidate, mapped=True)}
-            row["same_code"] = None if layout == "TP1" else compare(work, f"ref-{name}", candidate, mapped=False)
-            row["localized"] = localize(work, candidate, bug) if bug and row["hf"]["verdict"] != "equivalent" else None
+        flags = spec["candidate"] + (["--bug", bug] if bug else [])
+        ref, parallel = f"{prefix}ref-{name}", f"{prefix}{layout.lower().replace('+', '')}-{name}"
+        seconds[f"{prefix}ref {name}"] = checked(work, "example", "megatron-gpt", *flags, "--out", ref)
+        seconds[f"{prefix}estimate {name}"] = checked(work, "estimate", ref)
+        seconds[f"{prefix}{layout} {name}"] = checked(work, "example", "megatron-gpt", *flags, *layout_flags, "--out", parallel)
+        for layout_name, candidate in (("TP1", ref), (layout, parallel)):
+            row = {"suite": suite, "bug": name, "layout": layout_name,
+                   "hf": compare(work, hf, candidate, map_name=spec["map"])}
+            row["same_code"] = None if layout_name == "TP1" else compare(work, ref, candidate, map_name=None)
+            row["localized"] = localize(work, hf, candidate, bug, spec["map"]) \
+                if bug and row["hf"]["verdict"] != "equivalent" else None
             rows.append(row)
-            print(f"  {name:<24} {layout:<7} HF {row['hf']['verdict']:<15} same code "
+            print(f"  {name:<24} {layout_name:<7} HF {row['hf']['verdict']:<15} same code "
                   f"{(row['same_code'] or {}).get('verdict', '-'):<15} culprit {(row['localized'] or {}).get('culprits')}",
                   flush=True)
     return {"rows": rows, "seconds": {k: round(v, 1) for k, v in seconds.items()}}
@@ -107,12 +129,45 @@ def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
 
+def _environment(env: dict) -> str:
+    return (f"megatron-core {env['megatron_core']}, transformers {env['transformers']}, torch {env['torch']}, "
+            f"Python {env['python']}; {env['machine']}")
+
+
+def _table(rows: list[dict], parallel: str) -> list[str]:
+    lines = [
+        "| bug | layout | vs HF: verdict | first divergence | ratio | culprit (localize) | vs same code: verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        hf, same, loc = row["hf"], row["same_code"], row["localized"]
+        culprit = "-" if loc is None else (", ".join(loc["culprits"][:2]) or "none") + (" (correct)" if loc["correct"] else " (wrong)")
+        lines.append(f"| {row['bug']} | {row['layout']} | {hf['verdict']} ({hf['num_tensors'] - hf['num_failing']}/"
+                     f"{hf['num_tensors']} pass) | {hf['first_divergence'] or '-'} | {_number(hf['first_ratio'])} | {culprit} | "
+                     f"{'-' if same is None else same['verdict'] + ' (' + str(same['num_tensors'] - same['num_failing']) + '/' + str(same['num_tensors']) + ' pass)'} |")
+    caught = [r for r in rows if r["bug"] != "clean"]
+    return lines + [
+        "",
+        f"Against HF: {sum(r['hf']['verdict'] != 'equivalent' for r in caught)}/{len(caught)} bug rows fail, "
+        f"{sum(bool(r['localized'] and r['localized']['correct']) for r in caught)}/{len(caught)} localized to the bug's "
+        f"module; clean rows: {', '.join(r['hf']['verdict'] for r in rows if r['bug'] == 'clean')}. "
+        f"Against the same code ({parallel}): {sum(r['same_code']['verdict'] == 'equivalent' for r in caught if r['same_code'])}/"
+        f"{sum(1 for r in caught if r['same_code'])} bug rows pass.",
+        "",
+        "Largest ratio (error / tolerance) of a clean row against HF: " + ", ".join(
+            f"{r['layout']} {_number(r['hf']['max_ratio'])}" for r in rows if r["bug"] == "clean") + "; "
+        "tensors without counterpart through the map (listed by reason in the coverage, not compared): " + ", ".join(
+            f"{r['layout']} {r['hf']['unmapped']}" for r in rows if r["bug"] == "clean") + ".",
+    ]
+
+
 def markdown(results: dict) -> str:
+    environments = results.get("environments") or {"llama": results}
+    rows = {suite: [r for r in results["rows"] if r.get("suite", "llama") == suite] for suite in SUITES}
     lines = [
         "# Model bugs against an independent reference (HF Llama) and against the same code",
         "",
-        f"`python benchmarks/porting.py`: megatron-core {results['megatron_core']}, transformers {results['transformers']}, "
-        f"torch {results['torch']}, Python {results['python']}; {results['machine']}.",
+        f"`python benchmarks/porting.py`: {_environment(environments['llama'])}.",
         "",
         "Candidate: `ttrace example megatron-gpt --llama --num-query-groups 2` (4 layers, hidden 64, 4 heads in 2 query "
         "groups, fp32, 1 step of 4 micro-batches) with the bug. References, each estimated (`ttrace estimate`, 4 samples): "
@@ -120,31 +175,26 @@ def markdown(results: dict) -> str:
         "one process (the TP1 candidate is that run, so it has no same-code verdict). Culprit: `ttrace localize` against "
         "HF; \"correct\" when it names the bug's module (bugs.MODEL_CODE_CULPRITS).",
         "",
-        "| bug | layout | vs HF: verdict | first divergence | ratio | culprit (localize) | vs same code: verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        *_table(rows["llama"], "TP2+SP"),
     ]
-    for row in results["rows"]:
-        hf, same, loc = row["hf"], row["same_code"], row["localized"]
-        culprit = "-" if loc is None else (", ".join(loc["culprits"][:2]) or "none") + (" (correct)" if loc["correct"] else " (wrong)")
-        lines.append(f"| {row['bug']} | {row['layout']} | {hf['verdict']} ({hf['num_tensors'] - hf['num_failing']}/"
-                     f"{hf['num_tensors']} pass) | {hf['first_divergence'] or '-'} | {_number(hf['first_ratio'])} | {culprit} | "
-                     f"{'-' if same is None else same['verdict'] + ' (' + str(same['num_tensors'] - same['num_failing']) + '/' + str(same['num_tensors']) + ' pass)'} |")
-    caught = [r for r in results["rows"] if r["bug"] != "clean"]
-    lines += [
-        "",
-        f"Against HF: {sum(r['hf']['verdict'] != 'equivalent' for r in caught)}/{len(caught)} bug rows fail, "
-        f"{sum(bool(r['localized'] and r['localized']['correct']) for r in caught)}/{len(caught)} localized to the bug's "
-        f"module; clean rows: {', '.join(r['hf']['verdict'] for r in results['rows'] if r['bug'] == 'clean')}. "
-        f"Against the same code (TP2+SP): {sum(r['same_code']['verdict'] == 'equivalent' for r in caught if r['same_code'])}/"
-        f"{sum(1 for r in caught if r['same_code'])} bug rows pass.",
-        "",
-        "Largest ratio (error / tolerance) of a clean row against HF: " + ", ".join(
-            f"{r['layout']} {_number(r['hf']['max_ratio'])}" for r in results["rows"] if r["bug"] == "clean") + "; "
-        "tensors without counterpart through the map (listed by reason in the coverage, not compared): " + ", ".join(
-            f"{r['layout']} {r['hf']['unmapped']}" for r in results["rows"] if r["bug"] == "clean") + ".",
-        "",
-        "Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["seconds"].items()) + ".",
-    ]
+    if rows["moe"]:
+        moe = SUITES["moe"]
+        lines += [
+            "",
+            "## MoE: HF Mixtral against megatron-core's MoE",
+            "",
+            f"`python benchmarks/porting.py --only moe`: {_environment(environments['moe'])}.",
+            "",
+            "Candidate: `ttrace example megatron-gpt --llama --num-query-groups 2 --moe --num-experts 4` (4 layers, hidden "
+            "64, 4 experts of top-2 routing with SequentialMLP experts and the allgather dispatcher, fp32, 1 step of 4 "
+            "micro-batches) with the bug, at TP1 and at DP2 x EP2 (each EP rank holds 2 experts). References, each "
+            f"estimated: HF, `ttrace example hf-llama --moe` (MixtralForCausalLM), compared with `--map {moe['map']}`; same "
+            "code as above.",
+            "",
+            *_table(rows["moe"], "DP2+EP2"),
+        ]
+    seconds = {k: v for env in environments.values() for k, v in env.get("seconds", {}).items()}
+    lines += ["", "Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -152,6 +202,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default=None, help="where the runs go (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the runs")
+    parser.add_argument("--only", choices=sorted(SUITES), default=None,
+                        help="run one suite; the other's rows are kept from results/porting.json")
     parser.add_argument("--render", action="store_true", help="rewrite porting.md from porting.json (no run)")
     args = parser.parse_args()
     if args.render:
@@ -161,16 +213,26 @@ def main() -> None:
     import torch
     import transformers
 
+    previous = json.loads((RESULTS / "porting.json").read_text()) if args.only and (RESULTS / "porting.json").exists() else None
+    environments = dict(previous.get("environments") or {"llama": {k: v for k, v in previous.items() if k != "rows"}}) \
+        if previous else {}
+    rows = [r for r in previous["rows"] if r.get("suite", "llama") != args.only] if previous else []
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="ttrace-porting-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        results = run(work)
+        for suite in [args.only] if args.only else list(SUITES):
+            measured = run(work, suite)
+            rows += measured["rows"]
+            environments[suite] = {
+                "seconds": measured["seconds"], "megatron_core": megatron.core.__version__,
+                "transformers": transformers.__version__, "torch": torch.__version__,
+                "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    results |= {"megatron_core": megatron.core.__version__, "transformers": transformers.__version__,
-                "torch": torch.__version__, "python": platform.python_version(),
-                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
+    for row in rows:
+        row.setdefault("suite", "llama")
+    results = {"rows": sorted(rows, key=lambda r: list(SUITES).index(r["suite"])), "environments": environments}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "porting.json").write_text(json.dumps(results, indent=1))
     (RESULTS / "porting.md").write_text(markdown(results))
