@@ -55,7 +55,8 @@ def check_reference_config(config: MegatronGPTRunConfig) -> None:
         (config.mtp_num_layers > 0 or config.per_token_loss, "a model without MTP or per-token loss"),
         # Mixtral renormalizes its top-k softmax; megatron at top-1 takes the softmax before the top-k
         # (moe_router_pre_softmax, train._moe_fields): a probability, not Mixtral's 1.
-        (m.num_experts > 0 and not 2 <= m.moe_topk <= m.num_experts, "with experts, top-k of 2 or more"),
+        (m.num_experts > 0 and not 2 <= m.moe_topk <= m.num_experts,
+         "a top-k of 2 or more and at most the experts (--topk: at top-1 Mixtral weights an expert by 1, megatron by its probability)"),
         (config.moe_aux_loss is not None or config.moe_z_loss_coeff or config.moe_shared_expert_size,
          "Mixtral's experts: no aux or z loss, no shared expert"),
         (config.precision != "fp32", "precision fp32"),
