@@ -80,6 +80,8 @@ def add_example_parser(commands) -> None:
                          ("--out", dict(required=True, help="run directory to record into"))):
         hf_llama.add_argument(flag, **kwargs)
     hf_llama.add_argument("--tie-embeddings", action="store_true", help="share input embedding and output layer")
+    hf_llama.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                          help="bf16: bf16 parameters and compute, fp32 gradients and main weights (megatron's bf16)")
     hf_llama.add_argument("--moe", action="store_true", help="MixtralForCausalLM: routed SwiGLU experts (2, top-2 unless set below)")
     hf_llama.add_argument("--num-experts", type=int, default=2, help="experts per MoE layer (with --moe)")
     hf_llama.add_argument("--topk", type=int, default=2, help="experts per token (with --moe; 2 or more)")
@@ -123,7 +125,7 @@ def _hf_llama_config(args: argparse.Namespace):
     from ttrace_examples.megatron_gpt.train import MegatronGPTRunConfig, MegatronModelConfig
 
     config = MegatronGPTRunConfig(
-        steps=args.steps, seed=args.seed, num_micro_batches=args.micro_batches,
+        steps=args.steps, seed=args.seed, num_micro_batches=args.micro_batches, precision=args.precision,
         model=MegatronModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, seq_len=args.seq_len,
                                   swiglu=True, tie_embeddings=args.tie_embeddings,
                                   num_experts=args.num_experts if args.moe else 0, moe_topk=args.topk,

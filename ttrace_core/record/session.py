@@ -215,7 +215,9 @@ def attach(model: nn.Module | list[nn.Module], optimizer=None, *, loss_scale: fl
         shape and slices it by the parameter's layout; "keep" when the run loads a checkpoint (both runs
         must load the same one); "own" when the script drew identical logical weights itself (applying
         `weight_perturbation()`).
-    config, manifest: a full TracerConfig and the run's description; they replace what attach infers.
+    config, manifest: a full TracerConfig and the run's description; they replace what attach infers. The
+        call's own loss_scale, include and exclude still apply to the config (when they differ from
+        attach's defaults; a config that sets them otherwise is refused).
     """
     if weights not in ("reinit", "keep", "own"):
         raise ValueError(f"attach(weights={weights!r}): choose reinit, keep or own")
@@ -229,7 +231,7 @@ def attach(model: nn.Module | list[nn.Module], optimizer=None, *, loss_scale: fl
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     role = spec.role or ("reference" if world_size == 1 else "candidate")
     adapter = _adapter_for(model, optimizer, role, world_size, TracerSelection(include, exclude, loss_scale, data_parallel))
-    config = _configured(config or adapter.config, spec)
+    config = _configured(adapter.config if config is None else _with_arguments(config, loss_scale, include, exclude), spec)
     if weights != "own":
         initialize_weights(adapter.traced, seed=spec.seed, reinit=weights == "reinit",
                            perturbation=WeightPerturbation.from_dict(spec.perturbation),
@@ -246,6 +248,22 @@ def attach(model: nn.Module | list[nn.Module], optimizer=None, *, loss_scale: fl
     session = Session(tracer, spec)
     atexit.register(session.close)
     return session
+
+
+def _with_arguments(config: TracerConfig, loss_scale: float, include: tuple[str, ...],
+                    exclude: tuple[str, ...]) -> TracerConfig:
+    """A full config given to attach, with what the call itself says: an argument other than attach's default
+    is applied (it is never silently ignored), and one the config sets otherwise is refused."""
+    from ttrace_core.format.tracer_config import TracerConfig
+
+    given = {name: value for name, value, default in (("loss_scale", loss_scale, 1.0), ("include", tuple(include), ("*",)),
+                                                      ("exclude", tuple(exclude), ())) if value != default}
+    defaults = TracerConfig()
+    for name, value in given.items():
+        if getattr(config, name) not in (value, getattr(defaults, name)):
+            raise ValueError(f"attach({name}={value!r}) and config.{name}={getattr(config, name)!r} disagree; "
+                             "give it once")
+    return dataclasses.replace(config, **given) if given else config
 
 
 def _configured(config: TracerConfig, spec: SessionSpec) -> TracerConfig:

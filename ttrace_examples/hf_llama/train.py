@@ -16,7 +16,10 @@ It takes the candidate's own run config (MegatronGPTRunConfig: model sizes, seed
   token losses of each micro-batch and scales by 1 / micro-batches, as megatron's schedule does;
 - steps torch's AdamW with megatron's hyper-parameters (betas 0.9/0.999, eps, no weight decay, no clipping:
   clip_grad_norm_ with max_norm inf only measures the norm megatron records).
-fp32 only: megatron's bf16 keeps fp32 main weights and gradients, a plain bf16 HF model neither.
+In bf16 it trains as megatron's bf16 does (Float16Module, DDP with grad_reduce_in_fp32, the mixed-precision
+optimizer): bf16 parameters and compute, each gradient accumulated in fp32 over the micro-batches (`main_grad`,
+what ttrace records), AdamW on fp32 main weights copied from the bf16 ones, and the bf16 parameters copied from
+them after the step (`MainWeightsAdamW`).
 The ttrace lines are marked `# ttrace`.
 """
 
@@ -59,7 +62,7 @@ def check_reference_config(config: MegatronGPTRunConfig) -> None:
          "a top-k of 2 or more and at most the experts (--topk: at top-1 Mixtral weights an expert by 1, megatron by its probability)"),
         (config.moe_aux_loss is not None or config.moe_z_loss_coeff or config.moe_shared_expert_size,
          "Mixtral's experts: no aux or z loss, no shared expert"),
-        (config.precision != "fp32", "precision fp32"),
+        (config.precision not in ("fp32", "bf16"), "precision fp32 or bf16"),
         (config.bug is not None, "no bug: bugs are injected into the megatron candidate"),
     ) if bad]
     if problems:
@@ -112,6 +115,44 @@ def init_weights(model: torch.nn.Module, config: MegatronGPTRunConfig, facts: di
             param.copy_(value)
 
 
+class MainWeightsAdamW(torch.optim.Optimizer):
+    """AdamW over fp32 main weights of low-precision parameters, megatron's mixed-precision optimizer: the
+    gradients come from each parameter's fp32 `main_grad`, the step updates the main weights, and the
+    parameters are rounded from them. Its param_groups are the model's own parameters, so torch's step hooks
+    (ttrace's) see the model's values before and after the step."""
+
+    def __init__(self, params, **adamw) -> None:
+        params = list(params)
+        super().__init__(params, dict(adamw))  # the hyper-parameters in param_groups, where the lr is read
+        self.main = [param.detach().float().clone().requires_grad_(True) for param in params]
+        self.inner = torch.optim.AdamW(self.main, **adamw)
+        for param in params:
+            param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+            param.register_post_accumulate_grad_hook(_accumulate_in_fp32)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.main_grad.zero_()
+                param.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [param for group in self.param_groups for param in group["params"]]
+        for main, param in zip(self.main, params):
+            main.grad = param.main_grad
+        self.inner.step()
+        for main, param in zip(self.main, params):
+            param.copy_(main)
+        return None
+
+
+def _accumulate_in_fp32(param: torch.Tensor) -> None:
+    """megatron's DDP hook with grad_reduce_in_fp32: the micro-batch's gradient added to the fp32 main_grad."""
+    param.main_grad.add_(param.grad.float())
+    param.grad = None
+
+
 def run(config_dict: dict) -> None:
     from transformers import LlamaForCausalLM, MixtralForCausalLM
 
@@ -122,12 +163,20 @@ def run(config_dict: dict) -> None:
     model = (MixtralForCausalLM if moe else LlamaForCausalLM)(hf_config)
     init_weights(model, config, facts_from_config(find_map(map_name(config)), hf_config.to_dict(),
                                                   f"the {type(hf_config).__name__}"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.999), eps=config.adam_eps,
-                                  weight_decay=0.0)
+    adamw = dict(lr=config.lr, betas=(0.9, 0.999), eps=config.adam_eps, weight_decay=0.0)
+    if config.precision == "bf16":
+        model = model.to(torch.bfloat16)
+        optimizer = MainWeightsAdamW(model.parameters(), **adamw)
+        tracer_config = ttrace.TracerConfig(grad_attr="main_grad")  # ttrace: the fp32 gradient megatron records
+        gradients = optimizer.main
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+        tracer_config, gradients = None, list(model.parameters())
     manifest = manifest_from_model(model, "reference", 1)  # ttrace
     manifest.model["config"], manifest.seed = json.loads(hf_config.to_json_string()), config.seed  # ttrace
     num_micro_batches = config.num_micro_batches
-    session = ttrace.attach(model, optimizer, loss_scale=1 / num_micro_batches, weights="own", manifest=manifest)  # ttrace
+    session = ttrace.attach(model, optimizer, loss_scale=1 / num_micro_batches, weights="own", manifest=manifest,  # ttrace
+                            config=tracer_config)  # ttrace
     losses = []
     for step in range(config.steps):
         recorded = config.record_steps is None or step < config.record_steps
@@ -140,7 +189,10 @@ def run(config_dict: dict) -> None:
                 loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
                 (loss / num_micro_batches).backward()
                 total += float(loss.detach())
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf"))
+            if config.precision == "bf16":  # the norm of the fp32 gradients, as megatron's optimizer takes it
+                for main, param in zip(optimizer.main, model.parameters()):
+                    main.grad = param.main_grad
+            torch.nn.utils.clip_grad_norm_(gradients, max_norm=float("inf"))
             optimizer.step()
         losses.append(total / num_micro_batches)
     session.close()  # ttrace
