@@ -13,11 +13,13 @@ bug of ttrace_examples/megatron_gpt/model_bugs.py (`ttrace bugs` lists them). Tw
 The MoE suite does the same for a megatron-core MoE port against transformers' Mixtral
 (`ttrace example megatron-gpt --llama --num-query-groups 2 --moe --num-experts 4`, top-2, at TP1 and at
 DP2 x EP2; `ttrace example hf-llama --moe`, `--map hf-mixtral--megatron-gpt-moe`), clean and with the routing bug.
+The bf16 suite repeats the Llama suite in bf16 (`--precision bf16` on both sides: bf16 parameters and compute,
+fp32 gradients and main weights), where the map's declared precision choices are named with the verdict.
 
 Writes results/porting.{md,json}; docs/porting.md quotes the tables. `--only SUITE` runs one suite and keeps
 the other's rows from results/porting.json (each row names its suite and the versions it was measured with).
 
-    python benchmarks/porting.py [--only llama|moe] [--work /var/tmp/ttrace-porting] [--keep]
+    python benchmarks/porting.py [--only llama|bf16|moe] [--work /var/tmp/ttrace-porting] [--keep]
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ MOE = [*MODEL, "--moe", "--num-experts", "4"]
 SUITES = {
     "llama": {"map": MAP, "hf": MODEL, "candidate": ["--llama", *MODEL], "layout": ("TP2+SP", LAYOUTS["TP2+SP"]),
               "bugs": BUGS},
+    "bf16": {"map": MAP, "hf": [*MODEL, "--precision", "bf16"], "candidate": ["--llama", *MODEL, "--precision", "bf16"],
+             "layout": ("TP2+SP", LAYOUTS["TP2+SP"]), "bugs": BUGS},
     "moe": {"map": "hf-mixtral--megatron-gpt-moe", "hf": MOE, "candidate": ["--llama", *MOE],
             "layout": ("DP2+EP2", ["--dp", "2", "--ep", "2"]), "bugs": [None, "router-topk-unnormalized"]},
 }
@@ -75,6 +79,7 @@ def compare(work: Path, reference: str, candidate: str, *, map_name: str | None)
     first = failing[0] if failing else None
     coverage = result.get("coverage") or {}
     return {"verdict": result["verdict"], "seconds": round(seconds, 1), "num_tensors": len(result["comparisons"]),
+            "precision_choices": [n for n in result.get("notes", []) if n.startswith("precision-choice")],
             "num_failing": len(failing), "unmapped": coverage.get("unmapped", 0),
             "first_divergence": None if first is None else
             f"{first['key']['phase']} / {first['key']['fqn']} / {first['key']['slot']}",
@@ -177,6 +182,23 @@ def markdown(results: dict) -> str:
         "",
         *_table(rows["llama"], "TP2+SP"),
     ]
+    if rows["bf16"]:
+        choices = sorted({c for r in rows["bf16"] for c in r["hf"].get("precision_choices", [])})
+        lines += [
+            "",
+            "## bf16: the same, both sides in bf16",
+            "",
+            f"`python benchmarks/porting.py --only bf16`: {_environment(environments['bf16'])}.",
+            "",
+            "Candidate and references as above with `--precision bf16` on every run: megatron's Float16Module with fp32 "
+            "main gradients and main weights; HF's model in bf16 with the same (`ttrace example hf-llama --precision bf16`). "
+            "Tolerances come from each reference's own estimate in bf16.",
+            "",
+            *_table(rows["bf16"], "TP2+SP"),
+            "",
+            f"Precision choices the map declares, named with every HF verdict ({len(choices)}):",
+            *(f"- {choice}" for choice in choices),
+        ]
     if rows["moe"]:
         moe = SUITES["moe"]
         lines += [

@@ -123,3 +123,18 @@ layout = "bug=proj-transposed"
     mapped = Path(check["references"]["fp32"]["mapped"])
     assert mapped.parent.name == "mapped" and (mapped / "manifest.json").is_file()
     assert f"through {MAP}" in done.stdout
+
+
+def test_a_correct_port_in_bf16_passes_against_hf_and_names_the_precision_choice(traces):
+    """Both sides in bf16 (fp32 gradients and main weights on both), the HF reference estimated in bf16: the
+    port passes at TP2 + SP, and the RMSNorm the two implementations compute at different precisions is named."""
+    hf = record(traces / "porting-hf-bf16", "hf-llama", "--precision", "bf16")
+    if not (hf / "tolerance_estimate.json").exists():
+        run_ttrace("estimate", str(hf), "--samples", "2", timeout=600, check_codes=(0,))
+    candidate = record(traces / "porting-tp2-sp-bf16", "megatron-gpt", "--llama", "--precision", "bf16", *TP2_SP)
+    result, comparison = compare(hf, candidate, "--map", MAP, codes=(0,))
+    assert comparison.verdict == "equivalent"
+    assert comparison.coverage.num_unaccounted == 0
+    (choice,) = [note for note in comparison.notes if note.startswith("precision-choice:")]
+    assert "decoder.*layernorm computes in the input dtype" in choice and "model.*norm in float32" in choice
+    assert "note: precision-choice:" in result.stdout
