@@ -37,13 +37,20 @@ def load_comparison(path: Path):
 
 
 @pytest.fixture(scope="session")
-def robustness_base(tmp_path_factory) -> tuple[Path, Path]:
+def robustness_base(tmp_path_factory, worker_id) -> tuple[Path, Path]:
     """The robustness benchmark's own base (tests/faults/damage_runner.py): a 1-layer megatron-core pair, a
     1-rank reference with its tolerance estimate and a TP2 + SP candidate with a finished replay job
-    (about 30 s), small enough to damage a few hundred copies of in CI."""
+    (about 30 s), small enough to damage a few hundred copies of in CI. Recorded once per test run, not once
+    per xdist worker: the workers share this run's base temporary directory, and the first one to take the
+    lock records it (tests only damage copies of it)."""
+    import fcntl
+
     from tests.faults.damage_runner import record_base
 
-    return record_base(tmp_path_factory.mktemp("robustness"))
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    with open(shared / "robustness-base.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return record_base(shared / "robustness-base")
 
 
 @pytest.fixture(scope="session")
