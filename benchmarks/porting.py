@@ -16,10 +16,16 @@ DP2 x EP2; `ttrace example hf-llama --moe`, `--map hf-mixtral--megatron-gpt-moe`
 The bf16 suite repeats the Llama suite in bf16 (`--precision bf16` on both sides: bf16 parameters and compute,
 fp32 gradients and main weights), where the map's declared precision choices are named with the verdict.
 
+The torchtitan suite judges torchtitan 0.3.0's llama3, run by torchtitan's own Trainer (debug model, 2 steps of 2
+micro-batches of 2 x 64 tokens, fp32), against transformers' Llama trained as the Trainer trains it
+(`python -m ttrace_examples.hf_llama.torchtitan_reference`, `--map hf-llama--torchtitan-llama3`), at one rank and at
+TP2, clean and with each bug of ttrace_examples/torchtitan/model_bugs.py; porting_float64.py beside it checks that
+the two implementations agree in float64.
+
 Writes results/porting.{md,json}; docs/porting.md quotes the tables. `--only SUITE` runs one suite and keeps
 the other's rows from results/porting.json (each row names its suite and the versions it was measured with).
 
-    python benchmarks/porting.py [--only llama|bf16|moe] [--work /var/tmp/ttrace-porting] [--keep]
+    python benchmarks/porting.py [--only llama|bf16|moe|torchtitan] [--work /var/tmp/ttrace-porting] [--keep]
 """
 
 from __future__ import annotations
@@ -48,9 +54,15 @@ SUITES = {
              "layout": ("TP2+SP", LAYOUTS["TP2+SP"]), "bugs": BUGS},
     "moe": {"map": "hf-mixtral--megatron-gpt-moe", "hf": MOE, "candidate": ["--llama", *MOE],
             "layout": ("DP2+EP2", ["--dp", "2", "--ep", "2"]), "bugs": [None, "router-topk-unnormalized"]},
+    "torchtitan": {"map": "hf-llama--torchtitan-llama3", "layout": ("TP2", ["--parallelism.tensor_parallel_degree", "2"]),
+                   "bugs": [None, "rotary-half-split", "norm-eps-outside-sqrt"]},
 }
 """Per suite: the map, the flags of `ttrace example hf-llama` and of the megatron candidate, the parallel
-layout beside TP1, and the bugs (None: the clean port)."""
+layout beside TP1, and the bugs (None: the clean port). The torchtitan suite takes torchtitan's own arguments,
+TORCHTITAN, on both sides."""
+TORCHTITAN = ["--module", "ttrace_examples.torchtitan", "--config", "llama3_debugmodel", "--training.steps", "2",
+              "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+              "--training.mixed_precision_param", "float32"]
 
 
 def ttrace(work: Path, *args: str, timeout: float = 1800) -> tuple[subprocess.CompletedProcess, float]:
@@ -88,7 +100,16 @@ def compare(work: Path, reference: str, candidate: str, *, map_name: str | None)
             "max_ratio": max((c["ratio"] for c in result["comparisons"] if c.get("ratio") is not None), default=None)}
 
 
-def localize(work: Path, hf: str, candidate: str, bug: str, map_name: str) -> dict:
+def _torchtitan_localized_correctly(bug: str, result) -> bool:
+    import fnmatch
+
+    from ttrace_examples.torchtitan.model_bugs import CULPRITS
+
+    first = next((m.fqn for m in result.modules if m.verdict == "introduces error"), None)
+    return first is not None and any(fnmatch.fnmatchcase(first, glob) for glob in CULPRITS[bug])
+
+
+def localize(work: Path, hf: str, candidate: str, bug: str, map_name: str, *, suite: str = "llama") -> dict:
     from ttrace_core.localize.verdicts import Localization
     from ttrace_examples.megatron_gpt.bugs import localized_correctly
 
@@ -99,10 +120,55 @@ def localize(work: Path, hf: str, candidate: str, bug: str, map_name: str) -> di
                 "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
     result = Localization.from_json(out.read_text())
     return {"culprits": result.culprits, "exit": done.returncode, "seconds": round(seconds, 1),
-            "correct": localized_correctly(bug, result), "notes": result.notes}
+            "correct": (_torchtitan_localized_correctly if suite == "torchtitan" else localized_correctly)(bug, result),
+            "notes": result.notes}
+
+
+def _record_torchtitan(work: Path, out: str, nproc: int, bug: str | None) -> float:
+    module = ["ttrace_examples.torchtitan.model_bugs", "--bug", bug] if bug else ["ttrace_examples.torchtitan"]
+    layout = SUITES["torchtitan"]["layout"][1] if nproc > 1 else []
+    return checked(work, "record", "--out", out, "--", "torchrun", "--standalone", "--nproc-per-node", str(nproc),
+                   "-m", *module, *TORCHTITAN, *layout)
+
+
+def run_torchtitan(work: Path) -> dict:
+    """As `run`, with torchtitan's Trainer as the candidate and its arguments given to the HF reference too."""
+    spec, suite = SUITES["torchtitan"], "torchtitan"
+    layout = spec["layout"][0]
+    print(f"{suite}: recording (HF reference, then per bug: the one-rank run and the {layout} candidate)", flush=True)
+    seconds = {"torchtitan hf": checked(work, "record", "--out", "tt-hf", "--", sys.executable, "-m",
+                                        "ttrace_examples.hf_llama.torchtitan_reference", *TORCHTITAN),
+               "torchtitan estimate hf": checked(work, "estimate", "tt-hf")}
+    rows = []
+    for bug in spec["bugs"]:
+        name = bug or "clean"
+        ref, parallel = f"tt-tp1-{name}", f"tt-tp2-{name}"
+        seconds[f"torchtitan TP1 {name}"] = _record_torchtitan(work, ref, 1, bug)
+        seconds[f"torchtitan estimate {name}"] = checked(work, "estimate", ref)
+        seconds[f"torchtitan {layout} {name}"] = _record_torchtitan(work, parallel, 2, bug)
+        for layout_name, candidate in (("TP1", ref), (layout, parallel)):
+            row = {"suite": suite, "bug": name, "layout": layout_name, "hf": compare(work, "tt-hf", candidate, map_name=spec["map"])}
+            row["same_code"] = None if layout_name == "TP1" else compare(work, ref, candidate, map_name=None)
+            row["localized"] = localize(work, "tt-hf", candidate, bug, spec["map"], suite=suite) \
+                if bug and row["hf"]["verdict"] != "equivalent" else None
+            rows.append(row)
+            print(f"  {name:<24} {layout_name:<7} HF {row['hf']['verdict']:<15} same code "
+                  f"{(row['same_code'] or {}).get('verdict', '-'):<15} culprit {(row['localized'] or {}).get('culprits')}",
+                  flush=True)
+    started = time.perf_counter()
+    float64 = work / "float64.json"
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "porting_float64.py"), "--json", str(float64)],
+                          cwd=work, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise SystemExit(f"porting_float64.py exited {done.returncode}:\n{done.stderr[-2000:]}")
+    seconds["torchtitan float64"] = time.perf_counter() - started
+    return {"rows": rows, "seconds": {k: round(v, 1) for k, v in seconds.items()},
+            "float64": json.loads(float64.read_text())}
 
 
 def run(work: Path, suite: str) -> dict:
+    if suite == "torchtitan":
+        return run_torchtitan(work)
     spec = SUITES[suite]
     hf, prefix = ("hf", "") if suite == "llama" else (f"hf-{suite}", f"{suite}-")
     layout, layout_flags = spec["layout"]
@@ -135,7 +201,8 @@ def _number(value: float | None) -> str:
 
 
 def _environment(env: dict) -> str:
-    return (f"megatron-core {env['megatron_core']}, transformers {env['transformers']}, torch {env['torch']}, "
+    trainer = f"torchtitan {env['torchtitan']}" if "torchtitan" in env else f"megatron-core {env['megatron_core']}"
+    return (f"{trainer}, transformers {env['transformers']}, torch {env['torch']}, "
             f"Python {env['python']}; {env['machine']}")
 
 
@@ -215,6 +282,28 @@ def markdown(results: dict) -> str:
             "",
             *_table(rows["moe"], "DP2+EP2"),
         ]
+    if rows["torchtitan"]:
+        titan, float64 = SUITES["torchtitan"], environments["torchtitan"]["float64"]
+        lines += [
+            "",
+            "## torchtitan: HF Llama against torchtitan's llama3",
+            "",
+            f"`python benchmarks/porting.py --only torchtitan`: {_environment(environments['torchtitan'])}.",
+            "",
+            "Candidate: torchtitan's own Trainer (`torchrun -m ttrace_examples.torchtitan`, llama3 debug model: 6 layers, "
+            "dim 256, 16 heads, 2 steps of 2 micro-batches of 2 x 64 tokens, chunked loss, fp32) with the bug "
+            "(`-m ttrace_examples.torchtitan.model_bugs --bug NAME`), at one rank and at TP2 (sequence and loss parallel). "
+            "References, each estimated: HF, `python -m ttrace_examples.hf_llama.torchtitan_reference` with the same "
+            f"arguments, compared with `--map {titan['map']}`; same code, the candidate with the same bug on one rank.",
+            "",
+            *_table(rows["torchtitan"], "TP2"),
+            "",
+            "The two implementations in float64 (`benchmarks/porting_float64.py`: one micro-batch through both from the "
+            "same weights, HF's float32 softmax and norm and both sides' float32 rotary angles lifted to float64): "
+            + "; ".join(f"{dtype}: final hidden states differ by {_number(m['hidden_relative'])} (relative), the largest "
+                        f"parameter gradient difference {_number(m['max_gradient_relative'])} ({m['max_gradient']})"
+                        for dtype, m in float64.items()) + ".",
+        ]
     seconds = {k: v for env in environments.values() for k, v in env.get("seconds", {}).items()}
     lines += ["", "Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()) + "."]
     return "\n".join(lines) + "\n"
@@ -249,6 +338,10 @@ def main() -> None:
                 "seconds": measured["seconds"], "megatron_core": megatron.core.__version__,
                 "transformers": transformers.__version__, "torch": torch.__version__,
                 "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
+            if suite == "torchtitan":
+                import torchtitan
+
+                environments[suite].update(torchtitan=torchtitan.__version__, float64=measured["float64"])
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -64,10 +64,10 @@ MODEL_BUGS: dict[str, Callable[[], Undo]] = {
 """Bug name -> its patch."""
 
 CULPRITS: dict[str, tuple[str, ...]] = {
-    "rotary-half-split": ("layers.0.attention",),
-    "norm-eps-outside-sqrt": ("layers.0.attention_norm",),
+    "rotary-half-split": ("layers.*.attention",),
+    "norm-eps-outside-sqrt": ("layers.*.attention_norm", "layers.*.ffn_norm", "norm"),
 }
-"""Bug name -> the module `ttrace localize` against HF must name first. Rotary is named at the attention:
+"""Bug name -> fnmatch globs of the modules `ttrace localize` against HF may name first. Rotary is named at the attention:
 the queries and keys after rotary have no HF counterpart, so the replay cannot feed the inner attention
 (docs/porting.md, "Localization")."""
 
