@@ -9,59 +9,19 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
-from ttrace_core.format.writer import RunWriter, write_manifest
+from ttrace_core.format.schema import TensorKey
 from ttrace_core.service.dashboard import ROOT_ENV
 
+from tests.support.tiny_map import SIZES, TINY_MAP, interleaved, write_run
+
 MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
-MAP = '''
-name = "tiny"
-reference = "separate q, k, v"
-candidate = "fused qkv"
-[facts]
-groups = "num_key_value_heads"
-[candidate_model]
-num_layers = "num_hidden_layers"
-[[parameters]]
-candidate = "layers.{layer}.qkv.weight"
-reference = ["l.{layer}.q.weight", "l.{layer}.k.weight", "l.{layer}.v.weight"]
-transform = [{op = "concat", dim = 0, groups = "groups"}]
-[[tensors]]
-candidate = "layers.{layer}.qkv"
-slots = ["output.0"]
-reference = ["l.{layer}.q", "l.{layer}.k", "l.{layer}.v"]
-transform = [{op = "permute", dims = [1, 0, 2]}, {op = "concat", dim = -1, groups = "groups"}]
-[[unmapped]]
-side = "candidate"
-tensors = ["forward/layers.*.rotary/**"]
-reason = "angles against cosines"
-[[unmapped]]
-side = "reference"
-tensors = ["forward/l.*.act/**"]
-reason = "a module on one side only"
-'''
-SIZES = {"q": 4, "k": 2, "v": 2}
+MAP = TINY_MAP
 PAIR = {"ref": "hf", "cand": "cand"}
 SHIPPED = "hf-llama--megatron-gpt"
 
 
 def _key(phase: str, fqn: str, slot: str) -> TensorKey:
     return TensorKey(step=0, micro_batch=-1 if phase == "param" else 0, phase=phase, fqn=fqn, slot=slot)
-
-
-def _write_run(run_dir: Path, role: str, values: dict[TensorKey, torch.Tensor], model: dict) -> None:
-    writer = RunWriter(run_dir, 0)
-    writer.begin_step(0)
-    for seq, (key, value) in enumerate(values.items()):
-        writer.write(TensorMeta(key=key, rank=0, dtype="float32", local_shape=tuple(value.shape),
-                                layout=Layout.replicated(tuple(value.shape)), seq=seq), value.contiguous())
-    writer.end_step()
-    write_manifest(run_dir, RunManifest(role=role, world_size=1, model=model))
-
-
-def _interleaved(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """megatron's fused qkv: [q_g; k_g; v_g] for each of the 2 groups."""
-    return torch.cat([piece.chunk(2, dim=dim)[g] for g in range(2) for piece in pieces], dim=dim)
 
 
 @pytest.fixture
@@ -72,13 +32,13 @@ def root(tmp_path, monkeypatch):
     reference = {**{_key("param", f"l.0.{n}.weight", "value.initial"): w for n, w in weights.items()},
                  **{_key("forward", f"l.0.{n}", "output.0"): o for n, o in outputs.items()},
                  _key("forward", "l.0.act", "output.0"): torch.randn(2, 3, 4, generator=generator)}
-    _write_run(tmp_path / "hf", "reference", reference,
-               {"config": {"model_type": "tiny", "num_key_value_heads": 2, "num_hidden_layers": 1}})
-    candidate = {_key("param", "layers.0.qkv.weight", "value.initial"): _interleaved(list(weights.values()), 0),
+    write_run(tmp_path / "hf", reference,
+              {"config": {"model_type": "tiny", "num_key_value_heads": 2, "num_hidden_layers": 1}})
+    candidate = {_key("param", "layers.0.qkv.weight", "value.initial"): interleaved(list(weights.values()), 0),
                  _key("forward", "layers.0.rotary", "output.0"): torch.ones(3, 1, 2),
                  _key("forward", "layers.0.qkv", "output.0"):
-                     _interleaved([o.transpose(0, 1) for o in outputs.values()], -1)}
-    _write_run(tmp_path / "cand", "candidate", candidate, {"num_layers": 1})
+                     interleaved([o.transpose(0, 1) for o in outputs.values()], -1)}
+    write_run(tmp_path / "cand", candidate, {"num_layers": 1}, role="candidate")
     (tmp_path / "maps").mkdir()
     (tmp_path / "maps" / "tiny.toml").write_text(MAP)
     (tmp_path / "maps" / "broken.toml").write_text(MAP.replace('groups = "groups"', 'groups = "kv_groups"', 1))
@@ -173,8 +133,8 @@ MEGATRON_LLAMA = {  # the same model in megatron-core's names: fused qkv [q; k; 
 
 def test_a_shipped_map_is_offered_and_suggested_when_the_pair_is_two_implementations(root):
     one = {_key("forward", "x", "output.0"): torch.ones(2)}
-    _write_run(root / "hf_llama", "reference", one, HF_LLAMA)
-    _write_run(root / "megatron", "candidate", one, MEGATRON_LLAMA)
+    write_run(root / "hf_llama", one, HF_LLAMA)
+    write_run(root / "megatron", one, MEGATRON_LLAMA, role="candidate")
     app = _open("runs", ref="hf_llama", cand="megatron")
     assert not app.exception
     assert SHIPPED in _picker(app).options and _picker(app).value == ""

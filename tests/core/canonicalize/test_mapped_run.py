@@ -13,43 +13,13 @@ from ttrace_core.compare.engine import compare_runs
 from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation, read_estimate, write_estimate
 from ttrace_core.errors import MapError
 from ttrace_core.format.reader import RunReader, read_manifest
-from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
-from ttrace_core.format.writer import RunWriter, write_manifest
+from ttrace_core.format.schema import RunManifest, TensorKey
 from ttrace_core.workflows.mapped_reference import mapped_deviation, mapped_estimate, mapped_reference
 
-MAP = '''
-name = "tiny"
-reference = "separate q, k, v"
-candidate = "fused qkv"
-[facts]
-groups = "num_key_value_heads"
-[candidate_model]
-num_layers = "num_hidden_layers"
-[[parameters]]
-candidate = "layers.{layer}.qkv.weight"
-reference = ["l.{layer}.q.weight", "l.{layer}.k.weight", "l.{layer}.v.weight"]
-transform = [{op = "concat", dim = 0, groups = "groups"}]
-[[tensors]]
-candidate = "layers.{layer}.qkv"
-slots = ["output.0"]
-reference = ["l.{layer}.q", "l.{layer}.k", "l.{layer}.v"]
-transform = [{op = "permute", dims = [1, 0, 2]}, {op = "concat", dim = -1, groups = "groups"}]
-[[tensors]]
-candidate = "layers.{layer}.qkv"
-slots = ["grad_input.0"]
-reference = ["l.{layer}.q/grad_input.0", "l.{layer}.k/grad_input.0", "l.{layer}.v/grad_input.0"]
-transform = [{op = "permute", dims = [1, 0, 2]}, {op = "sum"}]
-[[unmapped]]
-side = "candidate"
-tensors = ["forward/layers.*.rotary/**"]
-reason = "angles against cosines"
-[[unmapped]]
-side = "reference"
-tensors = ["forward/l.*.act/**"]
-reason = "a module on one side only"
-'''
+from tests.support.tiny_map import SIZES, TINY_MAP, write_run
+
+MAP = TINY_MAP
 Q, K, V = "q", "k", "v"
-SIZES = {Q: 4, K: 2, V: 2}
 
 
 def tensors_of_reference() -> dict[TensorKey, torch.Tensor]:
@@ -74,17 +44,6 @@ def fused(values: dict[TensorKey, torch.Tensor], phase: str, slot: str, suffix: 
     if slot.startswith("grad_input"):
         return pieces[0] + pieces[1] + pieces[2]
     return torch.cat([piece.chunk(2, dim=-1)[g] for g in range(2) for piece in pieces], dim=-1)
-
-
-def write_run(run_dir: Path, values: dict[TensorKey, torch.Tensor], model: dict) -> Path:
-    writer = RunWriter(run_dir, 0)
-    writer.begin_step(0)
-    for seq, (key, value) in enumerate(values.items()):
-        writer.write(TensorMeta(key=key, rank=0, dtype="float32", local_shape=tuple(value.shape),
-                                layout=Layout.replicated(tuple(value.shape)), seq=seq), value.contiguous())
-    writer.end_step()
-    write_manifest(run_dir, RunManifest(role="reference", world_size=1, model=model))
-    return run_dir
 
 
 def candidate_values(reference: dict[TensorKey, torch.Tensor], extra: str | None = None) -> dict[TensorKey, torch.Tensor]:
