@@ -13,6 +13,10 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 
 PACKAGES = ("ttrace", "torch", "numpy", "megatron-core", "transformer-engine", "h5py")
+DISTRIBUTIONS = {"ttrace": "ttrace-dist"}
+"""A package whose distribution has another name: ttrace is installed as ttrace-dist (`ttrace` on the package
+index is an unrelated project). ttrace_core.DISTRIBUTION names it; stage 0 imports nothing above it, so it is
+written here again, and tests/core/format/test_fingerprint.py checks that the two agree."""
 # Variables that change what a CPU training step computes or how it is laid out.
 VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "CUBLAS_WORKSPACE_CONFIG",
              "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "PYTHONHASHSEED")
@@ -20,7 +24,7 @@ VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPEN
 
 def _version(package: str) -> str | None:
     try:
-        return version(package)
+        return version(DISTRIBUTIONS.get(package, package))
     except PackageNotFoundError:
         return None
 
