@@ -76,7 +76,8 @@ def dataset_path(key: TensorKey) -> str:
 
 def key_from_dataset_path(path: str, step: int) -> TensorKey | None:
     """The key a tensor's place in its file names (the inverse of `dataset_path`); None for a name
-    ttrace does not write."""
+    ttrace does not write, another spelling of a key's place included ("mb_1", "@0", "" for <root>): each
+    key has one place, so no two places of a file name the same tensor."""
     parts = path.split("/")
     if len(parts) != 3 or "#" not in parts[2] or parts[0] not in PHASES:
         return None
@@ -90,8 +91,9 @@ def key_from_dataset_path(path: str, step: int) -> TensorKey | None:
         return None
     if call and not call.isdigit():
         return None
-    return TensorKey(step=step, micro_batch=micro_batch, phase=parts[0], fqn="" if fqn == ROOT_NAME else fqn, slot=slot,
-                     call=int(call or 0))
+    key = TensorKey(step=step, micro_batch=micro_batch, phase=parts[0], fqn="" if fqn == ROOT_NAME else fqn, slot=slot,
+                    call=int(call or 0))
+    return key if dataset_path(key) == path else None
 
 
 def remedy_of(rank: int) -> str:
