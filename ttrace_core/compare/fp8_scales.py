@@ -26,7 +26,7 @@ from ttrace_core.canonicalize.logical_value import canonical_tensor
 from ttrace_core.compare.results import ComparisonStatus, TensorComparison, Tolerance
 from ttrace_core.compare.tolerances import storage_epsilon
 from ttrace_core.errors import LayoutError
-from ttrace_core.format.naming import fp8_scale_linear
+from ttrace_core.format.naming import fp8_scale_linear, parameter_of
 from ttrace_core.format.reader import RunReader, pre_step_key
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey, TensorMeta
 
@@ -52,7 +52,7 @@ def _operand_key(key: TensorKey, reader: RunReader) -> TensorKey | None:
     if OPERAND_OF_SLOT[key.slot] == "input":
         return dataclasses.replace(key, fqn=linear, slot="input.0")
     return pre_step_key(reader, TensorKey(step=key.step, micro_batch=NO_MICRO_BATCH, phase="param",
-                                          fqn=f"{linear}.weight", slot="value"))
+                                          fqn=parameter_of(linear, "weight"), slot="value"))
 
 
 def _amax_deviation(key: TensorKey, reference: RunReader, candidate: RunReader) -> float | None:

@@ -1,8 +1,9 @@
 """Part of stage 3 (compare): the bias of the module whose output a tensor is, for the bias statistic.
 
-A module's forward output `<fqn> / output.i` is offset by `<fqn>.bias` (a Linear's, a LayerNorm's) when
-the module adds it. The bias is read as the run held it before the step (its value.initial, or the
-previous step's post-step value), so the statistic sees the very vector the forward added.
+A module's forward output `<fqn> / output.i` is offset by `<fqn>.bias` (a Linear's, a LayerNorm's; the
+root module's is `bias`) when the module adds it. The bias is read as the run held it before the step
+(its value.initial, or the previous step's post-step value), so the statistic sees the very vector the
+forward added.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ttrace_core.canonicalize.logical_value import logical_value
+from ttrace_core.format.naming import parameter_of
 from ttrace_core.format.reader import RunReader, pre_step_key
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
 
@@ -24,11 +26,11 @@ def module_bias(reader: RunReader, key: TensorKey) -> torch.Tensor | None:
     error leans along it: a clean TP2 fp32 run's final LayerNorm output sat at 0.58 of the bias test's line,
     along a bias that was its one zero-initialized update. A bias applied the wrong number of times still
     shows in full along the rest (its projection on b_perp is b_perp itself: k is unchanged)."""
-    before = _bias_before(reader, key.step, f"{key.fqn}.bias") if key.phase == "forward" and \
-        key.slot.startswith("output") else None
+    bias = parameter_of(key.fqn, "bias")
+    before = _bias_before(reader, key.step, bias) if key.phase == "forward" and key.slot.startswith("output") else None
     if before is None:
         return None
-    earlier = _bias_before(reader, key.step - 1, f"{key.fqn}.bias") if key.step > 0 else None
+    earlier = _bias_before(reader, key.step - 1, bias) if key.step > 0 else None
     if earlier is None or earlier.shape != before.shape:
         return before
     update = (before - earlier).flatten()

@@ -100,6 +100,12 @@ def owner_of(parameter_fqn: str) -> str:
     return parameter_fqn.rsplit(".", 1)[0] if "." in parameter_fqn else ""
 
 
+def parameter_of(module: str, name: str) -> str:
+    """Parameter `name` of `module` (the inverse of owner_of): "layers.0.mlp.fc1.bias" for ("layers.0.mlp.fc1",
+    "bias"); the root module's ("") is `name` itself."""
+    return f"{module}.{name}" if module else name
+
+
 def in_subtree(fqn: str, root: str | None) -> bool:
     """fqn is root or nested inside it, by whole name components: "a" holds "a" and "a.b", never "ab".
     The root module ("") and None hold everything, a parameter sits in its module's subtree. The one
