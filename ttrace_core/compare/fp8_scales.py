@@ -80,9 +80,11 @@ def is_fp8_scale(key: TensorKey) -> bool:
 
 def amax_bounds(reference: RunReader, candidate: RunReader) -> dict[TensorKey, float]:
     """Scale key -> the largest relative amax difference of its operand over every call of the linear up
-    to this one (a delayed scale may come from any of them), for the scales both runs recorded."""
+    to this one (a delayed scale may come from any of them), for the scales both runs recorded. The calls in
+    order, each scale module's slots side by side: a scale recorded on the module's output (the same scale as
+    its input, an identity) is bounded by the same calls, never by later ones."""
     scales = sorted((k for k in reference.index if is_fp8_scale(k) and k in candidate.index),
-                    key=lambda k: (k.fqn, k.slot, k.step, k.micro_batch, k.call))
+                    key=lambda k: (k.fqn, k.step, k.micro_batch, k.call, k.slot))
     bounds: dict[TensorKey, float] = {}
     running: dict[tuple[str, str], float] = {}
     for key in scales:
