@@ -107,7 +107,6 @@ def test_heatmap_timeline_and_matrix_leave_background_and_text_to_the_theme(fram
     browser; a figure that sets neither background nor text colour follows it too."""
     from ttrace_dashboard import matrix
 
-    rows = cells.module_rows(frame)
     staged = frame.assign(stage=[0 if layer == 0 else 1 for layer in frame["layer"]])
     drawn = [figures.heatmap_figure(cells.heatmap_cells(staged, 0, "all"), cells.module_rows(staged), focus="layers.0.lin"),
              figures.timeline_figure(cells.timeline_points(frame, 0), first_order=1)]

@@ -8,7 +8,8 @@ from dataclasses import asdict
 
 import pytest
 
-from tests.app.test_pages import PAIR, _errors, _open, root  # noqa: F401  (the root fixture)
+from tests.app.test_pages import PAIR, root  # noqa: F401  (the root fixture)
+from tests.support.pages import errors_of as _errors, open_page as _open
 from ttrace_core import api
 from ttrace_core.service.jobs import JobSpec
 from ttrace_core.localize.verdicts import Evidence, Localization, ModuleVerdict

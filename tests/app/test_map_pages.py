@@ -13,8 +13,8 @@ from ttrace_core.format.schema import TensorKey
 from ttrace_core.service.dashboard import ROOT_ENV
 
 from tests.support.tiny_map import SIZES, TINY_MAP, interleaved, write_run
+from tests.support.pages import open_page as _open, url_of as _url
 
-MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 MAP = TINY_MAP
 PAIR = {"ref": "hf", "cand": "cand"}
 SHIPPED = "hf-llama--megatron-gpt"
@@ -44,19 +44,6 @@ def root(tmp_path, monkeypatch):
     (tmp_path / "maps" / "broken.toml").write_text(MAP.replace('groups = "groups"', 'groups = "kv_groups"', 1))
     monkeypatch.setenv(ROOT_ENV, str(tmp_path))
     return tmp_path
-
-
-def _open(page: str, **params) -> AppTest:
-    app = AppTest.from_file(MAIN, default_timeout=60)
-    if page != "runs":
-        app.switch_page(f"../pages/{page}.py")
-    for name, value in params.items():
-        app.query_params[name] = str(value)
-    return app.run()
-
-
-def _url(app: AppTest) -> dict[str, str]:
-    return {name: value[0] if isinstance(value, list) else value for name, value in app.query_params.items()}
 
 
 def _picker(app: AppTest):

@@ -11,8 +11,8 @@ from tests.support.tiny_mlp import recorded_pair as record_pair
 from tests.synthetic_runs import write_pair, write_run
 from ttrace_core.compare.tolerances import DTYPE_TOLERANCES
 from ttrace_core.service.dashboard import ROOT_ENV
+from tests.support.pages import MAIN, errors_of as _errors, open_page as _open, url_of as _url
 
-MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 PAIR = {"ref": "reference", "cand": "candidate"}
 FIRST = "forward/layers.0.act/output.0"
 
@@ -25,23 +25,6 @@ def root(tmp_path, monkeypatch):
     (broken / "manifest.json").write_text("{")
     monkeypatch.setenv(ROOT_ENV, str(tmp_path))
     return tmp_path
-
-
-def _open(page: str, **params) -> AppTest:
-    app = AppTest.from_file(MAIN, default_timeout=60)
-    if page != "runs":
-        app.switch_page(f"../pages/{page}.py")
-    for name, value in params.items():
-        app.query_params[name] = str(value)
-    return app.run()
-
-
-def _url(app: AppTest) -> dict[str, str]:
-    return {name: value[0] if isinstance(value, list) else value for name, value in app.query_params.items()}
-
-
-def _errors(app: AppTest) -> list[str]:
-    return [error.value for error in app.error]
 
 
 def _figures(app: AppTest) -> list[dict]:

@@ -5,7 +5,6 @@ The job is paused after a few rows (PAUSE_ENV) until the test lets it go on, so 
 complete" holds by construction, not by timing."""
 
 import time
-from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -16,8 +15,8 @@ from ttrace_core.service import comparison_jobs
 from ttrace_core.service.comparison_jobs import PAUSE_ENV, RESUME_FILE, comparison_job_dir
 from ttrace_core.service.dashboard import ROOT_ENV
 from ttrace_core.service.jobs import Job
+from tests.support.pages import MAIN
 
-MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 FIRST = "forward/layers.0.act/output.0"
 PAUSED_AFTER = 4
 
