@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults import corruptions, damage_runner
+from tests.support.paths import REPO
 
 CASES_PER_CLASS = 5
 """150 cases over the 30 classes, each class at least once (the benchmark runs every case: 5061)."""
@@ -86,3 +87,36 @@ def test_the_docs_state_the_robustness_results_file():
     assert stated, "docs/equivalence.md lost its robustness figures"
     assert int(stated.group(1).replace(",", "")) == int(total[0])
     assert int(stated.group(2)) == len(classes)
+
+
+def test_a_forked_case_computes_even_when_the_parent_runs_torchs_thread_pool(tmp_path):
+    """The harness forks one child per case. Started without OMP_NUM_THREADS=1, the parent's OpenMP pool is
+    running by then and the child's first parallel region (a float64 dot in compare) waited forever on threads
+    the fork did not copy: half the cases "hung". The child now computes on one thread."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import os, signal, sys, time
+import torch
+from tests.faults.damage_runner import _one_thread_after_fork
+a = torch.randn(4_000_000, dtype=torch.float64)
+torch.set_num_threads(2)
+for _ in range(3):
+    torch.dot(a, a)
+pid = os.fork()
+if pid == 0:
+    _one_thread_after_fork()
+    torch.dot(a, a)
+    os._exit(0)
+deadline = time.monotonic() + 60
+while os.waitpid(pid, os.WNOHANG)[0] == 0:
+    if time.monotonic() > deadline:
+        os.kill(pid, signal.SIGKILL)
+        sys.exit("the forked child hung")
+    time.sleep(0.05)
+"""
+    env = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

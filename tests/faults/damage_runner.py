@@ -203,6 +203,15 @@ def run_case(case: corruptions.Corruption, base: tuple[Path, Path], work: Path, 
     result_path.write_text(json.dumps(result))
 
 
+def _one_thread_after_fork() -> None:
+    """In a forked child: torch computes on one thread. The parent may already run torch's OpenMP pool (a test
+    process started without OMP_NUM_THREADS=1 has compared before it forks), whose threads the fork did not
+    copy: the child's first parallel region (a float64 dot in compare) would wait on them forever. A region
+    of one thread uses no pool."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
 def _material_in_child(pristine: Pristine, reference: Path, candidate: Path) -> bool:
     """The oracle's answer, from a process of its own: a file h5py crashes on (a segmentation fault) or
     never finishes reading cannot be read at all, which is material."""
@@ -210,6 +219,7 @@ def _material_in_child(pristine: Pristine, reference: Path, candidate: Path) -> 
     pid = os.fork()
     if pid == 0:
         try:
+            _one_thread_after_fork()
             os.write(write_end, b"1" if pristine.material_change(reference, candidate) else b"0")
         finally:
             os._exit(0)
@@ -250,6 +260,7 @@ def run_all(cases: list[corruptions.Corruption], base: tuple[Path, Path], work: 
             pid = os.fork()
             if pid == 0:  # the child answers one case and leaves without running the parent's cleanup
                 try:
+                    _one_thread_after_fork()
                     resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
                     run_case(case, base, work / "cases" / f"{index:05d}", pristine, result_path)
                 finally:
