@@ -243,3 +243,27 @@ def test_a_group_where_a_step_files_dataset_belongs_is_one_line(pair, dataset, p
     assert line == (f"ttrace: error: {path}:{dataset}: is an HDF5 group where ttrace writes a dataset (written by "
                     "another tool, or damaged); re-record this rank")
     assert _error_line("compare", str(reference), str(candidate)) == line
+
+
+RENAMED_KEYS = {
+    # file, the key as written, its byte to flip and the bit: one flipped bit renames the key in place
+    "index row's layout key": (STEP_FILE, b'"mesh_axis_names"', 13, 4),  # "mesh_axis_na}es": found by the benchmark
+    "manifest key": ("manifest.json", b'"blind_spots"', 11, 2),  # "blind_spotw"
+}
+
+
+@pytest.mark.parametrize("damage", list(RENAMED_KEYS), ids=list(RENAMED_KEYS))
+def test_a_key_renamed_by_a_flipped_bit_is_refused_not_dropped(pair, damage):
+    """msgspec leaves out a key a dataclass record does not have: a layout whose "mesh_axis_names" was renamed
+    read as a layout with no axis names, and compare passed every tensor. Every record refuses a key it does
+    not have, so the damaged file is one line naming it and the key, never a silent pass."""
+    reference, candidate = pair
+    name, key, byte, bit = RENAMED_KEYS[damage]
+    path = candidate / name
+    at = path.read_bytes().find(key)
+    assert at >= 0, f"{key!r} is not stored as plain bytes in {path}"
+    byte_damage.flip_bit(path, at + byte, bit)
+    renamed = bytes([key[byte] ^ (1 << bit)]).decode()
+    line = _error_line("compare", str(reference), str(candidate))
+    assert line.startswith(f"ttrace: error: {path}"), line
+    assert f"Object contains unknown field `{(key[1:byte] + renamed.encode() + key[byte + 1:-1]).decode()}`" in line, line

@@ -30,7 +30,6 @@ COVERED_ELSEWHERE = {
     "format/findings": ("tests/faults/meta_rows.py", "findings rewritten and read back by the damaged-trace tests"),
     "format/global_heap": ("tests/faults/pristine.py", "looping global heaps refused (tests/test_damaged_traces.py)"),
     "format/reader": ("tests/core/format/test_writer.py", "what the writer stores, read back"),
-    "format/records": ("tests/core/compare/test_table.py", "the comparison table's rows"),
     "format/same_storage": ("tests/core/format/test_tensor_index.py", "a tensor recorded twice is one copy"),
     "format/schema": ("tests/core/canonicalize/test_placements.py", "Layout validation"),
     "format/shard_reads": ("tests/core/format/test_tensor_index.py", "shards read by index"),

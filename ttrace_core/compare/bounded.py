@@ -12,11 +12,11 @@ is compared whole (`compare_runs` says so in a note).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from collections import defaultdict
 
+import msgspec
 import torch
 
 from ttrace_core.canonicalize import placements as pl
@@ -99,7 +99,7 @@ def _slab_shards(reader: RunReader, metas: list[TensorMeta], region: tuple[slice
         for dim, part in enumerate(region):
             if part.start is not None:
                 shape[dim] = part.stop - part.start
-        layout = dataclasses.replace(meta.layout, global_shape=tuple(shape))
+        layout = msgspec.structs.replace(meta.layout, global_shape=tuple(shape))
         shards.append(RecordedShard(rank=meta.rank, layout=layout, value=reader.read(meta, region)))
     return shards
 

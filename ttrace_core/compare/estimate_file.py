@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
+import msgspec
 from msgspec import Meta
 
 from ttrace_core.format.containment import contained
@@ -68,7 +69,7 @@ class PerturbationEstimate:
     tensors: dict[TensorKey, TensorDeviation] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        rows = [{**asdict(d), "key": asdict(d.key)} for d in self.tensors.values()]
+        rows = [{**asdict(d), "key": msgspec.to_builtins(d.key)} for d in self.tensors.values()]
         return json.dumps({"format": ESTIMATE_FORMAT, "precision": self.precision, "num_samples": self.num_samples,
                            "relative": self.relative, "reference_precision": self.reference_precision or self.precision,
                            "seconds": self.seconds, "tensors": rows})

@@ -20,7 +20,7 @@ their shards differently, which the values downstream hide under the fp8 quantiz
 
 from __future__ import annotations
 
-import dataclasses
+import msgspec
 
 from ttrace_core.canonicalize.logical_value import canonical_tensor
 from ttrace_core.compare.results import ComparisonStatus, TensorComparison, Tolerance
@@ -50,7 +50,7 @@ def _operand_key(key: TensorKey, reader: RunReader) -> TensorKey | None:
     weight as it was before this step."""
     linear = fp8_scale_linear(key.fqn)
     if OPERAND_OF_SLOT[key.slot] == "input":
-        return dataclasses.replace(key, fqn=linear, slot="input.0")
+        return msgspec.structs.replace(key, fqn=linear, slot="input.0")
     return pre_step_key(reader, TensorKey(step=key.step, micro_batch=NO_MICRO_BATCH, phase="param",
                                           fqn=parameter_of(linear, "weight"), slot="value"))
 

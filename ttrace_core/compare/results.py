@@ -374,11 +374,15 @@ class RunComparison:
             return c.ratio
         return sorted(self.comparisons, key=badness, reverse=True)[:count]
 
-    def to_json(self) -> str:
-        """Strict JSON: a NaN or infinite number (the ratio of a tensor with NaNs) is written as null."""
+    def to_dict(self) -> dict:
+        """The serialized form: the summary's header (verdict, passed, ...), then the record with each row's form."""
         data = data_from_record(self)
         data["comparisons"] = [c.to_dict() for c in self.comparisons]
-        return strict_json.dumps({**self.summary().header(), **data}, indent=1)
+        return {**self.summary().header(), **data}
+
+    def to_json(self) -> str:
+        """Strict JSON: a NaN or infinite number (the ratio of a tensor with NaNs) is written as null."""
+        return strict_json.dumps(self.to_dict(), indent=1)
 
     @staticmethod
     def from_json(text: str, where: str = "comparison") -> RunComparison:
@@ -444,4 +448,6 @@ class VerdictSummary:
 
     @staticmethod
     def from_provenance(provenance: dict, where: str = "comparison table") -> VerdictSummary:
-        return record_from_data(provenance, VerdictSummary, where, "comparison table's provenance", "compare the runs again")
+        """The summary's own fields of a table's provenance, which also holds the runs, settings and versions."""
+        own = {name: value for name, value in provenance.items() if name in VerdictSummary.__dataclass_fields__}
+        return record_from_data(own, VerdictSummary, where, "comparison table's provenance", "compare the runs again")

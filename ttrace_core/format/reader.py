@@ -12,11 +12,11 @@ arrays only, no pickle, no torch.load.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections import defaultdict
 from pathlib import Path
 
+import msgspec
 import torch
 
 from ttrace_core.errors import TraceFormatError
@@ -47,7 +47,7 @@ def pre_step_key(reader: RunReader, key: TensorKey) -> TensorKey | None:
     else the previous step's post-step value; None for other tensors, or when neither was recorded."""
     if key.phase != "param" or key.slot != "value":
         return None
-    for candidate in (dataclasses.replace(key, slot=PRE_STEP_SLOT), dataclasses.replace(key, step=key.step - 1)):
+    for candidate in (msgspec.structs.replace(key, slot=PRE_STEP_SLOT), msgspec.structs.replace(key, step=key.step - 1)):
         if candidate.step >= 0 and candidate in reader.index:
             return candidate
     return None

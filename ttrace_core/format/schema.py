@@ -1,12 +1,15 @@
 """The data model shared by every stage: tensor keys, layouts, per-shard metadata and the run manifest.
 
-Pure dataclasses; no torch, no h5py. A `TensorKey` names one logical tensor of one iteration; a
+Pure records; no torch, no h5py. A `TensorKey` names one logical tensor of one iteration; a
 `Layout` says which part of that logical tensor one rank holds; a `TensorMeta` is what the store
 keeps next to each recorded shard.
 
 These records are the single source of the trace format: their field types carry the ranges a
 value may take (`Annotated[..., Meta(...)]`), and `records.py` parses every file into them with
-msgspec, so a field out of range is refused where it is read, named by file and field.
+msgspec, so a field out of range is refused where it is read, named by file and field. The records a
+step file holds one of per tensor (`TensorKey`, `Layout`, `TensorStats`, `TensorMeta`, `Finding`) are
+msgspec Structs that forbid unknown fields: a key renamed by damage ("mesh_axis_na}es") is refused, not
+dropped with its value left at the default.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Literal
 
-from msgspec import Meta
+from msgspec import Meta, Struct
 
 FORMAT_VERSION = 5
 READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
@@ -94,8 +97,7 @@ step file's dataset paths. Its home is format/naming.py (`display_fqn`); it is d
 because a key's own text shows it."""
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class TensorKey:
+class TensorKey(Struct, frozen=True, order=True, forbid_unknown_fields=True):
     """Canonical name of one logical tensor in one iteration."""
 
     step: Count
@@ -123,8 +125,7 @@ class TensorKey:
         return TensorKey(step=self.step, micro_batch=self.micro_batch, phase=self.phase, fqn=self.fqn, slot=self.slot, call=call)
 
 
-@dataclass(frozen=True, slots=True)
-class Layout:
+class Layout(Struct, frozen=True, forbid_unknown_fields=True):
     """Which part of a logical tensor one rank holds.
 
     `placements` has one entry per mesh axis, written as strings (see placements.py for their
@@ -160,8 +161,7 @@ class Layout:
         return Layout(global_shape=tuple(shape))
 
 
-@dataclass(frozen=True, slots=True)
-class TensorStats:
+class TensorStats(Struct, frozen=True, forbid_unknown_fields=True):
     """Summary kept instead of the values in stats-only mode (and alongside them otherwise)."""
 
     numel: Count
@@ -173,8 +173,7 @@ class TensorStats:
     num_inf: Count
 
 
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
+class TensorMeta(Struct, frozen=True, forbid_unknown_fields=True):
     """Everything recorded about one shard, except its values."""
 
     key: TensorKey
@@ -195,8 +194,7 @@ class TensorMeta:
 MAX_FINDING_CHARS = 1000
 
 
-@dataclass(frozen=True, slots=True)
-class Finding:
+class Finding(Struct, frozen=True, forbid_unknown_fields=True):
     """A tensor the tracer could not record (its layout cannot be mapped, or recording it failed): its
     values are not in the trace, this record of why is, in the step file of `step`."""
 
@@ -272,8 +270,3 @@ class RunManifest:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @staticmethod
-    def from_dict(data: dict) -> RunManifest:
-        known = {name for name in RunManifest.__dataclass_fields__}
-        return RunManifest(**{name: value for name, value in data.items() if name in known})

@@ -23,7 +23,6 @@ allocated.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
+import msgspec
 import numpy as np
 import torch
 
@@ -324,16 +324,16 @@ def _place_row(step_file: StepFile, row: IndexRow) -> None:
                                "was not written by ttrace")
     step_file.misplaced[placed] = (f"{placed}: the index row of the dataset in rank {rank}'s file says it is {meta.key} "
                                    f"of rank {meta.rank}")
-    step_file.metas.append(dataclasses.replace(meta, key=placed, rank=rank))
+    step_file.metas.append(msgspec.structs.replace(meta, key=placed, rank=rank))
 
 
 def _place_stats_only(step_file: StepFile, meta: TensorMeta) -> None:
     rank, step = step_file.rank, step_file.step
-    placed = dataclasses.replace(meta.key, step=step)
+    placed = msgspec.structs.replace(meta.key, step=step)
     if meta.key.step != step or meta.rank != rank or not meta.stats_only:
         step_file.misplaced[placed] = (f"{placed}: the stats-only record in rank {rank}'s file of step {step} says it is "
                                        f"{meta.key} of rank {meta.rank}{'' if meta.stats_only else ', with values'}")
-        meta = dataclasses.replace(meta, key=placed, rank=rank, stats_only=True)
+        meta = msgspec.structs.replace(meta, key=placed, rank=rank, stats_only=True)
     step_file.metas.append(meta)
 
 
@@ -370,5 +370,5 @@ def _place_dataset(step_file: StepFile, name: str, text: bytes | None) -> None:
         raise TraceFormatError(f"{where}: dataset {name} is not where ttrace writes tensors; the file was not written by ttrace")
     if placed != meta.key or meta.rank != rank:
         step_file.misplaced[placed] = f"{placed}: the dataset in rank {rank}'s file says it is {meta.key} of rank {meta.rank}"
-        meta = dataclasses.replace(meta, key=placed, rank=rank)
+        meta = msgspec.structs.replace(meta, key=placed, rank=rank)
     step_file.metas.append(meta)

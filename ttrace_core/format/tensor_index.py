@@ -36,8 +36,7 @@ LINKS_ATTR = "num_links"
 """Step-file attribute (format 4): how many of its tensors are hard links to bytes written earlier in the step."""
 
 
-@dataclass(frozen=True, slots=True)
-class IndexRow:
+class IndexRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One tensor of a step file."""
 
     dataset: str | None

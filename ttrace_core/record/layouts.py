@@ -13,9 +13,9 @@ themselves are frozen, so a record built once is handed out again (`replicated`,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
+import msgspec
 import torch
 
 from ttrace_core.format.schema import Layout, TensorKey
@@ -36,7 +36,7 @@ def replicated(shape: tuple[int, ...]) -> Layout:
 
 @functools.lru_cache(maxsize=4096)
 def with_flat_range(layout: Layout, flat_range: tuple[int, int]) -> Layout:
-    return dataclasses.replace(layout, flat_range=flat_range)
+    return msgspec.structs.replace(layout, flat_range=flat_range)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -37,6 +37,7 @@ import functools
 import math
 from dataclasses import dataclass, field, replace
 
+import msgspec
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -137,7 +138,7 @@ def layout_through_view(layout: Layout, source_local: tuple[int, ...], target_lo
         global_target[group_target[0]] *= layout.mesh_shape[axis]
         placements.append(f"S({group_target[0]})")
     try:
-        return replace(layout, global_shape=tuple(global_target), placements=tuple(placements))
+        return msgspec.structs.replace(layout, global_shape=tuple(global_target), placements=tuple(placements))
     except ValueError:
         return None
 

@@ -6,9 +6,8 @@ have their own tests (tests/core/format/test_packs.py)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import h5py
+import msgspec
 import pytest
 import torch
 
@@ -245,7 +244,7 @@ def test_only_the_same_view_of_unchanged_bytes_is_linked(tmp_path):
     assert writer.num_links_written == 1  # only "d": the same storage, offset, shape, strides and version as "a"
     with RunReader(tmp_path) as reader:
         for fqn, expected in [("b", base.t()), ("c", base[1:]), ("d", base)]:
-            (meta,) = reader.index[dataclasses.replace(_meta(fqn, "output.0", base, 0).key)]
+            (meta,) = reader.index[_meta(fqn, "output.0", base, 0).key]
             assert torch.equal(reader.read(meta), expected)
 
 
@@ -353,11 +352,11 @@ def test_a_write_around_autograd_is_caught_by_the_statistics(tmp_path):
     value = torch.ones(2, 3)
     writer = RunWriter(tmp_path, 0)
     writer.begin_step(0)
-    writer.write(dataclasses.replace(_meta("a", "output.0", value, 0), stats=_stats(value)), value)
+    writer.write(msgspec.structs.replace(_meta("a", "output.0", value, 0), stats=_stats(value)), value)
     version = value._version
     value.data.mul_(3.0)
     assert value._version == version
-    writer.write(dataclasses.replace(_meta("b", "output.0", value, 1), stats=_stats(value)), value)
+    writer.write(msgspec.structs.replace(_meta("b", "output.0", value, 1), stats=_stats(value)), value)
     writer.end_step()
     assert writer.num_links_written == 0
     read = _read_back(tmp_path)
