@@ -9,7 +9,9 @@ value may take (`Annotated[..., Meta(...)]`), and `records.py` parses every file
 msgspec, so a field out of range is refused where it is read, named by file and field. The records a
 step file holds one of per tensor (`TensorKey`, `Layout`, `TensorStats`, `TensorMeta`, `Finding`) are
 msgspec Structs that forbid unknown fields: a key renamed by damage ("mesh_axis_na}es") is refused, not
-dropped with its value left at the default.
+dropped with its value left at the default. They are not tracked by the cyclic collector (`gc=False`:
+they hold numbers, strings, tuples and each other, never a cycle), so a run's index of tens of thousands
+of them costs no collection after it is read.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ step file's dataset paths. Its home is format/naming.py (`display_fqn`); it is d
 because a key's own text shows it."""
 
 
-class TensorKey(Struct, frozen=True, order=True, forbid_unknown_fields=True):
+class TensorKey(Struct, frozen=True, order=True, forbid_unknown_fields=True, gc=False):
     """Canonical name of one logical tensor in one iteration."""
 
     step: Count
@@ -125,7 +127,7 @@ class TensorKey(Struct, frozen=True, order=True, forbid_unknown_fields=True):
         return TensorKey(step=self.step, micro_batch=self.micro_batch, phase=self.phase, fqn=self.fqn, slot=self.slot, call=call)
 
 
-class Layout(Struct, frozen=True, forbid_unknown_fields=True):
+class Layout(Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Which part of a logical tensor one rank holds.
 
     `placements` has one entry per mesh axis, written as strings (see placements.py for their
@@ -161,7 +163,7 @@ class Layout(Struct, frozen=True, forbid_unknown_fields=True):
         return Layout(global_shape=tuple(shape))
 
 
-class TensorStats(Struct, frozen=True, forbid_unknown_fields=True):
+class TensorStats(Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Summary kept instead of the values in stats-only mode (and alongside them otherwise)."""
 
     numel: Count
@@ -173,7 +175,7 @@ class TensorStats(Struct, frozen=True, forbid_unknown_fields=True):
     num_inf: Count
 
 
-class TensorMeta(Struct, frozen=True, forbid_unknown_fields=True):
+class TensorMeta(Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Everything recorded about one shard, except its values."""
 
     key: TensorKey
@@ -194,7 +196,7 @@ class TensorMeta(Struct, frozen=True, forbid_unknown_fields=True):
 MAX_FINDING_CHARS = 1000
 
 
-class Finding(Struct, frozen=True, forbid_unknown_fields=True):
+class Finding(Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """A tensor the tracer could not record (its layout cannot be mapped, or recording it failed): its
     values are not in the trace, this record of why is, in the step file of `step`."""
 

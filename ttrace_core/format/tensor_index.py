@@ -36,7 +36,7 @@ LINKS_ATTR = "num_links"
 """Step-file attribute (format 4): how many of its tensors are hard links to bytes written earlier in the step."""
 
 
-class IndexRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class IndexRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """One tensor of a step file."""
 
     dataset: str | None

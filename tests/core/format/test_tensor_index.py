@@ -6,6 +6,8 @@ have their own tests (tests/core/format/test_packs.py)."""
 
 from __future__ import annotations
 
+import gc
+
 import h5py
 import msgspec
 import pytest
@@ -99,6 +101,17 @@ def test_every_key_meta_and_value_reads_back_as_written(tmp_path):
     key = TensorKey(step=0, micro_batch=0, phase="forward", fqn="m1", slot="input.0")
     ((meta, value),) = read_shards(tmp_path, key, 1)  # the tensor page's single-tensor read
     assert meta == written[key][0] and torch.equal(value, written[key][1])
+
+
+def test_an_opened_index_leaves_the_cyclic_collector_nothing_to_walk(tmp_path):
+    """The records of an index (a 48-layer step holds 15k rows) are Structs the collector does not track: a
+    full collection after opening a run walked them all again (opening the 100-layer tiny pair took twice
+    as long with them tracked, benchmarks/index_open.py)."""
+    _written_run(tmp_path)
+    with RunReader(tmp_path) as reader:
+        metas = [meta for found in reader.index.values() for meta in found]
+        assert metas and not any(gc.is_tracked(record) for meta in metas
+                                 for record in (meta, meta.key, meta.layout, meta.stats) if record is not None)
 
 
 def test_a_format_4_copy_reads_the_same(tmp_path):
