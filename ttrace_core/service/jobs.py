@@ -32,6 +32,8 @@ import msgspec
 
 from ttrace_core.format.regular_files import regular_file_bytes
 from ttrace_core.record.processes import ProcessRef
+from ttrace_core.service import warm_worker
+from ttrace_core.service.warm_worker import WorkerSilent
 
 FINAL_STATES = ("complete", "failed", "timed_out", "cancelled")
 PROGRESS_PREFIX = "[progress] "
@@ -66,6 +68,8 @@ class JobStatus:
     started: float | None = None
     finished: float | None = None
     progress: str = ""
+    warm: bool = False
+    """The command was forked by the dashboard's warm worker (warm_worker.py), not started as a new process."""
 
     @property
     def done(self) -> bool:
@@ -299,21 +303,23 @@ def supervise(directory: Path) -> int:
     status = JobStatus(state="running", supervisor=ProcessRef.of(os.getpid()), started=time.time(), message="running")
     signal.signal(signal.SIGTERM, _raise_cancelled)
     _write_json(directory / "status.json", asdict(status))
-    with open(directory / "log.txt", "ab") as log:
-        child = subprocess.Popen(spec.command, cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL, stdout=log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            status.command = ProcessRef.of(child.pid)
-            _write_json(directory / "status.json", asdict(status))
-            exit_code = child.wait(timeout=spec.timeout_s)
-            status.state, status.message = _final_status(spec, directory, exit_code)
-            status.exit_code = exit_code
-        except subprocess.TimeoutExpired:
-            status.state, status.message = "timed_out", f"killed after its {spec.timeout_s:.0f} s timeout"
-        except _Cancelled:
-            status.state, status.message = "cancelled", "cancelled"
-        finally:
-            _kill_group(child)
+    command = None
+    try:
+        command = _Command.start(spec, directory / "log.txt")
+        status.command, status.warm = ProcessRef.of(command.pid), command.warm
+        _write_json(directory / "status.json", asdict(status))
+        exit_code = command.wait(spec.timeout_s)
+        status.state, status.message = _final_status(spec, directory, exit_code)
+        status.exit_code = exit_code
+    except subprocess.TimeoutExpired:
+        status.state, status.message = "timed_out", f"killed after its {spec.timeout_s:.0f} s timeout"
+    except _Cancelled:
+        status.state, status.message = "cancelled", "cancelled"
+    except WorkerSilent as error:  # not started again here: it could run twice
+        status.state, status.message = "failed", f"{error}; run it again"
+    finally:
+        if command is not None:
+            command.kill_group()
     if status.state != "complete":
         (directory / spec.result_file).unlink(missing_ok=True)
     status.finished = time.time()
@@ -322,13 +328,54 @@ def supervise(directory: Path) -> int:
     return 0
 
 
-def _kill_group(child: subprocess.Popen) -> None:
-    """The command and everything it started (its process group), even after the command itself exited."""
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    child.wait()
+@dataclass(slots=True)
+class _Command:
+    """The job's command, running in its own process group: a new process, or forked by the dashboard's
+    warm worker (warm_worker.py) when the job's environment names one and the command is ttrace's."""
+
+    pid: int
+    warm: bool
+    process: subprocess.Popen | None = None
+    connection: object | None = None
+    """The warm worker's connection, on which the command's exit code comes."""
+
+    @staticmethod
+    def start(spec: JobSpec, log_path: Path) -> _Command:
+        argv = warm_worker.warm_argv(spec.command)
+        worker = spec.env.get(warm_worker.WARM_ENV)
+        if argv is not None and worker:
+            started = warm_worker.run(worker, {"argv": argv, "cwd": spec.cwd, "env": spec.env, "log": str(log_path)})
+            if started is not None:
+                return _Command(pid=started[0], warm=True, connection=started[1])
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(spec.command, cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        return _Command(pid=process.pid, warm=False, process=process)
+
+    def wait(self, timeout_s: float) -> int:
+        """Its exit code; subprocess.TimeoutExpired after `timeout_s`."""
+        if self.process is not None:
+            return self.process.wait(timeout=timeout_s)
+        try:
+            code = warm_worker.exit_code(self.connection, timeout_s)
+        except OSError as error:  # socket.timeout
+            raise subprocess.TimeoutExpired(str(self.pid), timeout_s) from error
+        return WORKER_GONE_EXIT if code is None else code
+
+    def kill_group(self) -> None:
+        """The command and everything it started (its process group), even after the command itself exited."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.process is not None:
+            self.process.wait()
+        if self.connection is not None:
+            self.connection.close()
+
+
+WORKER_GONE_EXIT = -1
+"""The exit code of a command whose warm worker went away before it could tell (the dashboard stopped)."""
 
 
 if __name__ == "__main__":

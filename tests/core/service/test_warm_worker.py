@@ -1,0 +1,140 @@
+"""service/warm_worker.py: the dashboard's jobs forked from a process that has imported torch and the core.
+
+A job runs the same way warm or cold: the same table, in its own process group (timeout and cancel kill
+it), with its own environment and log; when no worker answers it starts a new process as before. The
+command is held at a known point by giving it a FIFO as its log: it blocks opening it until a reader
+comes, so no test here waits on the clock to catch a command still running.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.support.paths import REPO
+from ttrace_core.record.processes import process_alive
+from ttrace_core.service import warm_worker
+from ttrace_core.service.comparison_jobs import submit_comparison
+from ttrace_core.service.comparisons import comparison_table
+from ttrace_core.service.jobs import JobSpec, _Command
+
+SAMPLES = REPO / "sample_traces" / "fp32"
+DEADLINE_S = 60.0
+"""How long a test waits for the worker's socket or a process's end: a bound, not a measure."""
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {DEADLINE_S:.0f} s"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def worker() -> str:
+    path, pid = warm_worker.start(dict(os.environ))
+    _until(lambda: os.path.exists(path), "worker socket")
+    yield path
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def pair(tmp_path) -> tuple[Path, Path]:
+    for name in ("reference", "tp2_row_parallel_bias"):
+        shutil.copytree(SAMPLES / name, tmp_path / name, ignore=shutil.ignore_patterns(".ttrace"))
+    return tmp_path / "reference", tmp_path / "tp2_row_parallel_bias"
+
+
+def _ttrace_spec(argv: list[str], tmp_path: Path, worker_path: str, *, timeout_s: float = 120) -> JobSpec:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", warm_worker.WARM_ENV: worker_path}
+    return JobSpec(command=[sys.executable, "-m", "ttrace_core", *argv], env=env, cwd=str(tmp_path), timeout_s=timeout_s,
+                   success_codes=(0, 1))
+
+
+def test_a_comparison_job_forked_by_the_worker_writes_the_table_a_new_process_writes(worker, pair, monkeypatch):
+    reference, candidate = pair
+    monkeypatch.setenv(warm_worker.WARM_ENV, worker)
+    warm = submit_comparison(reference, candidate)
+    status = warm.wait(timeout_s=300)
+    assert status.state == "complete" and status.warm and status.exit_code == 1, (status, warm.log_tail())
+    assert "FAILED (not equivalent)" in "\n".join(warm.log_tail())  # its output went to the job's log
+    warm_table = comparison_table(reference, candidate).frame
+
+    shutil.rmtree(reference.parent / "reference" / ".ttrace", ignore_errors=True)
+    shutil.rmtree(candidate / ".ttrace", ignore_errors=True)
+    monkeypatch.setenv(warm_worker.WARM_ENV, str(Path(worker).with_name("no-worker.sock")))  # none answers there
+    cold = submit_comparison(reference, candidate)
+    status = cold.wait(timeout_s=300)
+    assert status.state == "complete" and not status.warm and status.exit_code == 1, (status, cold.log_tail())
+    pd.testing.assert_frame_equal(comparison_table(reference, candidate).frame, warm_table)
+
+
+def test_a_warm_command_is_its_own_process_group_and_its_timeout_kills_it(worker, tmp_path):
+    """The supervisor's side (jobs._Command): the command's log is a FIFO no one reads, so it blocks opening
+    it, in a session of its own, until the timeout; killing its group ends it and the worker reports -9."""
+    log = tmp_path / "log.txt"
+    os.mkfifo(log)
+    command = _Command.start(_ttrace_spec(["inspect", str(SAMPLES / "reference")], tmp_path, worker), log)
+    assert command.warm and os.getpgid(command.pid) == command.pid and os.getsid(command.pid) == command.pid
+    with pytest.raises(subprocess.TimeoutExpired):
+        command.wait(0.5)
+    connection, command.connection = command.connection, None
+    command.kill_group()
+    assert warm_worker.exit_code(connection, DEADLINE_S) == -signal.SIGKILL
+    connection.close()
+    _until(lambda: not process_alive(command.pid), "end of the killed command")
+
+
+def test_the_worker_reports_the_exit_code_and_runs_with_the_jobs_directory_and_environment(worker, tmp_path):
+    log = tmp_path / "log.txt"
+    started = warm_worker.run(worker, {"argv": ["inspect", str(tmp_path / "absent")], "cwd": str(tmp_path),
+                                       "env": {"OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "")},
+                                       "log": str(log)})
+    assert started is not None
+    pid, connection = started
+    assert warm_worker.exit_code(connection, DEADLINE_S) == 2  # bad input: one line, exit 2
+    connection.close()
+    assert log.read_text().startswith("ttrace: error: ") and str(tmp_path / "absent") in log.read_text()
+
+
+@pytest.mark.parametrize("request_", [{"argv": ["dashboard", "."], "cwd": "/", "env": {}, "log": "/dev/null"},
+                                      {"argv": "inspect", "cwd": "/", "env": {}, "log": "/dev/null"}, {"argv": []}],
+                         ids=["dashboard", "argv-not-a-list", "incomplete"])
+def test_a_request_that_is_not_a_jobs_command_starts_nothing(worker, request_):
+    assert warm_worker.run(worker, request_) is None
+
+
+def test_only_ttraces_own_commands_with_this_python_go_to_the_worker():
+    assert warm_worker.warm_argv([sys.executable, "-m", "ttrace_core", "compare", "a", "b"]) == ["compare", "a", "b"]
+    assert warm_worker.warm_argv([sys.executable, "-c", "pass"]) is None
+    assert warm_worker.warm_argv(["/usr/bin/python3-other", "-m", "ttrace_core", "compare"]) is None
+
+
+def test_the_worker_exits_with_the_process_that_started_it(tmp_path):
+    started = subprocess.run([sys.executable, "-c", "import os; from ttrace_core.service import warm_worker; "
+                              "print(*warm_worker.start(dict(os.environ)))"], capture_output=True, text=True, check=True,
+                             timeout=DEADLINE_S, cwd=REPO)
+    path, pid = started.stdout.split()
+    _until(lambda: not process_alive(int(pid)), "end of the orphaned worker")
+    assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
+
+
+def test_a_worker_that_takes_a_request_and_stays_silent_is_not_taken_for_no_worker(tmp_path):
+    """Starting the command again in a new process could run it twice: the job fails instead (jobs.supervise)."""
+    import socket
+
+    path = str(tmp_path / "silent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.bind(path)
+        silent.listen(1)  # the kernel takes the connection and the request; no one ever answers
+        with pytest.raises(warm_worker.WorkerSilent, match="took the job and did not answer"):
+            warm_worker.run(path, {"argv": ["inspect", "."], "cwd": "/", "env": {}, "log": "/dev/null"}, timeout_s=0.5)
+    assert warm_worker.run(path, {"argv": ["inspect", "."], "cwd": "/", "env": {}, "log": "/dev/null"}) is None

@@ -1,0 +1,261 @@
+"""A warm worker beside the dashboard: ttrace's commands started by fork from a process that has already
+imported torch and the core, instead of a new Python that imports them again (about 2 s a job).
+
+`ttrace dashboard` starts one (`start`) before it becomes the Streamlit server, and names its socket in
+the server's environment (WARM_ENV). Every job the server submits carries that environment
+(replays.job_environment), so its supervisor (jobs.py) asks the worker to run the job's command when the
+command is `python -m ttrace_core ...` with this Python (`warm_argv`); otherwise, or when the worker does
+not answer, it starts a new process as before. A job runs the same way either way: in a new session
+(its own process group, which cancel and timeout kill), in the job's directory, with the job's whole
+environment, its output in the job's log.
+
+The worker is one thread: it accepts a request (a JSON line: argv, cwd, env, log), forks, answers with
+the child's pid, and when the child exits sends its exit code on the same connection. It never runs torch
+itself, so the child starts with no OpenMP pool to inherit (tests/faults/damage_runner.py met that
+deadlock), and sets its own thread count from the job's OMP_NUM_THREADS. The socket lives in a directory
+only this user can enter. The worker exits when the process that started it (the server) is gone.
+`TTRACE_WARM_WORKER=off ttrace dashboard` starts none: every job a new process (benchmarks/job_start.py
+measures both).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+WARM_ENV = "TTRACE_WARM_WORKER"
+"""The worker's socket path, in the dashboard server's environment and so in every job's."""
+SOCKET_NAME = "worker.sock"
+POLL_S = 0.5
+"""How often the idle worker checks that its server is still there."""
+REQUEST_LIMIT = 1 << 20
+"""Bytes of one request (argv, cwd and a whole environment): more is not a request of ours."""
+CONNECT_TIMEOUT_S = 5.0
+ANSWER_TIMEOUT_S = 60.0
+"""A worker takes milliseconds to fork and answer; one silent this long is stuck (and the job fails)."""
+
+
+def warm_argv(command: list[str]) -> list[str] | None:
+    """The ttrace arguments of a job's command the worker can run (`python -m ttrace_core ARGS` with the
+    worker's own Python), None for any other command."""
+    if len(command) >= 3 and command[1:3] == ["-m", "ttrace_core"] and os.path.realpath(command[0]) == \
+            os.path.realpath(sys.executable):
+        return command[3:]
+    return None
+
+
+def preload() -> None:
+    """What the dashboard's jobs import: torch, the CLI, the dashboard's API and the stages behind them."""
+    import torch  # noqa: F401
+
+    import ttrace_core.api  # noqa: F401
+    import ttrace_core.cli.main  # noqa: F401
+    import ttrace_core.compare.engine  # noqa: F401
+    import ttrace_core.service.comparisons  # noqa: F401
+    import ttrace_core.service.replays  # noqa: F401
+    import ttrace_core.service.runs  # noqa: F401
+    import ttrace_core.workflows.localize  # noqa: F401
+
+
+def start(env: dict[str, str]) -> tuple[str, int]:
+    """Start a worker for this process (it exits when this process does); (its socket path, its pid). The
+    caller puts the path in WARM_ENV of the environment it gives its jobs."""
+    import subprocess
+
+    directory = tempfile.mkdtemp(prefix="ttrace-warm-")  # mode 0700: only this user reaches the socket
+    path = os.path.join(directory, SOCKET_NAME)
+    worker = subprocess.Popen([sys.executable, "-m", "ttrace_core.service.warm_worker", path, str(os.getpid())],
+                              env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    return path, worker.pid
+
+
+class WorkerSilent(RuntimeError):
+    """The worker took a request and did not say whether it started it: starting it again elsewhere could run
+    the command twice."""
+
+
+def run(path: str, request: dict, timeout_s: float = ANSWER_TIMEOUT_S) -> tuple[int, socket.socket] | None:
+    """Ask the worker at `path` to run `request` ({"argv", "cwd", "env", "log"}); (the command's pid, the
+    connection its exit code will come on), or None when no worker took it (none listens there, or it
+    refused the request: nothing was started). WorkerSilent when it took it and gave no answer."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.settimeout(CONNECT_TIMEOUT_S)
+        connection.connect(path)
+        connection.sendall(json.dumps(request).encode() + b"\n")
+    except OSError:
+        connection.close()
+        return None
+    try:
+        connection.settimeout(timeout_s)
+        answer = _line(connection)
+    except (OSError, ValueError) as error:
+        connection.close()
+        raise WorkerSilent(f"the warm worker at {path} took the job and did not answer ({error})") from error
+    try:
+        pid = json.loads(answer).get("pid") if answer else None
+    except (ValueError, AttributeError):
+        pid = None
+    if not isinstance(pid, int) or pid <= 1:  # it closed without starting anything
+        connection.close()
+        return None
+    connection.settimeout(None)
+    return pid, connection
+
+
+def exit_code(connection: socket.socket, timeout_s: float | None) -> int | None:
+    """The exit code the worker sends when the command ends; None when the worker went away first.
+    socket.timeout (an OSError) when it takes longer than `timeout_s`."""
+    connection.settimeout(timeout_s)
+    try:
+        answer = _line(connection)
+    except socket.timeout:
+        raise
+    except OSError:
+        return None
+    try:
+        code = json.loads(answer).get("exit_code") if answer else None
+    except ValueError:
+        return None
+    return code if isinstance(code, int) else None
+
+
+def _line(connection: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = connection.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > REQUEST_LIMIT:
+            raise ValueError("more than a request's bytes")
+    return data.strip()
+
+
+def serve(path: str, parent: int) -> None:
+    """The worker's loop: accept, fork, report exits; until `parent` is gone."""
+    preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    waiting: dict[int, socket.socket | None] = {}
+    try:
+        while os.getppid() == parent:
+            readable, _, _ = select.select([listener], [], [], POLL_S)
+            if readable:
+                _accept(listener, waiting)
+            _reap(waiting)
+    finally:
+        listener.close()
+        Path(path).unlink(missing_ok=True)
+        try:
+            os.rmdir(os.path.dirname(path))
+        except OSError:
+            pass
+
+
+def _accept(listener: socket.socket, waiting: dict[int, socket.socket | None]) -> None:
+    connection, _ = listener.accept()
+    try:
+        connection.settimeout(CONNECT_TIMEOUT_S)
+        request = json.loads(_line(connection))
+        argv, cwd, env, log = request["argv"], request["cwd"], request["env"], request["log"]
+        if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv) and isinstance(cwd, str)
+                and isinstance(env, dict) and isinstance(log, str) and argv and argv[0] != "dashboard"):
+            raise ValueError("not a request of ours")
+    except (OSError, ValueError, KeyError, TypeError):
+        connection.close()
+        return
+    try:
+        ready, ready_write = os.pipe()
+        pid = os.fork()
+    except OSError:  # nothing started: the supervisor starts a new process instead
+        connection.close()
+        return
+    if pid == 0:  # the command; never returns
+        listener.close()
+        os.close(ready)
+        _run_command(argv, cwd, {str(k): str(v) for k, v in env.items()}, log, connection, ready_write)
+    os.close(ready_write)
+    select.select([ready], [], [], CONNECT_TIMEOUT_S)  # answered once the command leads its own session:
+    os.close(ready)  # a kill of its group right after the answer must reach it
+    try:
+        connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        waiting[pid] = connection
+    except OSError:  # the supervisor went away: the command still runs to its end, and is reaped
+        connection.close()
+        waiting[pid] = None
+
+
+def _reap(waiting: dict[int, socket.socket | None]) -> None:
+    while waiting:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = waiting.pop(pid, None)
+        if connection is not None:
+            try:
+                connection.sendall(json.dumps({"exit_code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            except OSError:
+                pass
+            connection.close()
+
+
+def _run_command(argv: list[str], cwd: str, env: dict[str, str], log: str, connection: socket.socket,
+                 ready: int) -> None:
+    """In the forked child: become the job's command, as a new process of its own would be; `ready` is
+    written once it leads its own session."""
+    code = 3
+    try:
+        connection.close()
+        os.setsid()  # its own process group: cancel and timeout kill the group
+        os.write(ready, b"!")
+        os.close(ready)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):  # SIGPIPE stays ignored, as Python starts
+            signal.signal(signum, signal.SIG_DFL)
+        output = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(null)
+        os.close(output)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        import torch
+
+        torch.set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "1") or 1)))
+        sys.argv = ["ttrace", *argv]
+        from ttrace_core.cli.main import main
+
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the child must never return into the worker's loop
+        import traceback
+
+        traceback.print_exc()
+        code = 3
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or not sys.argv[2].isdigit():
+        raise SystemExit("usage: python -m ttrace_core.service.warm_worker SOCKET PARENT_PID")
+    serve(sys.argv[1], int(sys.argv[2]))
