@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -77,6 +78,15 @@ def _metas(shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple[str,
 ], ids=["two-row-shards", "replicas-share-a-shard", "tp-by-columns", "strided-two-blocks-each", "empty-tail-left-out"])
 def test_the_candidates_shards_and_the_ranks_holding_each(shape, mesh, placements, shards):
     assert candidate_shards(_metas(shape, mesh, placements)) == shards
+
+
+def test_a_distributed_optimizers_flat_pieces_are_named_with_their_block_not_as_shards():
+    """TP 2 x DP 2, each DP rank holding half of its TP block's flat elements: two shards, each held by its
+    two DP ranks (a piece of any length has no tolerance of its own: see candidate_shards)."""
+    metas = _metas((8, 4), (2, 2), ("S(0)", "R"))
+    pieces = [msgspec.structs.replace(meta, layout=msgspec.structs.replace(
+        meta.layout, flat_range=(0, 8) if meta.layout.coordinate[1] == 0 else (8, 16))) for meta in metas]
+    assert candidate_shards(pieces) == {(((0, 4), (0, 4)),): (0, 1), (((4, 4), (0, 4)),): (2, 3)}
 
 
 @pytest.mark.parametrize("metas", [
