@@ -335,6 +335,14 @@ def check_outputs(result: CheckResult) -> dict[str, str]:
     return {"junit.xml": junit_xml(result), "summary.md": markdown_summary(result), "check.json": check_json(result)}
 
 
+def serve_warm_worker(path: str, parent: int, command_main: Callable[[list[str]], int]) -> None:
+    """The dashboard's warm worker (service/warm_worker.py): fork `command_main` (the CLI's main) for each job
+    handed to it on the socket at `path`, until process `parent` (the server) is gone."""
+    from ttrace_core.service.warm_worker import serve
+
+    serve(path, parent, command_main)
+
+
 def serve_dashboard(root: str | os.PathLike, **kwargs) -> int:
     """`ttrace dashboard`: serve the dashboard on the runs under `root` (this process becomes the server;
     `port`, `host`: service/dashboard.py)."""

@@ -9,8 +9,9 @@ not answer, it starts a new process as before. A job runs the same way either wa
 (its own process group, which cancel and timeout kill), in the job's directory, with the job's whole
 environment, its output in the job's log.
 
-The worker is one thread: it accepts a request (a JSON line: argv, cwd, env, log), forks, answers with
-the child's pid, and when the child exits sends its exit code on the same connection. It never runs torch
+The worker (`serve`, run by cli/worker.py with the CLI's main) is one thread: it accepts a request (a JSON
+line: argv, cwd, env, log), forks, answers with the child's pid, and when the child exits sends its exit
+code on the same connection. It never runs torch
 itself, so the child starts with no OpenMP pool to inherit (tests/faults/damage_runner.py met that
 deadlock), and sets its own thread count from the job's OMP_NUM_THREADS. The socket lives in a directory
 only this user can enter. The worker exits when the process that started it (the server) is gone.
@@ -27,11 +28,14 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 WARM_ENV = "TTRACE_WARM_WORKER"
 """The worker's socket path, in the dashboard server's environment and so in every job's."""
 SOCKET_NAME = "worker.sock"
+WORKER_MODULE = "ttrace_core.cli.worker"
+"""The worker's process: the CLI's main handed to `serve` (started by module name here)."""
 POLL_S = 0.5
 """How often the idle worker checks that its server is still there."""
 REQUEST_LIMIT = 1 << 20
@@ -50,19 +54,6 @@ def warm_argv(command: list[str]) -> list[str] | None:
     return None
 
 
-def preload() -> None:
-    """What the dashboard's jobs import: torch, the CLI, the dashboard's API and the stages behind them."""
-    import torch  # noqa: F401
-
-    import ttrace_core.api  # noqa: F401
-    import ttrace_core.cli.main  # noqa: F401
-    import ttrace_core.compare.engine  # noqa: F401
-    import ttrace_core.service.comparisons  # noqa: F401
-    import ttrace_core.service.replays  # noqa: F401
-    import ttrace_core.service.runs  # noqa: F401
-    import ttrace_core.workflows.localize  # noqa: F401
-
-
 def start(env: dict[str, str]) -> tuple[str, int]:
     """Start a worker for this process (it exits when this process does); (its socket path, its pid). The
     caller puts the path in WARM_ENV of the environment it gives its jobs."""
@@ -70,7 +61,7 @@ def start(env: dict[str, str]) -> tuple[str, int]:
 
     directory = tempfile.mkdtemp(prefix="ttrace-warm-")  # mode 0700: only this user reaches the socket
     path = os.path.join(directory, SOCKET_NAME)
-    worker = subprocess.Popen([sys.executable, "-m", "ttrace_core.service.warm_worker", path, str(os.getpid())],
+    worker = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, path, str(os.getpid())],
                               env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     return path, worker.pid
@@ -95,7 +86,7 @@ def run(path: str, request: dict, timeout_s: float = ANSWER_TIMEOUT_S) -> tuple[
         return None
     try:
         connection.settimeout(timeout_s)
-        answer = _line(connection)
+        answer = read_line(connection)
     except (OSError, ValueError) as error:
         connection.close()
         raise WorkerSilent(f"the warm worker at {path} took the job and did not answer ({error})") from error
@@ -115,7 +106,7 @@ def exit_code(connection: socket.socket, timeout_s: float | None) -> int | None:
     socket.timeout (an OSError) when it takes longer than `timeout_s`."""
     connection.settimeout(timeout_s)
     try:
-        answer = _line(connection)
+        answer = read_line(connection)
     except socket.timeout:
         raise
     except OSError:
@@ -127,7 +118,8 @@ def exit_code(connection: socket.socket, timeout_s: float | None) -> int | None:
     return code if isinstance(code, int) else None
 
 
-def _line(connection: socket.socket) -> bytes:
+def read_line(connection: socket.socket) -> bytes:
+    """One line of the protocol (a request or an answer), without its newline."""
     data = b""
     while not data.endswith(b"\n"):
         chunk = connection.recv(65536)
@@ -139,8 +131,22 @@ def _line(connection: socket.socket) -> bytes:
     return data.strip()
 
 
-def serve(path: str, parent: int) -> None:
-    """The worker's loop: accept, fork, report exits; until `parent` is gone."""
+def preload() -> None:
+    """What the dashboard's jobs import: torch, h5py, pandas and Parquet, and the stages below this one behind
+    the commands they run (the CLI and the facade come with cli/worker.py; the service's own modules are
+    light)."""
+    import h5py  # noqa: F401
+    import pandas  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
+    import torch  # noqa: F401
+
+    import ttrace_core.compare.engine  # noqa: F401
+    import ttrace_core.workflows.localize  # noqa: F401
+
+
+def serve(path: str, parent: int, command_main: Callable[[list[str]], int]) -> None:
+    """The worker's loop: accept, fork, report exits; until `parent` is gone. `command_main` runs one
+    command's arguments in the forked child (the CLI's main, which cli/worker.py passes: no upward import)."""
     preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -150,7 +156,7 @@ def serve(path: str, parent: int) -> None:
         while os.getppid() == parent:
             readable, _, _ = select.select([listener], [], [], POLL_S)
             if readable:
-                _accept(listener, waiting)
+                _accept(listener, waiting, command_main)
             _reap(waiting)
     finally:
         listener.close()
@@ -161,11 +167,12 @@ def serve(path: str, parent: int) -> None:
             pass
 
 
-def _accept(listener: socket.socket, waiting: dict[int, socket.socket | None]) -> None:
+def _accept(listener: socket.socket, waiting: dict[int, socket.socket | None],
+            command_main: Callable[[list[str]], int]) -> None:
     connection, _ = listener.accept()
     try:
         connection.settimeout(CONNECT_TIMEOUT_S)
-        request = json.loads(_line(connection))
+        request = json.loads(read_line(connection))
         argv, cwd, env, log = request["argv"], request["cwd"], request["env"], request["log"]
         if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv) and isinstance(cwd, str)
                 and isinstance(env, dict) and isinstance(log, str) and argv and argv[0] != "dashboard"):
@@ -182,7 +189,8 @@ def _accept(listener: socket.socket, waiting: dict[int, socket.socket | None]) -
     if pid == 0:  # the command; never returns
         listener.close()
         os.close(ready)
-        _run_command(argv, cwd, {str(k): str(v) for k, v in env.items()}, log, connection, ready_write)
+        _run_command(command_main, argv, cwd, {str(k): str(v) for k, v in env.items()}, log, connection,
+                     ready_write)
     os.close(ready_write)
     select.select([ready], [], [], CONNECT_TIMEOUT_S)  # answered once the command leads its own session:
     os.close(ready)  # a kill of its group right after the answer must reach it
@@ -211,8 +219,8 @@ def _reap(waiting: dict[int, socket.socket | None]) -> None:
             connection.close()
 
 
-def _run_command(argv: list[str], cwd: str, env: dict[str, str], log: str, connection: socket.socket,
-                 ready: int) -> None:
+def _run_command(command_main: Callable[[list[str]], int], argv: list[str], cwd: str, env: dict[str, str], log: str,
+                 connection: socket.socket, ready: int) -> None:
     """In the forked child: become the job's command, as a new process of its own would be; `ready` is
     written once it leads its own session."""
     code = 3
@@ -237,9 +245,7 @@ def _run_command(argv: list[str], cwd: str, env: dict[str, str], log: str, conne
 
         torch.set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "1") or 1)))
         sys.argv = ["ttrace", *argv]
-        from ttrace_core.cli.main import main
-
-        code = main(argv)
+        code = command_main(argv)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     except BaseException:  # noqa: BLE001 - the child must never return into the worker's loop
@@ -253,9 +259,3 @@ def _run_command(argv: list[str], cwd: str, env: dict[str, str], log: str, conne
             sys.stderr.flush()
         finally:
             os._exit(code)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or not sys.argv[2].isdigit():
-        raise SystemExit("usage: python -m ttrace_core.service.warm_worker SOCKET PARENT_PID")
-    serve(sys.argv[1], int(sys.argv[2]))

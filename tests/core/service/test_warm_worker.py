@@ -1,4 +1,5 @@
-"""service/warm_worker.py: the dashboard's jobs forked from a process that has imported torch and the core.
+"""service/warm_worker.py and the worker's loop, ttrace_core/cli/worker.py: the dashboard's jobs forked from a
+process that has imported torch and the core.
 
 A job runs the same way warm or cold: the same table, in its own process group (timeout and cancel kill
 it), with its own environment and log; when no worker answers it starts a new process as before. The
