@@ -134,14 +134,20 @@ def truncations(pair: tuple[Path, Path], rng: random.Random, count: int) -> list
 
 # -- metadata --------------------------------------------------------------------------------------
 
+
+def _doubled(shape: list[int]) -> list[int]:
+    """The first dim doubled; a 0-d tensor's (a step scalar's) shape () becomes (2,). The benchmark's format-5 run
+    met two scalars here: the damage itself raised, and the harness counted it as a crash of the answer."""
+    return [2 * shape[0], *shape[1:]] if shape else [2]
+
 # (name, edit of the metadata JSON); every one of them makes the shard's metadata lie.
 LIES = [
     ("dtype says float64", _set("dtype", value="float64")),
     ("dtype says bfloat16", _set("dtype", value="bfloat16")),
     ("dtype unknown", _set("dtype", value="complex64")),
     ("local shape transposed", lambda m: m.__setitem__("local_shape", list(reversed(m["local_shape"])))),
-    ("local shape doubled", lambda m: m.__setitem__("local_shape", [2 * m["local_shape"][0], *m["local_shape"][1:]])),
-    ("global shape doubled", lambda m: m["layout"].__setitem__("global_shape", [2 * m["layout"]["global_shape"][0], *m["layout"]["global_shape"][1:]])),
+    ("local shape doubled", lambda m: m.__setitem__("local_shape", _doubled(m["local_shape"]))),
+    ("global shape doubled", lambda m: m["layout"].__setitem__("global_shape", _doubled(m["layout"]["global_shape"]))),
     ("global shape negative", lambda m: m["layout"].__setitem__("global_shape", [-1, *m["layout"]["global_shape"][1:]])),
     ("global shape absurd", lambda m: m["layout"].__setitem__("global_shape", [2**62, *m["layout"]["global_shape"][1:]])),
     ("placements replicated", lambda m: m["layout"].__setitem__("placements", ["R"] * len(m["layout"]["placements"]))),
