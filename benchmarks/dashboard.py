@@ -226,6 +226,7 @@ def browse(base: str, candidate: Path, repeats: int) -> dict:
             first_picture_s, first_s = time_first_comparison(page, url, PAGE_TIMEOUT_MS)
             page.close()
             _progress(f"first comparison: first divergence drawn {first_picture_s:.1f} s, whole heatmap {first_s:.1f} s")
+            job_warm = [json.loads(status.read_text()).get("warm", False) for status in (candidate / ".ttrace").rglob("status.json")]
             cached = []
             for _ in range(repeats):
                 page = context.new_page()
@@ -249,7 +250,7 @@ def browse(base: str, candidate: Path, repeats: int) -> dict:
         finally:
             browser.close()
     return {"first_picture_s": first_picture_s, "first_s": first_s, "cached_s": cached, "num_markers": num_markers, "click_s": click_s, "tensor": tensor,
-            "floor_s": floor, "in_app_s": in_app}
+            "floor_s": floor, "in_app_s": in_app, "job_warm": job_warm}
 
 
 def tensor_server_seconds(reference: Path, candidate: Path, tensor: str, repeats: int) -> dict[str, float | int]:
@@ -328,6 +329,8 @@ def measures(workdir: Path, browser: dict, server: dict, heatmap_s: float, index
         _goal("first comparison, browser goto -> whole heatmap and timeline drawn", browser["first_s"],
               WHOLE_HEATMAP_GOAL_S),
         Measure(name="  of which compare_runs + table in the job (provenance seconds)", value=f"{provenance['seconds']:.1f} s"),
+        Measure(name="  the job forked by the dashboard's warm worker (service/warm_worker.py), not a new Python",
+                value="yes" if browser["job_warm"] and all(browser["job_warm"]) else "no"),
         _goal(f"cached heatmap, in the app: Runs -> 'Open the heatmap' -> drawn (median of {repeats})",
               statistics.median(browser["in_app_s"]), HEATMAP_GOAL_S),
         Measure(name=f"cached heatmap, cold page load: goto -> drawn (median of {repeats})",

@@ -50,3 +50,12 @@ def test_growth_exponents():
     readme = _readme()
     assert f"(fitted exponent {fits['compare_s']['tensors']:.2f})" in readme
     assert f"bytes ({fits['compare_s']['bytes']:.2f}:" in readme
+
+
+def test_job_start_figures():
+    """The warm worker's figures (benchmarks/job_start.py): the samples pair's medians, cold and warm."""
+    point = json.loads((RESULTS / "job_start.json").read_text())["points"][0]
+    cold, warm = point["median"]["cold"], point["median"]["warm"]
+    readme = _readme()
+    assert f"first rows **{warm['first_rows_s']:.2f} s** after the submit, against {cold['first_rows_s']:.2f} s" in readme
+    assert f"whole table in {warm['table_s']:.2f} s against {cold['table_s']:.2f} s" in readme
