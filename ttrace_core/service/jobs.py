@@ -33,7 +33,6 @@ import msgspec
 from ttrace_core.format.regular_files import regular_file_bytes
 from ttrace_core.record.processes import ProcessRef
 from ttrace_core.service import warm_worker
-from ttrace_core.service.warm_worker import WorkerSilent
 
 FINAL_STATES = ("complete", "failed", "timed_out", "cancelled")
 PROGRESS_PREFIX = "[progress] "
@@ -315,7 +314,7 @@ def supervise(directory: Path) -> int:
         status.state, status.message = "timed_out", f"killed after its {spec.timeout_s:.0f} s timeout"
     except _Cancelled:
         status.state, status.message = "cancelled", "cancelled"
-    except WorkerSilent as error:  # not started again here: it could run twice
+    except warm_worker.WorkerSilent as error:  # not started again here: it could run twice
         status.state, status.message = "failed", f"{error}; run it again"
     finally:
         if command is not None:

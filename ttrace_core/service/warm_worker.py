@@ -107,7 +107,7 @@ def exit_code(connection: socket.socket, timeout_s: float | None) -> int | None:
     connection.settimeout(timeout_s)
     try:
         answer = read_line(connection)
-    except socket.timeout:
+    except socket.timeout:  # the caller's timeout, not a worker gone
         raise
     except OSError:
         return None
