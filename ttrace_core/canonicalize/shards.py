@@ -78,16 +78,6 @@ def _held_values(full: torch.Tensor, layout: Layout) -> torch.Tensor:
     return local
 
 
-def _put_held_values(full: torch.Tensor, layout: Layout, value: torch.Tensor, *, accumulate: bool) -> None:
-    """Write (or add, in float64) a local tensor held under `layout` back into its places in `full`."""
-    for global_region, local_region in pl.local_blocks(layout):
-        block = value[_region_slices(local_region)]
-        if accumulate:
-            full[_region_slices(global_region)] += block.double()
-        else:
-            full[_region_slices(global_region)] = block
-
-
 def _check_consistent(key: TensorKey | None, shards: list[RecordedShard]) -> Layout:
     first = shards[0].layout
     for shard_ in shards[1:]:
@@ -175,6 +165,66 @@ def _check_fits_in_memory(key: TensorKey | None, layout: Layout, shards: list[Re
                           "or on a larger machine")
 
 
+@dataclass(frozen=True, slots=True)
+class Assembly:
+    """How one set of shards assembles into its logical tensor, decided from their layouts alone: a run
+    repeats a few dozen sets of layouts (every layer's projection is cut the same way) over thousands of
+    tensors, so each set's placements are parsed and checked once (`_assembly`)."""
+
+    whole: bool
+    """Every shard holds the whole tensor in order (unsharded, or over mesh axes of size 1): the first by rank is it."""
+    groups: tuple[tuple[tuple[int, ...], tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]], ...]
+    """Per region held (and partial coordinate): the indices of its replicas in rank order, and the (global
+    slices, local slices) of each block the first of them holds."""
+    num_avg: int = 0
+    """0: no partial placement; else partial sums are added in float64 and divided by this (P(avg) axes)."""
+
+
+_ASSEMBLIES: dict[tuple, Assembly | None] = {}
+"""(rank, layout, local shape, dtype) of each shard -> its Assembly; None: flat ranges or an SB view."""
+
+
+def _assembly(shards: list[RecordedShard]) -> Assembly | None:
+    """The assembly of `shards`, checked (consistent layouts, every coordinate held, room in memory); a
+    LayoutError is raised without the key, and not kept: `canonicalize` words it with the key."""
+    signature = tuple((s.rank, s.layout, s.value.shape, s.value.dtype) for s in shards)
+    try:
+        if (found := _ASSEMBLIES.get(signature, _NOT_KEPT)) is not _NOT_KEPT:
+            return found
+    except TypeError:  # a layout built with lists: planned each time
+        signature = None
+    layout = _check_consistent(None, shards)
+    if pl.blocked_view(layout) is not None or any(s.layout.flat_range is not None for s in shards):
+        assembly = None
+    else:
+        _check_coverage(None, layout, shards)
+        assembly = _planned(layout, shards)
+    if signature is not None:
+        if len(_ASSEMBLIES) >= pl.LAYOUTS_KEPT:
+            _ASSEMBLIES.clear()
+        _ASSEMBLIES[signature] = assembly
+    return assembly
+
+
+_NOT_KEPT = object()
+
+
+def _planned(layout: Layout, shards: list[RecordedShard]) -> Assembly:
+    order = sorted(range(len(shards)), key=lambda i: shards[i].rank)
+    if _each_holds_the_whole(layout, shards):
+        return Assembly(whole=True, groups=((tuple(order), ()),))
+    _check_fits_in_memory(None, layout, shards)
+    by_region: dict[tuple, list[int]] = defaultdict(list)
+    for index in order:
+        by_region[pl.local_runs(shards[index].layout), pl.partial_coordinate(shards[index].layout)].append(index)
+    groups = tuple((tuple(indices), tuple((_region_slices(global_region), _region_slices(local_region))
+                                          for global_region, local_region in pl.local_blocks(shards[indices[0]].layout)))
+                   for indices in by_region.values())
+    partial_axes, specs = pl.axes_of_kind(layout, "partial"), pl.parsed_placements(layout)
+    num_avg = math.prod(layout.mesh_shape[axis] for axis in partial_axes if specs[axis].reduce_op == "avg")
+    return Assembly(whole=False, groups=groups, num_avg=num_avg if partial_axes else 0)
+
+
 def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None, *,
                  every_replica: bool = False) -> CanonicalTensor:
     """Assemble the full logical tensor from its recorded shards.
@@ -186,45 +236,49 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None, *,
     """
     if not shards:
         raise LayoutError(f"{key}: no shard was recorded")
-    layout = _check_consistent(key, shards)
-    if pl.blocked_view(layout) is not None:
-        viewed = [RecordedShard(s.rank, pl.blocked_view(s.layout), s.value.reshape(pl.local_shape(pl.blocked_view(s.layout))))
-                  for s in shards]
-        result = canonicalize(viewed, key, every_replica=every_replica)
-        return CanonicalTensor(full=result.full.reshape(layout.global_shape), replica_drift=result.replica_drift,
-                               num_shards=result.num_shards, replica_differences=result.replica_differences)
-    if any(s.layout.flat_range is not None for s in shards):
-        return _canonicalize_flat_ranges(shards, key)
-    _check_coverage(key, layout, shards)
-    if _each_holds_the_whole(layout, shards):
-        # One rank's tensor, or replicas of it: the first (by rank) is the logical tensor as it is, no
-        # copy and nothing to allocate; the others are compared with it, as below.
-        ordered = sorted(shards, key=lambda s: s.rank)
-        differences = _replica_differences(ordered, every=every_replica)
-        return CanonicalTensor(full=ordered[0].value, replica_drift=worst_drift(differences), num_shards=len(shards),
-                               replica_differences=tuple(differences) if every_replica else ())
-    _check_fits_in_memory(key, layout, shards)
-    dtype = shards[0].value.dtype
-    blocks: dict[tuple, dict[tuple[int, ...], list[RecordedShard]]] = defaultdict(lambda: defaultdict(list))
-    for shard_ in sorted(shards, key=lambda s: s.rank):
-        blocks[pl.local_runs(shard_.layout)][pl.partial_coordinate(shard_.layout)].append(shard_)
-    partial_axes = pl.axes_of_kind(layout, "partial")
-    specs = pl.parsed_placements(layout)
-    num_avg = 1
-    for axis in partial_axes:
-        if specs[axis].reduce_op == "avg":
-            num_avg *= layout.mesh_shape[axis]
+    try:
+        assembly = _assembly(shards)
+    except LayoutError:
+        assembly = _NOT_KEPT  # found again below, worded with the key
+    if assembly is _NOT_KEPT or assembly is None:
+        layout = _check_consistent(key, shards)
+        if pl.blocked_view(layout) is not None:
+            viewed = [RecordedShard(s.rank, pl.blocked_view(s.layout),
+                                    s.value.reshape(pl.local_shape(pl.blocked_view(s.layout)))) for s in shards]
+            result = canonicalize(viewed, key, every_replica=every_replica)
+            return CanonicalTensor(full=result.full.reshape(layout.global_shape), replica_drift=result.replica_drift,
+                                   num_shards=result.num_shards, replica_differences=result.replica_differences)
+        if any(s.layout.flat_range is not None for s in shards):
+            return _canonicalize_flat_ranges(shards, key)
+        _check_coverage(key, layout, shards)
+        if not _each_holds_the_whole(layout, shards):
+            _check_fits_in_memory(key, layout, shards)
+        assembly = _planned(layout, shards)  # (raised above when it cannot be)
+    return _assembled(shards, assembly, every_replica)
+
+
+def _assembled(shards: list[RecordedShard], assembly: Assembly, every_replica: bool) -> CanonicalTensor:
     differences: list[ReplicaDifference] = []
-    if partial_axes:
-        full = torch.zeros(layout.global_shape, dtype=torch.float64)
+    if assembly.whole:
+        # One rank's tensor, or replicas of it: the first (by rank) is the logical tensor as it is, no
+        # copy and nothing to allocate; the others are compared with it.
+        ordered = [shards[index] for index in assembly.groups[0][0]]
+        differences = _replica_differences(ordered, every=every_replica)
+        full = ordered[0].value
     else:
-        full = torch.empty(layout.global_shape, dtype=dtype)
-    for by_partial in blocks.values():
-        for replicas in by_partial.values():
+        global_shape, dtype = shards[0].layout.global_shape, shards[0].value.dtype
+        full = torch.zeros(global_shape, dtype=torch.float64) if assembly.num_avg else torch.empty(global_shape, dtype=dtype)
+        for indices, blocks in assembly.groups:
+            replicas = [shards[index] for index in indices]
             differences += _replica_differences(replicas, every=every_replica)
-            _put_held_values(full, replicas[0].layout, replicas[0].value, accumulate=bool(partial_axes))
-    if partial_axes:
-        full = (full / num_avg).to(dtype)
+            value = replicas[0].value
+            for global_slices, local_slices in blocks:
+                if assembly.num_avg:
+                    full[global_slices] += value[local_slices].double()
+                else:
+                    full[global_slices] = value[local_slices]
+        if assembly.num_avg:
+            full = (full / assembly.num_avg).to(dtype)
     return CanonicalTensor(full=full, replica_drift=worst_drift(differences), num_shards=len(shards),
                            replica_differences=tuple(differences) if every_replica else ())
 

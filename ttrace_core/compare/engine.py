@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from ttrace_core.canonicalize import placements as pl
 from ttrace_core.compare.bounded import compare_in_slabs, slab_dims, working_bytes
-from ttrace_core.compare.metrics import ValueMetrics, metrics_from_sums, value_sums
+from ttrace_core.compare.batched import SmallPair, batchable, batched_sums
+from ttrace_core.compare.metrics import ValueMetrics, ValueSums, metrics_from_sums, value_sums
 from ttrace_core.canonicalize.logical_value import canonical_tensor
 from ttrace_core.canonicalize.replicas import ReplicaDrift
 from ttrace_core.compare.exact_inputs import ExactInputs
@@ -155,12 +156,54 @@ def _compare_stats(key: TensorKey, reference: RunReader, candidate: RunReader, t
     )
 
 
+@dataclass(slots=True)
+class AssembledPair:
+    """A tensor's logical values in both runs, read and assembled: what compare_tensor judges."""
+
+    actual: ScaledValues
+    expected: ScaledValues
+    replica_drift: ReplicaDrift | None
+    sums: ValueSums | None = None
+    """Computed ahead with other small tensors (batched.py), under `sums_tolerance`."""
+    sums_tolerance: Tolerance | None = None
+
+    def sums_under(self, tolerance: Tolerance) -> ValueSums:
+        """The value sums under `tolerance` (its mismatch count depends on it): those computed ahead when
+        they were taken under it, else computed now. A small tensor is summed as in a batch wherever it is
+        compared, so that its row is the same bits whichever tensors it was batched with, if any (partition.py's
+        workers compare a share of the keys each)."""
+        if self.sums is not None and self.sums_tolerance == tolerance:
+            return self.sums
+        actual, expected = self.actual, self.expected
+        if batchable(expected.values.numel()):
+            found = batched_sums([SmallPair(actual.values, expected.values, actual.scale, expected.scale, tolerance)])[0]
+            if found is not None:
+                return found
+        return value_sums(actual.values, expected.values, tolerance, scales=(actual.scale, expected.scale))
+
+
+def assemble_pair(key: TensorKey, reference: RunReader, candidate: RunReader) -> AssembledPair | TensorComparison:
+    """Both runs' logical tensors of `key` (their metadata agreeing in shape and dtype), or a SHAPE row when the
+    assembled tensors still differ in shape; LayoutError when the shards cannot be assembled."""
+    ref_metas, cand_metas = reference.index[key], candidate.index[key]
+    cand_full = canonical_tensor(candidate, cand_metas, key)
+    actual = ScaledValues(cand_full.full, cand_metas[0].scale)
+    expected = ScaledValues(canonical_tensor(reference, ref_metas, key).full, ref_metas[0].scale)
+    if actual.values.shape != expected.values.shape:
+        return TensorComparison(key=key, status=ComparisonStatus.SHAPE, dtype=cand_metas[0].dtype,
+                                shape=tuple(actual.values.shape),
+                                message=f"shape {tuple(actual.values.shape)} in the candidate, "
+                                        f"{tuple(expected.values.shape)} in the reference")
+    return AssembledPair(actual, expected, cand_full.replica_drift)
+
+
 def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider,
                    *, ignore_dtype: bool = False, exact_inputs: tuple[float, int] | None = None,
-                   max_bytes: int | None = None) -> TensorComparison:
+                   max_bytes: int | None = None, assembled: AssembledPair | None = None) -> TensorComparison:
     """`exact_inputs` (k, n): everything this tensor is computed from was exact and it combines at
     most n partial results, so it is also held to k * sqrt(n) * eps (exact_inputs.py) when tighter.
-    `max_bytes`: compare a tensor whose values would take more, slab by slab (bounded.py)."""
+    `max_bytes`: compare a tensor whose values would take more, slab by slab (bounded.py).
+    `assembled`: its values, already read (`prepare_small`)."""
     ref_metas, cand_metas = reference.index[key], candidate.index[key]
     ref_dtype, cand_dtype = ref_metas[0].dtype, cand_metas[0].dtype
     tolerance = tolerances.tolerance_for(key, cand_dtype)
@@ -182,14 +225,11 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
         if dims := slab_dims(ref_metas, cand_metas, max_bytes):
             metrics, replica_drift = compare_in_slabs(key, reference, candidate, tolerance, max_bytes, dims)
         else:
-            cand_full = canonical_tensor(candidate, cand_metas, key)
-            actual = ScaledValues(cand_full.full, cand_metas[0].scale)
-            expected = ScaledValues(canonical_tensor(reference, ref_metas, key).full, ref_metas[0].scale)
-            if actual.values.shape != expected.values.shape:
-                return TensorComparison(key=key, status=ComparisonStatus.SHAPE, dtype=cand_dtype, shape=tuple(actual.values.shape),
-                                        message=f"shape {tuple(actual.values.shape)} in the candidate, "
-                                                f"{tuple(expected.values.shape)} in the reference")
-            metrics, replica_drift = compare_values(actual, expected, tolerance), cand_full.replica_drift
+            pair = assembled or assemble_pair(key, reference, candidate)
+            if isinstance(pair, TensorComparison):
+                return pair
+            actual, expected, replica_drift = pair.actual, pair.expected, pair.replica_drift
+            metrics = metrics_from_sums(pair.sums_under(tolerance), tolerance)
             structure, units = _structure(key, actual, expected, reference, candidate, tolerances, cand_dtype, tolerance,
                                           replica_drift)
     except LayoutError as error:
@@ -402,14 +442,57 @@ def precision_choices(reference: RunManifest, candidate: RunManifest) -> list[st
 
 
 def compare_key(key: TensorKey, reference: RunReader, candidate: RunReader, plan: ComparePlan,
-                num_terms: int | None = None) -> TensorComparison:
-    """One row: inconsistent metadata first, then values; held to the exact-inputs rule when `num_terms`."""
-    comparison = _inconsistent(key, reference, candidate)
+                num_terms: int | None = None, assembled: AssembledPair | None = None) -> TensorComparison:
+    """One row: inconsistent metadata first, then values; held to the exact-inputs rule when `num_terms`.
+    `assembled`: its values read ahead by `prepare_small`, which checked its metadata."""
+    comparison = None if assembled is not None else _inconsistent(key, reference, candidate)
     if comparison is not None:
         return comparison
     exact_inputs = (plan.exact_inputs_k, num_terms) if num_terms and plan.exact_inputs_k else None
     return compare_tensor(key, reference, candidate, plan.tolerances, ignore_dtype=plan.ignore_dtype,
-                          exact_inputs=exact_inputs, max_bytes=plan.max_bytes)
+                          exact_inputs=exact_inputs, max_bytes=plan.max_bytes, assembled=assembled)
+
+
+WINDOW_KEYS = 1024
+"""Keys `compare_runs` reads ahead of its rows, so that their small tensors are compared in one batch."""
+
+
+def read_ahead(keys: list[TensorKey], reference: RunReader, candidate: RunReader, plan: ComparePlan,
+               wanted: set[TensorKey] | None = None) -> Iterator[tuple[TensorKey, AssembledPair | None]]:
+    """Each of `keys` in order, with its values when `prepare_small` read them ahead (only keys in `wanted`,
+    all by default), WINDOW_KEYS keys at a time."""
+    for start in range(0, len(keys), WINDOW_KEYS):
+        window = keys[start:start + WINDOW_KEYS]
+        ready = prepare_small([key for key in window if wanted is None or key in wanted], reference, candidate, plan)
+        for key in window:
+            yield key, ready.pop(key, None)
+
+
+def prepare_small(keys: list[TensorKey], reference: RunReader, candidate: RunReader, plan: ComparePlan
+                  ) -> dict[TensorKey, AssembledPair]:
+    """The keys among `keys` whose tensors are small enough to batch (batched.py) and whose comparison
+    reaches their values, read and assembled, with their value sums computed together. The rest, and any
+    key that fails on the way (metadata, layout, shape), are left to `compare_key` to compare and word."""
+    ready: list[tuple[TensorKey, AssembledPair, Tolerance]] = []
+    for key in keys:
+        ref_metas, cand_metas = reference.index[key], candidate.index[key]
+        ref_first, cand_first = ref_metas[0], cand_metas[0]
+        shape = ref_first.layout.global_shape
+        if ref_first.stats_only or cand_first.stats_only or cand_first.layout.global_shape != shape \
+                or not batchable(math.prod(shape)) or (ref_first.dtype != cand_first.dtype and not plan.ignore_dtype) \
+                or slab_dims(ref_metas, cand_metas, plan.max_bytes) or _inconsistent(key, reference, candidate) is not None:
+            continue
+        try:
+            pair = assemble_pair(key, reference, candidate)
+        except LayoutError:
+            continue
+        if isinstance(pair, AssembledPair):
+            ready.append((key, pair, plan.tolerances.tolerance_for(key, cand_first.dtype)))
+    sums = batched_sums([SmallPair(pair.actual.values, pair.expected.values, pair.actual.scale, pair.expected.scale,
+                                   tolerance) for _, pair, tolerance in ready])
+    for (_, pair, tolerance), found in zip(ready, sums):
+        pair.sums, pair.sums_tolerance = found, tolerance
+    return {key: pair for key, pair, _ in ready}
 
 
 # The cyclic collector would walk every index entry and every row made so far again and again as the rows
@@ -439,7 +522,8 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     pending: dict[tuple, list[TensorComparison]] = {}
     for row in replica_disagreements(candidate, scales_only):
         pending.setdefault(scale_owner(row.key), []).append(row)
-    for done, key in enumerate(plan.ordered, start=1):
+    wanted = plan.common.difference(precomputed) if precomputed else plan.common
+    for done, (key, assembled) in enumerate(read_ahead(plan.ordered, reference, candidate, plan, wanted), start=1):
         if key.phase == "forward" and key.slot.startswith("output"):
             for row in pending.pop((key.step, key.micro_batch, key.call, key.fqn), []):
                 _append(result, row, on_row)
@@ -447,7 +531,7 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
             num_terms = exact.num_partial_terms(key, candidate.manifest.world_size) if plan.exact_inputs_k else None
             known = None if precomputed is None or num_terms else precomputed.get(key)
             # (a failing row is falsy: no `or` here)
-            comparison = known if known is not None else compare_key(key, reference, candidate, plan, num_terms)
+            comparison = known if known is not None else compare_key(key, reference, candidate, plan, num_terms, assembled)
             # noted here, not where it was compared: a row a partitioned worker compared counts too
             if comparison.status != ComparisonStatus.INCONSISTENT and \
                     slab_dims(reference.index[key], candidate.index[key], plan.max_bytes) == []:

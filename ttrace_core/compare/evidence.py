@@ -4,7 +4,7 @@ Part of stage 3 (compare), run on the runs' indexes before any value is read (st
 values, as torch.testing does). Input: the `TensorMeta` of every shard of a tensor and the run's
 manifest. Output, per tensor: the disagreement among its shards, if any (`inconsistency`), and how
 many copies were recorded against how many the layout and the run's structure call for
-(`count_copies`). Per run: a `Coverage` block, which says how much evidence stands behind the verdict,
+(`copies_expected`). Per run: a `Coverage` block, which says how much evidence stands behind the verdict,
 names what is missing (`Coverage.findings`) and whether the reference trained at all (liveness.py:
 a reference that did not train refuses any pass). Also here: the run-level checks that come before
 values (`check_comparable`, the tensors only a quantized run holds) and the data-mismatch finding.
@@ -47,17 +47,41 @@ _SHARED_FIELDS = (
 def inconsistency(key: TensorKey, metas: list[TensorMeta], manifest: RunManifest) -> str | None:
     """Why the shards of `key` cannot all be right (their metadata disagree with each other or with
     the manifest), naming the field and the ranks; None when they agree."""
+    why = _disagreement(metas, manifest)
+    return None if why is None else f"{key}: {why}"
+
+
+_DISAGREEMENTS: dict[tuple, tuple[RunManifest, str | None]] = {}
+"""(id of the manifest, what each shard's metadata says but its key) -> (the manifest, the disagreement): a
+run repeats a few dozen such sets over thousands of tensors, so each is checked once."""
+
+
+def _disagreement(metas: list[TensorMeta], manifest: RunManifest) -> str | None:
+    try:
+        signature = (id(manifest), *((m.rank, m.dtype, m.scale, m.stats_only, m.local_shape, m.layout) for m in metas))
+        found = _DISAGREEMENTS.get(signature)
+    except TypeError:  # a layout built with lists: checked each time
+        return _checked_disagreement(metas, manifest)
+    if found is not None and found[0] is manifest:
+        return found[1]
+    why = _checked_disagreement(metas, manifest)
+    if len(_DISAGREEMENTS) >= 1 << 16:
+        _DISAGREEMENTS.clear()
+    _DISAGREEMENTS[signature] = (manifest, why)  # holds the manifest: its id cannot be another's while it is here
+    return why
+
+
+def _checked_disagreement(metas: list[TensorMeta], manifest: RunManifest) -> str | None:
     first = metas[0]
     if len(metas) > 1 and any(_shared(other) != _shared(first) for other in metas[1:]):  # else: nothing to name
         for name, value_of in _SHARED_FIELDS:
             for other in metas[1:]:
                 if value_of(other) != value_of(first):
-                    return (f"{key}: rank {first.rank} recorded {name} {value_of(first)}, rank {other.rank} recorded "
-                            f"{name} {value_of(other)}")
+                    return f"rank {first.rank} recorded {name} {value_of(first)}, rank {other.rank} recorded {name} {value_of(other)}"
     for meta in metas:
         if (why := _against_manifest(meta, manifest)) is not None:
-            return f"{key}: {why}"
-    return _duplicate_coordinate(key, metas)
+            return why
+    return _duplicate_coordinate(metas)
 
 
 def _shared(meta: TensorMeta) -> tuple:
@@ -102,14 +126,14 @@ def _against_manifest(meta: TensorMeta, manifest: RunManifest) -> str | None:
     return None
 
 
-def _duplicate_coordinate(key: TensorKey, metas: list[TensorMeta]) -> str | None:
+def _duplicate_coordinate(metas: list[TensorMeta]) -> str | None:
     """Two ranks claiming the same block of a partial placement would be summed twice."""
     if not metas or not pl.axes_of_kind(metas[0].layout, "partial"):
         return None
     seen: dict[tuple[int, ...], int] = {}
     for meta in metas:
         if meta.layout.coordinate in seen:
-            return (f"{key}: ranks {seen[meta.layout.coordinate]} and {meta.rank} both recorded coordinate "
+            return (f"ranks {seen[meta.layout.coordinate]} and {meta.rank} both recorded coordinate "
                     f"{meta.layout.coordinate} of a partial placement {meta.layout.placements}; its sum would count it twice")
         seen[meta.layout.coordinate] = meta.rank
     return None
@@ -136,17 +160,10 @@ def replication_by_family(index: dict[TensorKey, list[TensorMeta]]) -> dict[tupl
     return replication
 
 
-@dataclass(frozen=True, slots=True)
-class Copies:
-    present: int
-    expected: int
-    ranks: tuple[int, ...]
-    """The ranks that recorded the tensor."""
-
-
-def count_copies(metas: list[TensorMeta], replication: int) -> Copies:
-    num_blocks = math.prod(metas[0].layout.mesh_shape) if metas else 1
-    return Copies(present=len(metas), expected=num_blocks * max(replication, 1), ranks=tuple(sorted(m.rank for m in metas)))
+def copies_expected(metas: list[TensorMeta], replication: int) -> int:
+    """How many copies of a tensor a run holds when every block of its layout is held by `replication`
+    ranks (its family's most replicated block); `len(metas)` are present."""
+    return (math.prod(metas[0].layout.mesh_shape) if metas else 1) * max(replication, 1)
 
 
 def expected_steps(reference: RunReader, candidate: RunReader) -> list[int]:
@@ -224,13 +241,15 @@ def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps
             coverage.missing_in_candidate += row.status == ComparisonStatus.MISSING
             coverage.missing_in_reference += row.status == ComparisonStatus.EXTRA
             continue
+        family = family_of(row.key)
         for reader in (reference, candidate):
-            copies = count_copies(reader.index[row.key], replication[id(reader)][family_of(row.key)])
-            coverage.copies_present += copies.present
-            coverage.copies_expected += copies.expected
-            if copies.present < copies.expected and len(coverage.missing_copies) < 5:
-                coverage.missing_copies.append(f"{row.key}: {copies.present} of {copies.expected} copies in "
-                                               f"{reader.run_dir.name} (ranks {list(copies.ranks)})")
+            metas = reader.index[row.key]
+            present, expected = len(metas), copies_expected(metas, replication[id(reader)][family])
+            coverage.copies_present += present
+            coverage.copies_expected += expected
+            if present < expected and len(coverage.missing_copies) < 5:
+                coverage.missing_copies.append(f"{row.key}: {present} of {expected} copies in "
+                                               f"{reader.run_dir.name} (ranks {sorted(m.rank for m in metas)})")
         if row.stats_only:
             coverage.compared_by_stats += 1
         elif row.value_ratio is not None:

@@ -31,7 +31,7 @@ def relative_difference(actual: float, expected: float) -> float:
     return abs(actual - expected) / abs(expected) if expected != 0 else 0.0
 
 
-def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+def unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     index = []
     for size in reversed(shape):
         index.append(flat_index % size if size else 0)
@@ -143,7 +143,7 @@ def _placed(flat: ValueSums, shape: tuple[int, ...], slab_shape: tuple[int, ...]
     def placed(found: tuple[float, tuple[int]] | None) -> tuple[float, tuple[int, ...]] | None:
         if found is None:
             return None
-        index = _unravel(found[1][0], slab_shape)
+        index = unravel(found[1][0], slab_shape)
         return found[0], index if offset is None else tuple(i + o for i, o in zip(index, offset))
 
     flat.shape, flat.max_abs, flat.max_rel = shape, placed(flat.max_abs), placed(flat.max_rel)

@@ -14,7 +14,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from ttrace_core.compare.engine import compare_key, compare_runs, plan_comparison
+from ttrace_core.compare.engine import compare_key, compare_runs, plan_comparison, read_ahead
 from ttrace_core.compare.results import RunComparison, TensorComparison
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.tolerances import ToleranceProvider
@@ -41,7 +41,8 @@ def compare_partitioned(reference: RunReader, candidate: RunReader, tolerances: 
                               exact_inputs_k=options.get("exact_inputs_k"), partial=options.get("partial", False),
                               max_bytes=options.get("max_bytes"))
     mine = plan.to_compare[rank::world]
-    rows = [compare_key(key, reference, candidate, plan).to_dict() for key in mine]
+    rows = [compare_key(key, reference, candidate, plan, None, assembled).to_dict()
+            for key, assembled in read_ahead(mine, reference, candidate, plan)]
     precomputed = {}
     for payload in all_gather_bytes(json.dumps(rows).encode()):
         for data in json.loads(payload):

@@ -14,6 +14,8 @@ storage that was never written would otherwise be read as terabytes of fill valu
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -58,6 +60,7 @@ def _what_is_wrong(error: BaseException) -> str:
     return f"cannot be read, the file is damaged ({text})"
 
 
+@functools.cache
 def stored_dtype(name: str) -> np.dtype:
     """The numpy dtype (native byte order) a tensor of dtype `name` is stored as: bf16 and fp8 as raw bits."""
     if name in RAW_BITS:

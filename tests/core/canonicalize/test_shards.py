@@ -2,9 +2,12 @@ import pytest
 import torch
 
 from ttrace_core.canonicalize import placements as pl
+from ttrace_core.canonicalize import shards as shards_module
 from ttrace_core.canonicalize.shards import RecordedShard, canonicalize, shard
 from ttrace_core.errors import LayoutError
 from ttrace_core.format.schema import Layout
+
+PLANNED = shards_module._planned
 
 LAYOUTS = {
     "shard0-even": ((8, 4), (2,), ("S(0)",)),
@@ -194,3 +197,24 @@ def test_strided_shards_of_the_wrong_size_are_rejected():
     layout = Layout(global_shape=(7,), mesh_shape=(2, 2), coordinate=(1, 1), placements=("SS(0,2)", "S(0)"))
     with pytest.raises(LayoutError, match=r"w: rank 3 holds shape \(2,\) but placements \('SS\(0,2\)', 'S\(0\)'\).*imply \(1,\)"):
         canonicalize([RecordedShard(3, layout, torch.zeros(2))], key="w")
+
+
+@pytest.mark.parametrize("name", ["shard1-uneven", "2d-replicate-shard", "2d-shard-partial", "partial-avg"])
+def test_a_set_of_layouts_is_planned_once_and_every_tensor_cut_that_way_assembles(name, monkeypatch):
+    """Every layer's tensor of one kind is cut the same way: its placements are parsed and checked once
+    (shards._assembly), and each tensor is still assembled from its own values."""
+    shape, mesh_shape, placements = LAYOUTS[name]
+    monkeypatch.setattr(shards_module, "_ASSEMBLIES", {})
+    planned = []
+    monkeypatch.setattr(shards_module, "_planned", lambda *args: planned.append(1) or PLANNED(*args))
+    for seed in range(3):
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(canonicalize(_shards_of(full, mesh_shape, placements)).full, full, rtol=0, atol=1e-6)
+    assert len(planned) == 1
+
+
+def test_a_plan_that_fails_is_not_kept_and_names_the_tensor_each_time():
+    layout = Layout(global_shape=(4,), mesh_shape=(2,), coordinate=(0,), placements=("S(0)",))
+    for key in ("w1", "w2"):
+        with pytest.raises(LayoutError, match=rf"^{key}: no rank holds mesh coordinate"):
+            canonicalize([RecordedShard(0, layout, torch.zeros(2))], key=key)

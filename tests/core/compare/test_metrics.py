@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ttrace_core.compare import bounded, engine, metrics
+from ttrace_core.compare.batched import batched_sums
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.compare.metrics import CHUNK_ELEMENTS, ValueSums, metrics_from_sums, value_sums
 from ttrace_core.compare.results import Tolerance
@@ -240,7 +241,11 @@ def _assert_same_rows(found: list[dict], expected: list[dict]) -> None:
 @pytest.mark.parametrize("sample", SAMPLES, ids=[s["name"] for s in SAMPLES])
 def test_sample_tables_equal_the_float64_reference(sample: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     reference_dir = SAMPLES_DIR / (sample["reference"] or sample["name"])
+    batches = []
+    monkeypatch.setattr(engine, "batched_sums", lambda pairs: batches.append(len(pairs)) or batched_sums(pairs))
     found = _table(reference_dir, SAMPLES_DIR / sample["name"])
+    assert sum(batches) > 0  # its small tensors were summed in batches (batched.py)
+    monkeypatch.setattr(engine, "batchable", lambda numel: False)  # every tensor alone, by the reference
     monkeypatch.setattr(engine, "value_sums", reference_value_sums)
     monkeypatch.setattr(bounded, "value_sums", reference_value_sums)
     expected = _table(reference_dir, SAMPLES_DIR / sample["name"])
