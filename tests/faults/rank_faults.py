@@ -62,19 +62,34 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _command_line(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def is_rank(pid: int, parent: int) -> bool:
+    """Whether `pid` (a child of `parent`) is a rank record/launch.py started: forked by its fork server (a
+    fork carries the server's command line, so the server is the one whose parent does not), or spawned."""
+    return FORK_SERVER in _command_line(parent) or b"spawn_main" in _command_line(pid)
+
+
+FORK_SERVER = b"multiprocessing.forkserver"
+
+
 def rank_pids(launcher_pid: int, timeout_s: float = 120.0) -> list[int]:
-    """The launcher's spawned ranks, rank 0 first (they are started in rank order)."""
+    """The launcher's ranks, rank 0 first (they are started in rank order): the children of its fork server
+    (record/launch.py), or processes it spawned."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         pending, ranks = [launcher_pid], []
         while pending:
-            for child in _children(pending.pop()):
+            parent = pending.pop()
+            for child in _children(parent):
                 pending.append(child)
-                try:
-                    if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                        ranks.append(child)
-                except OSError:
-                    pass
+                if is_rank(child, parent):
+                    ranks.append(child)
         if len(ranks) == WORLD_SIZE:
             return sorted(ranks, key=lambda pid: start_time_ms(pid) or 0)
         time.sleep(0.05)

@@ -37,6 +37,7 @@ import psutil
 
 from ttrace_core import api
 from ttrace_core.service.jobs import Job
+from tests.faults.rank_faults import is_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 PAIR = ("fp32/reference", "fp32/tp2_row_parallel_bias")
@@ -80,7 +81,7 @@ def rank_pids(pgid: int) -> list[int]:
     for group in replay_groups(pgid):
         for pid in processes_of_group(group):
             try:
-                if any("spawn_main" in part for part in psutil.Process(pid).cmdline()):
+                if is_rank(pid, psutil.Process(pid).ppid()):
                     ranks.append(pid)
             except psutil.Error:
                 pass

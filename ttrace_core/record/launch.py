@@ -10,8 +10,11 @@ import faulthandler
 import importlib
 import multiprocessing
 import os
+from multiprocessing import reduction
+from multiprocessing.connection import wait as wait_for
 import signal
 import socket
+import sys
 import time
 import traceback
 
@@ -36,7 +39,30 @@ def resolve(target: str):
     return getattr(importlib.import_module(module_name), function_name)
 
 
-def _child(rank: int, world_size: int, port: int, target: str, config: dict, env: dict[str, str]) -> None:
+class _Stream:
+    """One of the launcher's standard streams as it is now, handed to a rank as a descriptor of its own: a rank
+    forked by the server would otherwise write where the launcher's stream went when the server started."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _stream_in_rank, (reduction.DupFd(self.fd),)  # (sent along with the rank, as its pipe is)
+
+
+def _stream_in_rank(duplicate) -> _Stream:
+    return _Stream(duplicate.detach())
+
+
+def _child(rank: int, world_size: int, port: int, target: str, config: dict, env: dict[str, str],
+           launcher: tuple[dict[str, str], list[tuple[int, _Stream]]] = ({}, [])) -> None:
+    environment, streams = launcher
+    for fd, stream in streams:  # the launcher's environment and streams as they are now, as a spawned rank has them
+        os.dup2(stream.fd, fd)
+        os.close(stream.fd)
+    if environment:
+        os.environ.clear()
+        os.environ.update(environment)
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -82,6 +108,34 @@ def _stop_after_another_rank_failed(signum: int, frame: object) -> None:
     raise StoppedByLauncher("stopped by the launcher (SIGTERM) after another rank failed")
 
 
+def _rank_context(target: str) -> multiprocessing.context.BaseContext:
+    """How ranks start: forked from a fresh single-threaded server process that imported the target's module
+    once ("forkserver"), not each rank importing torch and the model's framework again ("spawn": megatron-core
+    alone takes about 5 s of CPU per rank). The server is started once per launching process, so a launcher
+    that runs its ranks again (estimate's samples, localize's replays) forks them from it without importing
+    anything. Only modules this process already imported are preloaded (torch and the target's module: their
+    import is known to work); a module that fails to import fails in the rank, with its traceback, as under spawn."""
+    context = multiprocessing.get_context("forkserver")
+    module_name = target.partition(":")[0]
+    preload = ["ttrace_core.record.launch", *(name for name in ("torch", module_name) if name in sys.modules)]
+    if not _SERVER_PRELOAD or not set(preload) <= _SERVER_PRELOAD:
+        _SERVER_PRELOAD.update(preload)
+        context.set_forkserver_preload(sorted(_SERVER_PRELOAD))
+    return context
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+_SERVER_PRELOAD: set[str] = set()
+"""What the fork server of this process preloads (taken when it starts; a server already running keeps its own)."""
+
+
 def run_ranks(target: str, config: dict, world_size: int, *, timeout_s: float = 600.0,
               env: dict[str, str] | None = None) -> None:
     """Call `target(config)` ("module:function") on `world_size` ranks; raise LaunchError if one fails.
@@ -93,10 +147,11 @@ def run_ranks(target: str, config: dict, world_size: int, *, timeout_s: float = 
                               f"pass --nproc-per-node {world_size}")
         resolve(target)(config)
         return
-    context = multiprocessing.get_context("spawn")
+    context = _rank_context(target)
     for attempt in range(1, LAUNCH_ATTEMPTS + 1):
         port = free_port()
-        processes = [context.Process(target=_child, args=(rank, world_size, port, target, config, env or {}),
+        launcher = (dict(os.environ), [(fd, _Stream(fd)) for fd in (1, 2) if _is_open(fd)])
+        processes = [context.Process(target=_child, args=(rank, world_size, port, target, config, env or {}, launcher),
                                      daemon=False) for rank in range(world_size)]
         for process in processes:
             process.start()
@@ -121,13 +176,14 @@ def _dump_stacks(processes: list) -> None:
 
 def _wait_all(processes: list, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    failed = False
-    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
-        if failed := any(p.exitcode not in (None, 0) for p in processes):
+    first_failures: dict[int, int] = {}
+    while (running := [p for p in processes if p.is_alive()]) and time.monotonic() < deadline:
+        if first_failures := {rank: p.exitcode for rank, p in enumerate(processes) if p.exitcode not in (None, 0)}:
             break
-        time.sleep(0.05)
-    timed_out = not failed and any(p.is_alive() for p in processes)
-    first_failures = {rank: p.exitcode for rank, p in enumerate(processes) if p.exitcode not in (None, 0)}
+        # woken by the first rank to exit, so that the one that failed first is told from those that failed because of it
+        wait_for([p.sentinel for p in running], timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+    timed_out = not first_failures and any(p.is_alive() for p in processes)
+    first_failures = first_failures or {rank: p.exitcode for rank, p in enumerate(processes) if p.exitcode not in (None, 0)}
     if timed_out:
         _dump_stacks(processes)
     else:
