@@ -48,3 +48,15 @@ def test_a_rendezvous_port_taken_before_rank_0_listens_is_retried_on_a_new_port(
               timeout_s=120)
     out = capfd.readouterr().out
     assert "was taken by another process; starting the 2 ranks again on a new port (attempt 2 of 3)" in out
+
+
+def test_ranks_forked_by_the_server_see_the_launchers_environment_and_streams_as_they_are_now(capfd, monkeypatch):
+    """The fork server starts at the first launch, with that moment's environment and standard streams; a later
+    launch's ranks must still see the variables set since and write where the launcher's output goes now
+    (pytest points it at a new capture for every test)."""
+    for value in ("first", "second"):
+        monkeypatch.setenv("TTRACE_LAUNCH_PROBE", value)
+        run_ranks("tests.distributed.workers:say_where_it_runs", {"name": "TTRACE_LAUNCH_PROBE"},
+                  2, timeout_s=120)
+        out = capfd.readouterr().out
+        assert f"rank 0: TTRACE_LAUNCH_PROBE={value}" in out and f"rank 1: TTRACE_LAUNCH_PROBE={value}" in out, out

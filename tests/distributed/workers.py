@@ -233,3 +233,8 @@ def port_taken_on_the_first_attempt(config: dict) -> None:
     finally:
         if holder is not None:
             holder.close()
+
+
+def say_where_it_runs(config: dict) -> None:
+    """Prints what the launcher's environment says now."""
+    print(f"rank {os.environ['RANK']}: {config['name']}={os.environ.get(config['name'])}", flush=True)
