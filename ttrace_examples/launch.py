@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ttrace_core.errors import TtraceError
-from ttrace_core.record.launch import free_port, resolve, run_ranks, under_torchrun
+from ttrace_core.record.launch import ONE_RANK_PORT, resolve, run_ranks, under_torchrun
 
 WORKLOADS = {"torch-gpt": "ttrace_examples.torch_gpt.train", "megatron-gpt": "ttrace_examples.megatron_gpt.train",
              "hf-llama": "ttrace_examples.hf_llama.train"}
@@ -41,7 +41,7 @@ def launch(workload: str, config, *, timeout_s: float, env: dict[str, str] | Non
     if config.world_size == 1 and not under_torchrun() and env is None:
         # This process is the example's own command: its environment is its to set.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or ONE_RANK_PORT)
         resolve(entrypoint)(config.to_dict())
     else:
         run_ranks(entrypoint, config.to_dict(), config.world_size, timeout_s=timeout_s, env=env)

@@ -60,3 +60,29 @@ def test_ranks_forked_by_the_server_see_the_launchers_environment_and_streams_as
                   2, timeout_s=120)
         out = capfd.readouterr().out
         assert f"rank 0: TTRACE_LAUNCH_PROBE={value}" in out and f"rank 1: TTRACE_LAUNCH_PROBE={value}" in out, out
+
+
+def test_one_rank_groups_started_at_once_never_share_a_port():
+    """ONE_RANK_PORT: each one-rank group's store listens on a port the system picks as it binds. Two groups
+    holding the same port would be EADDRINUSE, which a port found before listening (free_port) cannot rule
+    out while other processes open connections (it failed a CI run so)."""
+    import os
+    import subprocess
+    import sys
+
+    from ttrace_core.record.launch import ONE_RANK_PORT
+
+    hold = ("import sys, torch.distributed as dist; dist.init_process_group('gloo'); "
+            "store = dist.distributed_c10d._get_default_store()\n"
+            "while hasattr(store, 'underlying_store'): store = store.underlying_store  # (prefixes)\n"
+            "print(store.port, flush=True); sys.stdin.read()")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": ONE_RANK_PORT,
+           "OMP_NUM_THREADS": "1"}
+    groups = [subprocess.Popen([sys.executable, "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env=env) for _ in range(2)]
+    try:
+        ports = [int(group.stdout.readline()) for group in groups]  # each is listening once it prints
+    finally:
+        for group in groups:
+            group.communicate("", timeout=60)
+    assert all(group.returncode == 0 for group in groups) and ports[0] != ports[1] and 0 not in ports

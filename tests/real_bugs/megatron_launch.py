@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="{}", help="the example's MegatronGPTRunConfig as JSON")
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
-    from ttrace_core.record.launch import free_port, run_ranks
+    from ttrace_core.record.launch import ONE_RANK_PORT, run_ranks
     from ttrace_core.record.session import requested_precision
     from ttrace_examples.megatron_gpt.train import MegatronGPTRunConfig
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"case": args.case, "role": args.role, "config": config}
     if world_size == 1:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or ONE_RANK_PORT)
         rank_main(payload)
     else:
         run_ranks(ENTRYPOINT, payload, world_size, timeout_s=args.timeout)

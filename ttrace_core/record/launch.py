@@ -30,6 +30,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+ONE_RANK_PORT = "0"
+"""MASTER_PORT of a process group of one rank run in the launching process: its store's server binds a port
+the system picks as it listens, so no other process can take it between being found and being listened on (a
+port `free_port` found is free only when it looks; other ranks would need to know it, one rank does not)."""
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
 
