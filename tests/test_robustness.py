@@ -1,4 +1,4 @@
-"""CI-sized slice of benchmarks/robustness.py: 120 cases, up to 4 of every corruption class,
+"""CI-sized slice of benchmarks/robustness.py: 90 cases, up to 3 of every corruption class,
 applied to the benchmark's own base (a 1-layer megatron-core pair: a 1-rank reference with its
 tolerance estimate, a TP2 + SP candidate with a finished replay job), each answered by inspect,
 compare and the dashboard's API in a forked process with a time limit. None may crash, hang, give
@@ -15,9 +15,9 @@ import pytest
 from tests.faults import corruptions, damage_runner
 from tests.support.paths import REPO
 
-CASES_PER_CLASS = 4
-"""120 cases over the 30 classes, each class at least once (the benchmark runs every case: 5039). Was 5 (150
-cases): the suite's time budget (25 minutes on CI's 2 cores) is tight."""
+CASES_PER_CLASS = 3
+"""90 cases over the 30 classes, each class at least once (the benchmark runs every case: 5039). Was 5 (150
+cases), then 4: the suite's time budget (25 minutes on CI's 2 cores) is tight."""
 CLASSES = {"bit flip", "truncation", "lying metadata", "attributes", "values", "duplicated tensor",
            "missing rank or step", "hostile manifest", "tolerance estimate", "way out of the trace", "replay job files",
            "zeroed range", "random bytes", "global heap damage", "object header bit flip", "datatype message bit flip",
@@ -46,7 +46,7 @@ def test_no_damaged_trace_crashes_hangs_or_passes_silently(robustness_base, tmp_
     cases = _slice(damage_runner.catalogue(robustness_base, seed=0, scale=1), CASES_PER_CLASS)
     assert {case.kind for case in cases} == CLASSES
     results = damage_runner.run_all(cases, robustness_base, tmp_path, jobs=2)
-    assert len(results) == len(cases) >= 110
+    assert len(results) == len(cases) >= 85
     bad = _bad_answers(results)
     assert not bad and not any(r["read_outside"] for r in results), bad
     # the slice exercises every answer ttrace gives: errors naming a file, findings, and passes on harmless damage
