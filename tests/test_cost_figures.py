@@ -59,3 +59,13 @@ def test_job_start_figures():
     readme = _readme()
     assert f"first rows **{warm['first_rows_s']:.2f} s** after the submit, against {cold['first_rows_s']:.2f} s" in readme
     assert f"whole table in {warm['table_s']:.2f} s against {cold['table_s']:.2f} s" in readme
+
+
+def test_large_pair_figures():
+    """The fitted cost per tensor and the slab-by-slab pair's peak RSS (benchmarks/large_pair.py)."""
+    results = json.loads((RESULTS / "large_pair.json").read_text())
+    readme = _readme()
+    assert f"The fitted cost per tensor is **{results['fit']['per_tensor_us']:.1f} µs**" in readme
+    slabbed = max((p for p in results["points"] if p["hidden"] == 4096), key=lambda p: p["bytes"])
+    assert f"with a peak RSS of {slabbed['peak_rss_bytes'] / 2**20:.0f} MiB" in readme
+    assert slabbed["peak_rss_bytes"] < results["max_bytes"]  # bounded by the budget, the interpreter included
