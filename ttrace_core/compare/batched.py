@@ -78,6 +78,7 @@ def batched_sums(pairs: list[SmallPair]) -> list[ValueSums | None]:
         elements = 0
         for position in positions:
             numel = pairs[position].expected.numel()
+            assert batchable(numel), "only tensors `batchable` says are batched"  # (each fits the workspace)
             if elements + numel > BATCH_ELEMENTS:
                 _batch_sums([pairs[p] for p in batch], batch, found)
                 batch, elements = [], 0
