@@ -184,21 +184,22 @@ _ASSEMBLIES: dict[tuple, Assembly | None] = {}
 """(rank, layout, local shape, dtype) of each shard -> its Assembly; None: flat ranges or an SB view."""
 
 
-def _assembly(shards: list[RecordedShard]) -> Assembly | None:
-    """The assembly of `shards`, checked (consistent layouts, every coordinate held, room in memory); a
-    LayoutError is raised without the key, and not kept: `canonicalize` words it with the key."""
+def _assembly(shards: list[RecordedShard], key: TensorKey | None) -> Assembly | None:
+    """The assembly of `shards`, checked (consistent layouts, every coordinate held, room in memory); None for
+    flat ranges or an SB view. A LayoutError names `key`, and a failed plan is not kept (the next tensor cut that
+    way is checked again, and named)."""
     signature = tuple((s.rank, s.layout, s.value.shape, s.value.dtype) for s in shards)
     try:
         if (found := _ASSEMBLIES.get(signature, _NOT_KEPT)) is not _NOT_KEPT:
             return found
     except TypeError:  # a layout built with lists: planned each time
         signature = None
-    layout = _check_consistent(None, shards)
+    layout = _check_consistent(key, shards)
     if pl.blocked_view(layout) is not None or any(s.layout.flat_range is not None for s in shards):
         assembly = None
     else:
-        _check_coverage(None, layout, shards)
-        assembly = _planned(layout, shards)
+        _check_coverage(key, layout, shards)
+        assembly = _planned(layout, shards, key)
     if signature is not None:
         if len(_ASSEMBLIES) >= pl.LAYOUTS_KEPT:
             _ASSEMBLIES.clear()
@@ -209,11 +210,11 @@ def _assembly(shards: list[RecordedShard]) -> Assembly | None:
 _NOT_KEPT = object()
 
 
-def _planned(layout: Layout, shards: list[RecordedShard]) -> Assembly:
+def _planned(layout: Layout, shards: list[RecordedShard], key: TensorKey | None) -> Assembly:
     order = sorted(range(len(shards)), key=lambda i: shards[i].rank)
     if _each_holds_the_whole(layout, shards):
         return Assembly(whole=True, groups=((tuple(order), ()),))
-    _check_fits_in_memory(None, layout, shards)
+    _check_fits_in_memory(key, layout, shards)
     by_region: dict[tuple, list[int]] = defaultdict(list)
     for index in order:
         by_region[pl.local_runs(shards[index].layout), pl.partial_coordinate(shards[index].layout)].append(index)
@@ -236,25 +237,17 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None, *,
     """
     if not shards:
         raise LayoutError(f"{key}: no shard was recorded")
-    try:
-        assembly = _assembly(shards)
-    except LayoutError:
-        assembly = _NOT_KEPT  # found again below, worded with the key
-    if assembly is _NOT_KEPT or assembly is None:
-        layout = _check_consistent(key, shards)
-        if pl.blocked_view(layout) is not None:
-            viewed = [RecordedShard(s.rank, pl.blocked_view(s.layout),
-                                    s.value.reshape(pl.local_shape(pl.blocked_view(s.layout)))) for s in shards]
-            result = canonicalize(viewed, key, every_replica=every_replica)
-            return CanonicalTensor(full=result.full.reshape(layout.global_shape), replica_drift=result.replica_drift,
-                                   num_shards=result.num_shards, replica_differences=result.replica_differences)
-        if any(s.layout.flat_range is not None for s in shards):
-            return _canonicalize_flat_ranges(shards, key)
-        _check_coverage(key, layout, shards)
-        if not _each_holds_the_whole(layout, shards):
-            _check_fits_in_memory(key, layout, shards)
-        assembly = _planned(layout, shards)  # (raised above when it cannot be)
-    return _assembled(shards, assembly, every_replica)
+    assembly = _assembly(shards, key)
+    if assembly is not None:
+        return _assembled(shards, assembly, every_replica)
+    layout = shards[0].layout  # (consistent: checked by _assembly)
+    if pl.blocked_view(layout) is not None:
+        viewed = [RecordedShard(s.rank, pl.blocked_view(s.layout),
+                                s.value.reshape(pl.local_shape(pl.blocked_view(s.layout)))) for s in shards]
+        result = canonicalize(viewed, key, every_replica=every_replica)
+        return CanonicalTensor(full=result.full.reshape(layout.global_shape), replica_drift=result.replica_drift,
+                               num_shards=result.num_shards, replica_differences=result.replica_differences)
+    return _canonicalize_flat_ranges(shards, key)
 
 
 def _assembled(shards: list[RecordedShard], assembly: Assembly, every_replica: bool) -> CanonicalTensor:

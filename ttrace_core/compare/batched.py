@@ -18,13 +18,12 @@ where its per-call cost is already small against its bytes.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ttrace_core.compare.metrics import TINY, ValueSums, unravel
+from ttrace_core.compare.metrics import CHUNK_ELEMENTS, TINY, WORKSPACE, ValueSums, Workspace, unravel
 from ttrace_core.compare.tolerances import Tolerance
 
 SMALL_ELEMENTS = 1 << 12
@@ -35,19 +34,7 @@ batch, and torch converts it to float64 on one thread (it splits a longer copy a
 more than it saves at this size and stalls on a busy machine)."""
 
 
-class _Workspace(threading.local):
-    """One batch's arrays, one set per thread: fresh ones would cost more in page faults than the arithmetic."""
-
-    def __init__(self) -> None:
-        self.actual = torch.empty(BATCH_ELEMENTS, dtype=torch.float64)
-        self.expected = torch.empty(BATCH_ELEMENTS, dtype=torch.float64)
-        self.scratch = np.empty(BATCH_ELEMENTS, dtype=np.float64)
-        self.at = np.empty(BATCH_ELEMENTS, dtype=np.int64)
-        self.mask = np.empty(BATCH_ELEMENTS, dtype=np.bool_)
-        self.positions = np.arange(BATCH_ELEMENTS, dtype=np.int64)
-
-
-_WORKSPACE = _Workspace()
+assert BATCH_ELEMENTS <= CHUNK_ELEMENTS  # a batch uses metrics.py's per-thread chunk buffers
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,20 +85,21 @@ def _promoted(tensors: list[torch.Tensor], scales: list[float], into: torch.Tens
     return values
 
 
-def _first_at_max(values: np.ndarray, starts: np.ndarray, segments: np.ndarray, work: _Workspace
+def _first_at_max(values: np.ndarray, starts: np.ndarray, segments: np.ndarray, spare: np.ndarray, work: Workspace
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Each segment's largest value and the flat index within it of its first occurrence (argmax's pick)."""
+    """Each segment's largest value and the flat index within it of its first occurrence (argmax's pick);
+    `spare`, a float64 buffer of the batch's size that it overwrites."""
     n = values.size
     largest = np.maximum.reduceat(values, starts)
-    at, mask = work.at[:n], work.mask[:n]
-    np.equal(values, np.take(largest, segments, out=work.scratch[:n]), out=mask)
+    at, mask = work.candidates[:n], work.mask[:n]
+    np.equal(values, np.take(largest, segments, out=spare), out=mask)
     at.fill(n)
-    np.copyto(at, work.positions[:n], where=mask)
+    np.copyto(at, work.indices[:n], where=mask)
     return largest, np.minimum.reduceat(at, starts) - starts
 
 
 def _batch_sums(pairs: list[SmallPair], where: list[int], found: list[ValueSums | None]) -> None:
-    work = _WORKSPACE
+    work = WORKSPACE
     lengths = np.fromiter((pair.expected.numel() for pair in pairs), dtype=np.int64, count=len(pairs))
     starts = np.zeros(len(pairs), dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
@@ -119,14 +107,14 @@ def _batch_sums(pairs: list[SmallPair], where: list[int], found: list[ValueSums 
     segments = np.repeat(np.arange(len(pairs)), lengths)
     actual = _promoted([p.actual for p in pairs], [p.actual_scale for p in pairs], work.actual[:n], segments)
     expected = _promoted([p.expected for p in pairs], [p.expected_scale for p in pairs], work.expected[:n], segments)
-    scratch, mask = work.scratch[:n], work.mask[:n]
+    scratch, mask = work.scratch[:n].numpy(), work.mask[:n]
     with np.errstate(all="ignore"):  # a segment that overflows or holds NaN is left to value_sums
         diff = np.subtract(actual, expected, out=actual)
         error_sq = np.add.reduceat(np.multiply(diff, diff, out=scratch), starts)
         reference_sq = np.add.reduceat(np.multiply(expected, expected, out=scratch), starts)
         finite = np.isfinite(error_sq) & np.isfinite(reference_sq)
         abs_diff, magnitude = np.abs(diff, out=diff), np.abs(expected, out=expected)
-        max_abs, max_abs_at = _first_at_max(abs_diff, starts, segments, work)
+        max_abs, max_abs_at = _first_at_max(abs_diff, starts, segments, scratch, work)
         rel = np.fromiter((p.tolerance.rel for p in pairs), dtype=np.float64, count=len(pairs))
         absolute = np.fromiter((p.tolerance.abs for p in pairs), dtype=np.float64, count=len(pairs))
         allowed = np.multiply(np.take(rel, segments, out=scratch), magnitude, out=scratch)
@@ -135,7 +123,7 @@ def _batch_sums(pairs: list[SmallPair], where: list[int], found: list[ValueSums 
         # the rule of relative_difference: 0 where the reference is 0 (|e| < tiny as tiny, as value_sums does)
         relative = np.divide(abs_diff, np.maximum(magnitude, TINY, out=scratch), out=scratch)
         np.copyto(relative, 0.0, where=np.equal(magnitude, 0.0, out=mask))
-        max_rel, max_rel_at = _first_at_max(relative.copy(), starts, segments, work)
+        max_rel, max_rel_at = _first_at_max(relative, starts, segments, abs_diff, work)  # (|a - e| is done with)
     for index, pair in enumerate(pairs):
         if not finite[index]:
             continue

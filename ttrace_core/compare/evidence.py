@@ -22,7 +22,6 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 
 from ttrace_core.canonicalize import placements as pl
 from ttrace_core.canonicalize.correspondence import glob_regex

@@ -78,10 +78,11 @@ def _larger_first(a: tuple[float, tuple] | None, b: tuple[float, tuple] | None) 
     return b if b[0] > a[0] or (b[0] == a[0] and b[1] < a[1]) else a
 
 
-class _Workspace(threading.local):
-    """float64 buffers of one chunk, one set per thread, reused by every comparison in it; numpy views
-    of the same memory, because numpy's argmax, comparisons and dot products on a cache-sized chunk
-    are 3 to 6 times faster than torch's (torch promotes: it reads bfloat16 and fp8, numpy cannot)."""
+class Workspace(threading.local):
+    """float64 buffers of one chunk, one set per thread, reused by every comparison in it (here, and
+    batched.py's batches, which are at most a chunk); numpy views of the same memory, because numpy's
+    argmax, comparisons and dot products on a cache-sized chunk are 3 to 6 times faster than torch's
+    (torch promotes: it reads bfloat16 and fp8, numpy cannot)."""
 
     def __init__(self) -> None:
         self.actual = torch.empty(CHUNK_ELEMENTS, dtype=torch.float64)
@@ -89,9 +90,12 @@ class _Workspace(threading.local):
         self.scratch = torch.empty(CHUNK_ELEMENTS, dtype=torch.float64)
         self.mask = np.empty(CHUNK_ELEMENTS, dtype=np.bool_)
         self.other_mask = np.empty(CHUNK_ELEMENTS, dtype=np.bool_)
+        self.indices = np.arange(CHUNK_ELEMENTS, dtype=np.int64)
+        self.candidates = np.empty(CHUNK_ELEMENTS, dtype=np.int64)
+        """(batched.py: where each segment's largest value may first occur)"""
 
 
-_WORKSPACE = _Workspace()
+WORKSPACE = Workspace()
 
 
 def _promoted(values: torch.Tensor, into: torch.Tensor, scale: float) -> torch.Tensor:
@@ -113,7 +117,7 @@ def value_sums(actual: torch.Tensor, expected: torch.Tensor, tolerance: Toleranc
     slab_shape = tuple(expected.shape)
     flat = ValueSums(shape=(numel,))
     actual_flat, expected_flat = actual.reshape(-1), expected.reshape(-1)
-    work = _WORKSPACE
+    work = WORKSPACE
     with np.errstate(all="ignore"):  # |a - e| / tiny overflows where e == 0: see _finite_chunk_sums
         for start in range(0, numel, CHUNK_ELEMENTS):
             flat.add(_chunk_sums(actual_flat, expected_flat, start, min(numel, start + CHUNK_ELEMENTS), tolerance, scales, work))
@@ -121,7 +125,7 @@ def value_sums(actual: torch.Tensor, expected: torch.Tensor, tolerance: Toleranc
 
 
 def _chunk_sums(actual_flat: torch.Tensor, expected_flat: torch.Tensor, start: int, stop: int, tolerance: Tolerance,
-                scales: tuple[float, float], work: _Workspace) -> ValueSums:
+                scales: tuple[float, float], work: Workspace) -> ValueSums:
     """The sums of elements start:stop of two flat tensors, with flat indices within them."""
     a = _promoted(actual_flat[start:stop], work.actual[:stop - start], scales[0])
     e = _promoted(expected_flat[start:stop], work.expected[:stop - start], scales[1])
@@ -150,7 +154,7 @@ def _placed(flat: ValueSums, shape: tuple[int, ...], slab_shape: tuple[int, ...]
     return flat
 
 
-def _finite_chunk_sums(a: torch.Tensor, e: torch.Tensor, tolerance: Tolerance, work: _Workspace, *,
+def _finite_chunk_sums(a: torch.Tensor, e: torch.Tensor, tolerance: Tolerance, work: Workspace, *,
                        cleaned: bool = False) -> ValueSums | None:
     """The sums of one float64 chunk when all its values are finite (else None, unless `cleaned`:
     its values are finite, its norms may overflow), with flat indices. Overwrites `a` with |a - e| and
@@ -185,7 +189,7 @@ def _finite_chunk_sums(a: torch.Tensor, e: torch.Tensor, tolerance: Tolerance, w
                      num_mismatched=num_mismatched)
 
 
-def _without_nonfinite(a: torch.Tensor, e: torch.Tensor, work: _Workspace) -> tuple[tuple[int, int], tuple[int, int], int]:
+def _without_nonfinite(a: torch.Tensor, e: torch.Tensor, work: Workspace) -> tuple[tuple[int, int], tuple[int, int], int]:
     """(NaN counts, Inf counts) of a and e, and how many places hold a non-finite value on one side and not
     the same one on the other; then 0 on both sides wherever either is not finite, so those places add
     nothing to the norms."""

@@ -195,6 +195,18 @@ def read_span(descriptor: int, span: Span, dtype: np.dtype, shape: tuple[int, ..
     return values
 
 
+def read_span_quietly(descriptor: int, span: Span, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
+    """`read_span` of a whole tensor without the words of an error (building them per tensor costs more than
+    reading a small one): None when anything goes wrong, and the caller reads it again by `read_span`, which says what."""
+    try:
+        values = np.empty(shape, dtype=dtype)
+        if not values.nbytes or os.preadv(descriptor, [values.reshape(-1).view(np.uint8)], span[0]) == values.nbytes:
+            return values
+    except (OSError, TypeError, ValueError):
+        pass
+    return None
+
+
 def _read_into(descriptor: int, values: np.ndarray, start: int, where: str, remedy: str) -> None:
     if not values.nbytes:
         return

@@ -45,7 +45,7 @@ from ttrace_core.format.findings import FINDINGS, findings_in_file
 from ttrace_core.format.global_heap import refuse_looping_heaps
 from ttrace_core.format.naming import ROOT_NAME, display_fqn
 from ttrace_core.format.records import meta_from_json
-from ttrace_core.format.packs import Span, checked_spans, read_span, refuse_foreign_objects
+from ttrace_core.format.packs import Span, checked_spans, read_span, read_span_quietly, refuse_foreign_objects
 from ttrace_core.format.schema import INDEXED_FORMAT, NO_MICRO_BATCH, PACKED_FORMAT, PHASES, Finding, TensorKey, TensorMeta
 from ttrace_core.format.tensor_index import TENSOR_INDEX, IndexRow, checked_rows, collector_paused, read_rows
 
@@ -128,14 +128,10 @@ class StepFile:
     def read(self, meta: TensorMeta, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The recorded local values of one of `metas`, in its recorded dtype; `region` (a slice per
         leading dim): only that part, read as a hyperslab (HDF5 reads only its bytes)."""
-        if region is None and (span := self._span_of.get(id(meta))) is not None:
-            # one pread into an array of its shape; any trouble is read again below, and worded there
-            try:
-                values = np.empty(meta.local_shape, dtype=stored_dtype(meta.dtype))
-                if not values.nbytes or os.preadv(self._descriptor, [values.reshape(-1).view(np.uint8)], span[0]) == values.nbytes:
-                    return tensor_from_array(values, meta.dtype, str(self.path))
-            except (OSError, TypeError, ValueError, TtraceError):
-                pass
+        # a row of this file's index (its dtype one the schema names): one pread; any trouble is read again below, and worded
+        if region is None and (span := self._span_of.get(id(meta))) is not None and (values := read_span_quietly(
+                self._descriptor, span, stored_dtype(meta.dtype), meta.local_shape)) is not None:
+            return tensor_from_array(values, meta.dtype, str(self.path))
         path = dataset_path(meta.key)
         where = f"{self.path}:{path}"
         if meta.stats_only:

@@ -61,14 +61,13 @@ def _stream_in_rank(duplicate) -> _Stream:
 
 
 def _child(rank: int, world_size: int, port: int, target: str, config: dict, env: dict[str, str],
-           launcher: tuple[dict[str, str], list[tuple[int, _Stream]]] = ({}, [])) -> None:
+           launcher: tuple[dict[str, str], list[tuple[int, _Stream]]]) -> None:
     environment, streams = launcher
     for fd, stream in streams:  # the launcher's environment and streams as they are now, as a spawned rank has them
         os.dup2(stream.fd, fd)
         os.close(stream.fd)
-    if environment:
-        os.environ.clear()
-        os.environ.update(environment)
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -124,7 +123,7 @@ def _rank_context(target: str) -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     module_name = target.partition(":")[0]
     preload = ["ttrace_core.record.launch", *(name for name in ("torch", module_name) if name in sys.modules)]
-    if not _SERVER_PRELOAD or not set(preload) <= _SERVER_PRELOAD:
+    if not set(preload) <= _SERVER_PRELOAD:
         _SERVER_PRELOAD.update(preload)
         context.set_forkserver_preload(sorted(_SERVER_PRELOAD))
     return context
