@@ -37,18 +37,22 @@ def _ranked(rows: pd.DataFrame) -> pd.DataFrame:
     return ranked.sort_values(["_severity", "_ratio"], ascending=False, kind="stable")
 
 
-def category(row: pd.Series | dict) -> str:
-    if row["status"] == "nonfinite":
-        return "nan" if row["num_nan_candidate"] != row["num_nan_reference"] else "inf"
-    return CATEGORY_OF_STATUS.get(row["status"], "structure")
+def categories(rows: pd.DataFrame) -> pd.Series:
+    """Each row's category: "ratio" when it has one to colour by, else "nan" or "inf" (non-finite values, NaN when
+    the candidate's NaN count differs from the reference's), "missing" or "structure" (CATEGORY_OF_STATUS)."""
+    nonfinite = rows["status"] == "nonfinite"
+    nan = rows["num_nan_candidate"] != rows["num_nan_reference"]
+    named = rows["status"].map(CATEGORY_OF_STATUS).fillna("structure")
+    return pd.Series(np.where(nonfinite, np.where(nan, "nan", "inf"), named), index=rows.index, dtype=object)
 
 
-def log_ratio(ratio: float | None) -> float:
-    if ratio is None or (isinstance(ratio, float) and math.isnan(ratio)):
-        return float("nan")
-    if ratio <= 0:
-        return -LOG_RATIO_LIMIT
-    return float(np.clip(math.log10(ratio), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+def log_ratios(ratios: pd.Series) -> np.ndarray:
+    """The colour of each ratio: its log10 clipped to [-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT]; a ratio of 0 (or
+    below) the far blue end, a missing one NaN."""
+    values = ratios.astype(float).to_numpy(dtype=float, na_value=np.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logged = np.clip(np.log10(np.where(values > 0, values, np.nan)), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return np.where(values <= 0, -LOG_RATIO_LIMIT, logged)
 
 
 def in_view(frame: pd.DataFrame, step: int, micro_batch: int | str) -> pd.DataFrame:
@@ -128,8 +132,8 @@ def heatmap_cells(frame: pd.DataFrame, step: int, micro_batch: int | str) -> pd.
     worst = ranked.drop_duplicates(["module", "kind"]).copy()
     worst["row"] = worst["module"].map(positions)
     worst["column"] = worst["kind"].map({kind: index for index, kind in enumerate(KINDS)})
-    worst["value"] = [log_ratio(r) for r in worst["ratio"]]
-    worst["category"] = [category(r) for r in worst.to_dict("records")]
+    worst["value"] = log_ratios(worst["ratio"])
+    worst["category"] = categories(worst)
     worst["hover"] = hover_texts(worst, pd.Series(counts.loc[list(zip(worst["module"], worst["kind"]))].values,
                                                    index=worst.index))
     columns = ["module", "kind", "row", "column", "value", "category", "tensor", "step", "micro_batch", "hover", "passed"]
@@ -167,8 +171,8 @@ def timeline_points(frame: pd.DataFrame, step: int) -> pd.DataFrame:
     worst = _ranked(rows).drop_duplicates(["module", "kind", "phase"]).copy()
     index = list(zip(worst["module"], worst["kind"], worst["phase"]))
     worst["order"] = firsts.loc[index].values
-    worst["value"] = [log_ratio(r) for r in worst["ratio"]]
-    worst["category"] = [category(r) for r in worst.to_dict("records")]
+    worst["value"] = log_ratios(worst["ratio"])
+    worst["category"] = categories(worst)
     worst["hover"] = hover_texts(worst, pd.Series(counts.loc[index].values, index=worst.index))
     return worst.sort_values("order")
 
@@ -218,8 +222,8 @@ def verdict_banner(row: pd.Series | dict) -> str:
 
 
 def first_divergence(frame: pd.DataFrame) -> pd.Series | None:
-    failed = frame[~frame["passed"]].sort_values("order")
-    return None if failed.empty else failed.iloc[0]
+    failed = frame.loc[~frame["passed"], "order"]
+    return None if failed.empty else frame.loc[failed.idxmin()]
 
 
 def next_step_caption(diverged: bool) -> str:

@@ -11,11 +11,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `app` and `ttrac
 
 import streamlit as st  # noqa: E402
 
-from ttrace_dashboard.ui import navigation_pages, sidebar_links  # noqa: E402
+from ttrace_dashboard.ui import navigation_pages, preload_charts, sidebar_links  # noqa: E402
 
 st.set_page_config(page_title="ttrace", page_icon=":material/troubleshoot:", layout="wide")
 current = st.navigation(navigation_pages(), position="hidden")
 links = st.sidebar.empty()
+with st.sidebar:
+    preload_charts()  # while Runs shows, the heatmap's chart library loads
 sidebar_links(links)  # drawn first, so a page that stops still has them
 current.run()
 sidebar_links(links)  # again, with the pair the page may have just written into the URL

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import pandas as pd
 
 from ttrace_core.api import display_fqn
-from ttrace_dashboard.cells import _ranked, category, first_divergence, log_ratio, module_rows, rows_by_layer
+from ttrace_dashboard.cells import _ranked, categories, first_divergence, log_ratios, module_rows, rows_by_layer
 
 ROWS_BY = ("modules", "layers")
 CELL_COLUMNS = ["layout", "module", "row", "column", "value", "category", "tensor", "source_module", "ratio", "status",
@@ -85,8 +85,8 @@ def matrix_cells(tables: Mapping[str, pd.DataFrame], rows_by: str = "modules") -
     cells = pd.concat([_layout_cells(layout, frame) for layout, frame in frames.items()], ignore_index=True)
     cells["row"] = cells["layout"].map(rows)
     cells["column"] = cells["module"].map(columns)
-    cells["value"] = [log_ratio(r) for r in cells["ratio"].astype(float)]
-    cells["category"] = [category(r) for r in cells.to_dict("records")]
+    cells["value"] = log_ratios(cells["ratio"])
+    cells["category"] = categories(cells)
     return cells.sort_values(["row", "column"])[CELL_COLUMNS].reset_index(drop=True)
 
 

@@ -14,6 +14,14 @@ from dataclasses import dataclass, fields, replace
 from collections.abc import Mapping
 
 ROW_CHOICES = ("modules", "layers")
+MODULE_ROWS_BY_DEFAULT = 200
+"""Past this many modules the heatmap opens with one row per layer (a 48-layer GPT has 774 modules)."""
+
+
+def default_rows(num_modules: int) -> str:
+    """The heatmap's rows when the link names none: "modules", or "layers" for a large model."""
+    return "layers" if num_modules > MODULE_ROWS_BY_DEFAULT else "modules"
+
 ALL_MICRO_BATCHES = "all"
 """`mb=all` on the heatmap: the worst over micro-batches."""
 

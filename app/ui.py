@@ -6,8 +6,8 @@ line, the same text the CLI prints; the page then stops, and the other pages sta
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +62,28 @@ def sidebar_links(slot) -> None:
             # The layout matrix compares every layout of one reference by the same code: no map there.
             pair = ViewState(ref=state.ref) if name == "matrix" else ViewState(ref=state.ref, cand=state.cand, map=state.map)
             st.page_link(page(name), query_params=query_from_state(pair))
+
+
+CHART_CHUNK = "PlotlyChart.*.js"
+"""Streamlit's frontend loads plotly.js (its PlotlyChart chunk, 4.7 MB in 1.67) only when a page first draws a
+chart; a browser then takes about 0.6 s to fetch and compile it (benchmarks/results/dashboard.md)."""
+
+
+@functools.cache
+def _chart_chunk() -> str | None:
+    """The file name of Streamlit's plotly.js chunk (content-hashed), None when this Streamlit has none."""
+    found = sorted((Path(st.__file__).parent / "static" / "static" / "js").glob(CHART_CHUNK))
+    return found[0].name if len(found) == 1 else None
+
+
+def preload_charts() -> None:
+    """Load Streamlit's plotly.js chunk while the page shows, so that the first page with a chart (the heatmap,
+    after Runs) draws without waiting for it. A module is loaded once per URL, and the frontend's own import
+    asks for the same URL, so it finds it loaded. Nothing when this Streamlit's chunk is not found (another
+    version's layout): pages then draw as before, only later."""
+    chunk = _chart_chunk()
+    if chunk is not None:
+        st.html(f"<script>import('./static/js/{chunk}').catch(() => {{}})</script>", unsafe_allow_javascript=True)
 
 
 def dashboard_root() -> Path:
@@ -252,9 +274,13 @@ def _cells_of(keys: tuple[tuple[str, str, int], ...], rows_by: str, _frames: dic
     return matrix.matrix_cells(_frames, rows_by)
 
 
+def table_identity(result) -> tuple[str, int]:
+    """A comparison table's name in Streamlit's caches: its file and the file's mtime (a recomputed table is new)."""
+    return str(result.path), result.path.stat().st_mtime_ns if result.path.exists() else 0
+
+
 def matrix_cells(results: dict, rows_by: str):
     """`matrix.matrix_cells` of the comparison tables `results` (layout -> ComparisonTable), cached by
     (layout, table path, mtime) and the rows choice: a rerun (a click, a narrowed selection) reuses it."""
-    keys = tuple((layout, str(result.path), result.path.stat().st_mtime_ns if result.path.exists() else 0)
-                 for layout, result in results.items())
+    keys = tuple((layout, *table_identity(result)) for layout, result in results.items())
     return _cells_of(keys, rows_by, {layout: result.frame for layout, result in results.items()})

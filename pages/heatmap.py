@@ -2,22 +2,30 @@
 
 from dataclasses import replace
 
+import pandas as pd
+import plotly.graph_objects as go
 import streamlit as st
 
-from ttrace_dashboard import cells, figures
+from ttrace_dashboard import cells, figures, step_view
 from ttrace_dashboard.report import report_html
-from ttrace_dashboard.state import ALL_MICRO_BATCHES, ROW_CHOICES, view_from_click
+from ttrace_dashboard.state import ALL_MICRO_BATCHES, ROW_CHOICES, default_rows, view_from_click
 from ttrace_dashboard.ui import (bind_choice, go_to, legend, load_comparison, pair_caption, run_pair, show_in_url,
-                                 view_state, wrote_to_url)
+                                 table_identity, view_state, wrote_to_url)
 from ttrace_core import api
 
-# Past this many modules the heatmap opens with one row per layer (a 48-layer GPT has 774 modules).
-# (Comments, not docstrings: Streamlit's magic would print a bare string on the page.)
-MODULE_ROWS_BY_DEFAULT = 200
-# The "Go to a tensor" box lists failures first; past this many options it only grows the page.
-MAX_CHOICES = 3000
 BANNER_ICONS = {"success": ":material/check_circle:", "warning": ":material/warning:", "error": ":material/cancel:"}
 
+
+@st.cache_resource(max_entries=16, show_spinner=False)
+def cached_step_view(table: tuple[str, int], step: int, mb, rows_choice: str, focus: str | None,
+                     _frame: pd.DataFrame) -> step_view.StepView:
+    # `table` (path, mtime) names `_frame`: a recomputed table is another entry.
+    return step_view.step_view(_frame, step, mb, rows_choice, focus)
+
+
+@st.cache_resource(max_entries=16, show_spinner=False)
+def cached_timeline(table: tuple[str, int], step: int, _frame: pd.DataFrame) -> go.Figure:
+    return step_view.step_timeline(_frame, step)
 
 
 def divergence_banner(first) -> None:
@@ -36,7 +44,7 @@ def heatmap_so_far(rows: "api.StreamedRows") -> None:
     else:
         st.info(f"No divergence in the first {len(frame)} tensors.", icon=":material/hourglass_top:")
     step = int(first["step"]) if first is not None else int(frame["step"].min())
-    by_layer = state.rows == "layers" or (state.rows is None and frame["module"].nunique() > MODULE_ROWS_BY_DEFAULT)
+    by_layer = (state.rows or default_rows(frame["module"].nunique())) == "layers"
     shown = cells.rows_by_layer(frame) if by_layer else frame
     marked = None if first is None else (shown.loc[first.name, "module"], first["kind"])
     st.caption(f"Step {step}, the tensors compared so far. Colour: log10(error / tolerance), 0 is the pass line.")
@@ -63,7 +71,7 @@ first = cells.first_divergence(frame)
 steps = sorted(frame["step"].unique().tolist())
 step = state.step if state.step in steps else (int(first["step"]) if first is not None else steps[0])
 num_modules = frame["module"].nunique()
-rows_choice = state.rows or ("layers" if num_modules > MODULE_ROWS_BY_DEFAULT else "modules")
+rows_choice = state.rows or default_rows(num_modules)
 left, middle, rows_box, right = st.columns([1, 1, 1, 3])
 # Keyed widgets bound to the URL (an `index=` alone lost every second choice).
 bind_choice("heatmap_step", state.step, step, steps)
@@ -92,51 +100,46 @@ st.download_button("Export report", data=lambda: report_html(reference, candidat
                    mime="text/html", icon=":material/download:",
                    help="one self-contained HTML file: heatmap, timeline, verdicts, worst tensors; opens offline")
 
-choices = cells.tensor_choices(frame, int(step))[:MAX_CHOICES]
+focus = cells.focus_row(state.module, rows_choice == "layers")
+view = cached_step_view(table_identity(result), int(step), mb, rows_choice, focus, frame)
 with right:
-    picked = st.selectbox("Go to a tensor (failures first)", choices, index=None, placeholder="type to search",
+    picked = st.selectbox("Go to a tensor (failures first)", view.choices, index=None, placeholder="type to search",
                           format_func=lambda c: f"{c[0]}" + ("" if c[2] < 0 else f" · mb {c[2]}"))
 if picked is not None:
     go_to("tensor", replace(state, tensor=picked[0], step=picked[1], mb=picked[2], rows=None))
 
-shown = cells.rows_by_layer(frame) if rows_choice == "layers" else frame
-rows = cells.module_rows(shown)
-view_cells = cells.heatmap_cells(shown, int(step), mb)
-marked = None
-if first is not None and first["step"] == step and mb in (ALL_MICRO_BATCHES, first["micro_batch"], -1):
-    marked = (shown.loc[first.name, "module"], first["kind"])
-    view_cells = cells.pointing_at_first(view_cells, first, marked[0])
-focus = cells.focus_row(state.module, rows_choice == "layers")
 st.caption("Colour: log10(error / tolerance), 0 is the pass line. The yellow outline is the first divergence"
-           + (f"; the framed row is `{focus}`, the module the link points at" if focus in set(rows["module"]) else "")
+           + (f"; the framed row is `{focus}`, the module the link points at" if focus in set(view.rows["module"]) else "")
            + ". Click a cell to open its tensor.")
 legend()
 # At the figure's own width (its column pitch keeps the headers apart), narrower only on a narrower page.
-event = st.plotly_chart(figures.heatmap_figure(view_cells, rows, marked, focus), key="heatmap", on_select="rerun",
-                        selection_mode="points", config={"displayModeBar": False}, width="content")
+event = st.plotly_chart(view.heatmap, key="heatmap", on_select="rerun", selection_mode="points",
+                        config={"displayModeBar": False}, width="content")
 clicked = view_from_click(event, state)
 if clicked is not None:
     go_to("tensor", clicked)
 
 with st.container(horizontal=True):
-    suspects = [m for m in cells.module_rows(frame)["module"] if m]
     # The first divergence's own module, or for a tensor it receives (an input) the module around it (replay_target).
-    start = None if first is None else cells.replay_target(first["module"], first["kind"], suspects)
-    default = cells.replay_default(suspects, state.module, start)
-    target = st.selectbox("Replay a module with the reference's inputs", suspects, index=default)
+    start = None if first is None else cells.replay_target(first["module"], first["kind"], view.suspects)
+    default = cells.replay_default(view.suspects, state.module, start)
+    target = st.selectbox("Replay a module with the reference's inputs", view.suspects, index=default)
     if st.button("Open in Localize", icon=":material/my_location:"):
         go_to("localize", replace(state, module=target, step=None, mb=None, rows=None))
 
-st.subheader("Timeline")
-st.caption("Every tensor of the step in execution order: the initial parameter values (when the run recorded "
-           "them), forward, backward, reduced gradients, updated parameters.")
-points = cells.timeline_points(frame, int(step))
-first_order = int(first["order"]) if first is not None and first["step"] == step else None
-timeline = st.plotly_chart(figures.timeline_figure(points, first_order), key="timeline", on_select="rerun",
-                           selection_mode="points", config={"displayModeBar": False})
-clicked = view_from_click(timeline, state)
-if clicked is not None:
-    go_to("tensor", clicked)
+# Drawn on request: a second chart of every tensor of the step cost the browser about 0.5 s on each load of a
+# 48-layer pair's heatmap (benchmarks/results/dashboard.md); the open state is kept for the session.
+timeline_box = st.expander("Timeline: every tensor of the step in execution order", icon=":material/timeline:",
+                           key="heatmap_timeline", on_change="rerun")
+if timeline_box.open:
+    with timeline_box:
+        st.caption("The initial parameter values (when the run recorded them), forward, backward, reduced gradients, "
+                   "updated parameters; one point per module and tensor kind, its worst tensor.")
+        timeline = st.plotly_chart(cached_timeline(table_identity(result), int(step), frame), key="timeline",
+                                   on_select="rerun", selection_mode="points", config={"displayModeBar": False})
+    clicked = view_from_click(timeline, state)
+    if clicked is not None:
+        go_to("tensor", clicked)
 
 drifting = frame[(frame["step"] == step) & (frame["drift_ratio"].fillna(0) > 1)]
 if not drifting.empty:

@@ -96,6 +96,20 @@ def test_click_the_first_divergence_then_share_the_link(dashboard, browser):
     page.close()
 
 
+def test_the_runs_page_loads_the_chart_library_before_any_chart(dashboard, browser):
+    """Streamlit's frontend loads plotly.js when a page first draws a chart; the dashboard has it loaded while Runs
+    shows (ui.preload_charts), so the heatmap opened from there does not wait for it."""
+    page = browser.new_page()
+    page.goto(f"{dashboard}/runs?" + urllib.parse.urlencode({"ref": BUGGY["reference"], "cand": BUGGY["name"]}))
+    page.get_by_role("link", name="Open the heatmap").wait_for(timeout=120_000)
+    _settled(page)
+    assert page.locator(".js-plotly-plot").count() == 0
+    page.wait_for_function("() => performance.getEntriesByType('resource').some(e => /PlotlyChart\\.[^/]*\\.js$/.test(e.name))",
+                           timeout=30_000)
+    assert page.locator("[data-testid=stException]").count() == 0
+    page.close()
+
+
 def test_a_url_escaping_the_root_is_refused_on_the_page(dashboard, browser):
     page = browser.new_page()
     page.goto(f"{dashboard}/heatmap?" + urllib.parse.urlencode({"ref": BUGGY["reference"], "cand": "../../../etc"}))

@@ -1,6 +1,7 @@
 import json
 import math
 
+import pandas as pd
 import pytest
 
 from ttrace_dashboard import cells
@@ -41,7 +42,9 @@ def test_one_micro_batch_keeps_the_step_gradients(frame):
 @pytest.mark.parametrize("ratio, value", [(None, math.nan), (0.0, -4.0), (1.0, 0.0), (100.0, 2.0), (1e9, 4.0),
                                           (math.inf, 4.0)], ids=["none", "zero", "pass-line", "fail", "clipped", "inf"])
 def test_log_ratio(ratio, value):
-    assert cells.log_ratio(ratio) == value or (math.isnan(value) and math.isnan(cells.log_ratio(ratio)))
+    got = cells.log_ratios(pd.Series([ratio, 1.0], dtype="Float64" if ratio is None else float))
+    assert got[0] == value or (math.isnan(value) and math.isnan(got[0]))
+    assert got[1] == 0.0
 
 
 def test_tensor_choices_list_failures_first_and_the_first_divergence_is_found(frame):

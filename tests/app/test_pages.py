@@ -1,6 +1,7 @@
 """Every dashboard page through AppTest, driven by its query parameters as a shared link would be."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from tests.support.tiny_mlp import recorded_pair as record_pair
 from tests.synthetic_runs import write_pair, write_run
 from ttrace_core.compare.tolerances import DTYPE_TOLERANCES
 from ttrace_core.service.dashboard import ROOT_ENV
+from ttrace_dashboard.figures import FIRST_DIVERGENCE_COLOUR
 from tests.support.pages import MAIN, errors_of as _errors, open_page as _open, url_of as _url
 
 PAIR = {"ref": "reference", "cand": "candidate"}
@@ -407,3 +409,42 @@ def test_one_page_load_asks_the_cache_once_on_a_miss_and_on_a_hit(root, monkeypa
         assert compared == ([] if cached else [1])  # a miss computes the table, the next load reads it
         assert sorted(fingerprinted) == ["candidate", "reference"], f"cached={cached}"
         assert sorted(manifests_read) == ["candidate", "reference"], f"cached={cached}"
+
+
+def test_the_heatmap_builds_a_steps_view_once_per_table(root, monkeypatch):
+    """A revisit of a complete table draws the heatmap built the first time (the page's cached `step_view`); a
+    table computed again (a new file time) is drawn from scratch."""
+    from ttrace_dashboard import cells
+
+    built = []
+    heatmap_cells = cells.heatmap_cells
+    monkeypatch.setattr(cells, "heatmap_cells", lambda *args: built.append(1) or heatmap_cells(*args))
+    first = _open("heatmap", **PAIR)
+    again = _open("heatmap", **PAIR)
+    assert not first.exception and not again.exception
+    assert len(built) == 1
+    assert _figures(again) == _figures(first)
+    table = next((root / "candidate" / ".ttrace").rglob("*.parquet"))
+    os.utime(table, ns=(table.stat().st_atime_ns, table.stat().st_mtime_ns + 10**9))
+    assert not _open("heatmap", **PAIR).exception
+    assert len(built) == 2
+
+
+def test_the_timeline_is_drawn_when_opened(root):
+    """The heatmap page draws the timeline only once its expander is open (each load of a large pair's page paid
+    for a second chart nobody had asked for); open, it holds one point per module and kind of the step."""
+    closed = _open("heatmap", **PAIR)
+    assert not closed.exception
+    assert len(_figures(closed)) == 1
+    assert [e.label for e in closed.expander if e.label.startswith("Timeline")]
+    app = AppTest.from_file(MAIN, default_timeout=60)
+    app.switch_page("../pages/heatmap.py")
+    for name, value in PAIR.items():
+        app.query_params[name] = value
+    app.session_state["heatmap_timeline"] = True
+    app.run()
+    assert not app.exception
+    heatmap, timeline = _figures(app)
+    assert FIRST in {point[0] for trace in timeline["data"] for point in trace.get("customdata", [])}
+    lines = [shape for shape in timeline["layout"]["shapes"] if shape["type"] == "line"]
+    assert any(line["line"]["color"] == FIRST_DIVERGENCE_COLOUR for line in lines)  # the first divergence marked
