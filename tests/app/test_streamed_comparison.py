@@ -14,7 +14,7 @@ from ttrace_core import api
 from ttrace_core.service import comparison_jobs
 from ttrace_core.service.comparison_jobs import PAUSE_ENV, RESUME_FILE, comparison_job_dir
 from ttrace_core.service.dashboard import ROOT_ENV
-from ttrace_core.service.jobs import Job
+from ttrace_core.service.jobs import Job, JobStatus
 from tests.support.pages import MAIN
 
 FIRST = "forward/layers.0.act/output.0"
@@ -70,12 +70,29 @@ def test_heatmap_shows_the_first_divergence_before_the_table_is_complete(streame
     assert table is not None
     assert any(f"First divergence: `{FIRST}`" in error.value for error in app.error)
     assert len(app.get("plotly_chart")) == 1 and not app.get("progress")  # the whole heatmap (the timeline on request)
+    assert any(line.startswith(f"FAILED (not equivalent): first divergence at `{FIRST}`") for line in job.log_tail())
     # the streamed rows are the finished table's first rows, and reading on from them gives the whole table
     columns = ["tensor", "order", "status", "passed", "ratio"]
     assert rows.frame[columns].equals(table.frame[columns].iloc[:len(rows.frame)].reset_index(drop=True))
     rest = api.streamed_rows(job, rows)
     assert rest.num_chunks > rows.num_chunks and rest.state == "complete"
     assert rest.frame[columns].equals(table.frame[columns])
+
+
+def test_the_rows_are_complete_once_the_table_is_cached(tmp_path):
+    """After it caches the table the job still prints its verdict before it exits; the page need not wait for that:
+    the rows are complete once the job has named the table (`table.json`)."""
+    class Running:
+        directory = tmp_path
+
+        def status(self) -> JobStatus:
+            return JobStatus(state="running", progress="3/3 tensors compared")
+
+    job = Running()
+    assert api.streamed_rows(job).state == "running"
+    (tmp_path / comparison_jobs.TABLE_RESULT).write_text('{"table": "t.parquet", "num_rows": 3}')
+    rows = api.streamed_rows(job)
+    assert rows.state == "complete" and rows.message == ""
 
 
 def test_a_comparison_job_that_fails_shows_its_one_line_error(streamed_pair):

@@ -59,7 +59,7 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="recompute even when the cached comparison table (under CAND/.ttrace) is up to date")
     compare.add_argument("--rows-to", default=None, metavar="DIR",
                          help="also write the table's rows to DIR in chunks as they are compared (the dashboard's "
-                              "streamed comparison job reads them)")
+                              "streamed comparison job reads them); only the verdict is printed, unless --json")
     add_flags(compare)
     _add_map_flag(compare)
     estimate = commands.add_parser("estimate", help="re-run the reference with perturbed weights to derive per-tensor tolerances")
@@ -207,7 +207,11 @@ def _run_compare(args: argparse.Namespace) -> int:
     elif args.rows_to:
         from ttrace_core.api import streamed_comparison
 
-        result = streamed_comparison(args.reference, args.candidate, settings, Path(args.rows_to), rebuild=args.rebuild)
+        summary = streamed_comparison(args.reference, args.candidate, settings, Path(args.rows_to), rebuild=args.rebuild)
+        if not args.json:  # a dashboard's job: the page reads the table, the job's log says the verdict
+            print(summary.banner()[1], file=_human_stream(args))
+            return 0 if summary.passed else 1
+        result = run_comparison(args.reference, args.candidate, settings)  # the table just cached
     else:
         result = run_comparison(args.reference, args.candidate, settings, progress=progress, rebuild=args.rebuild)
     print(render_comparison(result, num_worst=args.worst), file=_human_stream(args))

@@ -6,8 +6,9 @@ row's verdict never depends on a later row (engine.compare_runs' `on_row`), so e
 is final: the rows so far are the finished table's first rows, and the first failing row among
 them is the run's first divergence. Each chunk is a Parquet file `rows-NNNNNN.parquet`, written
 atomically (table.write_table); the job's progress is its log's `[progress] done/total` line. When
-the whole table is cached (comparisons.py), the job writes `table.json` (its path) and completes;
-from then on the cache answers and the chunks are never read again.
+the whole table is cached (comparisons.py), the job writes `table.json` (its path): from then on the
+rows are complete (`streamed_rows` says so while the job prints its verdict and exits), the cache
+answers and the chunks are never read again.
 
 Small pairs are compared in the page's own process: starting the job's Python and torch costs
 about as much as comparing them (`STREAM_ABOVE_BYTES`).
@@ -118,16 +119,19 @@ def streamed_rows(job: Job, known: StreamedRows | None = None) -> StreamedRows:
     from ttrace_core.compare.table import read_table
 
     status = job.status()
+    state = status.state
+    if state == "running" and (job.directory / TABLE_RESULT).exists():
+        state = "complete"  # the table is cached: the job only prints its verdict now
     files = _chunk_files(job.directory)
     start = known.num_chunks if known is not None and known.num_chunks <= len(files) else 0
     chunks = ([known.frame] if start and not known.frame.empty else []) + [read_table(path)[0] for path in files[start:]]
     frame = pd.concat(chunks, ignore_index=True) if chunks else pd.DataFrame()
     done, total = _progress_numbers(status.progress, len(frame))
     message = ""
-    if status.state in ("failed", "timed_out", "cancelled"):
+    if state in ("failed", "timed_out", "cancelled"):
         tail = [line for line in job.log_tail(5) if line.strip() and not line.startswith(PROGRESS_PREFIX)]
         message = tail[-1].removeprefix("ttrace: error: ") if tail else status.message
-    return StreamedRows(frame=frame, num_done=done, num_total=total, state=status.state, message=message,
+    return StreamedRows(frame=frame, num_done=done, num_total=total, state=state, message=message,
                         num_chunks=len(files))
 
 
