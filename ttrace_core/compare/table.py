@@ -20,6 +20,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
+import msgspec
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,7 +28,7 @@ import pyarrow.parquet as pq
 from ttrace_core.compare.results import Coverage, RunComparison, TensorComparison, row_detectable
 from ttrace_core.format.naming import layer_of, module_of, tensor_id, tensor_kind
 from ttrace_core.format.reader import RunReader
-from ttrace_core.format.records import data_from_record, record_from_data
+from ttrace_core.format.records import data_from_record, record_from_data, unknown_key
 from ttrace_core.format.schema import TensorKey
 
 TABLE_FORMAT_VERSION = 6  # 2: the "call" column; 3: the coverage block in the provenance; 4: structure tests;
@@ -130,32 +131,58 @@ def _optional(value):
     return value.item() if hasattr(value, "item") else value
 
 
-def _loaded(text: str | None):
-    return None if _optional(text) is None else json.loads(text)
+def _cells(frame: pd.DataFrame, column: str) -> list:
+    """A column as Python scalars, None where missing (`_optional` of each cell, a column at a time); a JSON
+    column's text parsed. A column the table does not have (an older table) is all None."""
+    if column not in frame:
+        return [None] * len(frame)
+    series = frame[column]
+    values = series.astype(object).where(series.notna(), None).tolist()
+    if column in _JSON_COLUMNS:
+        return [None if text is None else json.loads(text) for text in values]
+    return [_optional(value) for value in values] if series.dtype == object else values
 
 
-def _put(data: dict, path: tuple, value: object) -> None:
-    for step, next_step in zip(path, path[1:]):
-        data = data.setdefault(step, [None, None] if isinstance(next_step, int) else {})
-    data[path[-1]] = value
+def _row_data(frame: pd.DataFrame) -> list[dict]:
+    """Every row as the serialized form of its TensorComparison (`data_from_record`'s), built a column at a time:
+    the inverse of `row_from_comparison`."""
+    columns = {column: _cells(frame, column) for column in ROW_PATHS}
+    columns["message"] = [text or "" for text in columns["message"]]
+    columns["structure"] = [tests or [] for tests in columns["structure"]]
+    columns["decided_by"] = [name or None for name in columns["decided_by"]]
+    columns["call"] = [call or 0 for call in columns["call"]]
+    columns["tolerance_params"] = [list((params or {}).items()) for params in columns["tolerance_params"]]
+    top = [column for column, path in ROW_PATHS.items() if len(path) == 1]
+    nested: dict[str, list[tuple[str, object]]] = {}
+    for column, (name, field_name) in ((c, p) for c, p in ROW_PATHS.items() if len(p) == 2):
+        nested.setdefault(name, []).append((column, field_name))
+    parts = {name: [dict(zip([f for _, f in fields_of], cells)) if isinstance(fields_of[0][1], str) else list(cells)
+                    for cells in zip(*(columns[c] for c, _ in fields_of))]
+             for name, fields_of in nested.items()}
+    for name, column in _PRESENCE.items():  # an absent nested record is None
+        parts[name] = [None if present is None else part for part, present in zip(parts[name], columns[column])]
+    names = top + list(parts)
+    return [dict(zip(names, cells)) for cells in zip(*(columns[c] for c in top), *parts.values())]
 
 
-def comparison_from_row(row: dict) -> TensorComparison:
-    """The TensorComparison a row was made from (the inverse of `row_from_comparison`)."""
-    data: dict = {}
-    for column, path in ROW_PATHS.items():
-        value = _loaded(row[column]) if column in _JSON_COLUMNS else _optional(row.get(column))
-        _put(data, path, value)
-    for name, column in _PRESENCE.items():
-        if data[name][ROW_PATHS[column][1]] is None:
-            data[name] = None
-    if data["tolerance"] is not None:
-        data["tolerance"]["params"] = list((data["tolerance"]["params"] or {}).items())
-    data["message"] = data["message"] or ""
-    data["structure"] = data["structure"] or []
-    data["decided_by"] = data["decided_by"] or None
-    data["key"]["call"] = data["key"]["call"] or 0
-    return record_from_data(data, TensorComparison, "comparison table", "comparison row", "compare the runs again")
+def comparisons_from_frame(frame: pd.DataFrame) -> list[TensorComparison]:
+    """The TensorComparisons a table's rows were made from. Read in one conversion; a row that does not convert
+    (a damaged table) is named by its first error, as `record_from_data` words it."""
+    data = _row_data(frame)
+    try:
+        comparisons = msgspec.convert(data, type=list[TensorComparison], strict=True)
+    except (msgspec.ValidationError, RecursionError):
+        comparisons = None
+    if comparisons is None or any(_structure_has_unknown_keys(row, c) for row, c in zip(data, comparisons)):
+        return [record_from_data(row, TensorComparison, "comparison table", "comparison row", "compare the runs again")
+                for row in data]  # the first bad row raises, worded as a single row's error is
+    return comparisons
+
+
+def _structure_has_unknown_keys(row: dict, comparison: TensorComparison) -> bool:
+    """Whether a structure test read from a row's JSON holds a key its record does not (msgspec drops those): the
+    only part of a row whose keys come from the file rather than from the table's columns."""
+    return bool(row["structure"]) and unknown_key(row["structure"], msgspec.to_builtins(comparison.structure), "$") is not None
 
 
 def comparison_from_table(frame: pd.DataFrame, provenance: dict) -> RunComparison:
@@ -163,7 +190,7 @@ def comparison_from_table(frame: pd.DataFrame, provenance: dict) -> RunCompariso
     return RunComparison(
         reference=provenance["reference"], candidate=provenance["candidate"],
         steps_compared=list(provenance["steps_compared"]), notes=list(provenance["notes"]),
-        comparisons=[comparison_from_row(row) for row in frame.to_dict("records")],
+        comparisons=comparisons_from_frame(frame),
         coverage=None if coverage is None else record_from_data(coverage, Coverage, "comparison table", "coverage block",
                                                                 "compare the runs again"),
         partial_allowed=bool(provenance.get("settings", {}).get("partial", False)),

@@ -55,7 +55,7 @@ def record_from_data(data: object, record: type[Record], where: str, what: str, 
     except (msgspec.ValidationError, RecursionError) as error:
         raise TraceFormatError(f"{where}: not a valid {what} ({_reason(error)}); {remedy}") from error
     written = parsed.to_dict() if hasattr(parsed, "to_dict") else msgspec.to_builtins(parsed)  # what it writes
-    unknown = _unknown_key(data, written, "$")
+    unknown = unknown_key(data, written, "$")
     if unknown is not None:  # worded as msgspec words it for a Struct record
         at, name = unknown
         error = ValueError(f"Object contains unknown field `{name}`" + ("" if at == "$" else f" - at `{at}`"))
@@ -63,18 +63,18 @@ def record_from_data(data: object, record: type[Record], where: str, what: str, 
     return parsed
 
 
-def _unknown_key(data: object, written: object, path: str) -> tuple[str, str] | None:
+def unknown_key(data: object, written: object, path: str) -> tuple[str, str] | None:
     """(where, key) of the first key of `data` that the record read from it, written back, does not hold."""
     if isinstance(data, dict) and isinstance(written, dict):
         for name, value in data.items():
             if name not in written:
                 return path, name
-            found = _unknown_key(value, written[name], f"{path}.{name}")
+            found = unknown_key(value, written[name], f"{path}.{name}")
             if found is not None:
                 return found
     elif isinstance(data, list | tuple) and isinstance(written, list | tuple):
         for index, (value, kept) in enumerate(zip(data, written)):
-            found = _unknown_key(value, kept, f"{path}[{index}]")
+            found = unknown_key(value, kept, f"{path}[{index}]")
             if found is not None:
                 return found
     return None

@@ -4,6 +4,7 @@ import pandas as pd
 import pytest
 
 from tests.synthetic_runs import write_pair
+from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.records import data_from_record
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.reader import RunReader
@@ -149,3 +150,19 @@ def test_a_frame_of_rows_without_numbers_keeps_the_tables_float_columns(compared
     floats = [name for name in frame.columns if frame[name].dtype == float]
     assert {"ratio", "error", "detectable", "tolerance_rel"} <= set(floats)
     assert {name: str(chunk[name].dtype) for name in floats} == {name: "float64" for name in floats}
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda frame: frame.assign(status=["bogus"] + list(frame["status"][1:])), r"field \$\.status: Invalid enum value 'bogus'"),
+    (lambda frame: frame.drop(columns=["num_nonfinite_apart"]), r"field \$\.num_nonfinite_apart: Expected `int`, got `null`"),
+    (lambda frame: frame.assign(structure=[json.dumps([{"name": "scale", "value": 0.1, "tolerance": 1.0, "ratio": 0.1,
+                                                         "findingz": ""}])] + list(frame["structure"][1:])),
+     r"Object contains unknown field `findingz`"),
+], ids=["bad-value", "older-table", "renamed-structure-key"])
+def test_a_damaged_table_is_refused_in_one_line(compared, damage, message):
+    """The rows are read in one conversion; a damaged one is still refused with its field named."""
+    result, frame = compared
+    with pytest.raises(TraceFormatError, match=r"comparison table: not a valid comparison row \(.*" + message):
+        comparison_from_table(damage(frame), {"reference": "r", "candidate": "c", "steps_compared": [0], "notes": []})
+    assert comparison_from_table(frame, {"reference": "r", "candidate": "c", "steps_compared": [0], "notes": []}
+                                 ).comparisons == result.comparisons
