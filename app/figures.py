@@ -40,6 +40,8 @@ MAX_LABEL_PX = 420
 TIMELINE_GL_POINTS = 3000
 """Above this many points the timeline is drawn with WebGL (scattergl): SVG markers slow the browser."""
 FIRST_DIVERGENCE_COLOUR = "#ffd400"
+PHASE_NAME_PX = 14
+"""The timeline's phase names stand above the plot on two lines this far apart, alternating."""
 FOCUS_COLOUR = "#9e9e9e"
 """The frame around the heatmap row a link asked for (`module` in the URL)."""
 MATRIX_PLOT_PX = 1100
@@ -160,9 +162,14 @@ def heatmap_figure(cells: pd.DataFrame, rows: pd.DataFrame, first: tuple[str, st
 def timeline_figure(points: pd.DataFrame, first_order: int | None) -> go.Figure:
     """log10(ratio) along execution order, with the phases as bands and the first divergence marked."""
     figure = go.Figure()
-    for phase, group in points.groupby("phase", sort=False):
-        figure.add_vrect(x0=group["order"].min() - 0.5, x1=group["order"].max() + 0.5, fillcolor=PHASE_COLOURS.get(phase, "rgba(128,128,128,0.12)"),
-                         line_width=0, layer="below", annotation_text=phase, annotation_position="top left")
+    for band, (phase, group) in enumerate(points.groupby("phase", sort=False)):
+        start = group["order"].min() - 0.5
+        figure.add_vrect(x0=start, x1=group["order"].max() + 0.5, fillcolor=PHASE_COLOURS.get(phase, "rgba(128,128,128,0.12)"),
+                         line_width=0, layer="below")
+        # Above the plot, every other name a line higher: inside it they sat on the worst points, and next to a
+        # narrow band (the initial values, the reduced gradients) two names ran together ("initialforward").
+        figure.add_annotation(x=start, xref="x", xanchor="left", y=1, yref="paper", yanchor="bottom", text=phase,
+                              showarrow=False, yshift=PHASE_NAME_PX * (band % 2))
     numeric = points[points["category"] == "ratio"]
     scatter = go.Scattergl if len(points) > TIMELINE_GL_POINTS else go.Scatter
     figure.add_trace(scatter(x=numeric["order"], y=numeric["value"], mode="markers", showlegend=False,
@@ -175,10 +182,10 @@ def timeline_figure(points: pd.DataFrame, first_order: int | None) -> go.Figure:
                                         marker=dict(symbol="x", size=8, color=colour), **_clickable(special)))
     figure.add_hline(y=0, line=dict(color=NEUTRAL, width=1, dash="dot"), annotation_text="pass line")
     if first_order is not None:
-        # Below the plot's top, where the phase names sit: there the two ran together ("gradfirst divergence").
+        # At the bottom, away from the phase names above the plot (beside them the two ran together: "gradfirst divergence").
         figure.add_vline(x=first_order, line=dict(color=FIRST_DIVERGENCE_COLOUR, width=3),
                          annotation_text="first divergence", annotation_position="bottom right")
-    figure.update_layout(height=300, margin=dict(l=10, r=10, t=30, b=10), dragmode=False,
+    figure.update_layout(height=300, margin=dict(l=10, r=10, t=20 + 2 * PHASE_NAME_PX, b=10), dragmode=False,
                          xaxis=dict(title="execution order"),
                          yaxis=dict(title="log10(error/tol)", range=[-LOG_RATIO_LIMIT - 0.3, LOG_RATIO_LIMIT + 0.3]))
     return figure

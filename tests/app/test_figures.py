@@ -173,6 +173,7 @@ def test_initial_parameter_values_neither_lead_the_rows_nor_stretch_the_paramete
     figure = figures.timeline_figure(points, first_order=1)
     bands = {a.text: a for a in figure.layout.annotations if a.text in ("initial", "forward", "grad")}
     assert set(bands) == {"initial", "forward", "grad"}
+    assert bands["initial"].yshift != bands["forward"].yshift  # neighbours on two lines, not run together
     (first,) = [a for a in figure.layout.annotations if a.text == "first divergence"]
     assert first.yanchor == "bottom" or first.y < 0.5  # not at the top, where the phase names are
 
