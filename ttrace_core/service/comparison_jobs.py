@@ -155,6 +155,9 @@ class RowChunkWriter:
         self._last_write = time.monotonic()
         self._pause_after = int(os.environ.get(PAUSE_ENV, "0") or 0)
         self._failure_written = False
+        self._frames: list[pd.DataFrame] = []
+        self._written: list = []
+        """The chunks' frames and the comparisons they hold, in order: the whole table is their concatenation."""
 
     def add(self, comparison, candidate_reader) -> None:
         self._pending.append(comparison)
@@ -172,9 +175,23 @@ class RowChunkWriter:
             return
         frame = frame_from_comparisons(self._pending, candidate_reader, first_order=self._num_written)
         write_table(self.directory / f"rows-{len(_chunk_files(self.directory)):06d}.parquet", frame, {})
+        self._frames.append(frame)
+        self._written += self._pending
         self._num_written += len(self._pending)
         self._pending, self._last_write = [], time.monotonic()
         self._pause_if_asked()
+
+    def frame_of(self, comparisons: list) -> pd.DataFrame | None:
+        """The chunks concatenated, when they hold exactly `comparisons` in order (else None): the table
+        `frame_from_comparisons(comparisons)` makes, without making its rows again."""
+        if len(comparisons) != len(self._written) or any(a is not b for a, b in zip(comparisons, self._written)):
+            return None
+        if not self._frames:
+            return None
+        frame = pd.concat(self._frames, ignore_index=True)
+        for column in frame.columns[frame.dtypes == object]:  # a chunk without a value there left it untyped
+            frame[column] = pd.Series(frame[column].tolist(), index=frame.index)  # typed as one frame's would be
+        return frame
 
     def progress(self, done: int, total: int) -> None:
         if done == 1 or done == total or done % 50 == 0:

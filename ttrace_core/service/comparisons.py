@@ -111,6 +111,10 @@ class RowStream(Protocol):
 
     def flush(self, candidate: RunReader) -> None: ...
 
+    def frame_of(self, comparisons: list[TensorComparison]) -> pd.DataFrame | None:
+        """The table of `comparisons` from the rows already made for the stream, None unless it holds exactly
+        those, in that order."""
+
 
 @dataclass(kw_only=True, slots=True)
 class ComparisonTable:
@@ -200,9 +204,12 @@ def comparison_table(reference: str | os.PathLike, candidate: str | os.PathLike,
             on_row = None if stream is None else (lambda row: stream.add(row, cand_reader))
             result = compare_runs(ref_reader, cand_reader, tolerances, progress=progress, on_row=on_row,
                                   **settings.engine_options())
+        frame = None
         if stream is not None:
             stream.flush(cand_reader)
-        frame = table.table_from_comparison(result, cand_reader)
+            frame = stream.frame_of(result.comparisons)  # the streamed rows are the table's: not made twice
+        if frame is None:
+            frame = table.table_from_comparison(result, cand_reader)
     if not result.comparisons:
         raise TtraceError(f"{candidate}: no step was completed in both runs, nothing to compare")
     provenance = _provenance(result, inputs, settings, provider_name(tolerances), time.perf_counter() - started)
