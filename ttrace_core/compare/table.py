@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from ttrace_core.compare.results import Coverage, RunComparison, TensorComparison, row_detectable
 from ttrace_core.format.naming import layer_of, module_of, tensor_id, tensor_kind
 from ttrace_core.format.reader import RunReader
-from ttrace_core.format.records import data_from_record, record_from_data, unknown_key
+from ttrace_core.format.records import record_from_data, unknown_key
 from ttrace_core.format.schema import TensorKey
 
 TABLE_FORMAT_VERSION = 6  # 2: the "call" column; 3: the coverage block in the provenance; 4: structure tests;
@@ -85,35 +85,38 @@ def pipeline_stage(reader: RunReader, key: TensorKey) -> int | None:
     return min(reader.manifest.rank_coordinates[m.rank][axis] for m in metas)
 
 
-def _at(data: object, path: tuple) -> object:
-    for step in path:
-        if data is None:
-            return None
-        data = data[step]
-    return data
-
-
-def row_from_comparison(c: TensorComparison, order: int, stage: int | None) -> dict:
-    data = data_from_record(c)
-    row = {column: _at(data, path) for column, path in ROW_PATHS.items()}
-    row["detectable"] = row_detectable(c)  # a reader of the table (the heatmap's hover) takes it as it is
-    if row["tolerance_params"] is not None:
-        row["tolerance_params"] = dict(row["tolerance_params"])  # a JSON object in its cell
-    derived = {"tensor": tensor_id(c.key), "module": module_of(c.key), "layer": layer_of(c.key.fqn), "stage": stage,
-               "kind": tensor_kind(c.key), "order": order, "passed": c.passed}
-    return {column: derived[column] if column in derived else row[column] for column in COLUMNS}
-
-
 def table_from_comparison(result: RunComparison, candidate: RunReader) -> pd.DataFrame:
     return frame_from_comparisons(result.comparisons, candidate)
 
 
-def frame_from_comparisons(comparisons: list[TensorComparison], candidate: RunReader, first_order: int = 0) -> pd.DataFrame:
-    """The table's rows of `comparisons`, the first at position `first_order` of the whole table (a
-    streamed chunk's rows are the same as the finished table's)."""
-    rows = [row_from_comparison(c, order, pipeline_stage(candidate, c.key))
-            for order, c in enumerate(comparisons, start=first_order)]
-    frame = pd.DataFrame(rows, columns=COLUMNS)
+def _field_values(comparisons: list[TensorComparison], path: tuple) -> list:
+    """The value at `path` (ROW_PATHS) of every comparison: a field, or a field of a nested record or pair."""
+    values = [getattr(c, path[0]) for c in comparisons]
+    if len(path) == 1:
+        return values
+    part = path[1]
+    if isinstance(part, int):
+        return [None if value is None else value[part] for value in values]
+    return [None if value is None else getattr(value, part) for value in values]
+
+
+def frame_from_comparisons(comparisons: list[TensorComparison], candidate: RunReader | None,
+                           first_order: int = 0) -> pd.DataFrame:
+    """The table's rows of `comparisons`, the first at position `first_order` of the whole table (a streamed
+    chunk's rows are the same as the finished table's). Made a column at a time from the records' fields; the
+    pipeline stages from `candidate` (None: no stages)."""
+    columns = {column: _field_values(comparisons, path) for column, path in ROW_PATHS.items()}
+    columns["status"] = [str(status) for status in columns["status"]]  # a ComparisonStatus as its text
+    columns["structure"] = [msgspec.to_builtins(tests) if tests else [] for tests in columns["structure"]]
+    columns["detectable"] = [row_detectable(c) for c in comparisons]  # a reader of the table takes it as it is
+    columns["tolerance_params"] = [None if params is None else dict(params) for params in columns["tolerance_params"]]
+    keys = [c.key for c in comparisons]
+    columns.update(tensor=[tensor_id(key) for key in keys], module=[module_of(key) for key in keys],
+                   layer=[layer_of(key.fqn) for key in keys],
+                   stage=[None if candidate is None else pipeline_stage(candidate, key) for key in keys],
+                   kind=[tensor_kind(key) for key in keys], order=list(range(first_order, first_order + len(keys))),
+                   passed=[c.passed for c in comparisons])
+    frame = pd.DataFrame({column: columns[column] for column in COLUMNS}, columns=list(COLUMNS))
     for name in _JSON_COLUMNS:
         frame[name] = [None if v is None else json.dumps(list(v) if not isinstance(v, dict) else v) for v in frame[name]]
     frame["structure"] = [None if not v or v == "[]" else v for v in frame["structure"]]
@@ -145,7 +148,7 @@ def _cells(frame: pd.DataFrame, column: str) -> list:
 
 def _row_data(frame: pd.DataFrame) -> list[dict]:
     """Every row as the serialized form of its TensorComparison (`data_from_record`'s), built a column at a time:
-    the inverse of `row_from_comparison`."""
+    the inverse of `frame_from_comparisons`."""
     columns = {column: _cells(frame, column) for column in ROW_PATHS}
     columns["message"] = [text or "" for text in columns["message"]]
     columns["structure"] = [tests or [] for tests in columns["structure"]]

@@ -10,7 +10,7 @@ from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.results import TensorComparison, Tolerance, detectable_of, row_detectable
 from ttrace_core.compare.table import (
-    COLUMNS, comparison_from_table, frame_from_comparisons, layer_of, read_table, row_from_comparison,
+    COLUMNS, comparison_from_table, frame_from_comparisons, layer_of, read_table,
     table_from_comparison, tensor_id,
     tensor_kind, write_table,
 )
@@ -95,8 +95,8 @@ def test_layer_of(fqn, layer):
                                        (TensorKey(0, -1, "step", GRADIENT_CLIPPING, "scalar.grad_norm"), "step")],
                          ids=["loss", "step"])
 def test_a_pseudo_module_is_its_own_row_outside_every_layer(key, kind):
-    row = row_from_comparison(TensorComparison(key=key, status="mismatch", ratio=3.0), order=0, stage=None)
-    assert (row["module"], row["layer"], row["kind"]) == (key.fqn, None, kind)
+    row = frame_from_comparisons([TensorComparison(key=key, status="mismatch", ratio=3.0)], None).iloc[0]
+    assert (row["module"], row["kind"]) == (key.fqn, kind) and pd.isna(row["layer"])
     assert key_from_tensor_id(row["tensor"], key.step, key.micro_batch) == key
 
 
@@ -125,8 +125,8 @@ def test_a_rows_detectable_is_finished_as_detectable_of_gives(fields, set_after,
         comparison.detectable = set_after  # a field set after the row is made (the engine's structure tests do)
     raw = comparison.detectable
     comparison_elementwise = comparison.value_ratio is not None and not comparison.stats_only
-    row = row_from_comparison(comparison, order=0, stage=None)
-    assert row["detectable"] == detectable_of(raw, _TOLERANCE.rel, comparison_elementwise) == expected
+    row = frame_from_comparisons([comparison], None).iloc[0]
+    assert (None if pd.isna(row["detectable"]) else row["detectable"]) == detectable_of(raw, _TOLERANCE.rel, comparison_elementwise) == expected
 
 
 def test_every_row_of_a_compared_table_carries_its_finished_detectable(compared):
