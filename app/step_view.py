@@ -33,9 +33,11 @@ class StepView:
     """The (row, kind) cell outlined as the first divergence, when it is in this view."""
 
 
-def step_view(frame: pd.DataFrame, step: int, mb: int | str, rows_choice: str, focus: str | None) -> StepView:
+def step_heatmap(frame: pd.DataFrame, step: int, mb: int | str, rows_choice: str, focus: str | None
+                 ) -> tuple[pd.DataFrame, go.Figure, tuple[str, str] | None]:
     """The heatmap of `step` for micro-batch `mb` (or `ALL_MICRO_BATCHES`), rows per module or per layer
-    (`rows_choice`), the `focus` row framed."""
+    (`rows_choice`), the `focus` row framed: its rows, its figure, and the cell outlined as the first divergence
+    (None when that is not in this view). Also what the page draws of a comparison still streaming."""
     first = cells.first_divergence(frame)
     shown = cells.rows_by_layer(frame) if rows_choice == "layers" else frame
     rows = cells.module_rows(shown)
@@ -44,8 +46,13 @@ def step_view(frame: pd.DataFrame, step: int, mb: int | str, rows_choice: str, f
     if first is not None and first["step"] == step and mb in (ALL_MICRO_BATCHES, first["micro_batch"], -1):
         marked = (shown.loc[first.name, "module"], first["kind"])
         view_cells = cells.pointing_at_first(view_cells, first, marked[0])
-    return StepView(rows=rows, heatmap=figures.heatmap_figure(view_cells, rows, marked, focus),
-                    choices=cells.tensor_choices(frame, step)[:MAX_CHOICES],
+    return rows, figures.heatmap_figure(view_cells, rows, marked, focus), marked
+
+
+def step_view(frame: pd.DataFrame, step: int, mb: int | str, rows_choice: str, focus: str | None) -> StepView:
+    """`step_heatmap`, with the choices and suspects the page around it lists."""
+    rows, heatmap, marked = step_heatmap(frame, step, mb, rows_choice, focus)
+    return StepView(rows=rows, heatmap=heatmap, choices=cells.tensor_choices(frame, step)[:MAX_CHOICES],
                     suspects=[m for m in cells.module_rows(frame)["module"] if m], marked=marked)
 
 

@@ -6,7 +6,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from ttrace_dashboard import cells, figures, step_view
+from ttrace_dashboard import cells, step_view
 from ttrace_dashboard.report import report_html
 from ttrace_dashboard.state import ALL_MICRO_BATCHES, ROW_CHOICES, default_rows, view_from_click
 from ttrace_dashboard.ui import (bind_choice, go_to, legend, load_comparison, pair_caption, run_pair, show_in_url,
@@ -44,18 +44,14 @@ def heatmap_so_far(rows: "api.StreamedRows") -> None:
     else:
         st.info(f"No divergence in the first {len(frame)} tensors.", icon=":material/hourglass_top:")
     step = int(first["step"]) if first is not None else int(frame["step"].min())
-    by_layer = (state.rows or default_rows(frame["module"].nunique())) == "layers"
-    shown = cells.rows_by_layer(frame) if by_layer else frame
-    marked = None if first is None else (shown.loc[first.name, "module"], first["kind"])
+    rows_choice = state.rows or default_rows(frame["module"].nunique())
     st.caption(f"Step {step}, the tensors compared so far. Colour: log10(error / tolerance), 0 is the pass line.")
     # Redrawn when the rows grew by a quarter: each poll drawing every row again took the cores the comparison needs.
     drawn_key = f"_heatmap_so_far:{state.ref}:{state.cand}:{state.map}"
     drawn = st.session_state.get(drawn_key)
     if drawn is None or len(frame) >= 1.25 * drawn[0] or (first is not None) != drawn[1]:
-        so_far = cells.heatmap_cells(shown, step, ALL_MICRO_BATCHES)
-        if first is not None:
-            so_far = cells.pointing_at_first(so_far, first, marked[0])
-        figure = figures.heatmap_figure(so_far, cells.module_rows(shown), marked, cells.focus_row(state.module, by_layer))
+        focus = cells.focus_row(state.module, rows_choice == "layers")
+        _, figure, _ = step_view.step_heatmap(frame, step, ALL_MICRO_BATCHES, rows_choice, focus)
         drawn = st.session_state[drawn_key] = (len(frame), first is not None, figure)
     st.plotly_chart(drawn[2], key="heatmap_so_far", config={"displayModeBar": False}, width="content")
 
