@@ -182,13 +182,17 @@ class AssembledPair:
         return value_sums(actual.values, expected.values, tolerance, scales=(actual.scale, expected.scale))
 
 
-def assemble_pair(key: TensorKey, reference: RunReader, candidate: RunReader) -> AssembledPair | TensorComparison:
+def assemble_pair(key: TensorKey, reference: RunReader, candidate: RunReader,
+                  read: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None
+                  ) -> AssembledPair | TensorComparison:
     """Both runs' logical tensors of `key` (their metadata agreeing in shape and dtype), or a SHAPE row when the
-    assembled tensors still differ in shape; LayoutError when the shards cannot be assembled."""
+    assembled tensors still differ in shape; LayoutError when the shards cannot be assembled. `read`: the
+    reference's and the candidate's shards already read (`RunReader.read_many`), by id of their meta."""
     ref_metas, cand_metas = reference.index[key], candidate.index[key]
-    cand_full = canonical_tensor(candidate, cand_metas, key)
+    ref_read, cand_read = read or (None, None)
+    cand_full = canonical_tensor(candidate, cand_metas, key, cand_read)
     actual = ScaledValues(cand_full.full, cand_metas[0].scale)
-    expected = ScaledValues(canonical_tensor(reference, ref_metas, key).full, ref_metas[0].scale)
+    expected = ScaledValues(canonical_tensor(reference, ref_metas, key, ref_read).full, ref_metas[0].scale)
     if actual.values.shape != expected.values.shape:
         return TensorComparison(key=key, status=ComparisonStatus.SHAPE, dtype=cand_metas[0].dtype,
                                 shape=tuple(actual.values.shape),
@@ -473,7 +477,7 @@ def prepare_small(keys: list[TensorKey], reference: RunReader, candidate: RunRea
     """The keys among `keys` whose tensors are small enough to batch (batched.py) and whose comparison
     reaches their values, read and assembled, with their value sums computed together. The rest, and any
     key that fails on the way (metadata, layout, shape), are left to `compare_key` to compare and word."""
-    ready: list[tuple[TensorKey, AssembledPair, Tolerance]] = []
+    small: list[TensorKey] = []
     for key in keys:
         ref_metas, cand_metas = reference.index[key], candidate.index[key]
         ref_first, cand_first = ref_metas[0], cand_metas[0]
@@ -482,8 +486,14 @@ def prepare_small(keys: list[TensorKey], reference: RunReader, candidate: RunRea
                 or not batchable(math.prod(shape)) or (ref_first.dtype != cand_first.dtype and not plan.ignore_dtype) \
                 or slab_dims(ref_metas, cand_metas, plan.max_bytes) or _inconsistent(key, reference, candidate) is not None:
             continue
+        small.append(key)
+    # their shards read together: one pread for many small tensors lying next to each other in a file
+    read = (reference.read_many([meta for key in small for meta in reference.index[key]]),
+            candidate.read_many([meta for key in small for meta in candidate.index[key]]))
+    ready: list[tuple[TensorKey, AssembledPair, Tolerance]] = []
+    for key in small:
         try:
-            pair = assemble_pair(key, reference, candidate)
+            pair = assemble_pair(key, reference, candidate, read)
         except LayoutError:
             continue
         if isinstance(pair, AssembledPair):

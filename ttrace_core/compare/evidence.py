@@ -146,8 +146,12 @@ def family_of(key: TensorKey) -> tuple:
 
 
 def _copies_per_coordinate(metas: list[TensorMeta]) -> int:
-    held = Counter(meta.layout.coordinate for meta in metas)
-    return max(held.values()) if held else 0
+    if len(metas) < 2:
+        return len(metas)
+    coordinates = [meta.layout.coordinate for meta in metas]
+    if len(set(coordinates)) == len(coordinates):  # (most tensors: no two shards hold the same block)
+        return 1
+    return max(Counter(coordinates).values())
 
 
 def replication_by_family(index: dict[TensorKey, list[TensorMeta]]) -> dict[tuple, int]:

@@ -16,6 +16,8 @@ docs/tolerances.md has the math and the calibration of alpha, k and C.
 
 from __future__ import annotations
 
+import functools
+
 import math
 import os
 import statistics
@@ -89,18 +91,25 @@ class DtypeTolerances:
     precision: str | None = None
 
     def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
-        table = {**DTYPE_TOLERANCES, **(self.overrides or {})}
-        rel, abs_ = table.get(dtype, table["float32"])
-        source = f"dtype default ({dtype})"
-        compute = COMPUTE_DTYPES.get(self.precision or "", dtype)
-        compute_rel, compute_abs = table.get(compute, table["float32"])
-        if compute_rel > rel:
-            rel, abs_, source = compute_rel, max(abs_, compute_abs), f"dtype default ({dtype}, computed in {compute})"
-        return Tolerance(rel=rel, abs=abs_, source=source, method="dtype")
+        overrides = tuple((name, tuple(row)) for name, row in self.overrides.items()) if self.overrides else ()
+        return _dtype_tolerance(overrides, self.precision, dtype)
 
     def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...],
                              update_to_value: float | None = None) -> dict[str, float]:
         return {}  # a flat table has no noise model for the error's structure
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_tolerance(overrides: tuple[tuple[str, tuple[float, float]], ...], precision: str | None, dtype: str) -> Tolerance:
+    """A row of the dtype table (the same for every tensor of a dtype: made once, a Tolerance is immutable)."""
+    table = {**DTYPE_TOLERANCES, **dict(overrides)}
+    rel, abs_ = table.get(dtype, table["float32"])
+    source = f"dtype default ({dtype})"
+    compute = COMPUTE_DTYPES.get(precision or "", dtype)
+    compute_rel, compute_abs = table.get(compute, table["float32"])
+    if compute_rel > rel:
+        rel, abs_, source = compute_rel, max(abs_, compute_abs), f"dtype default ({dtype}, computed in {compute})"
+    return Tolerance(rel=rel, abs=abs_, source=source, method="dtype")
 
 
 # Floor, in units of eps: a tensor the perturbation does not move may still differ by one rounding.

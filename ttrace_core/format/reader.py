@@ -195,6 +195,17 @@ class RunReader:
         dim): only that part (only its bytes are read)."""
         return self._files[(meta.rank, meta.key.step)].read(meta, region)
 
+    def read_many(self, metas: list[TensorMeta]) -> dict[int, torch.Tensor]:
+        """The whole local values of many shards, by id of their meta; each file's shards read together
+        (`StepFile.read_many`: small tensors next to each other in a file cost one `pread`)."""
+        by_file: dict[tuple[int, int], list[TensorMeta]] = {}
+        for meta in metas:
+            by_file.setdefault((meta.rank, meta.key.step), []).append(meta)
+        values: dict[int, torch.Tensor] = {}
+        for place, group in by_file.items():
+            values.update(zip(map(id, group), self._files[place].read_many(group)))
+        return values
+
     def keys(self) -> list[TensorKey]:
         return list(self.index)
 

@@ -105,6 +105,65 @@ def test_after_the_open_a_read_is_one_pread_and_no_hdf5_call(tmp_path, monkeypat
         assert torch.equal(step_file.read(meta), VALUES["large"]) and len(reads) == 1
 
 
+def test_many_small_tensors_read_together_cost_one_pread_and_equal_reading_each(tmp_path, monkeypatch):
+    values = {f"m{index}": torch.randn(3, 7 + index).to(torch.bfloat16 if index % 3 == 0 else torch.float32)
+              for index in range(40)}
+    values["large"] = VALUES["large"]  # a pack of its own, next to the gathered one in the file
+    _written(tmp_path, values)
+    reads = []
+    real_preadv = os.preadv
+    with RunReader(tmp_path) as reader:
+        metas = [reader.index[_key(fqn)][0] for fqn in reversed(values)]  # the order asked for, not the file's
+        alone = [reader.read(meta) for meta in metas]
+        monkeypatch.setattr(os, "preadv", lambda *args: reads.append(args) or real_preadv(*args))
+        together = reader.read_many(metas)
+    assert len(reads) == 1  # the 40 gathered tensors and the pack after them: one run of 1.6 MB
+    for meta, one in zip(metas, alone):
+        got = together[id(meta)]
+        assert got.dtype == one.dtype and got.shape == one.shape and torch.equal(got.view(torch.uint8)
+                                                                                 if got.dtype == torch.bfloat16 else got,
+                                                                                 one.view(torch.uint8)
+                                                                                 if one.dtype == torch.bfloat16 else one)
+        assert got.data_ptr() % 8 == 0  # every view aligned for its dtype
+
+
+def test_spans_far_apart_or_past_the_run_size_are_read_apart(monkeypatch, tmp_path):
+    path = tmp_path / "bytes"
+    path.write_bytes(bytes(range(256)) * 1024)
+    spans = [(0, 64), (64, 64), (64 + 64 + packs.RUN_GAP + 8, 8), (200_000, 100), (200_104, 100)]
+    monkeypatch.setattr(packs, "RUN_BYTES", 128)  # the last two: together past the run size
+    descriptor = os.open(path, os.O_RDONLY)
+    reads = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *args: reads.append(args) or real_preadv(*args))
+    try:
+        found = packs.read_spans_quietly(descriptor, spans)
+    finally:
+        os.close(descriptor)
+    data = path.read_bytes()
+    assert [bytes(view) for view in found] == [data[start:start + size] for start, size in spans]
+    assert len(reads) == 4  # (0 and 64 together), the one past the gap, and the last two apart
+
+
+def test_spans_past_the_end_of_the_file_read_as_none(tmp_path):
+    path = tmp_path / "bytes"
+    path.write_bytes(bytes(100))
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        assert packs.read_spans_quietly(descriptor, [(0, 32), (64, 64)]) == [None, None]  # one run, not whole
+    finally:
+        os.close(descriptor)
+
+
+def test_a_file_truncated_after_it_was_opened_reads_many_in_one_line(tmp_path):
+    _written(tmp_path)
+    with RunReader(tmp_path) as reader:
+        os.truncate(tmp_path / STEP_FILE, 4096)
+        with pytest.raises(TraceFormatError) as raised:
+            reader.read_many([reader.index[_key(fqn)][0] for fqn in ("small", "large")])
+    assert "was truncated after it was opened; " + REMEDY in str(raised.value)
+
+
 @pytest.mark.parametrize("region", [(slice(1, 3),), (slice(0, 2), slice(100, 300)), (slice(2, 3), slice(511, 512)),
                                     (slice(1, 1),)], ids=["dim 0", "dims 0 and 1", "last row", "empty"])
 def test_a_region_reads_only_its_bytes_and_equals_the_slice(tmp_path, region):
