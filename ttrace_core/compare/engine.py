@@ -74,13 +74,16 @@ def _verdict(metrics: ValueMetrics, drift: ReplicaDrift | None, tolerance: Toler
     (mismatch) and between its own replicas (replica drift); the message gives both ratios and the
     larger one decides, so the status, the `ratio` column and the text always agree."""
     (nan_candidate, nan_reference), (inf_candidate, inf_reference) = metrics.num_nan, metrics.num_inf
-    counts = f"candidate {nan_candidate}/{inf_candidate}, reference {nan_reference}/{inf_reference}"
+    if nan_candidate or nan_reference or inf_candidate or inf_reference or metrics.num_nonfinite_apart:
+        counts = f"candidate {nan_candidate}/{inf_candidate}, reference {nan_reference}/{inf_reference}"
     if nan_candidate != nan_reference or inf_candidate != inf_reference:
         return ComparisonStatus.NONFINITE, f"NaN/Inf counts differ: {counts}"
     if apart := metrics.num_nonfinite_apart:
         return ComparisonStatus.NONFINITE, f"NaN/Inf in other places: {apart} elements are NaN or Inf in one run and " \
                                            f"not the same value in the other (counts {counts})"
     value_ratio, drift_ratio = metrics.ratio, _drift_ratio(drift, tolerance)
+    if value_ratio <= 1 and drift_ratio <= 1:  # (most rows: nothing to word)
+        return ComparisonStatus.PASS, ""
     mismatch = f"mismatch ratio {value_ratio:.3g} (relative error {metrics.error:.3g}, tolerance {tolerance.rel:.3g})"
     if drift_ratio > 1:
         drifting = f"replica drift ratio {drift_ratio:.3g} (replicas on ranks {drift.ranks} differ by " \

@@ -159,8 +159,16 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
 
 
 def tensor_from_array(array: np.ndarray, name: str, where: str) -> torch.Tensor:
+    value = torch.from_numpy(np.asarray(array, order="C"))
+    bits = raw_bits_view(name, where)
+    return value if bits is None else value.view(bits)
+
+
+def raw_bits_view(name: str, where: str) -> torch.dtype | None:
+    """The torch dtype a tensor stored as raw bits (`RAW_BITS`) is viewed as; None for one stored natively.
+    A dtype the schema does not name is refused in one line."""
     if name in RAW_BITS:
-        return torch.from_numpy(np.asarray(array, order="C")).view(getattr(torch, name))
+        return getattr(torch, name)
     if name in NATIVE_DTYPES:
-        return torch.from_numpy(np.asarray(array, order="C"))
+        return None
     raise TraceFormatError(f"{where}: unknown dtype {name!r} in the trace; it was written by another ttrace version")

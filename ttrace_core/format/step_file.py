@@ -39,7 +39,7 @@ from ttrace_core.errors import TraceFormatError, TtraceError
 from ttrace_core.format.containment import contained, dataset_metas, refuse_external_storage, refuse_links
 from ttrace_core.format.datasets import (
     INTEGER, READ_ERRORS, STRING, damaged_file_errors, read_bytes_dataset, read_values, read_whole_values,
-    scalar_attribute, stored_dtype, tensor_from_array,
+    raw_bits_view, scalar_attribute, stored_dtype, tensor_from_array,
 )
 from ttrace_core.format.findings import FINDINGS, findings_in_file
 from ttrace_core.format.global_heap import refuse_looping_heaps
@@ -168,12 +168,16 @@ class StepFile:
         runs = read_spans_quietly(self._descriptor, [self._span_of[id(metas[index])] for index in placed]) \
             if placed and self._descriptor is not None else []
         found: dict[int, torch.Tensor] = {}
+        dtypes: dict[str, tuple[np.dtype, torch.dtype | None]] = {}
         for index, run in zip(placed, runs):
             meta = metas[index]
             try:
-                if run is not None:
-                    found[index] = tensor_from_array(run.view(stored_dtype(meta.dtype)).reshape(meta.local_shape),
-                                                     meta.dtype, str(self.path))
+                if run is None:
+                    continue
+                if (stored := dtypes.get(meta.dtype)) is None:
+                    stored = dtypes[meta.dtype] = (stored_dtype(meta.dtype), raw_bits_view(meta.dtype, str(self.path)))
+                value = torch.from_numpy(run.view(stored[0]).reshape(meta.local_shape))
+                found[index] = value if stored[1] is None else value.view(stored[1])
             except (TypeError, ValueError, TtraceError):
                 pass
         return [found[index] if index in found else self.read(meta) for index, meta in enumerate(metas)]
