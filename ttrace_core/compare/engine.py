@@ -408,24 +408,30 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
     unrecorded = unrecorded_keys(reference, candidate)  # counted as not compared by the coverage block
     ref_keys = [k for k in reference.index if k.step in steps and k not in unrecorded]
     cand_keys = [k for k in candidate.index if k.step in steps and k not in unrecorded]
-    for name, run, others in (("candidate", candidate, set(ref_keys) - set(cand_keys)),
-                              ("reference", reference, set(cand_keys) - set(ref_keys))):
+    ref_set, cand_set = set(ref_keys), set(cand_keys)  # (each key hashed once: a 400-layer run has 27,200 keys)
+    for name, run, others in (("candidate", candidate, ref_set - cand_set), ("reference", reference, cand_set - ref_set)):
         if skipped := set(untraced_by_configuration(sorted(others), run.manifest)):
             ref_keys, cand_keys = [k for k in ref_keys if k not in skipped], [k for k in cand_keys if k not in skipped]
+            ref_set, cand_set = ref_set - skipped, cand_set - skipped
             result.notes.append(f"{len(skipped)} activations of modules the {name}'s tracer configuration leaves out "
                                 f"(exclude / exclude_activations, e.g. {min(skipped)}) were not compared")
-    unmapped = unmapped_candidate_keys(sorted(set(cand_keys) - set(ref_keys)), reference.manifest) \
+    unmapped = unmapped_candidate_keys(sorted(cand_set - ref_set), reference.manifest) \
         if reference.manifest.correspondence else {}
     if unmapped:  # declared without counterpart by the mapped reference's map: listed by coverage, not compared
         cand_keys = [k for k in cand_keys if k not in unmapped]
+        cand_set = cand_set.difference(unmapped)
     result.notes += precision_choices(reference.manifest, candidate.manifest)
-    common = set(ref_keys) & set(cand_keys)
+    common = ref_set & cand_set
     # A mapped reference (another implementation's run, docs/porting.md) has its own order of computation:
     # the first divergence is the first in the candidate's order.
-    order_by = candidate if reference.manifest.correspondence else reference
-    plan = ComparePlan(unmapped=unmapped, ordered=sorted(ref_keys, key=lambda k: _execution_order(
-                           order_by if k in order_by.index else reference, k)), common=common,
-                       extras=sorted(set(cand_keys) - common, key=lambda k: _execution_order(candidate, k)),
+    order_by = candidate.index if reference.manifest.correspondence else reference.index
+
+    def execution_order(key: TensorKey) -> tuple:
+        metas = order_by.get(key) or reference.index[key]
+        return (*key.execution_order(), min(m.seq for m in metas))
+
+    plan = ComparePlan(unmapped=unmapped, ordered=sorted(ref_keys, key=execution_order), common=common,
+                       extras=sorted(cand_set - common, key=lambda k: _execution_order(candidate, k)),
                        tolerances=tolerances, exact_inputs_k=exact_inputs_k or None, ignore_dtype=ignore_dtype,
                        max_bytes=max_bytes)
     return result, plan

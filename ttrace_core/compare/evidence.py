@@ -148,19 +148,27 @@ def family_of(key: TensorKey) -> tuple:
 def _copies_per_coordinate(metas: list[TensorMeta]) -> int:
     if len(metas) < 2:
         return len(metas)
+    if len(metas) == 2:
+        return 2 if metas[0].layout.coordinate == metas[1].layout.coordinate else 1
     coordinates = [meta.layout.coordinate for meta in metas]
     if len(set(coordinates)) == len(coordinates):  # (most tensors: no two shards hold the same block)
         return 1
     return max(Counter(coordinates).values())
 
 
-def replication_by_family(index: dict[TensorKey, list[TensorMeta]]) -> dict[tuple, int]:
-    """family -> the most ranks that held one block of any of its tensors."""
-    replication: dict[tuple, int] = defaultdict(int)
+def replication_by_family(index: dict[TensorKey, list[TensorMeta]], families: dict[TensorKey, tuple] | None = None
+                          ) -> dict[tuple, int]:
+    """family -> the most ranks that held one block of any of its tensors; `families`, when given, is filled
+    with each key's family."""
+    replication: dict[tuple, int] = {}
     for key, metas in index.items():
         family = family_of(key)
-        replication[family] = max(replication[family], _copies_per_coordinate(metas))
-    return replication
+        if families is not None:
+            families[key] = family
+        copies = _copies_per_coordinate(metas)
+        if copies > replication.get(family, 0):
+            replication[family] = copies
+    return defaultdict(int, replication)
 
 
 def copies_expected(metas: list[TensorMeta], replication: int) -> int:
@@ -228,7 +236,8 @@ def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps
     quantization scales left out), the readers give every tensor's recorded copies and their findings,
     and whether the reference trained (liveness.py), once per comparison. `unmapped`: the candidate's
     tensors a mapped reference's map declares without counterpart (unmapped_candidate_keys)."""
-    replication = {id(reader): replication_by_family(reader.index) for reader in (reference, candidate)}
+    families: dict[TensorKey, tuple] = {}
+    replication = {id(reader): replication_by_family(reader.index, families) for reader in (reference, candidate)}
     steps_expected = expected_steps(reference, candidate)
     unrecorded = len({key for key in unrecorded_keys(reference, candidate) if key.step in steps_compared})
     liveness = reference_liveness(reference, steps_compared)
@@ -244,7 +253,7 @@ def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps
             coverage.missing_in_candidate += row.status == ComparisonStatus.MISSING
             coverage.missing_in_reference += row.status == ComparisonStatus.EXTRA
             continue
-        family = family_of(row.key)
+        family = families.get(row.key) or family_of(row.key)
         for reader in (reference, candidate):
             metas = reader.index[row.key]
             present, expected = len(metas), copies_expected(metas, replication[id(reader)][family])
