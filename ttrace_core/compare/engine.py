@@ -19,7 +19,7 @@ import torch
 from ttrace_core.canonicalize import placements as pl
 from ttrace_core.compare.bounded import compare_in_slabs, slab_dims, working_bytes
 from ttrace_core.compare.batched import SmallPair, batchable, batched_sums
-from ttrace_core.compare.metrics import ValueMetrics, ValueSums, metrics_from_sums, value_sums
+from ttrace_core.compare.metrics import ValueMetrics, ValueSums, metrics_from_sums, torch_on_one_thread, value_sums
 from ttrace_core.canonicalize.logical_value import canonical_tensor
 from ttrace_core.canonicalize.replicas import ReplicaDrift
 from ttrace_core.compare.exact_inputs import ExactInputs
@@ -518,6 +518,7 @@ def prepare_small(keys: list[TensorKey], reference: RunReader, candidate: RunRea
 # accumulate (a fifth of comparing 27,200 tiny tensors, measured); comparing forms no cycle worth collecting
 # before it returns, and the collector runs again when it does.
 @collector_paused()
+@torch_on_one_thread()
 def compare_runs(reference: RunReader, candidate: RunReader, tolerances: ToleranceProvider | None = None, *,
                  ignore_dtype: bool = False, progress: Callable[[int, int], None] | None = None,
                  exact_inputs_k: float | None = DEFAULT_EXACT_INPUTS_K, partial: bool = False,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +24,23 @@ from ttrace_core.compare.tolerances import Tolerance
 CHUNK_ELEMENTS = 1 << 16
 """Elements promoted to float64 at a time: three float64 buffers of this size (1.5 MiB) stay in cache."""
 TINY = torch.finfo(torch.float64).tiny
+
+
+@contextmanager
+def torch_on_one_thread() -> Iterator[None]:
+    """Compare's arithmetic runs torch on one thread, and gives the process's thread count back after.
+    The sums of squares are numpy's `dot`, whose BLAS keeps a thread pool of its own; each pool's threads
+    spin while they wait, and with torch's OpenMP pool beside it they starved each other: on 2 cores, with
+    torch's default 2 threads, comparing the 986 MB pair took 43.5 s against 0.9 s on one thread (torch
+    2.13, numpy's OpenBLAS; benchmarks/results/compare_throughput.md). Torch's threads gain nothing here:
+    a chunk is promoted to float64 on one thread faster than split (batched.py), and comparing in parallel
+    is done by processes (partition.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def relative_difference(actual: float, expected: float) -> float:

@@ -267,3 +267,27 @@ def test_the_table_and_the_tensor_page_give_one_relative_difference(actual, expe
     (worst,) = _worst_elements(np.array([expected]), np.array([actual]), np.array([abs(actual - expected)]), 1)
     assert sums.max_rel[0] == worst["rel_diff"] == relative
 
+
+
+def test_compare_runs_torch_on_one_thread_and_gives_the_thread_count_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy's BLAS pool (the sums of squares) and torch's OpenMP pool starved each other on a small machine
+    (43.5 s against 0.9 s, compare_throughput.md): every value sum runs with torch on one thread, and the
+    caller's thread count is back after, also when comparing fails."""
+    seen: list[int] = []
+    real_sums, real_batched = engine.value_sums, engine.batched_sums
+    monkeypatch.setattr(engine, "value_sums", lambda *a, **k: seen.append(torch.get_num_threads()) or real_sums(*a, **k))
+    monkeypatch.setattr(engine, "batched_sums", lambda *a, **k: seen.append(torch.get_num_threads()) or real_batched(*a, **k))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with RunReader(SAMPLES_DIR / "fp32" / "reference") as reference, \
+                RunReader(SAMPLES_DIR / "fp32" / "tp2_sp_clean") as candidate:
+            compare_runs(reference, candidate)
+            assert torch.get_num_threads() == 2
+            monkeypatch.setattr(engine, "tally_coverage", lambda *a, **k: 1 / 0)
+            with pytest.raises(ZeroDivisionError):
+                compare_runs(reference, candidate)
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert len(seen) > 2 and set(seen) == {1}
