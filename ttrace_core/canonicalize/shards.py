@@ -266,6 +266,9 @@ def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None, *,
     """
     if not shards:
         raise LayoutError(f"{key}: no shard was recorded")
+    if len(shards) == 1 and not (layout := shards[0].layout).mesh_shape and layout.flat_range is None \
+            and tuple(shards[0].value.shape) == layout.global_shape:
+        return CanonicalTensor(full=shards[0].value, replica_drift=None, num_shards=1)  # one rank's whole tensor
     assembly = _assembly(shards, key)
     if assembly is not None:
         return _assembled(shards, assembly, every_replica)
