@@ -92,6 +92,17 @@ def timed_compare(runs: tuple[Path, Path], out: Path, workers: int, root: Path =
     return {"workers": workers, "seconds": seconds, "peak_rss_mib": peak / 2**20, "exit": code}
 
 
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def default_threads_compare(runs: tuple[Path, Path], out: Path, root: Path) -> float:
+    """`ttrace compare --workers 1` as a user runs it, with torch's and numpy's default thread counts (none of
+    THREAD_VARIABLES set): every other measure here runs on one thread, so it would not see what the thread
+    pools do to each other."""
+    env = {name: value for name, value in _tree_env(root).items() if name not in THREAD_VARIABLES}
+    return measured_compare(*runs, out, "--workers", "1", env=env, root=root)[1]
+
+
 IN_PROCESS = """import sys, time
 from ttrace_core.compare.engine import compare_runs
 from ttrace_core.format.reader import RunReader
@@ -219,6 +230,9 @@ def render(timing: dict, workers_2: dict, num_bytes: int, setup: str, same: dict
             continue
         tree, kind = name.rsplit(" ", 1)
         lines.append(f"| {tree}: {labels[kind]} | {seconds:.2f} | {mb / seconds:.0f} | {plain_s / seconds:.0%} |")
+    for tree, seconds in timing.get("default_threads", {}).items():
+        lines.append(f"| {tree}: `ttrace compare --workers 1` with the default thread counts (no OMP_NUM_THREADS; "
+                     f"{os.cpu_count()} threads), once | {seconds:.2f} | {mb / seconds:.0f} | {plain_s / seconds:.0%} |")
     if "before cli" in median:
         lines += ["", f"Speed-up in the same rounds: CLI {median['before cli'] / median['after cli']:.2f}x, "
                   f"in-process {median['before in-process'] / median['after in-process']:.2f}x; comparing alone "
@@ -247,6 +261,9 @@ def main() -> None:
     plain_read_seconds(runs)  # warm the page cache for every measure alike
     trees = {"before": args.baseline.resolve(), "after": ROOT} if args.baseline else {"after": ROOT}
     timing = measure_rounds(runs, args.work, trees, args.rounds)
+    timing["default_threads"] = {name: default_threads_compare(runs, args.work / f"{name}-default-threads.json", root)
+                                 for name, root in trees.items()}
+    print("default threads: " + ", ".join(f"{k} {v:.2f} s" for k, v in timing["default_threads"].items()), flush=True)
     workers_2 = timed_compare(runs, args.work / "after-workers-2.json", 2)
     table = {name: json.loads((args.work / f"{name}-workers-1.json").read_text())["comparisons"] for name in trees}
     same = {"1-worker and 2-worker tables equal row for row":
