@@ -140,7 +140,10 @@ class RunReader:
         self.tokens: dict[TensorKey, list[TensorMeta]] = {}
         """The token positions of routed modules' pieces (TOKENS_SLOT), by the key of the expert's forward call."""
         try:
-            self._scan()
+            # the collector, run as the index grows, would walk every object again at each of its full
+            # collections (a fifth of opening a 400-layer pair); opening forms no cycle worth collecting
+            with collector_paused():
+                self._scan()
         except BaseException:
             self.close()
             raise
