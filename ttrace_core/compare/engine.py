@@ -506,7 +506,7 @@ def prepare_small(keys: list[TensorKey], reference: RunReader, candidate: RunRea
         except LayoutError:
             continue
         if isinstance(pair, AssembledPair):
-            ready.append((key, pair, plan.tolerances.tolerance_for(key, cand_first.dtype)))
+            ready.append((key, pair, plan.tolerances.tolerance_for(key, candidate.index[key][0].dtype)))
     sums = batched_sums([SmallPair(pair.actual.values, pair.expected.values, pair.actual.scale, pair.expected.scale,
                                    tolerance) for _, pair, tolerance in ready])
     for (_, pair, tolerance), found in zip(ready, sums):
