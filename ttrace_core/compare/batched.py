@@ -17,7 +17,6 @@ where its per-call cost is already small against its bytes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,13 +123,15 @@ def _batch_sums(pairs: list[SmallPair], where: list[int], found: list[ValueSums 
         relative = np.divide(abs_diff, np.maximum(magnitude, TINY, out=scratch), out=scratch)
         np.copyto(relative, 0.0, where=np.equal(magnitude, 0.0, out=mask))
         max_rel, max_rel_at = _first_at_max(relative, starts, segments, abs_diff, work)  # (|a - e| is done with)
-    for index, pair in enumerate(pairs):
-        if not finite[index]:
+    # each number as a Python one, a column at a time (indexing numpy arrays element by element costs more)
+    columns = zip(finite.tolist(), lengths.tolist(), np.sqrt(error_sq).tolist(), np.sqrt(reference_sq).tolist(),
+                  max_abs.tolist(), max_abs_at.tolist(), max_rel.tolist(), max_rel_at.tolist(), num_mismatched.tolist())
+    for index, (pair, (ok, numel, abs_error, reference_norm, largest, largest_at, worst, worst_at, mismatched)) in \
+            enumerate(zip(pairs, columns)):
+        if not ok:
             continue
         shape = tuple(pair.expected.shape)
         found[where[index]] = ValueSums(
-            shape=shape, numel=int(lengths[index]), abs_error=math.sqrt(error_sq[index]),
-            reference_norm=math.sqrt(reference_sq[index]),
-            max_abs=(float(max_abs[index]), unravel(int(max_abs_at[index]), shape)),
-            max_rel=(float(max_rel[index]), unravel(int(max_rel_at[index]), shape)),
-            num_mismatched=int(num_mismatched[index]))
+            shape=shape, numel=numel, abs_error=abs_error, reference_norm=reference_norm,
+            max_abs=(largest, unravel(largest_at, shape)), max_rel=(worst, unravel(worst_at, shape)),
+            num_mismatched=mismatched)
