@@ -14,15 +14,9 @@ from ttrace_core.format.reader import RunReader
 from ttrace_core.format.schema import TensorKey, TensorMeta
 
 
-def canonical_tensor(reader: RunReader, metas: list[TensorMeta], key: TensorKey,
-                     values: dict[int, torch.Tensor] | None = None) -> CanonicalTensor:
-    """The shards `metas` of `key` read from `reader` (or found in `values`, read ahead by
-    `RunReader.read_many`) and assembled into the logical tensor."""
-    if values:
-        shards = [RecordedShard(rank=m.rank, layout=m.layout, value=value if (value := values.get(id(m))) is not None
-                                else reader.read(m)) for m in metas]
-    else:
-        shards = [RecordedShard(rank=m.rank, layout=m.layout, value=reader.read(m)) for m in metas]
+def canonical_tensor(reader: RunReader, metas: list[TensorMeta], key: TensorKey) -> CanonicalTensor:
+    """The shards `metas` of `key` read from `reader` and assembled into the logical tensor."""
+    shards = [RecordedShard(rank=m.rank, layout=m.layout, value=reader.read(m)) for m in metas]
     return canonicalize(shards, key)
 
 

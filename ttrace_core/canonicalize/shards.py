@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import psutil
 import torch
 
@@ -253,6 +254,57 @@ def _concatenation(global_shape: tuple[int, ...], shards: list[RecordedShard], g
             return None
         end = part.stop
     return (dim, tuple(order)) if end == global_shape[dim] else None
+
+
+@dataclass(frozen=True, slots=True)
+class GatherPlan:
+    """A logical tensor's elements read straight out of its shards' values, decided from their layouts alone (one
+    per set of layouts, like Assembly): element g of the logical tensor (row-major) is element `local[g]` (flat)
+    of shard `shard[g]`, the shards in the order the plan was asked for. What `canonicalize` assembles by copies,
+    as one index map: compare gathers a batch of small tensors with it (compare/window.py)."""
+
+    shard: np.ndarray
+    local: np.ndarray
+    replicas: tuple[tuple[int, int], ...]
+    """(first, other) shards holding the same block: `canonicalize` keeps the first (by rank) and compares the
+    other with it, so a caller that gathers from the first must find the other's values equal."""
+
+
+_GATHER_PLANS: dict[tuple, GatherPlan | None] = {}
+
+
+def gather_plan(shards: tuple[tuple[int, Layout, tuple[int, ...]], ...]) -> GatherPlan | None:
+    """The plan of shards given as (rank, layout, local shape); None when `canonicalize` does more than copy their
+    values into place (partial sums, flat ranges, a blocked view) or their layouts do not assemble (it says why)."""
+    try:
+        found = _GATHER_PLANS.get(shards, _NOT_KEPT)
+    except TypeError:  # a layout built with lists: planned each time
+        return _planned_gather(shards)
+    if found is _NOT_KEPT:
+        if len(_GATHER_PLANS) >= pl.LAYOUTS_KEPT:
+            _GATHER_PLANS.clear()
+        found = _GATHER_PLANS[shards] = _planned_gather(shards)
+    return found
+
+
+def _planned_gather(shards: tuple[tuple[int, Layout, tuple[int, ...]], ...]) -> GatherPlan | None:
+    """Assembled by `canonicalize`'s own plan from shards whose values are their elements' places in the shards
+    laid end to end: the logical tensor it gives is the index map."""
+    starts = np.zeros(len(shards), dtype=np.int64)
+    np.cumsum([math.prod(shape) for _, _, shape in shards[:-1]], out=starts[1:])
+    placed = [RecordedShard(rank, layout, torch.arange(int(start), int(start) + math.prod(shape),
+                                                       dtype=torch.int64).reshape(shape))
+              for (rank, layout, shape), start in zip(shards, starts)]
+    try:
+        assembly = _assembly(placed, None)
+    except LayoutError:
+        return None
+    if assembly is None or assembly.num_avg:
+        return None
+    places = _assembled(placed, assembly, every_replica=False).full.reshape(-1).numpy()
+    shard = np.searchsorted(starts, places, side="right") - 1
+    return GatherPlan(shard=shard, local=places - starts[shard],
+                      replicas=tuple((indices[0], other) for indices, _ in assembly.groups for other in indices[1:]))
 
 
 def canonicalize(shards: list[RecordedShard], key: TensorKey | None = None, *,

@@ -100,12 +100,25 @@ def _first_at_max(values: np.ndarray, starts: np.ndarray, segments: np.ndarray, 
 def _batch_sums(pairs: list[SmallPair], where: list[int], found: list[ValueSums | None]) -> None:
     work = WORKSPACE
     lengths = np.fromiter((pair.expected.numel() for pair in pairs), dtype=np.int64, count=len(pairs))
-    starts = np.zeros(len(pairs), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
     n = int(lengths.sum())
     segments = np.repeat(np.arange(len(pairs)), lengths)
     actual = _promoted([p.actual for p in pairs], [p.actual_scale for p in pairs], work.actual[:n], segments)
     expected = _promoted([p.expected for p in pairs], [p.expected_scale for p in pairs], work.expected[:n], segments)
+    sums = segment_sums(actual, expected, lengths, segments, [p.tolerance for p in pairs],
+                        [tuple(p.expected.shape) for p in pairs])
+    for index, found_sums in zip(where, sums):
+        found[index] = found_sums
+
+
+def segment_sums(actual: np.ndarray, expected: np.ndarray, lengths: np.ndarray, segments: np.ndarray,
+                 tolerances: list[Tolerance], shapes: list[tuple[int, ...]]) -> list[ValueSums | None]:
+    """The sums of each segment (`lengths` of them, `segments` the segment of each element) of a batch: two
+    float64 arrays, the loss scales undone, in WORKSPACE's buffers (overwritten). None for a segment holding
+    NaN, Inf or values too large to square."""
+    work = WORKSPACE
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    n = actual.size
     scratch, mask = work.scratch[:n].numpy(), work.mask[:n]
     with np.errstate(all="ignore"):  # a segment that overflows or holds NaN is left to value_sums
         diff = np.subtract(actual, expected, out=actual)
@@ -114,8 +127,8 @@ def _batch_sums(pairs: list[SmallPair], where: list[int], found: list[ValueSums 
         finite = np.isfinite(error_sq) & np.isfinite(reference_sq)
         abs_diff, magnitude = np.abs(diff, out=diff), np.abs(expected, out=expected)
         max_abs, max_abs_at = _first_at_max(abs_diff, starts, segments, scratch, work)
-        rel = np.fromiter((p.tolerance.rel for p in pairs), dtype=np.float64, count=len(pairs))
-        absolute = np.fromiter((p.tolerance.abs for p in pairs), dtype=np.float64, count=len(pairs))
+        rel = np.fromiter((tolerance.rel for tolerance in tolerances), dtype=np.float64, count=len(tolerances))
+        absolute = np.fromiter((tolerance.abs for tolerance in tolerances), dtype=np.float64, count=len(tolerances))
         allowed = np.multiply(np.take(rel, segments, out=scratch), magnitude, out=scratch)
         np.add(allowed, absolute[segments], out=allowed)
         num_mismatched = np.add.reduceat(np.greater(abs_diff, allowed, out=mask).view(np.uint8), starts, dtype=np.int64)
@@ -126,12 +139,8 @@ def _batch_sums(pairs: list[SmallPair], where: list[int], found: list[ValueSums 
     # each number as a Python one, a column at a time (indexing numpy arrays element by element costs more)
     columns = zip(finite.tolist(), lengths.tolist(), np.sqrt(error_sq).tolist(), np.sqrt(reference_sq).tolist(),
                   max_abs.tolist(), max_abs_at.tolist(), max_rel.tolist(), max_rel_at.tolist(), num_mismatched.tolist())
-    for index, (pair, (ok, numel, abs_error, reference_norm, largest, largest_at, worst, worst_at, mismatched)) in \
-            enumerate(zip(pairs, columns)):
-        if not ok:
-            continue
-        shape = tuple(pair.expected.shape)
-        found[where[index]] = ValueSums(
-            shape=shape, numel=numel, abs_error=abs_error, reference_norm=reference_norm,
-            max_abs=(largest, unravel(largest_at, shape)), max_rel=(worst, unravel(worst_at, shape)),
-            num_mismatched=mismatched)
+    return [ValueSums(shape=shape, numel=numel, abs_error=abs_error, reference_norm=reference_norm,
+                      max_abs=(largest, unravel(largest_at, shape)), max_rel=(worst, unravel(worst_at, shape)),
+                      num_mismatched=mismatched) if ok else None
+            for shape, (ok, numel, abs_error, reference_norm, largest, largest_at, worst, worst_at, mismatched)
+            in zip(shapes, columns)]

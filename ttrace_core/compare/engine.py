@@ -31,6 +31,7 @@ from ttrace_core.compare.fp8_scales import replica_disagreements, scale_owner
 from ttrace_core.compare.module_bias import module_bias
 from ttrace_core.compare.shard_errors import candidate_shards, worst_shard
 from ttrace_core.compare.routed_rows import TokenAlignment, token_alignment
+from ttrace_core.compare.window import window_sums
 from ttrace_core.compare.structure import (REPLICA_UPDATE, bias_to_value, detectable_error, replica_update_test, rounding_spread,
                                           statistics, structure_tests, with_exact_inputs)
 from ttrace_core.compare.settings import CompareSettings
@@ -161,10 +162,12 @@ def _compare_stats(key: TensorKey, reference: RunReader, candidate: RunReader, t
 
 @dataclass(slots=True)
 class AssembledPair:
-    """A tensor's logical values in both runs, read and assembled: what compare_tensor judges."""
+    """A tensor's logical values in both runs, read and assembled: what compare_tensor judges. A small tensor
+    summed straight from its shards' bytes (window.py) comes without them (None): compare_tensor reads and
+    assembles it again only when a structure test or another tolerance needs its values."""
 
-    actual: ScaledValues
-    expected: ScaledValues
+    actual: ScaledValues | None
+    expected: ScaledValues | None
     replica_drift: ReplicaDrift | None
     sums: ValueSums | None = None
     """Computed ahead with other small tensors (batched.py), under `sums_tolerance`."""
@@ -185,17 +188,13 @@ class AssembledPair:
         return value_sums(actual.values, expected.values, tolerance, scales=(actual.scale, expected.scale))
 
 
-def assemble_pair(key: TensorKey, reference: RunReader, candidate: RunReader,
-                  read: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None
-                  ) -> AssembledPair | TensorComparison:
+def assemble_pair(key: TensorKey, reference: RunReader, candidate: RunReader) -> AssembledPair | TensorComparison:
     """Both runs' logical tensors of `key` (their metadata agreeing in shape and dtype), or a SHAPE row when the
-    assembled tensors still differ in shape; LayoutError when the shards cannot be assembled. `read`: the
-    reference's and the candidate's shards already read (`RunReader.read_many`), by id of their meta."""
+    assembled tensors still differ in shape; LayoutError when the shards cannot be assembled."""
     ref_metas, cand_metas = reference.index[key], candidate.index[key]
-    ref_read, cand_read = read or (None, None)
-    cand_full = canonical_tensor(candidate, cand_metas, key, cand_read)
+    cand_full = canonical_tensor(candidate, cand_metas, key)
     actual = ScaledValues(cand_full.full, cand_metas[0].scale)
-    expected = ScaledValues(canonical_tensor(reference, ref_metas, key, ref_read).full, ref_metas[0].scale)
+    expected = ScaledValues(canonical_tensor(reference, ref_metas, key).full, ref_metas[0].scale)
     if actual.values.shape != expected.values.shape:
         return TensorComparison(key=key, status=ComparisonStatus.SHAPE, dtype=cand_metas[0].dtype,
                                 shape=tuple(actual.values.shape),
@@ -233,12 +232,18 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
             metrics, replica_drift = compare_in_slabs(key, reference, candidate, tolerance, max_bytes, dims)
         else:
             pair = assembled or assemble_pair(key, reference, candidate)
+            shape = ref_metas[0].layout.global_shape  # (what its shards assemble into)
+            if pair.actual is None and (pair.sums_tolerance != tolerance or
+                                        _has_structure_tests(tolerances, key, cand_dtype, shape)):
+                pair = assemble_pair(key, reference, candidate)  # its values are needed after all
             if isinstance(pair, TensorComparison):
                 return pair
             actual, expected, replica_drift = pair.actual, pair.expected, pair.replica_drift
             metrics = metrics_from_sums(pair.sums_under(tolerance), tolerance)
-            structure, units = _structure(key, actual, expected, reference, candidate, tolerances, cand_dtype, tolerance,
-                                          replica_drift)
+            structure, units = [], StructureUnits()
+            if actual is not None:
+                structure, units = _structure(key, actual, expected, reference, candidate, tolerances, cand_dtype,
+                                              tolerance, replica_drift)
     except LayoutError as error:
         return TensorComparison(key=key, status=ComparisonStatus.LAYOUT, dtype=cand_dtype, message=str(error))
     comparison = _judged_row(key, metrics, replica_drift, tolerance, cand_dtype)
@@ -280,7 +285,7 @@ def _structure(key: TensorKey, actual: ScaledValues, expected: ScaledValues, ref
     too; a post-step parameter's `replica_drift` is also judged in units of its update."""
     derive = getattr(tolerances, "structure_tolerances", None)
     shape = tuple(expected.values.shape)
-    if derive is None or not derive(key, dtype, shape):
+    if not _has_structure_tests(tolerances, key, dtype, shape):
         return [], StructureUnits()
     actual, expected = actual.float64(), expected.float64()  # only here: most tolerances have no structure tests
     if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
@@ -305,6 +310,11 @@ def _structure(key: TensorKey, actual: ScaledValues, expected: ScaledValues, ref
             replica_drift.relative_diff, replica_drift.ranks, units.update_to_value, expected.numel(), storage_epsilon(dtype))):
         tests.append(replicas)
     return tests, units
+
+
+def _has_structure_tests(tolerances: ToleranceProvider, key: TensorKey, dtype: str, shape: tuple[int, ...]) -> bool:
+    derive = getattr(tolerances, "structure_tolerances", None)
+    return derive is not None and bool(derive(key, dtype, shape))
 
 
 def _with_shard_owner(test: StructureTest, worst: tuple[float, tuple[int, ...], float] | None) -> StructureTest:
@@ -496,22 +506,9 @@ def prepare_small(keys: list[TensorKey], reference: RunReader, candidate: RunRea
                 or slab_dims(ref_metas, cand_metas, plan.max_bytes) or _inconsistent(key, reference, candidate) is not None:
             continue
         small.append(key)
-    # their shards read together: one pread for many small tensors lying next to each other in a file
-    read = (reference.read_many([meta for key in small for meta in reference.index[key]]),
-            candidate.read_many([meta for key in small for meta in candidate.index[key]]))
-    ready: list[tuple[TensorKey, AssembledPair, Tolerance]] = []
-    for key in small:
-        try:
-            pair = assemble_pair(key, reference, candidate, read)
-        except LayoutError:
-            continue
-        if isinstance(pair, AssembledPair):
-            ready.append((key, pair, plan.tolerances.tolerance_for(key, candidate.index[key][0].dtype)))
-    sums = batched_sums([SmallPair(pair.actual.values, pair.expected.values, pair.actual.scale, pair.expected.scale,
-                                   tolerance) for _, pair, tolerance in ready])
-    for (_, pair, tolerance), found in zip(ready, sums):
-        pair.sums, pair.sums_tolerance = found, tolerance
-    return {key: pair for key, pair, _ in ready}
+    tolerances = {key: plan.tolerances.tolerance_for(key, candidate.index[key][0].dtype) for key in small}
+    return {key: AssembledPair(actual=None, expected=None, replica_drift=None, sums=sums, sums_tolerance=tolerances[key])
+            for key, sums in window_sums(small, reference, candidate, tolerances).items()}
 
 
 # The cyclic collector would walk every index entry and every row made so far again and again as the rows

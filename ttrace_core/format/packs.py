@@ -214,13 +214,12 @@ RUN_BYTES = 4 * 2**20
 """... and while the run stays below this many bytes."""
 
 
-def read_spans_quietly(descriptor: int, spans: list[Span]) -> list[np.ndarray | None]:
-    """The bytes of many spans (checked at open) as uint8 arrays, the spans that lie close together in the
-    file read in one `pread` (a run) and each returned as a view of its run: for a small tensor, a `pread`
-    of its own costs more than its bytes. A span's view starts at a multiple of 8 bytes of its run, so any
-    stored dtype views it aligned. None for a span whose run could not be read whole (the caller reads it
-    again by `read_span`, which says what went wrong)."""
-    found: list[np.ndarray | None] = [None] * len(spans)
+def coalesced_runs(spans: list[Span]) -> list[tuple[int, int, list[int]]]:
+    """The spans grouped into runs read with one `pread` each: (file offset, bytes, the indices of its spans). A
+    span joins the run before it when at most RUN_GAP bytes lie between them, the run stays below RUN_BYTES, and
+    it starts a multiple of 8 bytes into the run (so any stored dtype views it aligned); two spans naming the same
+    bytes are read apart."""
+    runs: list[tuple[int, int, list[int]]] = []
     order = sorted(range(len(spans)), key=lambda index: spans[index][0])
     start = 0
     while start < len(order):
@@ -231,16 +230,30 @@ def read_spans_quietly(descriptor: int, spans: list[Span]) -> list[np.ndarray | 
             if offset - end > RUN_GAP or offset < end or offset + nbytes - first > RUN_BYTES or (offset - first) % 8:
                 break
             end, stop = offset + nbytes, stop + 1
-        run = np.empty(end - first, dtype=np.uint8)
-        try:
-            complete = not run.nbytes or os.preadv(descriptor, [run], first) == run.nbytes
-        except (OSError, ValueError):
-            complete = False
-        if complete:
-            for index in order[start:stop]:
-                offset, nbytes = spans[index]
-                found[index] = run[offset - first:offset - first + nbytes]
+        runs.append((first, end - first, order[start:stop]))
         start = stop
+    return runs
+
+
+def read_run(descriptor: int, into: np.ndarray, offset: int) -> bool:
+    """One run's bytes into `into` (uint8); False when the file could not give them all."""
+    try:
+        return not into.nbytes or os.preadv(descriptor, [into], offset) == into.nbytes
+    except (OSError, ValueError):
+        return False
+
+
+def read_spans_quietly(descriptor: int, spans: list[Span]) -> list[np.ndarray | None]:
+    """The bytes of many spans (checked at open) as uint8 arrays, read a run at a time (`coalesced_runs`) and each
+    a view of its run: for a small tensor, a `pread` of its own costs more than its bytes. None for a span whose
+    run could not be read whole (the caller reads it again by `read_span`, which says what went wrong)."""
+    found: list[np.ndarray | None] = [None] * len(spans)
+    for first, nbytes, indices in coalesced_runs(spans):
+        run = np.empty(nbytes, dtype=np.uint8)
+        if read_run(descriptor, run, first):
+            for index in indices:
+                offset, size = spans[index]
+                found[index] = run[offset - first:offset - first + size]
     return found
 
 

@@ -17,12 +17,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import torch
 
 from ttrace_core.errors import TraceFormatError
 from ttrace_core.format.containment import contained
 from ttrace_core.format.datasets import tensor_from_array  # noqa: F401 - re-exported: readers of raw arrays
 from ttrace_core.format.naming import in_subtree
+from ttrace_core.format.packs import coalesced_runs
 from ttrace_core.format.records import data_from_json, record_from_data
 from ttrace_core.format.regular_files import regular_file_bytes
 from ttrace_core.format.schema import (
@@ -198,16 +200,28 @@ class RunReader:
         dim): only that part (only its bytes are read)."""
         return self._files[(meta.rank, meta.key.step)].read(meta, region)
 
-    def read_many(self, metas: list[TensorMeta]) -> dict[int, torch.Tensor]:
-        """The whole local values of many shards, by id of their meta; each file's shards read together
-        (`StepFile.read_many`: small tensors next to each other in a file cost one `pread`)."""
-        by_file: dict[tuple[int, int], list[TensorMeta]] = {}
-        for meta in metas:
-            by_file.setdefault((meta.rank, meta.key.step), []).append(meta)
-        values: dict[int, torch.Tensor] = {}
-        for place, group in by_file.items():
-            values.update(zip(map(id, group), self._files[place].read_many(group)))
-        return values
+    def read_raw(self, metas: list[TensorMeta]) -> tuple[np.ndarray, list[int | None]]:
+        """The stored bytes of many whole shards in one buffer, the shards lying close together in a file read
+        with one `pread` (packs.coalesced_runs): each shard's byte offset in the buffer, a multiple of 8 (any
+        stored dtype views it aligned), or None for a shard not read this way (up to format 4, or a run the file
+        could not give whole: `read` reads it, and words what is wrong)."""
+        offsets: list[int | None] = [None] * len(metas)
+        by_file: dict[tuple[int, int], list[int]] = {}
+        for index, meta in enumerate(metas):
+            by_file.setdefault((meta.rank, meta.key.step), []).append(index)
+        runs, total = [], 0
+        for place, indices in by_file.items():
+            step_file = self._files[place]
+            placed = [(index, span) for index in indices if (span := step_file.span_of(metas[index])) is not None]
+            for first, nbytes, members in coalesced_runs([span for _, span in placed]):
+                runs.append((step_file, first, nbytes, total, [(placed[m][0], placed[m][1][0] - first) for m in members]))
+                total += -(-nbytes // 8) * 8
+        buffer = np.empty(total, dtype=np.uint8)
+        for step_file, first, nbytes, at, members in runs:
+            if step_file.read_run(buffer[at:at + nbytes], first):
+                for index, relative in members:
+                    offsets[index] = at + relative
+        return buffer, offsets
 
     def keys(self) -> list[TensorKey]:
         return list(self.index)

@@ -39,14 +39,14 @@ from ttrace_core.errors import TraceFormatError, TtraceError
 from ttrace_core.format.containment import contained, dataset_metas, refuse_external_storage, refuse_links
 from ttrace_core.format.datasets import (
     INTEGER, READ_ERRORS, STRING, damaged_file_errors, read_bytes_dataset, read_values, read_whole_values,
-    raw_bits_view, scalar_attribute, stored_dtype, tensor_from_array,
+    scalar_attribute, stored_dtype, tensor_from_array,
 )
 from ttrace_core.format.findings import FINDINGS, findings_in_file
 from ttrace_core.format.global_heap import refuse_looping_heaps
 from ttrace_core.format.naming import ROOT_NAME, display_fqn
 from ttrace_core.format.records import meta_from_json
 from ttrace_core.format.packs import (
-    Span, checked_spans, read_span, read_span_quietly, read_spans_quietly, refuse_foreign_objects,
+    Span, checked_spans, read_run, read_span, read_span_quietly, refuse_foreign_objects,
 )
 from ttrace_core.format.schema import INDEXED_FORMAT, NO_MICRO_BATCH, PACKED_FORMAT, PHASES, Finding, TensorKey, TensorMeta
 from ttrace_core.format.tensor_index import TENSOR_INDEX, IndexRow, checked_rows, collector_paused, read_rows
@@ -160,27 +160,14 @@ class StepFile:
                 array = read_values(dataset, stored_dtype(meta.dtype), meta.local_shape, where, remedy, region)
             return tensor_from_array(array, meta.dtype, where)
 
-    def read_many(self, metas: list[TensorMeta]) -> list[torch.Tensor]:
-        """`read` of each of `metas` (whole): in format 5 the spans lying close together in the file are read in
-        one `pread` and each tensor is a view of its run (read_spans_quietly); whatever that cannot read is
-        read by `read`, which words what went wrong."""
-        placed = [index for index, meta in enumerate(metas) if id(meta) in self._span_of]
-        runs = read_spans_quietly(self._descriptor, [self._span_of[id(metas[index])] for index in placed]) \
-            if placed and self._descriptor is not None else []
-        found: dict[int, torch.Tensor] = {}
-        dtypes: dict[str, tuple[np.dtype, torch.dtype | None]] = {}
-        for index, run in zip(placed, runs):
-            meta = metas[index]
-            try:
-                if run is None:
-                    continue
-                if (stored := dtypes.get(meta.dtype)) is None:
-                    stored = dtypes[meta.dtype] = (stored_dtype(meta.dtype), raw_bits_view(meta.dtype, str(self.path)))
-                value = torch.from_numpy(run.view(stored[0]).reshape(meta.local_shape))
-                found[index] = value if stored[1] is None else value.view(stored[1])
-            except (TypeError, ValueError, TtraceError):
-                pass
-        return [found[index] if index in found else self.read(meta) for index, meta in enumerate(metas)]
+    def span_of(self, meta: TensorMeta) -> Span | None:
+        """Format 5: where one of `metas` lies in the file (checked at open); None up to format 4."""
+        return self._span_of.get(id(meta))
+
+    def read_run(self, into: np.ndarray, offset: int) -> bool:
+        """Format 5: `into.nbytes` bytes of the file from `offset` (a run of spans, packs.coalesced_runs); False
+        when the file could not give them all (`read` then reads each tensor and words what is wrong)."""
+        return self._descriptor is not None and read_run(self._descriptor, into, offset)
 
     def close(self) -> None:
         if self._handle is not None:
