@@ -224,10 +224,11 @@ def _without_nonfinite(a: torch.Tensor, e: torch.Tensor, work: Workspace) -> tup
     return (counts[0], counts[1]), (counts[2], counts[3]), apart
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class ValueMetrics:
     """What comparing actual with expected values gives under one tolerance: the numbers a comparison row
-    (TensorComparison) carries from its values, which the engine judges and puts into the row."""
+    (TensorComparison) carries from its values, which the engine judges and puts into the row. (Not frozen: one is
+    made for every row, and a frozen dataclass sets each field through object.__setattr__, twice the cost.)"""
 
     shape: tuple[int, ...]
     numel: int

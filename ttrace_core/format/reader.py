@@ -212,7 +212,8 @@ class RunReader:
         runs, total = [], 0
         for place, indices in by_file.items():
             step_file = self._files[place]
-            placed = [(index, span) for index in indices if (span := step_file.span_of(metas[index])) is not None]
+            spans = step_file.spans_of([metas[index] for index in indices])
+            placed = [(index, span) for index, span in zip(indices, spans) if span is not None]
             for first, nbytes, members in coalesced_runs([span for _, span in placed]):
                 runs.append((step_file, first, nbytes, total, [(placed[m][0], placed[m][1][0] - first) for m in members]))
                 total += -(-nbytes // 8) * 8

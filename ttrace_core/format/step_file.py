@@ -160,9 +160,10 @@ class StepFile:
                 array = read_values(dataset, stored_dtype(meta.dtype), meta.local_shape, where, remedy, region)
             return tensor_from_array(array, meta.dtype, where)
 
-    def span_of(self, meta: TensorMeta) -> Span | None:
-        """Format 5: where one of `metas` lies in the file (checked at open); None up to format 4."""
-        return self._span_of.get(id(meta))
+    def spans_of(self, metas: list[TensorMeta]) -> list[Span | None]:
+        """Format 5: where each of `metas` (the file's own) lies in it, checked at open; None up to format 4."""
+        get = self._span_of.get
+        return [get(id(meta)) for meta in metas]
 
     def read_run(self, into: np.ndarray, offset: int) -> bool:
         """Format 5: `into.nbytes` bytes of the file from `offset` (a run of spans, packs.coalesced_runs); False

@@ -156,7 +156,7 @@ def test_shards_a_truncated_file_cannot_give_are_not_read_and_the_others_are(tmp
     monkeypatch.setattr(packs, "RUN_BYTES", 2**20)  # the large pack (1.5 MiB) a run of its own
     with RunReader(tmp_path) as reader:
         metas = [reader.index[_key(fqn)][0] for fqn in ("small", "large")]
-        spans = [reader._files[(0, 0)].span_of(meta) for meta in metas]
+        spans = reader._files[(0, 0)].spans_of(metas)
         later = max(range(2), key=lambda index: spans[index][0])
         os.truncate(tmp_path / STEP_FILE, spans[later][0] + 8)  # inside the later one's bytes
         buffer, offsets = reader.read_raw(metas)
