@@ -151,8 +151,9 @@ class Layout(Struct, frozen=True, forbid_unknown_fields=True, gc=False):
                 f"layout has mesh_shape {self.mesh_shape}, coordinate {self.coordinate} and placements "
                 f"{self.placements}: all three need one entry per mesh axis"
             )
-        if any(c >= n for c, n in zip(self.coordinate, self.mesh_shape)):
-            raise ValueError(f"coordinate {self.coordinate} lies outside mesh {self.mesh_shape}")
+        for c, n in zip(self.coordinate, self.mesh_shape):  # (a loop: a generator costs more, on every row read)
+            if c >= n:
+                raise ValueError(f"coordinate {self.coordinate} lies outside mesh {self.mesh_shape}")
         if self.flat_range is not None and self.flat_range[0] > self.flat_range[1]:
             raise ValueError(f"flat_range {self.flat_range} ends before it starts")
         if math.prod(self.global_shape) > MAX_SIZE:

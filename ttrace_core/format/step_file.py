@@ -23,6 +23,7 @@ allocated.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -71,9 +72,14 @@ def step_file_name(rank: int, step: int) -> str:
 
 
 def dataset_path(key: TensorKey) -> str:
-    group = "all" if key.micro_batch < 0 else f"mb_{key.micro_batch:04d}"
+    group = "all" if key.micro_batch < 0 else _micro_batch_group(key.micro_batch)
     call = f"@{key.call}" if key.call else ""
     return f"{key.phase}/{group}/{display_fqn(key.fqn)}#{key.slot}{call}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _micro_batch_group(micro_batch: int) -> str:
+    return f"mb_{micro_batch:04d}"  # (made once: every row read names its place)
 
 
 def key_from_dataset_path(path: str, step: int) -> TensorKey | None:
