@@ -598,7 +598,7 @@ def _append(result: RunComparison, row: TensorComparison, on_row: Callable[[Tens
 def _inconsistent(key: TensorKey, reference: RunReader, candidate: RunReader) -> TensorComparison | None:
     """A row for a tensor whose shards' metadata disagree, checked before any value is read."""
     for name, reader in (("candidate", candidate), ("reference", reference)):
-        why = reader.misplaced.get(key) or inconsistency(key, reader.index[key], reader.manifest)
+        why = (reader.misplaced and reader.misplaced.get(key)) or inconsistency(key, reader.index[key], reader.manifest)
         if why is not None:
             return TensorComparison(key=key, status=ComparisonStatus.INCONSISTENT, dtype=reader.index[key][0].dtype,
                                     message=f"{name} metadata disagree: {why}")

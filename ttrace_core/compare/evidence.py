@@ -57,7 +57,11 @@ run repeats a few dozen such sets over thousands of tensors, so each is checked 
 
 def _disagreement(metas: list[TensorMeta], manifest: RunManifest) -> str | None:
     try:
-        signature = (id(manifest), *((m.rank, m.dtype, m.scale, m.stats_only, m.local_shape, m.layout) for m in metas))
+        if len(metas) == 1:  # (most tensors of a reference: no generator to make)
+            m = metas[0]
+            signature = (id(manifest), (m.rank, m.dtype, m.scale, m.stats_only, m.local_shape, m.layout))
+        else:
+            signature = (id(manifest), *((m.rank, m.dtype, m.scale, m.stats_only, m.local_shape, m.layout) for m in metas))
         found = _DISAGREEMENTS.get(signature)
     except TypeError:  # a layout built with lists: checked each time
         return _checked_disagreement(metas, manifest)
