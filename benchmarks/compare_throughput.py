@@ -132,7 +132,8 @@ PROFILED = {
     "replica differences (_replica_differences)": ("shards.py", "_replica_differences"),
     "one-pass value sums (value_sums)": ("metrics.py", "value_sums"),
     "of which float64 arithmetic on the chunks (_finite_chunk_sums)": ("metrics.py", "_finite_chunk_sums"),
-    "small tensors' value sums in batches (batched_sums)": ("batched.py", "batched_sums"),
+    "small tensors gathered from their bytes and summed in batches (window_sums)": ("window.py", "window_sums"),
+    "small tensors read and summed alone (batched_sums)": ("batched.py", "batched_sums"),
     "metadata consistency (_inconsistent)": ("engine.py", "_inconsistent"),
     "coverage tally (tally_coverage)": ("evidence.py", "tally_coverage"),
 }

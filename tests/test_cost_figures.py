@@ -72,3 +72,17 @@ def test_large_pair_figures():
     slabbed = max((p for p in results["points"] if p["hidden"] == 4096), key=lambda p: p["bytes"])
     assert f"with a peak RSS of {slabbed['peak_rss_bytes'] / 2**20:.0f} MiB" in readme
     assert slabbed["peak_rss_bytes"] < results["max_bytes"]  # bounded by the budget, the interpreter included
+
+
+def test_known_limits_quote_the_results_files():
+    """docs/known-limits.md's line on cost quotes the results files cost.md quotes: recording, the compare rate
+    and the fitted cost per tensor."""
+    limits = " ".join((ROOT / "docs" / "known-limits.md").read_text().split())
+    rows = {r["mode"]: r for r in json.loads((RESULTS / "recording_overhead.json").read_text())["rows"]}
+    assert f"recording costs {rows['stats-only']['overhead']:.2f}x (stats-only) and {rows['full']['overhead']:.2f}x " \
+           "(full)" in limits
+    in_process = _row((RESULTS / "compare_throughput.md").read_text(),
+                      "after: `compare_runs` after imports (indexing included)")
+    assert f"Compare reads at {in_process[3]} of plain h5py's rate in-process" in limits
+    per_tensor = json.loads((RESULTS / "large_pair.json").read_text())["fit"]["per_tensor_us"]
+    assert f"a fitted cost of {per_tensor:.1f} µs per tensor" in limits
