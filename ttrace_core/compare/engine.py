@@ -416,9 +416,8 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
                 result.notes.append(f"{name} step {step} has no counterpart in the other run and was not compared")
     result.steps_compared = steps
     unrecorded = unrecorded_keys(reference, candidate)  # counted as not compared by the coverage block
-    ref_keys = [k for k in reference.index if k.step in steps and k not in unrecorded]
-    cand_keys = [k for k in candidate.index if k.step in steps and k not in unrecorded]
-    ref_set, cand_set = set(ref_keys), set(cand_keys)  # (each key hashed once: a 400-layer run has 27,200 keys)
+    ref_keys, cand_keys = (_keys_compared(reader, steps, unrecorded) for reader in (reference, candidate))
+    ref_set, cand_set = set(ref_keys), set(cand_keys)
     for name, run, others in (("candidate", candidate, ref_set - cand_set), ("reference", reference, cand_set - ref_set)):
         if skipped := set(untraced_by_configuration(sorted(others), run.manifest)):
             ref_keys, cand_keys = [k for k in ref_keys if k not in skipped], [k for k in cand_keys if k not in skipped]
@@ -438,13 +437,21 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
 
     def execution_order(key: TensorKey) -> tuple:
         metas = order_by.get(key) or reference.index[key]
-        return (*key.execution_order(), min(m.seq for m in metas))
+        return (*key.execution_order(), metas[0].seq if len(metas) == 1 else min(m.seq for m in metas))
 
     plan = ComparePlan(unmapped=unmapped, ordered=sorted(ref_keys, key=execution_order), common=common,
                        extras=sorted(cand_set - common, key=lambda k: _execution_order(candidate, k)),
                        tolerances=tolerances, exact_inputs_k=exact_inputs_k or None, ignore_dtype=ignore_dtype,
                        max_bytes=max_bytes)
     return result, plan
+
+
+def _keys_compared(reader: RunReader, steps: list[int], unrecorded: set[TensorKey]) -> list[TensorKey]:
+    """The keys of `reader` in `steps` that no tracer left out; all of them, as the index holds them (its dict
+    keeps each key's hash, which the sets built from it reuse), when every complete step is compared."""
+    if not unrecorded and set(reader.complete_steps) <= set(steps):
+        return list(reader.index)
+    return [k for k in reader.index if k.step in steps and k not in unrecorded]
 
 
 LOW_PRECISIONS = ("bf16", "fp16", "fp8")

@@ -258,9 +258,9 @@ def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps
             coverage.missing_in_reference += row.status == ComparisonStatus.EXTRA
             continue
         family = families.get(row.key) or family_of(row.key)
-        for reader in (reference, candidate):
+        for reader, copies in ((reference, replication[id(reference)]), (candidate, replication[id(candidate)])):
             metas = reader.index[row.key]
-            present, expected = len(metas), copies_expected(metas, replication[id(reader)][family])
+            present, expected = len(metas), copies_expected(metas, copies[family])
             coverage.copies_present += present
             coverage.copies_expected += expected
             if present < expected and len(coverage.missing_copies) < 5:
