@@ -515,7 +515,7 @@ def prepare_small(keys: list[TensorKey], reference: RunReader, candidate: RunRea
         small.append(key)
     tolerances = {key: plan.tolerances.tolerance_for(key, candidate.index[key][0].dtype) for key in small}
     return {key: AssembledPair(actual=None, expected=None, replica_drift=None, sums=sums, sums_tolerance=tolerances[key])
-            for key, sums in window_sums(small, reference, candidate, tolerances).items()}
+            for key, sums in window_sums(small, reference, candidate, tolerances, plan.max_bytes).items()}
 
 
 # The cyclic collector would walk every index entry and every row made so far again and again as the rows

@@ -55,9 +55,39 @@ class _Gathered:
     """The logical tensor's (its layout's global shape: what `canonicalize` assembles)."""
 
 
+READ_BYTES = 32 * 2**20
+"""The most bytes of shards read at once: keys are taken in parts of at most this many (a small tensor replicated on
+many ranks has a shard on each, and a window's worth of them read together could take gigabytes)."""
+
+
 def window_sums(keys: list[TensorKey], reference: RunReader, candidate: RunReader,
-                tolerances: dict[TensorKey, Tolerance]) -> dict[TensorKey, ValueSums]:
-    """The sums of those of `keys` this way takes (the module's docstring says which it leaves out)."""
+                tolerances: dict[TensorKey, Tolerance], max_bytes: int | None = None) -> dict[TensorKey, ValueSums]:
+    """The sums of those of `keys` this way takes (the module's docstring says which it leaves out), their shards
+    read at most READ_BYTES (and half of `max_bytes`, compare's memory budget) at a time."""
+    limit = READ_BYTES if max_bytes is None else max(1, min(READ_BYTES, max_bytes // 2))
+    sums: dict[TensorKey, ValueSums] = {}
+    part: list[TensorKey] = []
+    held = 0
+    itemsizes: dict[str, int] = {}
+    for key in keys:
+        nbytes = 0
+        for reader in (candidate, reference):
+            for meta in reader.index[key]:
+                if (itemsize := itemsizes.get(meta.dtype)) is None:
+                    itemsize = itemsizes[meta.dtype] = stored_dtype(meta.dtype).itemsize
+                nbytes += math.prod(meta.local_shape) * itemsize
+        if part and held + nbytes > limit:
+            sums.update(_part_sums(part, reference, candidate, tolerances))
+            part, held = [], 0
+        part.append(key)
+        held += nbytes
+    if part:
+        sums.update(_part_sums(part, reference, candidate, tolerances))
+    return sums
+
+
+def _part_sums(keys: list[TensorKey], reference: RunReader, candidate: RunReader,
+               tolerances: dict[TensorKey, Tolerance]) -> dict[TensorKey, ValueSums]:
     runs = [_read(reader, keys) for reader in (candidate, reference)]
     found_at: list[tuple[TensorKey, _Gathered, _Gathered]] = []
     positions = [0, 0]

@@ -158,3 +158,22 @@ def test_each_key_is_counted_under_its_own_tolerance(tmp_path, tolerance):
         if tolerance != TOL:  # (the exact one counts more elements out)
             assert sum(found[key].num_mismatched for key in found if tolerances[key] == tolerance) > \
                 sum(_assembled_sums(reference, candidate, key).num_mismatched for key in found if tolerances[key] == tolerance)
+
+
+def test_shards_are_read_a_bounded_part_at_a_time_with_the_same_sums(tmp_path, monkeypatch):
+    """A small tensor replicated on many ranks has a shard on each: the keys are read in parts of at most
+    READ_BYTES (or half the memory budget), and the sums are those of reading them all at once."""
+    with RunReader(_write_pair(tmp_path)[0]) as reference, RunReader(tmp_path / "candidate") as candidate:
+        keys = sorted(reference.index)
+        reads: list[int] = []
+        real = RunReader.read_raw
+
+        def read_raw(self, metas):
+            reads.append(len(metas))
+            return real(self, metas)
+        monkeypatch.setattr(RunReader, "read_raw", read_raw)
+        whole = window_sums(keys, reference, candidate, {key: TOL for key in keys})
+        assert len(reads) == 2  # each run's shards at once
+        reads.clear()
+        parts = window_sums(keys, reference, candidate, {key: TOL for key in keys}, max_bytes=512)
+    assert parts == whole and len(reads) > 2 * 20  # a key or a few at a time (256 bytes, or one key's own)
