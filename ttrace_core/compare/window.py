@@ -68,14 +68,9 @@ def window_sums(keys: list[TensorKey], reference: RunReader, candidate: RunReade
     sums: dict[TensorKey, ValueSums] = {}
     part: list[TensorKey] = []
     held = 0
-    itemsizes: dict[str, int] = {}
-    for key in keys:
-        nbytes = 0
-        for reader in (candidate, reference):
-            for meta in reader.index[key]:
-                if (itemsize := itemsizes.get(meta.dtype)) is None:
-                    itemsize = itemsizes[meta.dtype] = stored_dtype(meta.dtype).itemsize
-                nbytes += math.prod(meta.local_shape) * itemsize
+    for key in keys:  # (at most: each shard counted as the whole tensor, 8 bytes an element)
+        ref_metas = reference.index[key]
+        nbytes = (len(ref_metas) + len(candidate.index[key])) * math.prod(ref_metas[0].layout.global_shape) * 8
         if part and held + nbytes > limit:
             sums.update(_part_sums(part, reference, candidate, tolerances))
             part, held = [], 0
