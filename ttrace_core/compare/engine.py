@@ -233,8 +233,8 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
         else:
             pair = assembled or assemble_pair(key, reference, candidate)
             shape = ref_metas[0].layout.global_shape  # (what its shards assemble into)
-            if pair.actual is None and (pair.sums_tolerance != tolerance or
-                                        _has_structure_tests(tolerances, key, cand_dtype, shape)):
+            if isinstance(pair, AssembledPair) and pair.actual is None and (
+                    pair.sums_tolerance != tolerance or _has_structure_tests(tolerances, key, cand_dtype, shape)):
                 pair = assemble_pair(key, reference, candidate)  # its values are needed after all
             if isinstance(pair, TensorComparison):
                 return pair

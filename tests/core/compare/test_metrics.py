@@ -311,3 +311,16 @@ def test_small_tensors_summed_ahead_are_judged_with_those_sums(sample: str, monk
         dtypes = {metas[0].dtype for metas in candidate.index.values()}
         compare_runs(reference, candidate, exact_inputs_k=None)
     assert len(dtypes) > 1 and len(ahead) > 100 and not ahead.intersection(again), (dtypes, len(ahead.intersection(again)))
+
+
+def test_a_shape_row_from_assembling_is_returned_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor whose assembled values differ in shape though its metadata agree is a SHAPE row, not an error."""
+    def shape_row(key, reference, candidate):
+        return engine.TensorComparison(key=key, status=engine.ComparisonStatus.SHAPE, message="shapes differ")
+    monkeypatch.setattr(engine, "window_sums", lambda *args, **kwargs: {})  # every tensor assembled alone
+    monkeypatch.setattr(engine, "assemble_pair", shape_row)
+    with RunReader(SAMPLES_DIR / "fp32" / "reference") as reference, \
+            RunReader(SAMPLES_DIR / "fp32" / "tp2_sp_clean") as candidate:
+        rows = compare_runs(reference, candidate).comparisons
+    assert rows and {str(row.status) for row in rows if row.message == "shapes differ"} == {"shape"}
+    assert sum(row.message == "shapes differ" for row in rows) > 100
