@@ -179,9 +179,6 @@ class Assembly:
     slices, local slices) of each block the first of them holds."""
     num_avg: int = 0
     """0: no partial placement; else partial sums are added in float64 and divided by this (P(avg) axes)."""
-    concatenated: tuple[int, tuple[int, ...]] | None = None
-    """(dim, the groups in order along it) when each group holds one whole block and the blocks tile the tensor
-    along that dim alone (a plain S(d) cut): the tensor is their concatenation, one copy instead of a copy per block."""
 
 
 _ASSEMBLIES: dict[tuple, Assembly | None] = {}
@@ -227,33 +224,7 @@ def _planned(layout: Layout, shards: list[RecordedShard], key: TensorKey | None)
                    for indices in by_region.values())
     partial_axes, specs = pl.axes_of_kind(layout, "partial"), pl.parsed_placements(layout)
     num_avg = math.prod(layout.mesh_shape[axis] for axis in partial_axes if specs[axis].reduce_op == "avg")
-    return Assembly(whole=False, groups=groups, num_avg=num_avg if partial_axes else 0,
-                    concatenated=None if partial_axes else _concatenation(layout.global_shape, shards, groups))
-
-
-def _concatenation(global_shape: tuple[int, ...], shards: list[RecordedShard], groups: tuple) -> tuple[int, tuple[int, ...]] | None:
-    """(dim, groups in order) when the groups' blocks, one whole local tensor each, tile `global_shape` along
-    one dim (Assembly.concatenated); None otherwise."""
-    if not global_shape or any(len(blocks) != 1 for _, blocks in groups):
-        return None
-    dims = set()
-    for indices, ((global_slices, local_slices),) in groups:
-        local_shape = tuple(shards[indices[0]].value.shape)
-        if len(global_slices) != len(global_shape) or len(local_slices) != len(local_shape) or \
-                any((part.start, part.stop) != (0, size) for part, size in zip(local_slices, local_shape)):
-            return None
-        dims |= {dim for dim, part in enumerate(global_slices) if (part.start, part.stop) != (0, global_shape[dim])}
-    if len(dims) > 1:
-        return None
-    dim = dims.pop() if dims else 0
-    order = sorted(range(len(groups)), key=lambda group: groups[group][1][0][0][dim].start)
-    end = 0
-    for group in order:
-        part = groups[group][1][0][0][dim]
-        if part.start != end:
-            return None
-        end = part.stop
-    return (dim, tuple(order)) if end == global_shape[dim] else None
+    return Assembly(whole=False, groups=groups, num_avg=num_avg if partial_axes else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,11 +313,6 @@ def _assembled(shards: list[RecordedShard], assembly: Assembly, every_replica: b
         ordered = [shards[index] for index in assembly.groups[0][0]]
         differences = _replica_differences(ordered, every=every_replica)
         full = ordered[0].value
-    elif assembly.concatenated is not None:
-        dim, order = assembly.concatenated
-        for indices, _ in assembly.groups:
-            differences += _replica_differences([shards[index] for index in indices], every=every_replica)
-        full = torch.cat([shards[assembly.groups[group][0][0]].value for group in order], dim)
     else:
         global_shape, dtype = shards[0].layout.global_shape, shards[0].value.dtype
         full = torch.zeros(global_shape, dtype=torch.float64) if assembly.num_avg else torch.empty(global_shape, dtype=dtype)

@@ -164,15 +164,13 @@ def replication_by_family(index: dict[TensorKey, list[TensorMeta]], families: di
                           ) -> dict[tuple, int]:
     """family -> the most ranks that held one block of any of its tensors; `families`, when given, is filled
     with each key's family."""
-    replication: dict[tuple, int] = {}
+    replication: dict[tuple, int] = defaultdict(int)
     for key, metas in index.items():
         family = family_of(key)
         if families is not None:
             families[key] = family
-        copies = _copies_per_coordinate(metas)
-        if copies > replication.get(family, 0):
-            replication[family] = copies
-    return defaultdict(int, replication)
+        replication[family] = max(replication[family], _copies_per_coordinate(metas))
+    return replication
 
 
 def copies_expected(metas: list[TensorMeta], replication: int) -> int:

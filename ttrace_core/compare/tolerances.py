@@ -17,7 +17,6 @@ docs/tolerances.md has the math and the calibration of alpha, k and C.
 from __future__ import annotations
 
 import functools
-
 import math
 import os
 import statistics

@@ -208,7 +208,7 @@ def read_span_quietly(descriptor: int, span: Span, dtype: np.dtype, shape: tuple
 
 
 RUN_GAP = 16 * 2**10
-"""`read_spans_quietly` reads two spans in one `pread` when at most this many bytes lie between them (a
+"""`coalesced_runs` reads two spans in one `pread` when at most this many bytes lie between them (a
 `pread` costs about as much as copying 16 KB from the page cache)."""
 RUN_BYTES = 4 * 2**20
 """... and while the run stays below this many bytes."""
@@ -241,20 +241,6 @@ def read_run(descriptor: int, into: np.ndarray, offset: int) -> bool:
         return not into.nbytes or os.preadv(descriptor, [into], offset) == into.nbytes
     except (OSError, ValueError):
         return False
-
-
-def read_spans_quietly(descriptor: int, spans: list[Span]) -> list[np.ndarray | None]:
-    """The bytes of many spans (checked at open) as uint8 arrays, read a run at a time (`coalesced_runs`) and each
-    a view of its run: for a small tensor, a `pread` of its own costs more than its bytes. None for a span whose
-    run could not be read whole (the caller reads it again by `read_span`, which says what went wrong)."""
-    found: list[np.ndarray | None] = [None] * len(spans)
-    for first, nbytes, indices in coalesced_runs(spans):
-        run = np.empty(nbytes, dtype=np.uint8)
-        if read_run(descriptor, run, first):
-            for index in indices:
-                offset, size = spans[index]
-                found[index] = run[offset - first:offset - first + size]
-    return found
 
 
 def _read_into(descriptor: int, values: np.ndarray, start: int, where: str, remedy: str) -> None:

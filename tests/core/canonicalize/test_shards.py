@@ -219,25 +219,3 @@ def test_a_plan_that_fails_is_not_kept_and_names_the_tensor_each_time():
         with pytest.raises(LayoutError, match=rf"^{key}: no rank holds mesh coordinate"):
             canonicalize([RecordedShard(0, layout, torch.zeros(2))], key=key)
 
-
-def test_a_plain_cut_along_one_dim_is_assembled_by_one_concatenation_with_the_same_bits(monkeypatch):
-    """A tensor cut along one dim alone (S(d), replicated or not over other axes) is the concatenation of its
-    blocks (Assembly.concatenated): the same tensor, bit for bit and dtype, as copying each block into place."""
-    concatenated = set()
-    for name, (shape, mesh_shape, placements) in sorted(LAYOUTS.items()):
-        full = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-        shards = _shards_of(full, mesh_shape, placements)
-        monkeypatch.setattr(shards_module, "_ASSEMBLIES", {})
-        fast = canonicalize(shards).full
-        plan = shards_module._assembly(shards, name)
-        if plan is not None and plan.concatenated is not None:
-            concatenated.add(name)
-            monkeypatch.setitem(shards_module._ASSEMBLIES, next(iter(shards_module._ASSEMBLIES)),
-                                shards_module.Assembly(whole=False, groups=plan.groups))  # block by block
-            slow = canonicalize(shards).full
-            assert fast.dtype == slow.dtype == torch.bfloat16 and torch.equal(fast.view(torch.int16), slow.view(torch.int16))
-        assert torch.equal(fast.float(), full.float()) if not pl.axes_of_kind(shards[0].layout, "partial") else True, name
-    # (FSDP over TP too: each rank's rows are one block; not its zero-size case, whose empty block starts
-    # inside another's, so it is copied block by block)
-    assert concatenated == {"shard0-even", "shard1-uneven", "shard0-zero-size", "2d-replicate-shard",
-                            "2d-nested-uneven", "2d-fsdp-over-tp", "2d-fsdp-over-tp-uneven"}
