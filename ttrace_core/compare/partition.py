@@ -14,7 +14,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from ttrace_core.compare.engine import compare_key, compare_runs, plan_comparison, read_ahead
+from ttrace_core.compare.engine import compare_key, compare_runs, read_ahead
+from ttrace_core.compare.plan import plan_comparison
 from ttrace_core.compare.results import RunComparison, TensorComparison
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.tolerances import ToleranceProvider

@@ -175,7 +175,7 @@ def test_a_mapped_run_is_not_estimated_itself(runs):
 
 
 def test_precision_choices_are_named_in_low_precision_only():
-    from ttrace_core.compare.engine import precision_choices
+    from ttrace_core.compare.plan import precision_choices
 
     choice = {"candidate": "decoder.*layernorm", "reference": "model.*norm", "candidate_computes": "the input dtype",
               "reference_computes": "float32"}
