@@ -148,7 +148,14 @@ def test_a_compiled_model_records_parameters_gradients_and_outputs_and_names_its
 
 def test_clipping_on_every_step_passes_with_and_without_the_estimate(runs):
     """clip_grad_norm_ scales every gradient by a coefficient whose round-off grows with the reduction's
-    length: the gradients are recorded before it, the norm and coefficient judged on their own."""
+    length: the gradients are recorded before it, the norm and coefficient judged on their own.
+
+    Without the estimate, the fixed dtype tolerance holds every row but one kind (docs/your-own-script.md,
+    "Not supported yet"): a post-step parameter whose gradient is zero in exact arithmetic (an attention key
+    bias), which AdamW turns into a full update in a direction round-off picks. Whether the two runs' round-off
+    agrees there depends on the CPU's kernels (it did on one machine of this kind and not on another), so that
+    row may fail, and only where its gradient is shown to be round-off: the candidate's differs from the
+    reference's by at least half its size. With the estimate, everything passes."""
     _record(runs / "clip-ref", 1, "--clip", "0.05")
     _record(runs / "clip-dp2", 2, "--dp", "2", "--clip", "0.05")
     for estimated in (False, True):
@@ -157,6 +164,16 @@ def test_clipping_on_every_step_passes_with_and_without_the_estimate(runs):
             assert done.returncode == 0, done.stderr[-3000:]
         report = runs / f"clip-{estimated}.json"
         done = _ttrace("compare", "clip-ref", "clip-dp2", "--json", str(report), cwd=runs)
-        assert done.returncode == 0, done.stdout[-3000:]
         rows = json.loads(report.read_text())["comparisons"]
         assert {"scalar.grad_norm", "scalar.clip_coef", "scalar.loss"} <= {r["key"]["slot"] for r in rows}
+        if estimated:
+            assert done.returncode == 0, done.stdout[-3000:]
+            continue
+        grads = {(r["key"]["step"], r["key"]["fqn"]): r for r in rows if r["key"]["phase"] == "grad"}
+        failed = [r for r in rows if r["status"] != "pass"]
+        for row in failed:
+            key = row["key"]
+            assert key["phase"] == "param" and key["slot"] == "value", done.stdout[-3000:]
+            grad = grads[(key["step"], key["fqn"])]
+            assert grad["status"] == "pass" and grad["abs_error"] >= 0.5 * grad["reference_norm"], (row, grad)
+        assert done.returncode == (1 if failed else 0), done.stdout[-3000:]
