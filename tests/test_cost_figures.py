@@ -27,6 +27,23 @@ def test_recording_figures():
     assert f"**{rows['full']['bytes_ratio']:.2f}x** the bytes of the tensors they record" in readme
 
 
+def test_second_machine_recording_figures():
+    """The second machine's run (recording_overhead.py --name recording_overhead_second_machine): its ratios and
+    the replayed statistics and Python that cost.md quotes."""
+    results = json.loads((RESULTS / "recording_overhead_second_machine.json").read_text())
+    rows = {r["mode"]: r for r in results["rows"]}
+    readme = _readme()
+    assert f"stats-only at **{rows['stats-only']['overhead']:.2f}x** and full at **{rows['full']['overhead']:.2f}x**" in readme
+    text = (RESULTS / "recording_overhead_second_machine.md").read_text()
+    replayed = _row(text, "**the record path replayed alone (no hooks, no timers; CPU time, least of 5)**")[2]
+    stubbed = _row(text, "replayed with the statistics stubbed (the tracer's Python and the writes)")[2]
+    statistics = float(replayed.strip("*")) - float(stubbed)
+    assert f"the statistics take {statistics:.0f} us per tensor replayed" in readme
+    assert f"against {float(stubbed):.0f} us of the tracer's Python" in readme
+    hooks = _row(text, "hooks alone (torch's hook machinery, no tracer): extra CPU time over untraced (paired), per tensor")[2]
+    assert f"torch's hooks {float(hooks):.0f} us" in readme
+
+
 def test_compare_and_index_figures():
     text = (RESULTS / "compare_throughput.md").read_text()
     in_process = _row(text, "after: `compare_runs` after imports (indexing included)")
