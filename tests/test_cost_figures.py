@@ -40,6 +40,8 @@ def test_second_machine_recording_figures():
     statistics = float(replayed.strip("*")) - float(stubbed)
     assert f"the statistics take {statistics:.0f} us per tensor replayed" in readme
     assert f"against {float(stubbed):.0f} us of the tracer's Python" in readme
+    limits = " ".join((ROOT / "docs" / "known-limits.md").read_text().split())
+    assert f"the same code measured {rows['stats-only']['overhead']:.2f}x and {rows['full']['overhead']:.2f}x" in limits
     hooks = _row(text, "hooks alone (torch's hook machinery, no tracer): extra CPU time over untraced (paired), per tensor")[2]
     assert f"torch's hooks {float(hooks):.0f} us" in readme
 
