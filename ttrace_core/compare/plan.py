@@ -15,11 +15,12 @@ from ttrace_core.compare.results import RunComparison
 from ttrace_core.compare.step_scalars import with_step_scalars
 from ttrace_core.compare.tolerances import DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, select_tolerances
 from ttrace_core.format.reader import RunReader
-from ttrace_core.format.schema import RunManifest, TensorKey
+from ttrace_core.format.schema import RunManifest, TensorKey, TensorMeta
 
 
-def _execution_order(reader: RunReader, key: TensorKey) -> tuple:
-    return (*key.execution_order(), min(m.seq for m in reader.index[key]))
+def _execution_order(key: TensorKey, metas: list[TensorMeta]) -> tuple:
+    """Where `key` ran in its step: its phase and micro-batch, then the first of its shards' recording order."""
+    return (*key.execution_order(), metas[0].seq if len(metas) == 1 else min(m.seq for m in metas))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,13 +84,9 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
     # A mapped reference (another implementation's run, docs/porting.md) has its own order of computation:
     # the first divergence is the first in the candidate's order.
     order_by = candidate.index if reference.manifest.correspondence else reference.index
-
-    def execution_order(key: TensorKey) -> tuple:
-        metas = order_by.get(key) or reference.index[key]
-        return (*key.execution_order(), metas[0].seq if len(metas) == 1 else min(m.seq for m in metas))
-
-    plan = ComparePlan(unmapped=unmapped, ordered=sorted(ref_keys, key=execution_order), common=common,
-                       extras=sorted(cand_set - common, key=lambda k: _execution_order(candidate, k)),
+    ordered = sorted(ref_keys, key=lambda k: _execution_order(k, order_by.get(k) or reference.index[k]))
+    plan = ComparePlan(unmapped=unmapped, ordered=ordered, common=common,
+                       extras=sorted(cand_set - common, key=lambda k: _execution_order(k, candidate.index[k])),
                        tolerances=tolerances, exact_inputs_k=exact_inputs_k or None, ignore_dtype=ignore_dtype,
                        max_bytes=max_bytes)
     return result, plan

@@ -130,8 +130,7 @@ def _gathered(metas: list[TensorMeta], run: _Run, position: int, replicas_checke
         return None
     first_meta = metas[0]
     dtype = first_meta.dtype
-    if (itemsize := _ITEMSIZES.get(dtype)) is None:
-        itemsize = _ITEMSIZES[dtype] = stored_dtype(dtype).itemsize
+    itemsize = stored_dtype(dtype).itemsize
     if replicas_checked and plan.replicas:
         buffer = run.buffer
         for first, other in plan.replicas:  # (bytes compared as bytes: a fifth of np.array_equal's cost on a small shard)
@@ -141,9 +140,6 @@ def _gathered(metas: list[TensorMeta], run: _Run, position: int, replicas_checke
     return _Gathered(plan=plan, bases=[offset // itemsize for offset in offsets], dtype=dtype, scale=first_meta.scale,
                      shape=tuple(first_meta.layout.global_shape))
 
-
-_ITEMSIZES: dict[str, int] = {}
-"""Stored dtype name -> bytes per element."""
 
 
 def _sum_dtype_pair(entries_by_plan: list[list[tuple[TensorKey, _Gathered, _Gathered]]], runs: list[_Run],

@@ -122,7 +122,7 @@ def checked_spans(handle: h5py.File, rows: list[IndexRow], where: str, remedy: s
     file_size = os.fstat(handle.id.get_vfd_handle()).st_size
     extents: dict[int, tuple[int, int] | None] = {}
     checked = CheckedSpans(spans={}, missing=[], unnamed=[])
-    spans, by_pack, itemsizes = checked.spans, {}, {}
+    spans, by_pack = checked.spans, {}
     for row in rows:  # as little as possible per row: a 48-layer step has 15,840
         name, pack, offset = row.dataset, row.pack, row.offset
         if name is None:
@@ -137,9 +137,7 @@ def checked_spans(handle: h5py.File, rows: list[IndexRow], where: str, remedy: s
             checked.missing.append(name)
             continue
         meta = row.meta
-        if (itemsize := itemsizes.get(meta.dtype)) is None:
-            itemsize = itemsizes[meta.dtype] = stored_dtype(meta.dtype).itemsize
-        nbytes = math.prod(meta.local_shape) * itemsize
+        nbytes = math.prod(meta.local_shape) * stored_dtype(meta.dtype).itemsize
         if offset + nbytes > extent[1]:
             raise TraceFormatError(f"{where}:{name}: its index row places {nbytes} bytes (shape {meta.local_shape} of "
                                    f"{meta.dtype}) at byte {offset} of {pack_path(pack)}, which holds {extent[1]}: the "
