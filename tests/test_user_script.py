@@ -87,6 +87,9 @@ def test_clean_tp2_with_checkpointing_and_a_chunked_head_passes(runs):
     assert {k["call"] for k in keys if k["fqn"] == "head"} == {0, 1}  # the head is compared call by call
     assert not any("_checkpoint_wrapped_module" in k["fqn"] for k in keys)
     assert sum(k["fqn"] == "blocks.0.attn.wq" and k["slot"] == "output.0" for k in keys) == 4  # 2 steps x 2 mbs
+    # and without the estimate: the fixed fp32 row, AdamW's steps on the key biases' round-off judged as such
+    done = _ttrace("compare", "ref", "tp2", "--tolerance", "dtype", "--json", "tp2-dtype.json", cwd=runs)
+    assert done.returncode == 0, done.stdout[-3000:]
 
 
 def test_the_bug_flag_fails_and_localize_names_its_module(runs):
@@ -150,12 +153,10 @@ def test_clipping_on_every_step_passes_with_and_without_the_estimate(runs):
     """clip_grad_norm_ scales every gradient by a coefficient whose round-off grows with the reduction's
     length: the gradients are recorded before it, the norm and coefficient judged on their own.
 
-    Without the estimate, the fixed dtype tolerance holds every row but one kind (docs/your-own-script.md,
-    "Not supported yet"): a post-step parameter whose gradient is zero in exact arithmetic (an attention key
-    bias), which AdamW turns into a full update in a direction round-off picks. Whether the two runs' round-off
-    agrees there depends on the CPU's kernels (it did on one machine of this kind and not on another), so that
-    row may fail, and only where its gradient is shown to be round-off: the candidate's differs from the
-    reference's by at least half its size. With the estimate, everything passes."""
+    Without the estimate the fixed dtype tolerance judges everything, including the attention key bias, whose
+    gradient is zero in exact arithmetic: where a CPU's kernels round it apart in the two runs (on one machine of
+    this kind they did at step 1, on another not), AdamW steps it by about lr in directions of their own, and
+    the row passes only by saying so (compare/roundoff_steps.py)."""
     _record(runs / "clip-ref", 1, "--clip", "0.05")
     _record(runs / "clip-dp2", 2, "--dp", "2", "--clip", "0.05")
     for estimated in (False, True):
@@ -164,16 +165,10 @@ def test_clipping_on_every_step_passes_with_and_without_the_estimate(runs):
             assert done.returncode == 0, done.stderr[-3000:]
         report = runs / f"clip-{estimated}.json"
         done = _ttrace("compare", "clip-ref", "clip-dp2", "--json", str(report), cwd=runs)
-        rows = json.loads(report.read_text())["comparisons"]
+        assert done.returncode == 0, done.stdout[-3000:]
+        data = json.loads(report.read_text())
+        rows = data["comparisons"]
         assert {"scalar.grad_norm", "scalar.clip_coef", "scalar.loss"} <= {r["key"]["slot"] for r in rows}
-        if estimated:
-            assert done.returncode == 0, done.stdout[-3000:]
-            continue
-        grads = {(r["key"]["step"], r["key"]["fqn"]): r for r in rows if r["key"]["phase"] == "grad"}
-        failed = [r for r in rows if r["status"] != "pass"]
-        for row in failed:
-            key = row["key"]
-            assert key["phase"] == "param" and key["slot"] == "value", done.stdout[-3000:]
-            grad = grads[(key["step"], key["fqn"])]
-            assert grad["status"] == "pass" and grad["abs_error"] >= 0.5 * grad["reference_norm"], (row, grad)
-        assert done.returncode == (1 if failed else 0), done.stdout[-3000:]
+        relaxed = [r["key"]["fqn"] for r in rows if r["key"]["phase"] == "param" and "round-off" in r["message"]]
+        assert all(fqn.endswith("attn.wk.bias") for fqn in relaxed), relaxed
+        assert bool(relaxed) == any("round-off" in note for note in data["notes"])

@@ -23,7 +23,7 @@ from ttrace_core.compare.metrics import ValueMetrics, ValueSums, metrics_from_su
 from ttrace_core.canonicalize.logical_value import canonical_tensor
 from ttrace_core.canonicalize.replicas import ReplicaDrift
 from ttrace_core.compare.exact_inputs import ExactInputs
-from ttrace_core.errors import LayoutError
+from ttrace_core.errors import LayoutError, TtraceError
 from ttrace_core.compare.results import (
     VALUE_STATUSES, ComparisonStatus, RunComparison, StructureTest, TensorComparison, Tolerance,
 )
@@ -32,6 +32,7 @@ from ttrace_core.compare.module_bias import module_bias
 from ttrace_core.compare.shard_errors import candidate_shards, worst_shard
 from ttrace_core.compare.routed_rows import TokenAlignment, token_alignment
 from ttrace_core.compare.plan import ComparePlan, plan_comparison
+from ttrace_core.compare.roundoff_steps import RoundoffSteps
 from ttrace_core.compare.window import window_sums
 from ttrace_core.compare.structure import (REPLICA_UPDATE, bias_to_value, detectable_error, replica_update_test, rounding_spread,
                                           statistics, structure_tests, with_exact_inputs)
@@ -445,6 +446,7 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     for row in replica_disagreements(candidate, scales_only):
         pending.setdefault(scale_owner(row.key), []).append(row)
     wanted = plan.common.difference(precomputed) if precomputed else plan.common
+    roundoff = RoundoffSteps(reference, candidate)  # an adaptive optimizer's step on round-off (roundoff_steps.py)
     for done, (key, assembled) in enumerate(read_ahead(plan.ordered, reference, candidate, plan, wanted), start=1):
         if key.phase == "forward" and key.slot.startswith("output"):
             for row in pending.pop((key.step, key.micro_batch, key.call, key.fqn), []):
@@ -454,6 +456,9 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
             known = None if precomputed is None or num_terms else precomputed.get(key)
             # (a failing row is falsy: no `or` here)
             comparison = known if known is not None else compare_key(key, reference, candidate, plan, num_terms, assembled)
+            if comparison.status == ComparisonStatus.MISMATCH:
+                comparison = _roundoff_judged(comparison, reference, candidate, plan, roundoff)
+            roundoff.seen(comparison)
             # noted here, not where it was compared: a row a partitioned worker compared counts too
             if comparison.status != ComparisonStatus.INCONSISTENT and \
                     slab_dims(reference.index[key], candidate.index[key], plan.max_bytes) == []:
@@ -470,6 +475,7 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     for rows in pending.values():
         for row in rows:
             _append(result, row, on_row)
+    result.notes.extend(roundoff.notes())
     if scales_only:
         result.notes.append(f"{len(scales_only)} tensors only the {candidate.manifest.precision} candidate records "
                             f"(its quantization scales, e.g. {scales_only[0]}) were not compared with values: the "
@@ -492,6 +498,40 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     if (finding := data_mismatch_finding(result)) is not None:
         result.notes.insert(0, finding)
     return result
+
+
+def _roundoff_judged(row: TensorComparison, reference: RunReader, candidate: RunReader, plan: ComparePlan,
+                     roundoff: RoundoffSteps) -> TensorComparison:
+    """A failing `row`, judged again where an adaptive optimizer's step on a round-off gradient explains it
+    (roundoff_steps.py): a post-step parameter under a wider tolerance, a later forward output with its module's
+    bias difference taken out. The row stays as it was where that does not make it pass."""
+    again, said = None, ""
+    try:
+        if (relaxed := roundoff.allowance(row)) is not None:
+            again = compare_tensor(row.key, reference, candidate, relaxed, ignore_dtype=plan.ignore_dtype,
+                                   max_bytes=plan.max_bytes)
+            said = f"judged with {relaxed.extra:.3g} more per element: {relaxed.why}"
+        elif (shift := roundoff.bias_shift(row)) is not None:
+            again = _without_bias_shift(row, reference, candidate, shift, plan.max_bytes)
+            said = (f"compared with its module's bias difference taken out (norm {float(shift.norm()):.3g}), a step "
+                    "an adaptive optimizer took on round-off")
+    except TtraceError:  # (unreadable now: the row stays as it was judged)
+        again = None
+    return dataclasses.replace(again, message=said) if again is not None and again.passed else row
+
+
+def _without_bias_shift(row: TensorComparison, reference: RunReader, candidate: RunReader, shift: torch.Tensor,
+                        max_bytes: int | None) -> TensorComparison | None:
+    """A forward output's row compared after `shift` (along its last dim) is taken out of the candidate's values;
+    None for a tensor compared slab by slab (its whole values are over the memory budget)."""
+    key = row.key
+    if slab_dims(reference.index[key], candidate.index[key], max_bytes):
+        return None
+    pair = assemble_pair(key, reference, candidate)
+    if not isinstance(pair, AssembledPair) or not pair.actual.values.dim() or pair.actual.values.shape[-1] != shift.numel():
+        return None
+    metrics = compare_values(pair.actual.float64() - shift, pair.expected.float64(), row.tolerance)
+    return _judged_row(key, metrics, pair.replica_drift, row.tolerance, row.dtype)
 
 
 def _append(result: RunComparison, row: TensorComparison, on_row: Callable[[TensorComparison], None] | None) -> None:

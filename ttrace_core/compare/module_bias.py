@@ -27,10 +27,10 @@ def module_bias(reader: RunReader, key: TensorKey) -> torch.Tensor | None:
     along a bias that was its one zero-initialized update. A bias applied the wrong number of times still
     shows in full along the rest (its projection on b_perp is b_perp itself: k is unchanged)."""
     bias = parameter_of(key.fqn, "bias")
-    before = _bias_before(reader, key.step, bias) if key.phase == "forward" and key.slot.startswith("output") else None
+    before = bias_before(reader, key.step, bias) if key.phase == "forward" and key.slot.startswith("output") else None
     if before is None:
         return None
-    earlier = _bias_before(reader, key.step - 1, bias) if key.step > 0 else None
+    earlier = bias_before(reader, key.step - 1, bias) if key.step > 0 else None
     if earlier is None or earlier.shape != before.shape:
         return before
     update = (before - earlier).flatten()
@@ -40,7 +40,8 @@ def module_bias(reader: RunReader, key: TensorKey) -> torch.Tensor | None:
     return before - (float(torch.dot(before.flatten(), update)) / update_sq) * update.reshape(before.shape)
 
 
-def _bias_before(reader: RunReader, step: int, fqn: str) -> torch.Tensor | None:
+def bias_before(reader: RunReader, step: int, fqn: str) -> torch.Tensor | None:
+    """The float64 values of parameter `fqn` as `step`'s forward used them (finite), or None when not recorded."""
     post_step = TensorKey(step=step, micro_batch=NO_MICRO_BATCH, phase="param", fqn=fqn, slot="value")
     before = pre_step_key(reader, post_step)
     if before is None or reader.index[before][0].stats_only:
