@@ -98,7 +98,8 @@ def test_the_bug_flag_fails_and_localize_names_its_module(runs):
     localized = _ttrace("localize", "ref", "bug", "--json", "loc.json", cwd=runs)
     assert localized.returncode == 1, localized.stdout[-2000:] + localized.stderr[-2000:]
     result = json.loads((runs / "loc.json").read_text())
-    assert result["culprits"][0] == "blocks.0.attn" and result["replay_scope"] == "whole model"
+    # only the bug: the key biases' gradients are round-off, never held to the exact-inputs bound in the replay
+    assert result["culprits"] == ["blocks.0.attn"] and result["replay_scope"] == "whole model"
 
 
 def test_estimate_relaunched_the_recorded_command(runs):

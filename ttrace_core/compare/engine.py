@@ -44,7 +44,7 @@ from ttrace_core.format.schema import TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, pre_step_key
 from ttrace_core.format.tensor_index import collector_paused
 from ttrace_core.compare.tolerances import (
-    DEFAULT_EXACT_INPUTS_K, ToleranceProvider, exact_inputs_tolerance, storage_epsilon,
+    DEFAULT_EXACT_INPUTS_K, ToleranceProvider, exact_inputs_tolerance, storage_epsilon, untightened, within_of_zero,
 )
 from ttrace_core.compare.step_scalars import tolerances_from_settings
 
@@ -213,9 +213,9 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
     `assembled`: its values, already read (`prepare_small`)."""
     ref_metas, cand_metas = reference.index[key], candidate.index[key]
     ref_dtype, cand_dtype = ref_metas[0].dtype, cand_metas[0].dtype
-    tolerance = tolerances.tolerance_for(key, cand_dtype)
+    tolerance = own = tolerances.tolerance_for(key, cand_dtype)
     if exact_inputs:
-        tolerance = exact_inputs_tolerance(tolerance, candidate.manifest.precision, cand_dtype, *exact_inputs)
+        tolerance = exact_inputs_tolerance(own, candidate.manifest.precision, cand_dtype, *exact_inputs)
     if ref_dtype != cand_dtype and not ignore_dtype:
         return TensorComparison(key=key, status=ComparisonStatus.DTYPE, dtype=cand_dtype,
                                 message=f"dtype {cand_dtype} in the candidate, {ref_dtype} in the reference")
@@ -241,6 +241,9 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
                 return pair
             actual, expected, replica_drift = pair.actual, pair.expected, pair.replica_drift
             metrics = metrics_from_sums(pair.sums_under(tolerance), tolerance)
+            if tolerance is not own and metrics.ratio > 1 and within_of_zero(own, metrics.reference_norm, metrics.numel):
+                tolerance = untightened(own)
+                metrics = metrics_from_sums(pair.sums_under(own), tolerance)
             structure, units = [], StructureUnits()
             if actual is not None:
                 structure, units = _structure(key, actual, expected, reference, candidate, tolerances, cand_dtype,

@@ -16,6 +16,7 @@ docs/tolerances.md has the math and the calibration of alpha, k and C.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -323,6 +324,19 @@ def exact_inputs_tolerance(tolerance: Tolerance, precision: str, dtype: str, k: 
                      source=f"exact inputs: {k:g} x sqrt({num_terms}) x eps (theorem depth 0), tighter than {tolerance.source}")
 
 
+
+
+def within_of_zero(tolerance: Tolerance, reference_norm: float, numel: int) -> bool:
+    """Whether `tolerance` would pass a tensor of zeros against a reference of `reference_norm`: the tensor is
+    round-off at that tolerance (a gradient zero in exact arithmetic, such as an attention key bias's)."""
+    return numel > 0 and reference_norm <= tolerance.rel * reference_norm + tolerance.abs * math.sqrt(numel)
+
+
+def untightened(tolerance: Tolerance) -> Tolerance:
+    """A tensor's own tolerance, kept where the exact-inputs rule would have tightened it but the tensor is within
+    it of zero: a sum that cancels to round-off has a relative error no count of terms bounds."""
+    return dataclasses.replace(tolerance, source=f"{tolerance.source} (not tightened for exact inputs: the tensor is "
+                                                 "within it of zero, round-off that cancels)")
 
 
 def num_layers_of(reader: RunReader) -> int:

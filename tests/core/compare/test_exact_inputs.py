@@ -146,3 +146,57 @@ def test_a_module_fed_exact_inputs_is_held_to_its_own_round_off(tmp_path, nudge,
         assert output.tolerance.rel == pytest.approx(4 * torch.finfo(torch.float32).eps)  # 1 rank: sqrt(1)
         assert output.tolerance.source.startswith("exact inputs")
         assert result.first_divergence is output
+
+
+class Cancelling(nn.Module):
+    """Zero in exact arithmetic, sum_j (x W)_j - x . (sum_j W_j): each run keeps the round-off of its own order."""
+
+    def __init__(self, reverse: bool, offset: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(4, 16))
+        self.reverse, self.offset = reverse, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        products = x @ self.weight
+        total = products.flip(-1).cumsum(-1)[..., -1:] if self.reverse else products.sum(-1, keepdim=True)
+        return total - x @ self.weight.sum(-1, keepdim=True) + self.offset
+
+
+class EstimatedTolerances:
+    """What a perturbation estimate gives: round-off's own size for a tensor that is round-off (4 x a relative
+    deviation of order 1, as the user script's key bias gradient measured), 1% elsewhere."""
+
+    def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
+        return Tolerance(rel=4.0 if key.fqn == "cancel" else 1e-2, abs=0.0, source="estimated")
+
+
+def _record_cancelling(run_dir, reverse: bool, offset: float = 0.0) -> torch.Tensor:
+    model = nn.Sequential()
+    model.add_module("cancel", Cancelling(reverse, offset))
+    tracer = Tracer(run_dir, model, role="reference")
+    with tracer.step(0):
+        output = model(torch.randn(64, 4, generator=torch.Generator().manual_seed(1)))
+        output.sum().backward()
+    tracer.close()
+    return output.detach()
+
+
+@pytest.mark.parametrize("offset, passes", [(0.0, True), (1e-3, False)], ids=["round-off", "offset-bug"])
+def test_exact_inputs_do_not_tighten_a_tensor_that_is_round_off(tmp_path, offset, passes):
+    """A sum that cancels to round-off has a relative error no count of terms bounds: k sqrt(n) eps would call
+    two correct rounding orders a bug (localize named an attention key bias's gradient so, in a replay whose
+    inputs were the reference's). Where the tensor's own tolerance would pass zeros, it is kept; an offset of
+    1e-3, far above the round-off, still fails."""
+    theirs = _record_cancelling(tmp_path / "ref", reverse=False)
+    mine = _record_cancelling(tmp_path / "cand", reverse=True, offset=offset)
+    assert not torch.equal(theirs, mine) and float(theirs.abs().max()) < 1e-5  # round-off, rounded apart
+    with RunReader(tmp_path / "ref") as ref, RunReader(tmp_path / "cand") as cand:
+        result = compare_runs(ref, cand, EstimatedTolerances(), exact_inputs_k=4.0)
+    (output,) = [c for c in result.comparisons if c.key.phase == "forward" and c.key.fqn == "cancel" and c.key.slot == "output.0"]
+    assert bool(output) is passes, (output.ratio, output.tolerance)
+    if passes:
+        assert output.tolerance.rel == 4.0 and "not tightened for exact inputs" in output.tolerance.source
+        assert output.error > 1e-3  # far above k sqrt(n) eps: the tightened rule would have failed it
+    else:
+        assert output.tolerance.method == "exact-inputs" or output.tolerance.rel == 4.0
