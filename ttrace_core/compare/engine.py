@@ -32,7 +32,7 @@ from ttrace_core.compare.module_bias import module_bias
 from ttrace_core.compare.shard_errors import candidate_shards, worst_shard
 from ttrace_core.compare.routed_rows import TokenAlignment, token_alignment
 from ttrace_core.compare.plan import ComparePlan, plan_comparison
-from ttrace_core.compare.roundoff_steps import RoundoffSteps
+from ttrace_core.compare.roundoff_steps import SEEN_PHASES, RoundoffSteps
 from ttrace_core.compare.window import window_sums
 from ttrace_core.compare.structure import (REPLICA_UPDATE, bias_to_value, detectable_error, replica_update_test, rounding_spread,
                                           statistics, structure_tests, with_exact_inputs)
@@ -459,9 +459,10 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
             known = None if precomputed is None or num_terms else precomputed.get(key)
             # (a failing row is falsy: no `or` here)
             comparison = known if known is not None else compare_key(key, reference, candidate, plan, num_terms, assembled)
-            if comparison.status == ComparisonStatus.MISMATCH:
+            if comparison.status is ComparisonStatus.MISMATCH:
                 comparison = _roundoff_judged(comparison, reference, candidate, plan, roundoff)
-            roundoff.seen(comparison)
+            if key.phase in SEEN_PHASES:
+                roundoff.seen(comparison)
             # noted here, not where it was compared: a row a partitioned worker compared counts too
             if comparison.status != ComparisonStatus.INCONSISTENT and \
                     slab_dims(reference.index[key], candidate.index[key], plan.max_bytes) == []:
@@ -520,7 +521,10 @@ def _roundoff_judged(row: TensorComparison, reference: RunReader, candidate: Run
                     "an adaptive optimizer took on round-off")
     except TtraceError:  # (unreadable now: the row stays as it was judged)
         again = None
-    return dataclasses.replace(again, message=said) if again is not None and again.passed else row
+    if again is None or not again.passed:
+        return row
+    roundoff.accept(again)
+    return dataclasses.replace(again, message=said)
 
 
 def _without_bias_shift(row: TensorComparison, reference: RunReader, candidate: RunReader, shift: torch.Tensor,

@@ -53,6 +53,9 @@ STEPS_APART = 2.0
 UNDETERMINED = 0.5
 """An element's gradient is round-off where the runs differ by at least this share of the reference's."""
 LR_SLOT = "scalar.lr"
+SEEN_PHASES = frozenset(("grad", "param"))
+"""The phases of the rows `RoundoffSteps.seen` keeps (the engine calls it only for those: it sees every row)."""
+_KEPT_SLOTS = frozenset(("grad", "value"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,35 +92,34 @@ class RoundoffSteps:
 
     reference: RunReader
     candidate: RunReader
-    passed: dict[tuple[str, int, str], bool] = field(default_factory=dict)
-    """(phase, step, fqn) of each gradient and post-step value row -> whether it passed."""
-    noise: dict[tuple[int, str], float] = field(default_factory=dict)
-    """(step, fqn) of each passing gradient row -> its tolerance per element: abs + rel x its RMS."""
+    rows: dict[tuple[str, int, str], TensorComparison] = field(default_factory=dict)
+    """(phase, step, fqn) -> the row of each parameter gradient and post-step value seen so far."""
     accepted: dict[str, int] = field(default_factory=dict)
     """Parameter -> the first step its post-step value passed under `allowance`."""
     relaxed: list[TensorKey] = field(default_factory=list)
     """Post-step parameters that passed under `allowance`."""
     shifted: list[TensorKey] = field(default_factory=list)
     """Forward outputs that passed with `bias_shift` taken out."""
-    _again: set[TensorKey] = field(default_factory=set)
     _lrs: dict[int, float | None] = field(default_factory=dict)
     _undetermined: dict[tuple[int, str], torch.Tensor | None] = field(default_factory=dict)
 
     def seen(self, row: TensorComparison) -> None:
-        """Called with every row, in order (cheap for the many that are neither gradients nor parameters)."""
+        """Called with every row of SEEN_PHASES, in order (as little as possible: the many rows of a model)."""
         key = row.key
-        if (key.phase == "grad" or key.phase == "param") and (key.slot == "grad" or key.slot == "value"):
-            self.passed[(key.phase, key.step, key.fqn)] = row.passed
-            if key.phase == "grad" and row.passed and row.tolerance is not None and row.numel \
-                    and row.reference_norm is not None:
-                rms = row.reference_norm / math.sqrt(row.numel)
-                self.noise[(key.step, key.fqn)] = row.tolerance.abs + row.tolerance.rel * rms
-        if key in self._again and row.passed:
-            if key.phase == "param":
-                self.relaxed.append(key)
-                self.accepted.setdefault(key.fqn, key.step)
-            else:
-                self.shifted.append(key)
+        if key.slot in _KEPT_SLOTS:
+            self.rows[(key.phase, key.step, key.fqn)] = row
+
+    def accept(self, row: TensorComparison) -> None:
+        """A row that passed once judged again (`allowance`, `bias_shift`)."""
+        if row.key.phase == "param":
+            self.relaxed.append(row.key)
+            self.accepted.setdefault(row.key.fqn, row.key.step)
+        else:
+            self.shifted.append(row.key)
+
+    def _passed(self, phase: str, step: int, fqn: str) -> bool | None:
+        row = self.rows.get((phase, step, fqn))
+        return None if row is None else row.passed
 
     def allowance(self, row: TensorComparison) -> RoundoffStepTolerances | None:
         """The tolerances to judge a failing post-step parameter again under, when its gradient has undetermined
@@ -125,9 +127,9 @@ class RoundoffSteps:
         key = row.key
         if key.phase != "param" or key.slot != "value" or not failing_by_value(row) or not row.numel:
             return None
-        steps = [step for step in range(key.step + 1) if ("grad", step, key.fqn) in self.passed]
-        if key.step not in steps or not all(self.passed[("grad", step, key.fqn)] for step in steps) \
-                or self.passed.get(("param", key.step - 1, key.fqn)) is False:
+        steps = [step for step in range(key.step + 1) if ("grad", step, key.fqn) in self.rows]
+        if key.step not in steps or not all(self._passed("grad", step, key.fqn) for step in steps) \
+                or self._passed("param", key.step - 1, key.fqn) is False:
             return None
         lrs = [self.learning_rate(step) for step in steps]
         masks = [self.undetermined(step, key.fqn) for step in steps]
@@ -136,7 +138,6 @@ class RoundoffSteps:
         undetermined = int(torch.stack(masks).any(dim=0).sum())
         if not undetermined:
             return None
-        self._again.add(key)
         extra = STEPS_APART * sum(lrs) * math.sqrt(undetermined / row.numel)
         return RoundoffStepTolerances(row_base(row), extra, why=(
             f"{STEPS_APART:g} x lr on the {undetermined} elements whose gradient is round-off (the runs' gradients "
@@ -155,7 +156,6 @@ class RoundoffSteps:
         mine, theirs = bias_before(self.candidate, key.step, bias), bias_before(self.reference, key.step, bias)
         if mine is None or theirs is None or mine.shape != theirs.shape:
             return None
-        self._again.add(key)
         return (mine - theirs).reshape(-1)
 
     def learning_rate(self, step: int) -> float | None:
@@ -168,8 +168,11 @@ class RoundoffSteps:
         """Where the reference's gradient of `fqn` at `step` is within its row's tolerance per element of zero
         and the candidate's differs from it by at least UNDETERMINED of it (a flat bool tensor), or None when
         either is unreadable or not finite."""
-        if (step, fqn) not in self.noise:
+        gradient = self.rows.get(("grad", step, fqn))
+        if gradient is None or not gradient.passed or gradient.tolerance is None or not gradient.numel \
+                or gradient.reference_norm is None:
             return None
+        noise = gradient.tolerance.abs + gradient.tolerance.rel * gradient.reference_norm / math.sqrt(gradient.numel)
         if (step, fqn) not in self._undetermined:
             key = TensorKey(step=step, micro_batch=NO_MICRO_BATCH, phase="grad", fqn=fqn, slot="grad")
             found = None
@@ -178,7 +181,7 @@ class RoundoffSteps:
                 if mine is not None and theirs is not None and mine.shape == theirs.shape:
                     apart = (mine - theirs).abs()
                     size = theirs.abs()
-                    found = (apart > 0) & (apart >= UNDETERMINED * size) & (size <= self.noise[(step, fqn)])
+                    found = (apart > 0) & (apart >= UNDETERMINED * size) & (size <= noise)
             except TtraceError:
                 found = None
             self._undetermined[(step, fqn)] = found
