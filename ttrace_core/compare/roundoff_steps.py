@@ -39,12 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ttrace_core.canonicalize.logical_value import canonical_tensor
+from ttrace_core.canonicalize.logical_value import logical_value
 from ttrace_core.compare.module_bias import bias_before
 from ttrace_core.compare.results import ComparisonStatus, TensorComparison, Tolerance
-from ttrace_core.compare.tolerances import ToleranceProvider
 from ttrace_core.errors import TtraceError
-from ttrace_core.format.naming import GRADIENT_CLIPPING, parameter_of
+from ttrace_core.format.naming import GRADIENT_CLIPPING, LEARNING_RATE_SLOT, parameter_of
 from ttrace_core.format.reader import RunReader
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
 
@@ -52,7 +51,6 @@ STEPS_APART = 2.0
 """Each run's step of an undetermined element is at most about lr, in a direction of its own."""
 UNDETERMINED = 0.5
 """An element's gradient is round-off where the runs differ by at least this share of the reference's."""
-LR_SLOT = "scalar.lr"
 SEEN_PHASES = frozenset(("grad", "param"))
 """The phases of the rows `RoundoffSteps.seen` keeps (the engine calls it only for those: it sees every row)."""
 _KEPT_SLOTS = frozenset(("grad", "value"))
@@ -60,14 +58,15 @@ _KEPT_SLOTS = frozenset(("grad", "value"))
 
 @dataclass(frozen=True, slots=True)
 class RoundoffStepTolerances:
-    """`base`'s tolerance plus `extra` per element, and no structure tests (the update's direction is round-off's)."""
+    """A row's own tolerance plus `extra` per element, and no structure tests (the update's direction is
+    round-off's): the provider a post-step parameter is judged again under."""
 
-    base: ToleranceProvider
+    own: Tolerance
     extra: float
     why: str
 
     def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
-        own = self.base.tolerance_for(key, dtype)
+        own = self.own
         return dataclasses.replace(own, abs=own.abs + self.extra, params=(*own.params, ("roundoff_step", self.extra)),
                                    drift_rel=own.rel if own.drift_rel is None else own.drift_rel,
                                    source=f"{own.source}, + {self.extra:.3g} per element: {self.why}")
@@ -139,7 +138,7 @@ class RoundoffSteps:
         if not undetermined:
             return None
         extra = STEPS_APART * sum(lrs) * math.sqrt(undetermined / row.numel)
-        return RoundoffStepTolerances(row_base(row), extra, why=(
+        return RoundoffStepTolerances(row.tolerance, extra, why=(
             f"{STEPS_APART:g} x lr on the {undetermined} elements whose gradient is round-off (the runs' gradients "
             f"differ there by at least {UNDETERMINED:.0%} of it), which an adaptive optimizer steps by up to lr "
             "in a direction of its own"))
@@ -200,33 +199,17 @@ class RoundoffSteps:
         return said
 
 
-def row_base(row: TensorComparison) -> ToleranceProvider:
-    """The row's own tolerance, as a provider (the one it was judged under, whatever gave it)."""
-    return _Fixed(row.tolerance)
-
-
-@dataclass(frozen=True, slots=True)
-class _Fixed:
-    tolerance: Tolerance
-
-    def tolerance_for(self, key: TensorKey, dtype: str) -> Tolerance:
-        return self.tolerance
-
-    def structure_tolerances(self, key: TensorKey, dtype: str, shape: tuple[int, ...],
-                             update_to_value: float | None = None) -> dict[str, float]:
-        return {}
-
-
 def _values(reader: RunReader, key: TensorKey) -> torch.Tensor | None:
+    """`key`'s logical values, flat, when recorded with values and finite."""
     metas = reader.index.get(key)
     if not metas or metas[0].stats_only:
         return None
-    values = (canonical_tensor(reader, metas, key).full.double() / metas[0].scale).reshape(-1)
+    values = logical_value(reader, key).reshape(-1)
     return values if bool(torch.isfinite(values).all()) else None
 
 
 def _recorded_lr(reader: RunReader, step: int) -> float | None:
-    key = TensorKey(step=step, micro_batch=NO_MICRO_BATCH, phase="step", fqn=GRADIENT_CLIPPING, slot=LR_SLOT)
+    key = TensorKey(step=step, micro_batch=NO_MICRO_BATCH, phase="step", fqn=GRADIENT_CLIPPING, slot=LEARNING_RATE_SLOT)
     try:
         values = _values(reader, key)
     except TtraceError:

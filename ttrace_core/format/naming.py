@@ -36,6 +36,8 @@ parentheses keep it apart from every real module."""
 GRADIENT_CLIPPING = "(gradient clipping)"
 """The pseudo-module of the optimizer's step scalars (phase "step"): "scalar.grad_norm",
 "scalar.clip_coef", "scalar.loss_scale", "scalar.lr", "scalar.skipped_steps"."""
+LEARNING_RATE_SLOT = "scalar.lr"
+"""GRADIENT_CLIPPING's slot of the learning rate the step used (its optimizer's first parameter group)."""
 PSEUDO_MODULES = {LOSS_FUNCTION: "the loss function", GRADIENT_CLIPPING: "the gradient norm / clipping"}
 """Pseudo-module name -> how a verdict names it."""
 

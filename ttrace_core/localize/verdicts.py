@@ -47,7 +47,7 @@ from ttrace_core.compare.results import (
     STRUCTURAL_STATUSES as STRUCTURAL, ComparisonStatus, RunComparison, TensorComparison,
 )
 from ttrace_core.format.naming import (
-    DATA_PARALLEL_AXES, GRADIENT_CLIPPING, LOSS_FUNCTION, PSEUDO_MODULES, data_parallel_degree, in_subtree, is_descendant,
+    DATA_PARALLEL_AXES, GRADIENT_CLIPPING, LEARNING_RATE_SLOT, LOSS_FUNCTION, PSEUDO_MODULES, data_parallel_degree, in_subtree, is_descendant,
     module_of, owner_of, slot_family,
 )
 from ttrace_core.format import strict_json
@@ -57,7 +57,6 @@ from ttrace_core.format.reader import RunReader
 
 # A gradient off from the reference by a constant factor (and nothing else) is a scaling bug.
 PURE_SCALE_RESIDUAL = 1e-3
-LEARNING_RATE = "scalar.lr"
 """The step scalar of the learning-rate schedule: a wrong one is the optimizer step's, not the clipping's."""
 
 
@@ -381,7 +380,7 @@ def _fed_failing_gradients(replay: RunComparison, manifest: RunManifest, loss_bl
 
 def _failing_clipping_scalars(replay: RunComparison) -> list[TensorComparison]:
     """The gradient norm / clipping's scalars that fail, the learning rate aside."""
-    return [c for c in replay.comparisons if c.key.fqn == GRADIENT_CLIPPING and c.key.slot != LEARNING_RATE
+    return [c for c in replay.comparisons if c.key.fqn == GRADIENT_CLIPPING and c.key.slot != LEARNING_RATE_SLOT
             and not c and c.status not in STRUCTURAL]
 
 
