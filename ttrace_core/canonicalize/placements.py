@@ -26,6 +26,11 @@ A layout assigns one placement to each mesh axis. Their meaning, once:
   cuts, as DTensor does: 5 rows under SS(0,2) alone over 2 ranks give rank 0 rows [0:2, 3:4] and
   rank 1 rows [2:3, 4:5].
 
+The gradient of a tensor is laid out like the tensor, except along a partial axis (`gradient_placement`):
+each coordinate's share y_i of y = sum_i y_i gets the whole of dL/dy, so the gradient of a P(sum) tensor
+is R; of a P(avg) tensor, each gets dL/dy / n, which add up to it: P(sum). (Under TP, the gradient of a
+row-parallel output before its all-reduce is replicated: taken as P(sum), it would read as twice itself.)
+
 Along each dim a coordinate holds a tuple of runs, (start, length) ranges of global indices in the
 order the local tensor stores them (`local_runs`). Every placement but SS keeps that a single run;
 an empty shard is one run of length 0 at the place it would start.
@@ -113,6 +118,15 @@ def placement_from_str(text: str) -> PlacementSpec:
     if match := _BLOCKED.match(text):
         return PlacementSpec("blocked", dim=int(match.group(1)), split_factor=int(match.group(2)))
     raise LayoutError(f"unknown placement {text!r}: expected one of R, S(d), SB(d,b), P(sum), P(avg), SS(d,f)")
+
+
+GRADIENT_OF_PARTIAL = {"P(sum)": "R", "P(avg)": "P(sum)"}
+
+
+def gradient_placement(text: str) -> str:
+    """The placement of a tensor's gradient along an axis where the tensor has `text` (module docstring)."""
+    spec = placement_from_str(text)
+    return GRADIENT_OF_PARTIAL[str(spec)] if spec.kind == "partial" else text
 
 
 def chunk_bounds(size: int, num_chunks: int, index: int) -> tuple[int, int]:

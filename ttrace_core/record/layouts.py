@@ -4,7 +4,8 @@ Input: the Tracer's declarations (declarations.py), its step state (step_state.p
 its local value. Output: the `Layout` recorded with it, which canonicalize reads to place the shard in
 its logical tensor. In order: a declared layout; the layout a parallel style's output had as a DTensor
 before it was made local; the layout of the plain shard it was produced from, for a module that only
-passes a shard on (producers.py); a gradient's forward tensor's layout; else the whole tensor, replicated.
+passes a shard on (producers.py); a gradient's forward tensor's layout, with a partial sum's gradient
+replicated (canonicalize/placements.py); else the whole tensor, replicated.
 
 Declared layouts are resolved once per (module, slot, local shape) and kept until the next declaration
 (declarations.py). The others depend on the call, so they are looked up each time; the layout records
@@ -18,6 +19,7 @@ import functools
 import msgspec
 import torch
 
+from ttrace_core.canonicalize.placements import gradient_placement
 from ttrace_core.format.schema import Layout, TensorKey
 from ttrace_core.integrations.dtensor import layout_of_converted_output
 from ttrace_core.record.declarations import Declarations, UnknownLayoutError
@@ -37,6 +39,14 @@ def replicated(shape: tuple[int, ...]) -> Layout:
 @functools.lru_cache(maxsize=4096)
 def with_flat_range(layout: Layout, flat_range: tuple[int, int]) -> Layout:
     return msgspec.structs.replace(layout, flat_range=flat_range)
+
+
+@functools.lru_cache(maxsize=4096)
+def gradient_layout(layout: Layout) -> Layout:
+    """The layout of the gradient of a tensor laid out as `layout`: the same, but R where it is P(sum) and P(sum)
+    where it is P(avg) (canonicalize/placements.py)."""
+    placements = tuple(gradient_placement(p) for p in layout.placements)
+    return layout if placements == tuple(layout.placements) else msgspec.structs.replace(layout, placements=placements)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -60,14 +70,14 @@ def plain_layout(declarations: Declarations, state: StepState | None, key: Tenso
             (produced := producers.layout_of(state, key, local if value is None else value)) is not None:
         return produced
     if key.slot.startswith("grad_") and state is not None:
-        # The gradient of a tensor is laid out like the tensor itself.
+        # The gradient of a tensor is laid out like the tensor itself, but replicated where it is a partial sum.
         forward_slot = key.slot.removeprefix("grad_")
         if (key.fqn, key.micro_batch, key.call, forward_slot) in state.unmapped_forward:
             raise UnknownLayoutError(f"{key.fqn} {key.slot}: not recorded, it is the gradient of {forward_slot}, "
                                      "whose layout is unknown (see that tensor's finding)")
         inherited = state.forward_layouts.get((key.fqn, key.micro_batch, key.call, forward_slot))
         if inherited is not None and inherited.global_shape and len(inherited.global_shape) == local.dim():
-            return inherited
+            return gradient_layout(inherited)
     return replicated(shape)
 
 

@@ -29,6 +29,7 @@ from ttrace_core.canonicalize.logical_value import logical_value
 from ttrace_core.compare.estimate_file import PerturbationEstimate, TensorDeviation
 from ttrace_core.compare.module_bias import module_bias
 from ttrace_core.compare.shard_errors import largest_block_error
+from ttrace_core.compare.routed_rows import routed_apart
 from ttrace_core.compare.structure import statistics
 from ttrace_core.compare.tolerances import machine_epsilon
 from ttrace_core.errors import TtraceError
@@ -52,13 +53,15 @@ class SampleDeviation:
 def deviations(reference: RunReader, perturbed: RunReader,
                reshaped: set[TensorKey] | None = None) -> dict[TensorKey, SampleDeviation]:
     """Every tensor both runs hold in the same logical shape: its deviation and its structure statistics.
-    A tensor whose shape the perturbation changed (a MoE expert that the perturbed router sent other
-    tokens, record/token_rows.py) has no deviation to measure: it is added to `reshaped`."""
+    A tensor whose rows the perturbation changed (a MoE expert that the perturbed router sent other
+    tokens, record/token_rows.py, compare/routed_rows.py: more or fewer rows, or as many of other tokens)
+    has no deviation to measure: it is added to `reshaped`."""
     result = {}
     for key in reference.index:
         if key not in perturbed.index or reference.index[key][0].stats_only:
             continue
-        if reference.index[key][0].layout.global_shape != perturbed.index[key][0].layout.global_shape:
+        if reference.index[key][0].layout.global_shape != perturbed.index[key][0].layout.global_shape or \
+                routed_apart(key, reference, perturbed):  # as many rows, but some of them other tokens
             if reshaped is not None:
                 reshaped.add(key)
             continue
@@ -137,7 +140,7 @@ def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, rela
                 _merge(estimate, deviations(reference, perturbed, reshaped))
         unmeasured = _from_siblings(estimate, reshaped, reference)
     if reshaped:
-        print(f"ttrace: estimate: {len(reshaped)} tensors changed shape in a perturbed re-run (routed experts that "
+        print(f"ttrace: estimate: {len(reshaped)} tensors changed rows in a perturbed re-run (routed experts that "
               f"received other tokens, e.g. {min(reshaped)}); {len(reshaped) - len(unmeasured)} take their sibling "
               f"experts' relative deviation, {len(unmeasured)} keep the per-dtype tolerance", file=sys.stderr)
     estimate.seconds = time.monotonic() - started

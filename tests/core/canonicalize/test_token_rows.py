@@ -160,3 +160,25 @@ def test_an_expert_routed_other_tokens_is_compared_on_the_common_ones(tmp_path, 
     expert_input = rows[("expert", "input.0")]
     assert "routed differently: 1 of the reference's 4 tokens" in expert_input.message
     assert bool(expert_input) is passes and bool(rows[("expert.linear", "output.0")]) is passes
+
+
+@pytest.mark.parametrize("candidate_ids, wrong_row, passes", [
+    ([1, 0, 3], None, True),   # token 2 went elsewhere and token 1 came here: as many rows, 2 common tokens agree
+    ([1, 0, 3], 2, False),     # ... but common token 3 holds other values
+    ([2, 0, 3], None, True),   # the same tokens: compared row by row, with no note
+], ids=["as many rows, other tokens", "a common token differs", "the same tokens"])
+def test_an_expert_sent_as_many_other_tokens_is_compared_on_the_common_ones(tmp_path, candidate_ids, wrong_row, passes):
+    """A token that left and another that arrived leave the row count as it was (torchtitan's qwen3 MoE under TP2:
+    row by row, two runs' rows of other tokens read as a bug of order 1)."""
+    from ttrace_core.compare.engine import compare_runs
+
+    _record_routed(tmp_path / "reference", [2, 0, 3])
+    _record_routed(tmp_path / "candidate", candidate_ids, wrong_row)
+    with RunReader(tmp_path / "reference") as reference, RunReader(tmp_path / "candidate") as candidate:
+        result = compare_runs(reference, candidate)
+    rows = {(c.key.fqn, c.key.slot): c for c in result.comparisons if c.key.phase == "forward"}
+    expert_input = rows[("expert", "input.0")]
+    routed_apart = candidate_ids != [2, 0, 3]
+    assert ("routed differently: 1 of the reference's 3 tokens went to another expert in the candidate, and 1 of the "
+            "candidate's 3 came here" in (expert_input.message or "")) is routed_apart
+    assert bool(expert_input) is passes and bool(rows[("expert.linear", "output.0")]) is passes

@@ -131,3 +131,17 @@ def test_the_nearest_ancestors_positions_apply(tmp_path):
             _run(tmp_path / "candidate", {**_expert(CANDIDATE_TOKENS), **every_token}) as candidate:
         aligned = token_alignment(_key(f"{EXPERT}.linear_fc1"), reference, candidate)
     assert aligned.note == NOTE
+
+
+def test_as_many_rows_of_other_tokens_are_aligned_and_the_same_tokens_are_not(tmp_path):
+    """One token left and another arrived: the row count holds, the rows are other tokens' (routed_apart)."""
+    from ttrace_core.compare.routed_rows import routed_apart
+
+    with _run(tmp_path / "reference", _expert([1, 3, 4])) as reference, \
+            _run(tmp_path / "candidate", _expert([1, 4, 5])) as candidate, \
+            _run(tmp_path / "same", _expert([1, 3, 4])) as same:
+        aligned = token_alignment(_key(EXPERT), reference, candidate)
+        assert aligned.reference_rows.tolist() == [0, 2] and aligned.candidate_rows.tolist() == [0, 1]
+        assert routed_apart(_key(f"{EXPERT}.linear_fc1"), reference, candidate)
+        assert token_alignment(_key(EXPERT), reference, same) is None and not routed_apart(_key(EXPERT), reference, same)
+        assert not routed_apart(_key("layers.0.attention", "output.0"), reference, candidate)  # not routed

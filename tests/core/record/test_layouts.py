@@ -134,6 +134,24 @@ def test_a_gradient_inherits_only_a_forward_layout_of_its_own_rank_count_and_cal
     assert plain_layout(Declarations(), state, _key("backward", "grad_output.0", call=1), flat) == replicated((12,))
 
 
+@pytest.mark.parametrize("forward, gradient", [
+    (("P(sum)",), ("R",)), (("P(avg)",), ("P(sum)",)), (("S(0)", "P(sum)"), ("S(0)", "R")),
+    (("R", "S(1)"), ("R", "S(1)")), (("SS(0,2)", "S(0)"), ("SS(0,2)", "S(0)")),
+], ids=["partial sum: replicated", "partial mean: a sum of 1/n shares", "per axis", "no partial: as is",
+        "strided: as is"])
+def test_the_gradient_of_a_partial_tensor_is_its_dual(forward, gradient):
+    """Each rank's share y_i of y = sum_i y_i gets the whole of dL/dy (torchtitan's tensor-parallel grouped experts:
+    each expert's output is declared P(sum), and its grad_output taken as P(sum) read as twice the reference's)."""
+    state = StepState(step=0)
+    mesh_shape = (2,) * len(forward)
+    layout = Layout(global_shape=LOCAL, mesh_shape=mesh_shape, coordinate=(1,) * len(forward), placements=forward,
+                    mesh_axis_names=tuple(f"axis{i}" for i in range(len(forward))))
+    state.forward_layouts[("lin", 0, 0, "output.0")] = layout
+    recorded = plain_layout(Declarations(), state, _key("backward", "grad_output.0"), torch.randn(LOCAL))
+    assert recorded.placements == gradient
+    assert recorded == Layout(**{**_fields(layout), "placements": gradient})
+
+
 def test_the_gradient_of_a_forward_tensor_left_out_is_left_out_too():
     state = StepState(step=0)
     state.forward_layouts[("lin", 0, 0, "output.0")] = FORWARD

@@ -55,3 +55,23 @@ def test_an_expert_the_perturbation_reshaped_takes_its_siblings_relative_deviati
     entry = estimate.tensors[reshaped]  # the largest of its sibling's and its own measured draws: 9.0
     assert entry.per_sample == [9.0, 9.0] and abs(entry.deviation - 9.0 * norm) < 1e-9
     assert left_out == {lone} and lone not in estimate.tensors
+
+
+def test_an_expert_sent_as_many_other_tokens_is_set_aside(tmp_path):
+    """A perturbed re-run whose router sent an expert as many tokens, but other ones: its rows are not the
+    reference's tokens, so no deviation is measured on them (it would be of order 1: a tolerance that hides bugs)."""
+    from tests.core.canonicalize.test_token_rows import _record_routed
+
+    _record_routed(tmp_path / "reference", [2, 0, 3])
+    _record_routed(tmp_path / "perturbed", [1, 0, 3])
+    _record_routed(tmp_path / "same", [2, 0, 3])
+    reshaped = set()
+    with RunReader(tmp_path / "reference") as reference, RunReader(tmp_path / "perturbed") as perturbed:
+        found = deviations(reference, perturbed, reshaped)
+    assert {(k.fqn, k.slot) for k in reshaped} == {("expert", "input.0"), ("expert", "output.0"),
+                                                   ("expert.linear", "input.0"), ("expert.linear", "output.0")}
+    assert not reshaped & set(found)
+    with RunReader(tmp_path / "reference") as reference, RunReader(tmp_path / "same") as same:
+        reshaped = set()
+        found = deviations(reference, same, reshaped)
+    assert not reshaped and all(entry.deviation == 0 for key, entry in found.items() if key.fqn.startswith("expert"))
