@@ -86,14 +86,11 @@ LAYOUTS = [
     Layout(name="moe ep2", ranks=2, model="qwen3-moe", flags=["--parallelism.expert_parallel_degree", "2"],
            precisions=("fp32",)),
     Layout(name="moe tp2 x ep2", ranks=2, model="deepseek-v3", precisions=("fp32",),
-           flags=["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"],
-           expected="false alarm (known): bf16 expert round-off flips near-tie routing in layers 3-5, then AdamW's "
-                    "first step on norm weights"),
+           flags=["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]),
     Layout(name="moe fsdp2 x ep2", ranks=2, model="deepseek-v3", precisions=("fp32",),
            flags=["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]),
     Layout(name="moe tp2", ranks=2, model="qwen3-moe", flags=["--parallelism.tensor_parallel_degree", "2"],
-           precisions=("fp32",),
-           expected="false alarm (known): bf16 expert partial sums, then AdamW's first step on norm weights"),
+           precisions=("fp32",)),
 ]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -53,10 +53,17 @@ class WeightPerturbation:
     """Which perturbation (0, 1, ...); each draws independent deltas."""
     relative: float
     """Largest relative change per element: the compute dtype's unit round-off by default."""
+    coarser: dict[str, float] = field(default_factory=dict)
+    """Weight name -> its own largest relative change, for the weights the run computes with in a coarser
+    format than its precision (workflows/estimate.py `coarser_weights`: an fp32 run's bf16 grouped experts)."""
 
     def __post_init__(self) -> None:
-        if self.sample < 0 or not 0 < self.relative < 0.5:
-            raise ValueError(f"perturbation sample {self.sample} / relative {self.relative}: need sample >= 0, 0 < relative < 0.5")
+        for relative in (self.relative, *self.coarser.values()):
+            if self.sample < 0 or not 0 < relative < 0.5:
+                raise ValueError(f"perturbation sample {self.sample} / relative {relative}: need sample >= 0, 0 < relative < 0.5")
+
+    def relative_of(self, name: str) -> float:
+        return self.coarser.get(name, self.relative)
 
     def delta(self, seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The full logical delta in [-1, 1] (float64) of the weight `name`; slice it like the weight."""
@@ -65,7 +72,7 @@ class WeightPerturbation:
 
     def apply(self, seed: int, name: str, full: torch.Tensor) -> torch.Tensor:
         delta = self.delta(seed, name, tuple(full.shape))
-        return (full.double() * (1 + self.relative * delta)).to(full.dtype)
+        return (full.double() * (1 + self.relative_of(name) * delta)).to(full.dtype)
 
     @staticmethod
     def from_dict(data: dict | None) -> WeightPerturbation | None:
@@ -112,4 +119,4 @@ def initialize_weights(model: nn.Module, *, seed: int, reinit: bool, perturbatio
                 local.copy_(local_from_full(full, layout).to(local.dtype))
             elif perturbation is not None:
                 delta = local_from_full(perturbation.delta(seed, name, shape), layout)
-                local.copy_((local.double() * (1 + perturbation.relative * delta)).to(local.dtype))
+                local.copy_((local.double() * (1 + perturbation.relative_of(name) * delta)).to(local.dtype))

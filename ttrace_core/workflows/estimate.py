@@ -10,6 +10,13 @@ inputs moved by about the unit round-off u, so the reference re-run with its wei
 elementwise, w * (1 + delta) with delta ~ U[-u, u], moves each tensor t by as much as round-off
 can. For N samples, deviation_t = max_n ||T_t^(n) - T_t||_F. Relaunching uses only the manifest
 (entrypoint factory and config); the re-runs are written under `.estimate/` and removed after.
+
+A weight the run computes with in a coarser format than its precision is perturbed at that format's
+u (`coarser_weights`): torchtitan's grouped MoE experts cast their weights and tokens to bf16 in an
+fp32 run, where a perturbation of fp32's u would almost never move a bf16 value, and the experts'
+bf16 round-off (which two layouts do differently: TP sums each expert's halves after rounding them)
+would be missing from every tolerance downstream. The reference shows it: every value its module
+outputs lies on the coarser format's grid.
 """
 
 from __future__ import annotations
@@ -87,6 +94,55 @@ def _finite_difference(reference: RunReader, perturbed: RunReader, key: TensorKe
     return torch.where(finite, actual - expected, zero), torch.where(finite, expected, zero)
 
 
+COARSER_FORMATS = (torch.bfloat16, torch.float16)
+"""Formats a module may compute in below the run's precision, coarsest first."""
+MIN_ON_GRID = 64
+"""Nonzero output values that must all lie on a format's grid before the module is taken to compute in it
+(a float32 value lies on bfloat16's grid by chance with probability 2^-16: 64 of them never do)."""
+
+
+def grid_unit_roundoff(values: list[torch.Tensor]) -> float | None:
+    """The unit round-off of the coarsest format in COARSER_FORMATS on whose grid every finite value of `values`
+    lies (at least MIN_ON_GRID of them nonzero), or None."""
+    finite = [v[torch.isfinite(v)] for v in values]
+    if sum(int(torch.count_nonzero(v)) for v in finite) < MIN_ON_GRID:
+        return None
+    for dtype in COARSER_FORMATS:
+        if all(torch.equal(v.to(dtype).to(v.dtype), v) for v in finite):
+            return torch.finfo(dtype).eps / 2
+    return None
+
+
+def coarser_weights(reference: RunReader, relative: float) -> dict[str, float]:
+    """Weight -> the unit round-off of the format its module computes in, for every float32/float64 weight whose
+    module's forward outputs (first step, first micro-batch; of each expert, `<module>.<e>`, for a module of
+    routed experts) all lie on a coarser grid than `relative` (the run's unit round-off): the module computed
+    with it in that format (module docstring). A gradient does not show it: accumulated over micro-batches in
+    float32, it leaves the grid."""
+    weights = {key.fqn for key, metas in reference.index.items()
+               if key.phase == "param" and key.slot == "value" and metas[0].dtype in ("float32", "float64")}
+    first = min((key.step for key in reference.index), default=0)
+    outputs: dict[str, list[TensorKey]] = {}
+    for key, metas in reference.index.items():
+        if key.step == first and key.micro_batch == 0 and key.phase == "forward" and key.slot.startswith("output") \
+                and not metas[0].stats_only and metas[0].dtype in ("float32", "float64"):
+            module, _, last = key.fqn.rpartition(".")
+            outputs.setdefault(module if last.isdigit() and module else key.fqn, []).append(key)
+            if last.isdigit():
+                outputs.setdefault(key.fqn, []).append(key)
+    found: dict[str, float] = {}
+    units: dict[str, float | None] = {}
+    for weight in sorted(weights):
+        module = weight.rpartition(".")[0]
+        if module not in outputs:
+            continue
+        if module not in units:
+            units[module] = grid_unit_roundoff([logical_value(reference, key) for key in outputs[module]])
+        if (unit := units[module]) is not None and unit > relative:
+            found[weight] = unit
+    return found
+
+
 def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, relative: float | None = None,
                        timeout_s: float = 600.0, num_workers: int | None = None,
                        for_precision: str | None = None, keep_samples: bool = False) -> PerturbationEstimate:
@@ -120,13 +176,20 @@ def estimate_reference(run_dir: str | os.PathLike, *, num_samples: int = 4, rela
         work = work / (for_precision or manifest.precision)
     else:
         shutil.rmtree(work, ignore_errors=True)
+    with RunReader(run_dir) as reference:
+        coarser = coarser_weights(reference, relative) if for_precision is None else {}
+    if coarser:
+        print(f"ttrace: estimate: {len(coarser)} weights are computed in a coarser format than {manifest.precision} (their "
+              f"modules' outputs lie on its grid, e.g. {min(coarser)}): perturbed by up to {max(coarser.values()):.3g} instead "
+              f"of {relative:.3g}", file=sys.stderr)
     outs = [work / f"sample_{i}" for i in range(num_samples)]
     missing = [(i, out) for i, out in enumerate(outs) if not (keep_samples and _complete(out))]
     workers = num_workers or max(1, (os.cpu_count() or 1) // manifest.world_size)
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=min(workers, num_samples)) as pool:
         futures = [pool.submit(relaunch, run_dir, manifest, out.resolve(), timeout_s=timeout_s, precision=for_precision,
-                               perturbation={"sample": i, "relative": relative}) for i, out in missing]
+                               perturbation={"sample": i, "relative": relative, "coarser": coarser})
+                   for i, out in missing]
         for future in futures:
             future.result()
     if for_precision is not None:

@@ -75,3 +75,41 @@ def test_an_expert_sent_as_many_other_tokens_is_set_aside(tmp_path):
         reshaped = set()
         found = deviations(reference, same, reshaped)
     assert not reshaped and all(entry.deviation == 0 for key, entry in found.items() if key.fqn.startswith("expert"))
+
+
+class _Bf16Inside(nn.Module):
+    """A module that computes in bfloat16 inside a float32 run (torchtitan's grouped experts: `x.bfloat16()`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.bfloat16() @ self.weight.bfloat16()).type_as(x)
+
+
+def test_weights_of_a_module_that_computes_in_bf16_are_perturbed_at_bf16s_round_off(tmp_path):
+    """Its outputs all lie on bfloat16's grid; its float32 neighbour's do not. A perturbation of float32's u would
+    almost never move a bfloat16 value, and the module's bf16 round-off would be missing from the estimate."""
+    from ttrace_core.record.generator import WeightPerturbation
+    from ttrace_core.workflows.estimate import coarser_weights, grid_unit_roundoff
+
+    model = nn.Sequential(nn.Linear(4, 8), _Bf16Inside())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = Tracer(tmp_path / "run", model, role="reference", optimizer=optimizer)
+    with tracer.step(0):
+        model(torch.randn(16, 4, generator=torch.Generator().manual_seed(0))).square().mean().backward()
+        optimizer.step()
+    tracer.close()
+    fp32_u = torch.finfo(torch.float32).eps / 2
+    with RunReader(tmp_path / "run") as reference:
+        assert coarser_weights(reference, fp32_u) == {"1.weight": 2 ** -8}
+        assert coarser_weights(reference, 2 ** -8) == {}  # a bf16 run: nothing coarser than itself
+    assert grid_unit_roundoff([torch.randn(100).half().float()]) == 2 ** -11
+    assert grid_unit_roundoff([torch.randn(100)]) is None
+    assert grid_unit_roundoff([torch.zeros(100), torch.ones(10)]) is None  # too few values to tell
+    perturbation = WeightPerturbation(sample=0, relative=fp32_u, coarser={"1.weight": 2 ** -8})
+    full = torch.ones(1000)
+    assert perturbation.relative_of("0.weight") == fp32_u
+    moved = (perturbation.apply(0, "1.weight", full) - 1).abs().max()
+    assert 2 ** -9 < moved <= 2 ** -8
