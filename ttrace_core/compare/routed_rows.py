@@ -35,13 +35,13 @@ class TokenAlignment:
     note: str
 
 
-_ROUTED: weakref.WeakKeyDictionary[RunReader, tuple[dict[tuple, TensorKey], dict[TensorKey, torch.Tensor]]] = \
+_ROUTED: weakref.WeakKeyDictionary[RunReader, tuple[dict[tuple, TensorKey], dict[TensorKey, torch.Tensor | None]]] = \
     weakref.WeakKeyDictionary()
 """Per reader: (step, micro-batch, call, fqn) of each routed call -> its positions' key; positions read so far
 (every tensor of an expert asks for the same ones)."""
 
 
-def _routed(reader: RunReader) -> tuple[dict[tuple, TensorKey], dict[TensorKey, torch.Tensor]]:
+def _routed(reader: RunReader) -> tuple[dict[tuple, TensorKey], dict[TensorKey, torch.Tensor | None]]:
     if (found := _ROUTED.get(reader)) is None:
         found = _ROUTED[reader] = ({(k.step, k.micro_batch, k.call, k.fqn): k for k in reader.tokens}, {})
         # (a reader's tokens are fixed once it is open)
@@ -49,7 +49,7 @@ def _routed(reader: RunReader) -> tuple[dict[tuple, TensorKey], dict[TensorKey, 
 
 
 def _positions(reader: RunReader, tokens_key: TensorKey) -> torch.Tensor | None:
-    calls, read = _routed(reader)
+    read = _routed(reader)[1]
     if tokens_key not in read:
         metas = reader.tokens.get(tokens_key)
         read[tokens_key] = None if not metas else reader.read(metas[0]).to(torch.int64).flatten()
