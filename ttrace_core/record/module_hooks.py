@@ -247,8 +247,9 @@ class ModuleHooks:
         tracer = self._tracer
 
         def recorder(index: int) -> Callable[[torch.Tensor], None]:
-            def hook(grad: torch.Tensor) -> None:
-                if tracer.state is not None:
+            def hook(grad: torch.Tensor | None) -> None:
+                # (None: no gradient flowed into this output, as a backward hook's grad_output says by a None too)
+                if tracer.state is not None and grad is not None:
                     tracer.record(tracer.key("backward", fqn, f"grad_output.{index}", micro_batch, call), grad)
             return hook
         for index, value in enumerate(outputs):

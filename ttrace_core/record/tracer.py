@@ -94,6 +94,18 @@ def failure_message(fqn: str, slot: str, error: Exception) -> str:
             "out; the training went on. A ttrace bug: report it with this line")
 
 
+def hookable_optimizer(optimizer):
+    """The optimizer whose step hooks fire: `optimizer` itself, or, for a wrapper that subclasses
+    torch.optim.Optimizer without running its __init__ (no hook registries of its own) and steps an inner
+    `.optimizer`, that inner one (followed as deep as it goes). Anything else is returned as it is."""
+    seen = set()
+    while (isinstance(optimizer, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" not in vars(optimizer)
+           and id(optimizer) not in seen and getattr(optimizer, "optimizer", None) is not None):
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def never_raises(method):
     """A recording entry point the training code calls: its error is the trace's finding (Tracer.record_error),
     never the training's exception. It returns what the method returns, None after an error."""
@@ -186,7 +198,10 @@ class Tracer:
             self._hook_optimizer(optimizer)
 
     def _hook_optimizer(self, optimizer) -> None:
-        """A torch optimizer through its step hooks; any other (Megatron's) by wrapping its step."""
+        """A torch optimizer through its step hooks; any other (Megatron's) by wrapping its step. A wrapper
+        that subclasses torch's Optimizer without its state (accelerate's AcceleratedOptimizer, which the
+        Hugging Face Trainer hands on) is seen through to the optimizer it steps."""
+        optimizer = hookable_optimizer(optimizer)
         if not hasattr(optimizer, "register_step_pre_hook"):
             self._undo.append(capture_optimizer_step(self, optimizer))
             return
@@ -194,8 +209,16 @@ class Tracer:
         def after_step(*_) -> None:
             self.guarded(lambda: record_step_scalars(self, lr=learning_rate(optimizer)))
             self.record_parameters()
-        self._handles.append(optimizer.register_step_pre_hook(lambda *_: self.record_gradients()))
-        self._handles.append(optimizer.register_step_post_hook(after_step))
+        handles = []
+        try:
+            handles.append(optimizer.register_step_pre_hook(lambda *_: self.record_gradients()))
+            handles.append(optimizer.register_step_post_hook(after_step))
+        except Exception:  # noqa: BLE001 - hooks it cannot take (another wrapper's): its step is wrapped instead
+            for handle in handles:
+                handle.remove()
+            self._undo.append(capture_optimizer_step(self, optimizer))
+            return
+        self._handles += handles
 
     # ---- selection and layout resolution ----------------------------------------------------
 

@@ -329,6 +329,48 @@ def test_modules_the_trace_cannot_see_into_are_blind_spots_and_their_output_grad
         assert torch.allclose(reader.read(head_grad), 2 * output.detach())
 
 
+class _Sink(torch.autograd.Function):
+    """What DDP passes a model's outputs through (its _DDPSink): gradients are not materialized, so an output the
+    loss does not use gets None, and a hook on that output is called with None."""
+
+    @staticmethod
+    def forward(ctx, first, second):
+        ctx.set_materialize_grads(False)
+        return first.clone(), second.clone()
+
+    @staticmethod
+    def backward(ctx, first, second):
+        return first, second
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        hidden = self.linear(x)
+        return {"loss": hidden.square().mean(), "logits": hidden * 2.0}
+
+
+def test_an_output_hook_handed_no_gradient_records_nothing_and_no_finding(tmp_path):
+    """A dict-returning model's outputs are watched by tensor hooks; behind DDP's sink the output no loss uses gets
+    None (the Hugging Face Trainer's logits in a bf16 run under DDP): nothing flowed, so nothing is recorded, and the
+    tracer does not fail on it."""
+    torch.manual_seed(0)
+    model = _TwoOutputs()
+    tracer = Tracer(tmp_path, model, role="reference")
+    with tracer.step(0):
+        outputs = model(torch.randn(3, 4))
+        loss, _ = _Sink.apply(outputs["loss"], outputs["logits"])
+        loss.backward()
+    tracer.close()
+    with RunReader(tmp_path) as reader:
+        slots = {(k.fqn, k.slot) for k in reader.index if k.phase == "backward"}
+        assert ("", "grad_output.0") in slots and ("", "grad_output.1") not in slots
+        assert not [finding for finding in reader.findings if "tracer failed" in finding.message]
+
+
 class _Scaled(nn.Module):
     def forward(self, hidden: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return hidden * scale

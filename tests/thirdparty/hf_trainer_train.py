@@ -1,0 +1,62 @@
+"""A tiny Llama trained by the Hugging Face `transformers.Trainer`, the way a user writes it, with one ttrace line.
+
+    python hf_trainer_train.py --accumulation 4                                          # the reference
+    torchrun --standalone --nproc-per-node 2 hf_trainer_train.py --accumulation 2       # DDP (accelerate, gloo)
+
+The Trainer builds the optimizer, wraps the model in DDP, draws the batches (one seeded sampler; accelerate hands
+batch k x P + p to process p of P) and normalizes the loss by the step's token count. Each example's labels end in
+a run of ignored padding (-100) of its own length, so the token counts of micro-batches and processes differ.
+`--local-tokens` sets `average_tokens_across_devices=False`: each process then divides by its own token count,
+which makes its gradients differ from one process's (the Trainer's documented reason for the default).
+"""
+
+import argparse
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
+
+import ttrace_core as ttrace
+
+VOCAB, SEQ = 128, 32
+
+
+class Examples(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> dict:
+        generator = torch.Generator().manual_seed(index)
+        input_ids = torch.randint(0, VOCAB, (SEQ,), generator=generator)
+        labels = input_ids.clone()
+        labels[SEQ - int(torch.randint(0, SEQ // 2, (1,), generator=generator)):] = -100
+        return {"input_ids": input_ids, "labels": labels}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--local-tokens", action="store_true")
+    parser.add_argument("--bf16", action="store_true")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    training = TrainingArguments(output_dir="trainer-output", per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=args.accumulation, max_steps=args.steps,
+                                 learning_rate=1e-3, max_grad_norm=1.0, use_cpu=True, bf16=args.bf16, seed=0,
+                                 average_tokens_across_devices=not args.local_tokens, report_to=[],
+                                 save_strategy="no", logging_steps=1, dataloader_num_workers=0,
+                                 ddp_backend="gloo" if distributed else None)
+    trainer = Trainer(model=model, args=training, train_dataset=Examples())
+    ttrace.attach_trainer(trainer)
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()
