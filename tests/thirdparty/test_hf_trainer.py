@@ -5,7 +5,8 @@ AcceleratedOptimizer), wraps the model in DDP, shards the batches and normalizes
 count. A two-process DDP run with 2 accumulation steps must pass against one process with 4, every micro-batch,
 gradient and post-step parameter compared. With `average_tokens_across_devices=False` each process divides its
 loss by its own token count, and the gradients are no longer one process's: ttrace must fail, first at the
-token count the model was handed. (On CPU accelerate runs the Trainer as DDP only: its FSDP and tensor
+token count the model was handed. A module that computes otherwise on one process fails, and `ttrace localize`,
+re-running the Trainer script with that module's inputs rewritten, names it. (On CPU accelerate runs the Trainer as DDP only: its FSDP and tensor
 parallelism need a GPU backend, docs/transformers.md.)"""
 
 import json
@@ -21,6 +22,7 @@ import accelerate  # noqa: F401
 import transformers  # noqa: F401
 
 SCRIPT = Path(__file__).parent / "hf_trainer_train.py"
+BUGGY_MODULE = "model.layers.1.mlp.down_proj"
 
 
 def _record(root: Path, name: str, command: list[str]) -> None:
@@ -30,7 +32,8 @@ def _record(root: Path, name: str, command: list[str]) -> None:
 
 
 _FLAGS = {"reference": ["--accumulation", "4"], "ddp2": ["--accumulation", "2"],
-          "ddp2-local-tokens": ["--accumulation", "2", "--local-tokens"]}
+          "ddp2-local-tokens": ["--accumulation", "2", "--local-tokens"],
+          "ddp2-bug": ["--accumulation", "2", "--bug", BUGGY_MODULE]}
 _TORCHRUN = ["torchrun", "--standalone", "--nproc-per-node", "2"]
 
 
@@ -47,6 +50,7 @@ def runs(tmp_path_factory) -> Path:
     _record(root, "reference", [sys.executable])
     _record(root, "ddp2", _TORCHRUN)
     _record(root, "ddp2-local-tokens", _TORCHRUN)
+    _record(root, "ddp2-bug", _TORCHRUN)
     return root
 
 
@@ -85,3 +89,12 @@ def test_a_loss_normalized_by_each_process_own_token_count_fails_at_that_count(r
     assert "step 0 / mb 0 / forward" in first and "num_items_in_batch" in first, out[-3000:]
     # and what it changes downstream: the reduced gradients
     assert any(row["key"]["phase"] == "grad" for row in failed)
+
+
+@pytest.mark.distributed
+def test_a_module_wrong_on_one_process_fails_and_localize_names_it(runs):
+    code, out, _ = _compare(runs, "ddp2-bug")
+    assert code != 0 and f"forward / {BUGGY_MODULE} / output.0" in out.split("first divergence")[1].splitlines()[2]
+    localized = ttrace_command("localize", "reference", "ddp2-bug", "--json", "localized.json", cwd=runs, timeout=500)
+    assert localized.returncode == 1, localized.stdout[-2000:] + localized.stderr[-2000:]
+    assert json.loads((runs / "localized.json").read_text())["culprits"] == [BUGGY_MODULE]

@@ -1,7 +1,7 @@
 """The third-party results files and the docs that quote them agree (no runs: reads files only).
 
-benchmarks/thirdparty_torchtitan.py and benchmarks/thirdparty_transformers.py write
-benchmarks/results/thirdparty_{torchtitan,transformers}.{json,md}; docs/torchtitan.md and
+benchmarks/thirdparty_torchtitan.py, benchmarks/thirdparty_transformers.py and benchmarks/thirdparty_hf_trainer.py
+write benchmarks/results/thirdparty_{torchtitan,transformers,hf_trainer}.{json,md}; docs/torchtitan.md and
 docs/transformers.md quote their tables. Checked: every layout expected to pass passed (for
 transformers, directly or in the row that re-compares it after `ttrace estimate`), every tensors-passed
 figure a docs table quotes is the json's, every measured row is quoted, and each results file names the
@@ -88,21 +88,47 @@ def transformers_problems(results: dict, doc: str) -> list[str]:
     return problems
 
 
+# ---- the Hugging Face Trainer ----------------------------------------------------------------------
+
+def hf_trainer_problems(results: dict, doc: str) -> list[str]:
+    """Every case ended as expected (a correct run passed, a wrong one failed and, where a module was broken,
+    localize named it), and docs/transformers.md quotes each case's figure."""
+    problems = [f"hf_trainer: {key} not named in the json" for key in ("torch", "transformers", "accelerate")
+                if not results.get(key)]
+    doc_rows = table_rows(doc)
+    for case in results["cases"]:
+        name, figure = case["case"], f"{case['passed']} / {case['total']}"
+        if case["verdict"] != case["expected"]:
+            problems.append(f"hf_trainer {name!r}: expected {case['expected']!r}, verdict {case['verdict']!r}")
+        if case.get("broken_module") and case.get("localized") != [case["broken_module"]]:
+            problems.append(f"hf_trainer {name!r}: localized {case.get('localized')!r}, the broken module is "
+                            f"{case['broken_module']!r}")
+        quoted = _quoted(doc_rows, (name,))
+        if not quoted:
+            problems.append(f"docs/transformers.md: no Trainer table row for {name!r} ({figure})")
+        problems += [f"docs/transformers.md {name!r}: quotes {cells}, the json says {figure}"
+                     for cells in quoted if figure not in cells]
+    return problems
+
+
 # ---- the tests -----------------------------------------------------------------------------------
 
-CHECKS = {"torchtitan": torchtitan_problems, "transformers": transformers_problems}
+CHECKS = {"torchtitan": torchtitan_problems, "transformers": transformers_problems, "hf_trainer": hf_trainer_problems}
+DOC_OF = {"torchtitan": "torchtitan.md", "transformers": "transformers.md", "hf_trainer": "transformers.md"}
+PACKAGES_OF = {"torchtitan": ("torch", "torchtitan"), "transformers": ("torch", "transformers"),
+               "hf_trainer": ("torch", "transformers", "accelerate")}
 
 
 @pytest.mark.parametrize("name", list(CHECKS), ids=list(CHECKS))
 def test_results_and_docs_agree(name):
-    results, doc = _load(name), (DOCS / f"{name}.md").read_text()
+    results, doc = _load(name), (DOCS / DOC_OF[name]).read_text()
     assert CHECKS[name](results, doc) == []
 
 
 @pytest.mark.parametrize("name", list(CHECKS), ids=list(CHECKS))
 def test_each_results_markdown_names_its_versions(name):
     results, markdown = _load(name), (RESULTS / f"thirdparty_{name}.md").read_text()
-    for package in ("torch", name):
+    for package in PACKAGES_OF[name]:
         assert results[package] in markdown, (package, results[package])
 
 
@@ -145,3 +171,18 @@ def test_a_doc_quoting_another_figure_is_caught():
                 if _quoted(table_rows(line), _torchtitan_key(row)) and figure in line)
     planted = doc.replace(line, line.replace(figure, f"{row['passed'] + 1}/{row['total']}"))
     assert torchtitan_problems(results, planted)
+
+
+@pytest.mark.parametrize("plant", ["figure", "verdict", "localized", "version"])
+def test_a_planted_hf_trainer_mismatch_is_caught(plant):
+    results, doc = copy.deepcopy(_load("hf_trainer")), (DOCS / "transformers.md").read_text()
+    case = next(case for case in results["cases"] if case["expected"] == "pass")
+    if plant == "figure":
+        case["passed"] -= 1
+    elif plant == "verdict":
+        case["verdict"] = "fail"
+    elif plant == "localized":
+        next(case for case in results["cases"] if case.get("broken_module"))["localized"] = ["model.layers.0.mlp"]
+    else:
+        results["accelerate"] = ""
+    assert hf_trainer_problems(results, doc)
