@@ -24,7 +24,8 @@ A reference and a candidate compare when the candidate's P data-parallel process
 each see the batches a one-process reference sees with P x G, at the same per-device batch size and seed.
 What is left out: a loss normalized by a local token count (`average_tokens_across_devices=False`) is scaled as
 if every process saw as many tokens (otherwise DDP's gradients are not the reference's, which ttrace shows);
-DeepSpeed, whose engine scales the loss itself, is not handled.
+DeepSpeed, whose engine scales the loss itself, is not handled; a second `train()` of the same Trainer is not
+traced (attaching again would draw the weights again), the trace keeps the first.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class TrainerTracing:
         return TtraceCallback()
 
     def begin(self) -> None:
+        if self.session is not None:  # a second train(): attaching again would draw the weights again
+            return
         trainer = self.trainer
         self.session = attach(trainer.model_wrapped, trainer.optimizer, loss_scale=loss_scale(trainer),
                               data_parallel=degrees(trainer), **self.options)

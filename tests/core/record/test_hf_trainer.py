@@ -58,6 +58,9 @@ def test_outside_a_ttrace_command_the_callback_does_nothing():
     for event in ("on_train_begin", "on_step_begin", "on_step_end", "on_train_end"):
         getattr(callback, event)(None, SimpleNamespace(global_step=0), None)
     assert tracing.session is not None and not tracing.session.active
+    first = tracing.session
+    callback.on_train_begin(None, SimpleNamespace(global_step=2), None)  # a second train(): no second attach
+    assert tracing.session is first
 
 
 class _Wrapper(torch.optim.Optimizer):
