@@ -13,16 +13,13 @@ results/thirdparty_hf_trainer.{md,json}.
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
-import os
 import platform
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from thirdparty_transformers import compare, fresh_work_dir, ttrace  # beside this script
 
 RESULTS = Path(__file__).parent / "results"
 SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "thirdparty" / "hf_trainer_train.py"
@@ -41,13 +38,6 @@ CASES = [
 ]
 
 
-def ttrace(work: Path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, float]:
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "ttrace_core", *args], cwd=work, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return done, time.perf_counter() - started
-
-
 def record(work: Path, name: str, processes: int, flags: list[str]) -> float:
     launcher = [sys.executable] if processes == 1 else ["torchrun", "--standalone", "--nproc-per-node", str(processes)]
     accumulation = str(4 // processes)
@@ -58,29 +48,8 @@ def record(work: Path, name: str, processes: int, flags: list[str]) -> float:
     return seconds
 
 
-def compare(work: Path, reference: str, candidate: str) -> dict:
-    report = work / f"{candidate}.json"
-    done, seconds = ttrace(work, "compare", reference, candidate, "--json", str(report))
-    if done.returncode not in (0, 1):
-        raise RuntimeError(f"compare {candidate} failed: {done.stderr[-1500:]}")
-    rows = json.loads(report.read_text())["comparisons"]
-    ratios = [row["ratio"] for row in rows if isinstance(row.get("ratio"), (int, float)) and math.isfinite(row["ratio"])]
-    first = next((row for row in rows if row["status"] != "pass"), None)
-    key = first["key"] if first else None
-    return {"exit_code": done.returncode, "verdict": "pass" if done.returncode == 0 else "fail",
-            "passed": sum(row["status"] == "pass" for row in rows), "total": len(rows),
-            "largest_ratio": max(ratios, default=0.0), "compare_seconds": round(seconds, 1),
-            "first_divergence": None if key is None else
-            f"step {key['step']} / mb {key['micro_batch']} / {key['phase']} / {key['fqn']} / {key['slot']} "
-            f"({first['status']}, ratio {first['ratio']:.3g})"}
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, default=Path("/var/tmp/ttrace-hf-trainer"))
-    args = parser.parse_args()
-    shutil.rmtree(args.work, ignore_errors=True)
-    args.work.mkdir(parents=True)
+    work = fresh_work_dir(__doc__, Path("/var/tmp/ttrace-hf-trainer"))
     import accelerate
     import torch
     import transformers
@@ -91,16 +60,16 @@ def main() -> None:
     for index, (name, shared, own, expected, shows) in enumerate(CASES):
         if tuple(shared) not in references:
             references[tuple(shared)] = reference = f"reference{len(references)}"
-            record(args.work, reference, 1, shared)
+            record(work, reference, 1, shared)
         reference = references[tuple(shared)]
         candidate = f"case{index}"
-        seconds = record(args.work, candidate, 2, shared + own)
+        seconds = record(work, candidate, 2, shared + own)
         row = {"case": name, "flags": " ".join(shared + own), "expected": expected, "shows": shows,
-               "record_seconds": round(seconds, 1), **compare(args.work, reference, candidate)}
+               "record_seconds": round(seconds, 1), **compare(work, reference, candidate)}
         if "--bug" in own:
             row["broken_module"] = own[own.index("--bug") + 1]
-            done, localize_seconds = ttrace(args.work, "localize", reference, candidate, "--json", "localize.json")
-            row["localized"] = (json.loads((args.work / "localize.json").read_text())["culprits"]
+            done, localize_seconds = ttrace(work, "localize", reference, candidate, "--json", "localize.json")
+            row["localized"] = (json.loads((work / "localize.json").read_text())["culprits"]
                                 if done.returncode in (0, 1) else None)
             row["localize_seconds"] = round(localize_seconds, 1)
         rows.append(row)

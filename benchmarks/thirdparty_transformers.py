@@ -43,7 +43,18 @@ CASES = [
 REFERENCES = {"llama-ref": ("llama", []), "moe-ref": ("qwen3_moe", []), "moe-ref-1mb": ("qwen3_moe", ["--micro-batches", "1"])}
 
 
+def fresh_work_dir(doc: str, default: Path) -> Path:
+    """`--work DIR` (default `default`), emptied: a benchmark's command line (thirdparty_hf_trainer.py too)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, default=default)
+    work = parser.parse_args().work
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return work
+
+
 def ttrace(work: Path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, float]:
+    """`python -m ttrace_core ARGS` in `work` (one thread per process) and its seconds (thirdparty_hf_trainer.py too)."""
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "ttrace_core", *args], cwd=work, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -59,6 +70,7 @@ def record(work: Path, name: str, arch: str, ranks: int, flags: list[str]) -> fl
 
 
 def compare(work: Path, reference: str, candidate: str) -> dict:
+    """`ttrace compare` of two runs in `work`: verdict, tensors passed, largest ratio, first divergence."""
     report = work / f"{candidate}-vs-{reference}.json"
     done, seconds = ttrace(work, "compare", reference, candidate, "--json", str(report))
     if done.returncode not in (0, 1):
@@ -71,40 +83,37 @@ def compare(work: Path, reference: str, candidate: str) -> dict:
             "passed": sum(row["status"] == "pass" for row in rows), "total": len(rows),
             "largest_ratio": max(ratios, default=0.0), "compare_seconds": round(seconds, 1),
             "first_divergence": None if key is None else
-            f"step {key['step']} / {key['phase']} / {key['fqn']} / {key['slot']} ({first['status']}, ratio {first['ratio']:.3g})"}
+            f"step {key['step']} / mb {key['micro_batch']} / {key['phase']} / {key['fqn']} / {key['slot']} "
+            f"({first['status']}, ratio {first['ratio']:.3g})"}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, default=Path("/var/tmp/ttrace-hf"))
-    args = parser.parse_args()
-    shutil.rmtree(args.work, ignore_errors=True)
-    args.work.mkdir(parents=True)
+    work = fresh_work_dir(__doc__, Path("/var/tmp/ttrace-hf"))
     import torch
     import transformers
 
     rows, record_seconds = [], {}
     for name, (arch, flags) in REFERENCES.items():
-        record_seconds[name] = round(record(args.work, name, arch, 1, flags), 1)
+        record_seconds[name] = round(record(work, name, arch, 1, flags), 1)
     for index, (name, arch, ranks, flags, reference, expected, shows) in enumerate(CASES):
         candidate = f"case{index}"
-        seconds = record(args.work, candidate, arch, ranks, flags)
+        seconds = record(work, candidate, arch, ranks, flags)
         row = {"case": name, "model": arch, "ranks": ranks, "flags": " ".join(flags), "reference": reference,
-               "expected": expected, "shows": shows, "record_seconds": round(seconds, 1), **compare(args.work, reference, candidate)}
+               "expected": expected, "shows": shows, "record_seconds": round(seconds, 1), **compare(work, reference, candidate)}
         if "--bug" in flags:
-            done, localize_seconds = ttrace(args.work, "localize", reference, candidate, "--json", "localize.json")
-            row["localized"] = json.loads((args.work / "localize.json").read_text())["culprits"] if done.returncode in (0, 1) else None
+            done, localize_seconds = ttrace(work, "localize", reference, candidate, "--json", "localize.json")
+            row["localized"] = json.loads((work / "localize.json").read_text())["culprits"] if done.returncode in (0, 1) else None
             row["localize_seconds"] = round(localize_seconds, 1)
         rows.append(row)
         print(f"{name:34s} {row['verdict']:5s} {row['passed']}/{row['total']}  largest ratio {row['largest_ratio']:.3g}"
               f"  {row['first_divergence'] or ''} {row.get('localized') or ''}", flush=True)
     # AdamW turns round-off in small gradients into a full step: with the perturbation estimate instead of the
     # fixed fp32 tolerance, the post-step parameters are judged on what round-off really does.
-    done, estimate_seconds = ttrace(args.work, "estimate", "moe-ref", "--samples", "2")
+    done, estimate_seconds = ttrace(work, "estimate", "moe-ref", "--samples", "2")
     estimated = None
     if done.returncode == 0:
         moe_fsdp = next(i for i, case in enumerate(CASES) if case[0] == "MoE TP2 x FSDP2")
-        estimated = {"case": "MoE TP2 x FSDP2, with `ttrace estimate`", **compare(args.work, "moe-ref", f"case{moe_fsdp}"),
+        estimated = {"case": "MoE TP2 x FSDP2, with `ttrace estimate`", **compare(work, "moe-ref", f"case{moe_fsdp}"),
                      "estimate_seconds": round(estimate_seconds, 1)}
     results = {"transformers": transformers.__version__, "torch": torch.__version__, "python": platform.python_version(),
                "reference_record_seconds": record_seconds, "cases": rows, "with_estimate": estimated}

@@ -28,7 +28,7 @@ BUGGY_MODULE = "model.layers.1.mlp.down_proj"
 def _record(root: Path, name: str, command: list[str]) -> None:
     done = ttrace_command("record", "--out", name, "--timeout", "240", "--", *command, str(SCRIPT), *_FLAGS[name],
                           cwd=root, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, f"record {name}: " + done.stdout[-1500:] + done.stderr[-3000:]
 
 
 _FLAGS = {"reference": ["--accumulation", "4"], "ddp2": ["--accumulation", "2"],
