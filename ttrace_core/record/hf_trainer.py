@@ -36,13 +36,19 @@ from typing import Any
 from ttrace_core.record.session import Session, attach
 
 
+TRAINER_SAYS = {"model": "the model it wrapped", "optimizer": "the optimizer it built",
+                "loss_scale": "how it scales each loss", "data_parallel": "which batches each process draws"}
+"""What `attach_trainer` passes to `attach` from the Trainer, and so refuses from its caller."""
+
+
 def attach_trainer(trainer: Any, **options) -> "TrainerTracing":
     """Trace `trainer.train()` when the script runs under a ttrace command (a no-op otherwise). `options` go to
     `attach` (include, exclude, weights, config, ...); the model, optimizer, data parallelism and loss scale are
     the Trainer's own."""
-    refused = sorted({"model", "optimizer", "loss_scale", "data_parallel"} & set(options))
+    refused = sorted(set(options) & set(TRAINER_SAYS))
     if refused:
-        raise TypeError(f"attach_trainer({', '.join(refused)}=...): the Trainer says these itself; leave them out")
+        raise TypeError(f"attach_trainer({', '.join(refused)}=...): the Trainer says "
+                        f"{'; '.join(TRAINER_SAYS[name] for name in refused)} itself; leave them out")
     tracing = TrainerTracing(trainer, options)
     trainer.add_callback(tracing.callback())
     return tracing
