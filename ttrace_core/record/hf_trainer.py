@@ -120,8 +120,7 @@ class TrainerTracing:
         if self.session is None or not self.session.active:
             return
         self.end_step()
-        if self.session.tracer is not None:
-            self.session.tracer.set_loss_scale(loss_scale(self.trainer))  # the last step may accumulate fewer
+        self.session.tracer.set_loss_scale(loss_scale(self.trainer))  # the last step may accumulate fewer
         self._step = self.session.step(step)
         self._step.__enter__()
 

@@ -16,7 +16,8 @@ function for as long as the tracer lives and gives it back at close:
   the gradients are recorded before they are scaled, and the norm and coefficient beside them, so
   the clip factor's round-off (it comes from a reduction over every gradient element) is judged
   once, at the norm, and never multiplied into every gradient;
-- `capture_optimizer_step`: the step of an optimizer that is not a torch.optim.Optimizer (Megatron's
+- `capture_optimizer`: a torch optimizer's step hooks (seen through accelerate's wrapper), or else
+  `capture_optimizer_step`: the step of an optimizer that is not a torch.optim.Optimizer (Megatron's
   ChainedOptimizer has no step hooks): gradients before it; after it, the grad norm and success
   flag it returns (Megatron's `(success, grad_norm, num_zeros)`), then the parameters.
 
@@ -200,6 +201,45 @@ def capture_torch_clipping(tracer: Tracer) -> Undo:
         undo_module()
 
     return undo
+
+
+def capture_optimizer(tracer: Tracer, optimizer: Any) -> Undo:
+    """Watch the optimizer's step: a torch optimizer through its step hooks (gradients before, the learning rate
+    and the parameters after); any other (Megatron's), or one that refuses the hooks, by wrapping its step. A
+    wrapper that subclasses torch's Optimizer without its state (accelerate's AcceleratedOptimizer, which the
+    Hugging Face Trainer hands on) is seen through to the optimizer it steps."""
+    optimizer = hookable_optimizer(optimizer)
+    if not hasattr(optimizer, "register_step_pre_hook"):
+        return capture_optimizer_step(tracer, optimizer)
+
+    def after_step(*_) -> None:
+        tracer.guarded(lambda: record_step_scalars(tracer, lr=learning_rate(optimizer)))
+        tracer.record_parameters()
+    handles = []
+    try:
+        handles.append(optimizer.register_step_pre_hook(lambda *_: tracer.record_gradients()))
+        handles.append(optimizer.register_step_post_hook(after_step))
+    except Exception:  # noqa: BLE001 - hooks it cannot take (another wrapper's): its step is wrapped instead
+        for handle in handles:
+            handle.remove()
+        return capture_optimizer_step(tracer, optimizer)
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+    return undo
+
+
+def hookable_optimizer(optimizer: Any) -> Any:
+    """The optimizer whose step hooks fire: `optimizer` itself, or, for a wrapper that subclasses
+    torch.optim.Optimizer without running its __init__ (no hook registries of its own) and steps an inner
+    `.optimizer`, that inner one (followed as deep as it goes). Anything else is returned as it is."""
+    seen = set()
+    while (isinstance(optimizer, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" not in vars(optimizer)
+           and id(optimizer) not in seen and getattr(optimizer, "optimizer", None) is not None):
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def capture_optimizer_step(tracer: Tracer, optimizer: Any) -> Undo:

@@ -70,7 +70,7 @@ from ttrace_core.record.summaries import StepSummaries
 from ttrace_core.canonicalize.token_rows import expert_fqn
 from ttrace_core.record.token_rows import RoutedTokens
 from ttrace_core.record.step_scalars import (
-    TORCH_CAPTURES, capture_optimizer_step, learning_rate, record_step_scalars, scalars_agree, unit_roundoff,
+    TORCH_CAPTURES, capture_optimizer, scalars_agree, unit_roundoff,
 )
 from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.format.datasets import NATIVE_DTYPES, RAW_BITS
@@ -92,18 +92,6 @@ def failure_message(fqn: str, slot: str, error: Exception) -> str:
     origin = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
     return (f"{where}: the tracer failed ({one_sentence(error)}{origin}) and left {'it' if slot else 'what it was recording'} "
             "out; the training went on. A ttrace bug: report it with this line")
-
-
-def hookable_optimizer(optimizer):
-    """The optimizer whose step hooks fire: `optimizer` itself, or, for a wrapper that subclasses
-    torch.optim.Optimizer without running its __init__ (no hook registries of its own) and steps an inner
-    `.optimizer`, that inner one (followed as deep as it goes). Anything else is returned as it is."""
-    seen = set()
-    while (isinstance(optimizer, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" not in vars(optimizer)
-           and id(optimizer) not in seen and getattr(optimizer, "optimizer", None) is not None):
-        seen.add(id(optimizer))
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def never_raises(method):
@@ -195,30 +183,7 @@ class Tracer:
             rewriter.attach(self, model, self._handles)
         self._undo = [capture(self) for capture in (TORCH_CAPTURES if captures is None else captures)]
         if optimizer is not None:
-            self._hook_optimizer(optimizer)
-
-    def _hook_optimizer(self, optimizer) -> None:
-        """A torch optimizer through its step hooks; any other (Megatron's) by wrapping its step. A wrapper
-        that subclasses torch's Optimizer without its state (accelerate's AcceleratedOptimizer, which the
-        Hugging Face Trainer hands on) is seen through to the optimizer it steps."""
-        optimizer = hookable_optimizer(optimizer)
-        if not hasattr(optimizer, "register_step_pre_hook"):
-            self._undo.append(capture_optimizer_step(self, optimizer))
-            return
-
-        def after_step(*_) -> None:
-            self.guarded(lambda: record_step_scalars(self, lr=learning_rate(optimizer)))
-            self.record_parameters()
-        handles = []
-        try:
-            handles.append(optimizer.register_step_pre_hook(lambda *_: self.record_gradients()))
-            handles.append(optimizer.register_step_post_hook(after_step))
-        except Exception:  # noqa: BLE001 - hooks it cannot take (another wrapper's): its step is wrapped instead
-            for handle in handles:
-                handle.remove()
-            self._undo.append(capture_optimizer_step(self, optimizer))
-            return
-        self._handles += handles
+            self._undo.append(capture_optimizer(self, optimizer))
 
     # ---- selection and layout resolution ----------------------------------------------------
 

@@ -1,5 +1,5 @@
 """What `attach_trainer` reads off a Hugging Face Trainer (record/hf_trainer.py), and the optimizer wrapper the tracer
-sees through (tracer.hookable_optimizer). The real Trainer under DDP: tests/thirdparty/test_hf_trainer.py."""
+sees through (step_scalars.hookable_optimizer). The real Trainer under DDP: tests/thirdparty/test_hf_trainer.py."""
 
 from types import SimpleNamespace
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ttrace_core.record.hf_trainer import attach_trainer, degrees, loss_scale
-from ttrace_core.record.tracer import hookable_optimizer
+from ttrace_core.record.step_scalars import hookable_optimizer
 
 
 def _trainer(*, processes=4, index=3, tp=1, cp=1, accumulation=4, current=None, accepts_loss_kwargs=True,
