@@ -20,7 +20,7 @@ INSTALL_DASHBOARD = f"pip install '{DISTRIBUTION}[dashboard]' -c requirements.tx
 
 _EXPORTS = {
     "attach": "ttrace_core.record.session", "Session": "ttrace_core.record.session",
-    "attach_trainer": "ttrace_core.record.hf_trainer",
+    "attach_trainer": "ttrace_core.record.trainer_attach",
     "weight_perturbation": "ttrace_core.record.session", "requested_precision": "ttrace_core.record.session",
     "Tracer": "ttrace_core.record.tracer", "TracerConfig": "ttrace_core.format.tracer_config",
     "CanonicalTensor": "ttrace_core.canonicalize.shards", "RecordedShard": "ttrace_core.canonicalize.shards",

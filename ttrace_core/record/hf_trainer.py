@@ -30,28 +30,10 @@ traced (attaching again would draw the weights again), the trace keeps the first
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
-from ttrace_core.record.session import Session, attach
-
-
-TRAINER_SAYS = {"model": "the model it wrapped", "optimizer": "the optimizer it built",
-                "loss_scale": "how it scales each loss", "data_parallel": "which batches each process draws"}
-"""What `attach_trainer` passes to `attach` from the Trainer, and so refuses from its caller."""
-
-
-def attach_trainer(trainer: Any, **options) -> "TrainerTracing":
-    """Trace `trainer.train()` when the script runs under a ttrace command (a no-op otherwise). `options` go to
-    `attach` (include, exclude, weights, config, ...); the model, optimizer, data parallelism and loss scale are
-    the Trainer's own."""
-    refused = sorted(set(options) & set(TRAINER_SAYS))
-    if refused:
-        raise TypeError(f"attach_trainer({', '.join(refused)}=...): the Trainer says "
-                        f"{'; '.join(TRAINER_SAYS[name] for name in refused)} itself; leave them out")
-    tracing = TrainerTracing(trainer, options)
-    trainer.add_callback(tracing.callback())
-    return tracing
+from ttrace_core.record.session import attach
+from ttrace_core.record.trainers import TrainerTracing
 
 
 def degrees(trainer: Any) -> tuple[int, int]:
@@ -79,13 +61,14 @@ def loss_scale(trainer: Any) -> float:
     return 1.0 / steps
 
 
-class TrainerTracing:
-    """The session of one Trainer's training (`session`: None until training begins)."""
+class HFTrainerTracing(TrainerTracing):
+    """A Hugging Face Trainer's session: attached at `on_train_begin`, one step from `on_step_begin` to `on_step_end`."""
 
-    def __init__(self, trainer: Any, options: dict) -> None:
-        self.trainer, self.options = trainer, options
-        self.session: Session | None = None
-        self._step: contextlib.AbstractContextManager | None = None
+    @classmethod
+    def added_to(cls, trainer: Any, options: dict) -> "HFTrainerTracing":
+        tracing = cls(trainer, options)
+        trainer.add_callback(tracing.callback())
+        return tracing
 
     def callback(self):
         from transformers import TrainerCallback
@@ -99,7 +82,7 @@ class TrainerTracing:
                 tracing.begin()
 
             def on_step_begin(self, args, state, control, **kwargs):
-                tracing.begin_step(state.global_step)
+                tracing.begin_hf_step(state.global_step)
 
             def on_step_end(self, args, state, control, **kwargs):
                 tracing.end_step()
@@ -116,20 +99,7 @@ class TrainerTracing:
         self.session = attach(trainer.model_wrapped, trainer.optimizer, loss_scale=loss_scale(trainer),
                               data_parallel=degrees(trainer), **self.options)
 
-    def begin_step(self, step: int) -> None:
-        if self.session is None or not self.session.active:
-            return
-        self.end_step()
-        self.session.tracer.set_loss_scale(loss_scale(self.trainer))  # the last step may accumulate fewer
-        self._step = self.session.step(step)
-        self._step.__enter__()
-
-    def end_step(self) -> None:
-        step, self._step = self._step, None
-        if step is not None:
-            step.__exit__(None, None, None)
-
-    def end(self) -> None:
-        self.end_step()
-        if self.session is not None:
-            self.session.close()
+    def begin_hf_step(self, step: int) -> None:
+        if self.session is not None and self.session.active:
+            self.session.tracer.set_loss_scale(loss_scale(self.trainer))  # the last step may accumulate fewer
+        self.begin_step(step)

@@ -74,6 +74,11 @@ def record_step_scalars(tracer: Tracer, *, grad_norm: Any = None, max_norm: floa
         tracer.record_scalar("step", GRADIENT_CLIPPING, "skipped_steps", torch.tensor(tracer.skipped_steps))
 
 
+def record_learning_rate(tracer: Tracer, optimizer: Any) -> None:
+    """The learning rate the optimizer's step uses (its first parameter group's), read next to that step."""
+    tracer.guarded(lambda: record_step_scalars(tracer, lr=learning_rate(optimizer)))
+
+
 def learning_rate(optimizer: Any) -> float | None:
     groups = getattr(optimizer, "param_groups", None) or []
     return groups[0].get("lr") if groups else None
@@ -213,7 +218,7 @@ def capture_optimizer(tracer: Tracer, optimizer: Any) -> Undo:
         return capture_optimizer_step(tracer, optimizer)
 
     def after_step(*_) -> None:
-        tracer.guarded(lambda: record_step_scalars(tracer, lr=learning_rate(optimizer)))
+        record_learning_rate(tracer, optimizer)
         tracer.record_parameters()
     handles = []
     try:

@@ -1,4 +1,4 @@
-"""What `attach_trainer` reads off a Hugging Face Trainer (record/hf_trainer.py), and the optimizer wrapper the tracer
+"""What `attach_trainer` reads off a Hugging Face Trainer (record/hf_trainer.py, record/trainer_attach.py), and the optimizer wrapper the tracer
 sees through (step_scalars.hookable_optimizer). The real Trainer under DDP: tests/thirdparty/test_hf_trainer.py."""
 
 from types import SimpleNamespace
@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ttrace_core.record.hf_trainer import attach_trainer, degrees, loss_scale
+from ttrace_core.record.hf_trainer import degrees, loss_scale
+from ttrace_core.record.trainer_attach import attach_trainer
 from ttrace_core.record.step_scalars import hookable_optimizer
 
 
