@@ -6,7 +6,9 @@
 Lightning builds the DDP wrapper, runs the optimizer with a closure (forward and backward happen inside
 `optimizer.step`), divides each micro-batch's loss by `accumulate_grad_batches` and clips the gradients.
 `--shuffle` shuffles the training data (a RandomSampler drawing from the global RNG); `--precision` is
-Lightning's own option. `--bug MODULE` (tests only, not what a user writes) makes process 1 scale MODULE's
+Lightning's own option; `--tp N` trains under Lightning's `ModelParallelStrategy`, each MLP tensor-parallel over N
+processes (DTensor) and FSDP2 over the rest, without clipping (torch's `clip_grad_norm_` cannot mix the MLPs'
+DTensor gradients with the plain ones of a tensor-parallel run without FSDP). `--bug MODULE` (tests only, not what a user writes) makes process 1 scale MODULE's
 output by 1.01.
 """
 
@@ -15,7 +17,10 @@ import os
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import ttrace_core as ttrace
 
@@ -61,6 +66,19 @@ class LanguageModel(L.LightningModule):
         logits = self(batch[:, :-1])
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
 
+    def configure_model(self) -> None:
+        """Under Lightning's ModelParallelStrategy: each MLP tensor-parallel (DTensor), then FSDP2 over the rest."""
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        if mesh["tensor_parallel"].size() > 1:
+            for block in self.blocks:
+                parallelize_module(block.mlp, mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        if mesh["data_parallel"].size() > 1:
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh["data_parallel"])
+            fully_shard(self, mesh=mesh["data_parallel"])
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
@@ -71,14 +89,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--tp", type=int, default=0, help="ModelParallelStrategy with this tensor-parallel size")
     parser.add_argument("--bug", default=None)
     args = parser.parse_args()
 
     L.seed_everything(0)
     model = LanguageModel()
     processes = int(os.environ.get("WORLD_SIZE", "1"))
-    trainer = L.Trainer(accelerator="cpu", devices=processes, strategy="ddp" if processes > 1 else "auto",
-                        max_steps=args.steps, accumulate_grad_batches=args.accumulation, gradient_clip_val=1.0,
+    strategy = "ddp" if processes > 1 else "auto"
+    if args.tp and processes > 1:
+        strategy = ModelParallelStrategy(data_parallel_size=processes // args.tp, tensor_parallel_size=args.tp)
+    trainer = L.Trainer(accelerator="cpu", devices=processes, strategy=strategy,
+                        max_steps=args.steps, accumulate_grad_batches=args.accumulation,
+                        gradient_clip_val=None if args.tp else 1.0,
                         precision=args.precision,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)

@@ -1,16 +1,17 @@
 """The third-party results files and the docs that quote them agree (no runs: reads files only).
 
-benchmarks/thirdparty_torchtitan.py, benchmarks/thirdparty_transformers.py and benchmarks/thirdparty_hf_trainer.py
-write benchmarks/results/thirdparty_{torchtitan,transformers,hf_trainer}.{json,md}; docs/torchtitan.md and
-docs/transformers.md quote their tables. Checked: every layout expected to pass passed (for
-transformers, directly or in the row that re-compares it after `ttrace estimate`), every tensors-passed
-figure a docs table quotes is the json's, every measured row is quoted, and each results file names the
-versions it ran with. Each check returns its problems, so the planted-mismatch tests can show it fails.
+benchmarks/thirdparty_{torchtitan,transformers,hf_trainer,lightning}.py write
+benchmarks/results/thirdparty_{torchtitan,transformers,hf_trainer,lightning}.{json,md}; docs/torchtitan.md,
+docs/transformers.md (both Hugging Face tables) and docs/your-own-script.md (Lightning's) quote their
+tables. Checked: every layout expected to pass passed (for transformers, directly or in the row that
+re-compares it after `ttrace estimate`), every tensors-passed figure a docs table quotes is the json's,
+every measured row is quoted, and each results file names the versions it ran with. Each check returns its problems, so the planted-mismatch tests can show it fails.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from pathlib import Path
@@ -88,35 +89,37 @@ def transformers_problems(results: dict, doc: str) -> list[str]:
     return problems
 
 
-# ---- the Hugging Face Trainer ----------------------------------------------------------------------
+# ---- the Hugging Face and Lightning Trainers ------------------------------------------------------
 
-def hf_trainer_problems(results: dict, doc: str) -> list[str]:
+def trainer_problems(name: str, results: dict, doc: str) -> list[str]:
     """Every case ended as expected (a correct run passed, a wrong one failed and, where a module was broken,
-    localize named it), and docs/transformers.md quotes each case's figure."""
-    problems = [f"hf_trainer: {key} not named in the json" for key in ("torch", "transformers", "accelerate")
-                if not results.get(key)]
+    localize named it), and the Trainer's doc quotes each case's figure."""
+    problems = [f"{name}: {key} not named in the json" for key in PACKAGES_OF[name] if not results.get(key)]
     doc_rows = table_rows(doc)
     for case in results["cases"]:
-        name, figure = case["case"], f"{case['passed']} / {case['total']}"
+        case_name, figure = case["case"], f"{case['passed']} / {case['total']}"
         if case["verdict"] != case["expected"]:
-            problems.append(f"hf_trainer {name!r}: expected {case['expected']!r}, verdict {case['verdict']!r}")
+            problems.append(f"{name} {case_name!r}: expected {case['expected']!r}, verdict {case['verdict']!r}")
         if case.get("broken_module") and case.get("localized") != [case["broken_module"]]:
-            problems.append(f"hf_trainer {name!r}: localized {case.get('localized')!r}, the broken module is "
+            problems.append(f"{name} {case_name!r}: localized {case.get('localized')!r}, the broken module is "
                             f"{case['broken_module']!r}")
-        quoted = _quoted(doc_rows, (name,))
+        quoted = _quoted(doc_rows, (case_name,))
         if not quoted:
-            problems.append(f"docs/transformers.md: no Trainer table row for {name!r} ({figure})")
-        problems += [f"docs/transformers.md {name!r}: quotes {cells}, the json says {figure}"
+            problems.append(f"docs/{DOC_OF[name]}: no Trainer table row for {case_name!r} ({figure})")
+        problems += [f"docs/{DOC_OF[name]} {case_name!r}: quotes {cells}, the json says {figure}"
                      for cells in quoted if figure not in cells]
     return problems
 
 
 # ---- the tests -----------------------------------------------------------------------------------
 
-CHECKS = {"torchtitan": torchtitan_problems, "transformers": transformers_problems, "hf_trainer": hf_trainer_problems}
-DOC_OF = {"torchtitan": "torchtitan.md", "transformers": "transformers.md", "hf_trainer": "transformers.md"}
+CHECKS = {"torchtitan": torchtitan_problems, "transformers": transformers_problems,
+          "hf_trainer": functools.partial(trainer_problems, "hf_trainer"),
+          "lightning": functools.partial(trainer_problems, "lightning")}
+DOC_OF = {"torchtitan": "torchtitan.md", "transformers": "transformers.md", "hf_trainer": "transformers.md",
+          "lightning": "your-own-script.md"}
 PACKAGES_OF = {"torchtitan": ("torch", "torchtitan"), "transformers": ("torch", "transformers"),
-               "hf_trainer": ("torch", "transformers", "accelerate")}
+               "hf_trainer": ("torch", "transformers", "accelerate"), "lightning": ("torch", "lightning")}
 
 
 @pytest.mark.parametrize("name", list(CHECKS), ids=list(CHECKS))
@@ -173,16 +176,18 @@ def test_a_doc_quoting_another_figure_is_caught():
     assert torchtitan_problems(results, planted)
 
 
+@pytest.mark.parametrize("name", ["hf_trainer", "lightning"])
 @pytest.mark.parametrize("plant", ["figure", "verdict", "localized", "version"])
-def test_a_planted_hf_trainer_mismatch_is_caught(plant):
-    results, doc = copy.deepcopy(_load("hf_trainer")), (DOCS / "transformers.md").read_text()
+def test_a_planted_trainer_mismatch_is_caught(name, plant):
+    results, doc = copy.deepcopy(_load(name)), (DOCS / DOC_OF[name]).read_text()
+    assert trainer_problems(name, results, doc) == []
     case = next(case for case in results["cases"] if case["expected"] == "pass")
     if plant == "figure":
         case["passed"] -= 1
     elif plant == "verdict":
         case["verdict"] = "fail"
     elif plant == "localized":
-        next(case for case in results["cases"] if case.get("broken_module"))["localized"] = ["model.layers.0.mlp"]
+        next(case for case in results["cases"] if case.get("broken_module"))["localized"] = ["some.other.module"]
     else:
-        results["accelerate"] = ""
-    assert hf_trainer_problems(results, doc)
+        results[PACKAGES_OF[name][-1]] = ""
+    assert trainer_problems(name, results, doc)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ttrace_core.record.session import attach
+from ttrace_core.record.session import Session, attach
 from ttrace_core.record.trainers import TrainerTracing
 
 
@@ -92,12 +92,10 @@ class HFTrainerTracing(TrainerTracing):
 
         return TtraceCallback()
 
-    def begin(self) -> None:
-        if self.session is not None:  # a second train(): attaching again would draw the weights again
-            return
+    def attached(self) -> Session:
         trainer = self.trainer
-        self.session = attach(trainer.model_wrapped, trainer.optimizer, loss_scale=loss_scale(trainer),
-                              data_parallel=degrees(trainer), **self.options)
+        return attach(trainer.model_wrapped, trainer.optimizer, loss_scale=loss_scale(trainer),
+                      data_parallel=degrees(trainer), **self.options)
 
     def begin_hf_step(self, step: int) -> None:
         if self.session is not None and self.session.active:

@@ -57,7 +57,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from ttrace_core.integrations.patching import patch_attribute
-from ttrace_core.record.session import active_spec, attach
+from ttrace_core.record.session import Session, active_spec, attach
 from ttrace_core.record.step_scalars import record_learning_rate
 from ttrace_core.record.trainers import TrainerTracing, lightning_package
 
@@ -231,21 +231,20 @@ class LightningTracing(TrainerTracing):
         if undo is not None:
             undo()
 
-    def begin(self) -> None:
-        if self.session is not None:  # a second fit(): attaching again would draw the weights again
-            return
+    def attached(self) -> Session:
         trainer = self.trainer
-        self.session = attach(trainer.lightning_module, None, loss_scale=loss_scale(trainer),
-                              data_parallel=degrees(trainer), **self.options)
+        session = attach(trainer.lightning_module, None, loss_scale=loss_scale(trainer),
+                         data_parallel=degrees(trainer), **self.options)
         strategy = trainer.strategy
-        if self.session.active and strategy.model is not trainer.lightning_module:
+        if session.active and strategy.model is not trainer.lightning_module:
             redirection = getattr(strategy, "_forward_redirection", None)
             if redirection is None:
-                self.session.tracer.add_finding("", "", f"{type(strategy).__name__} calls training_step some other way "
-                                                "than this Lightning's forward redirection: the model's calls may differ "
-                                                "from a one-device run's")
+                session.tracer.add_finding("", "", f"{type(strategy).__name__} calls training_step some other way than "
+                                           "this Lightning's forward redirection: the model's calls may differ from a "
+                                           "one-device run's")
             else:
                 self._undo_redirection = patch_attribute(strategy, "_forward_redirection", QuietOuterCall(redirection))
+        return session
 
     def stop_quieting(self) -> None:
         undo, self._undo_redirection = self._undo_redirection, None

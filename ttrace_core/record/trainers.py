@@ -7,9 +7,11 @@ of one optimizer step, which a trainer's callback opens and closes.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 from ttrace_core.record.session import Session
+from ttrace_core.record.tracer import one_sentence
 
 
 TRAINER_SAYS = {"model": "the model it wrapped", "optimizer": "the optimizer it built",
@@ -38,6 +40,22 @@ class TrainerTracing:
         self._step: contextlib.AbstractContextManager | None = None
         self.step_number: int | None = None
         """The optimizer step being recorded (None between steps)."""
+
+    def attached(self) -> Session:
+        """The session `attach` gives, with what this trainer says (each integration's own)."""
+        raise NotImplementedError
+
+    def begin(self) -> None:
+        """Training begins: attach, once (a second training of the same trainer would draw the weights again). If
+        attaching fails, the training goes on untraced, and says so in one line."""
+        if self.session is not None:
+            return
+        try:
+            self.session = self.attached()
+        except Exception as error:  # noqa: BLE001 - a tracing error must not take the training down
+            self.session = Session()
+            print(f"ttrace: attaching to the {type(self.trainer).__name__} failed ({one_sentence(error)}); the "
+                  "training goes on untraced and this run records no step", file=sys.stderr)
 
     def begin_step(self, step: int) -> None:
         if self.session is None or not self.session.active:

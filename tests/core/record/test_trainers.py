@@ -53,3 +53,19 @@ def test_before_training_begins_there_is_no_step_to_open():
     tracing = TrainerTracing(trainer=None, options={})
     tracing.begin_step(0)
     assert tracing.step_number is None
+
+
+class _FailingAttach(TrainerTracing):
+    def attached(self):
+        raise RuntimeError("a parameter ttrace cannot draw. More advice")
+
+
+def test_attaching_that_fails_leaves_the_training_untraced_and_says_so_in_one_line(capsys):
+    tracing = _FailingAttach(trainer=object(), options={})
+    tracing.begin()
+    tracing.begin_step(0)
+    tracing.end()
+    assert tracing.session is not None and not tracing.session.active and tracing.step_number is None
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["ttrace: attaching to the object failed (RuntimeError: a parameter ttrace cannot draw.); the "
+                     "training goes on untraced and this run records no step"]
