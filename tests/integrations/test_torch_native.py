@@ -9,6 +9,7 @@ from torch import nn
 
 from ttrace_core.integrations.torch_native import (
     compiled_modules, computed_precision, data_parallel_of, manifest_from_model, micro_batches_of_group,
+    without_fabric_wrapper,
 )
 
 
@@ -47,3 +48,17 @@ def test_a_compiled_model_names_the_modules_it_hides_without_the_wrapper():
 
 def test_without_a_group_a_rank_dispatches_only_its_own_micro_batch():
     assert micro_batches_of_group(5, None) == (5,)
+
+
+def test_what_lightning_fabric_set_up_is_traced_as_the_model_inside_it():
+    import lightning
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    fabric = lightning.Fabric(accelerator="cpu", devices=1)
+    wrapped = fabric.setup_module(model)
+    assert type(wrapped).__name__ == "_FabricModule"
+    assert {name for name, _ in wrapped.named_modules()} != {name for name, _ in model.named_modules()}
+    assert without_fabric_wrapper(wrapped) is model  # on one device its forward module is the model itself
+    assert without_fabric_wrapper(model) is model
+    ddp = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)  # no process group needed
+    assert without_fabric_wrapper(ddp) is ddp

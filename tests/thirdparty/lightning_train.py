@@ -9,7 +9,8 @@ Lightning builds the DDP wrapper, runs the optimizer with a closure (forward and
 Lightning's own option; `--tp N` trains under Lightning's `ModelParallelStrategy`, each MLP tensor-parallel over N
 processes (DTensor) and FSDP2 over the rest, without clipping (torch's `clip_grad_norm_` cannot mix the MLPs'
 DTensor gradients with the plain ones of a tensor-parallel run without FSDP). `--bug MODULE` (tests only, not what a user writes) makes process 1 scale MODULE's
-output by 1.01.
+output by 1.01. `--validate-every N` validates every N training batches, which may fall between two micro-batches of
+one optimizer step.
 """
 
 import argparse
@@ -66,6 +67,11 @@ class LanguageModel(L.LightningModule):
         logits = self(batch[:, :-1])
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
 
+    def validation_step(self, batch: torch.Tensor, batch_index: int) -> None:
+        logits = self(batch[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        self.log("val_loss", loss, sync_dist=True)
+
     def configure_model(self) -> None:
         """Under Lightning's ModelParallelStrategy: each MLP tensor-parallel (DTensor), then FSDP2 over the rest."""
         mesh = self.device_mesh
@@ -89,6 +95,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--validate-every", type=int, default=0, help="validate every N training batches")
     parser.add_argument("--tp", type=int, default=0, help="ModelParallelStrategy with this tensor-parallel size")
     parser.add_argument("--bug", default=None)
     args = parser.parse_args()
@@ -104,12 +111,14 @@ def main() -> None:
                         gradient_clip_val=None if args.tp else 1.0,
                         precision=args.precision,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2,
+                        val_check_interval=args.validate_every or None)
     if args.bug and int(os.environ.get("RANK", "0")) == 1:
         model.get_submodule(args.bug).register_forward_hook(lambda module, inputs, output: output * 1.01)
     data = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=args.shuffle)
     ttrace.attach_trainer(trainer)
-    trainer.fit(model, data)
+    validation = torch.utils.data.DataLoader(Tokens(), batch_size=2) if args.validate_every else None
+    trainer.fit(model, data, validation)
 
 
 if __name__ == "__main__":

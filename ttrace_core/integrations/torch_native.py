@@ -16,6 +16,21 @@ from ttrace_core.format.naming import DATA_PARALLEL_AXES
 from ttrace_core.format.schema import RunManifest, strip_wrappers
 from ttrace_core.format.reader import dtype_name
 
+FABRIC_PACKAGES = ("lightning.fabric.", "lightning_fabric.")
+"""Where Lightning Fabric's classes live (the `lightning` package, and the standalone `lightning_fabric`)."""
+
+
+def without_fabric_wrapper(model: object) -> object:
+    """The module inside Lightning Fabric's `_FabricModule` (what `fabric.setup(model, ...)` returns): its
+    `_forward_module`, the strategy's wrapping of the user's model (DistributedDataParallel under DDP, which
+    then says the run is data-parallel; the sharded model under FSDP; the model itself on one device), so
+    both runs name the modules as the user's model does. Anything else is returned as it is."""
+    for cls in type(model).__mro__:
+        if cls.__name__ == "_FabricModule" and cls.__module__.startswith(FABRIC_PACKAGES):
+            return model._forward_module
+    return model
+
+
 PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 _MANTISSA_BITS = {"fp64": 52, "fp32": 23, "fp16": 10, "bf16": 7, "fp8": 3}
 

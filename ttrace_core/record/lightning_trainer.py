@@ -14,7 +14,8 @@
   `accumulate_grad_batches` before backward; with manual optimization the user's `manual_backward` gets the
   loss as `training_step` made it (scale 1);
 - **the step**, from the first micro-batch of an optimizer step (`on_train_batch_start`) to the batch after
-  which `trainer.global_step` moved on (`on_train_batch_end`), numbered by the step it was at.
+  which `trainer.global_step` moved on (`on_train_batch_end`), numbered by the step it was at. A validation
+  Lightning runs in between (`val_check_interval` counts batches, not steps) is not recorded.
 
 Lightning runs the optimizer with a closure: `optimizer.step(closure)` does the last micro-batch's forward and
 backward *inside* the step, so the optimizer's own step hooks fire before the gradients exist. The gradients are
@@ -49,6 +50,7 @@ and DeepSpeed, whose engine scales the loss itself.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from typing import Any
@@ -167,6 +169,7 @@ class LightningTracing(TrainerTracing):
         self._undo_dealing = None
         self._undo_redirection = None
         self._gradients_recorded = False
+        self._paused: contextlib.AbstractContextManager | None = None
 
     def callback(self, package: str):
         base = importlib.import_module(package).Callback
@@ -192,6 +195,12 @@ class LightningTracing(TrainerTracing):
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 if tracing.step_number is not None and trainer.global_step != tracing.step_number:
                     tracing.after_optimizer_step()
+
+            def on_validation_start(self, trainer, pl_module):
+                tracing.pause()
+
+            def on_validation_end(self, trainer, pl_module):
+                tracing.resume()
 
             def on_train_end(self, trainer, pl_module):
                 tracing.end()
@@ -250,6 +259,18 @@ class LightningTracing(TrainerTracing):
         undo, self._undo_redirection = self._undo_redirection, None
         if undo is not None:
             undo()
+
+    def pause(self) -> None:
+        """Validation starts: Lightning may run it between two micro-batches of a step (`val_check_interval`
+        counts batches, not optimizer steps); its forwards are not the step's."""
+        if self.session is not None and self.session.active and self._paused is None:
+            self._paused = self.session.tracer.paused()
+            self._paused.__enter__()
+
+    def resume(self) -> None:
+        paused, self._paused = self._paused, None
+        if paused is not None:
+            paused.__exit__(None, None, None)
 
     def begin_step(self, step: int) -> None:
         self._gradients_recorded = False

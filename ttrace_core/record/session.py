@@ -201,7 +201,7 @@ def attach(model: nn.Module | list[nn.Module], optimizer=None, *, loss_scale: fl
     transformers model that transformers parallelized itself: the layouts of the plain shards its
     parallel styles return come from the model's TP / EP plan (integrations/transformers.py).
 
-    model: the model, or megatron-core's list of model chunks (virtual pipeline stages, each in its own
+    model: the model (or what Lightning Fabric's `setup` returned), or megatron-core's list of model chunks (virtual pipeline stages, each in its own
         DDP) as passed to the interleaved schedule: every chunk is traced, under the reference's global
         layer names, with micro-batch ids counted per chunk.
 
@@ -224,6 +224,9 @@ def attach(model: nn.Module | list[nn.Module], optimizer=None, *, loss_scale: fl
     spec = active_spec()
     if spec is None:
         return Session()
+    from ttrace_core.integrations.torch_native import without_fabric_wrapper
+
+    model = model if isinstance(model, (list, tuple)) else without_fabric_wrapper(model)
     from ttrace_core.record.adapters import TracerSelection
     from ttrace_core.record.rewrite import rewriter_from_config
     from ttrace_core.record.tracer import Tracer

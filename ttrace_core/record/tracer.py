@@ -259,6 +259,16 @@ class Tracer:
         inside a backward (activation checkpointing's recomputation, not a new call)."""
         return self._state is not None and torch._C._current_graph_task_id() == -1
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing that runs inside is recorded, and the step being recorded goes on after it: an evaluation a
+        trainer runs between two micro-batches of one optimizer step (Lightning's `val_check_interval`)."""
+        state, self._state = self._state, None
+        try:
+            yield
+        finally:
+            self._state = state
+
     def key(self, phase: str, fqn: str, slot: str, micro_batch: int, call: int = 0) -> TensorKey:
         return TensorKey(step=self._state.step, micro_batch=micro_batch, phase=phase, fqn=fqn, slot=slot, call=call)
 

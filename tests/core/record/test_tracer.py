@@ -371,6 +371,24 @@ def test_an_output_hook_handed_no_gradient_records_nothing_and_no_finding(tmp_pa
         assert not [finding for finding in reader.findings if "tracer failed" in finding.message]
 
 
+def test_an_evaluation_paused_in_the_middle_of_a_step_is_no_micro_batch_of_it(tmp_path):
+    """A trainer may evaluate between two micro-batches of one step (Lightning's val_check_interval): while paused,
+    its forwards are not recorded and do not count as micro-batches; the step's second micro-batch is micro-batch 1."""
+    torch.manual_seed(0)
+    model = _TwoOutputs()
+    tracer = Tracer(tmp_path, model, role="reference")
+    with tracer.step(0):
+        model(torch.randn(3, 4))["loss"].backward()
+        with tracer.paused(), torch.no_grad():
+            model(torch.randn(5, 4))
+        model(torch.randn(3, 4))["loss"].backward()
+    tracer.close()
+    with RunReader(tmp_path) as reader:
+        forwards = [k for k in reader.index if k.phase == "forward" and k.fqn == "" and k.slot == "input.0"]
+        assert sorted(k.micro_batch for k in forwards) == [0, 1]
+        assert all(meta.local_shape == (3, 4) for k in forwards for meta in reader.index[k])
+
+
 class _Scaled(nn.Module):
     def forward(self, hidden: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return hidden * scale
