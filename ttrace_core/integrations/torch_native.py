@@ -16,8 +16,20 @@ from ttrace_core.format.naming import DATA_PARALLEL_AXES
 from ttrace_core.format.schema import RunManifest, strip_wrappers
 from ttrace_core.format.reader import dtype_name
 
-FABRIC_PACKAGES = ("lightning.fabric.", "lightning_fabric.")
-"""Where Lightning Fabric's classes live (the `lightning` package, and the standalone `lightning_fabric`)."""
+LIGHTNING_PACKAGES = ("lightning.pytorch.", "pytorch_lightning.", "lightning.fabric.", "lightning_fabric.")
+"""Where Lightning's classes live: its Trainer (in the `lightning` package, or the older `pytorch_lightning`) and
+Fabric (in `lightning`, or the standalone `lightning_fabric`)."""
+
+
+def lightning_package(obj: object, class_name: str) -> str | None:
+    """The package ("lightning.pytorch", "lightning_fabric", ...) whose class `class_name` `obj` is an instance of
+    (or of a subclass of); None when it is none of Lightning's. Told by name: Lightning is never imported here."""
+    for cls in type(obj).__mro__:
+        if cls.__name__ == class_name:
+            for package in LIGHTNING_PACKAGES:
+                if cls.__module__.startswith(package):
+                    return package.rstrip(".")
+    return None
 
 
 def without_fabric_wrapper(model: object) -> object:
@@ -25,10 +37,7 @@ def without_fabric_wrapper(model: object) -> object:
     `_forward_module`, the strategy's wrapping of the user's model (DistributedDataParallel under DDP, which
     then says the run is data-parallel; the sharded model under FSDP; the model itself on one device), so
     both runs name the modules as the user's model does. Anything else is returned as it is."""
-    for cls in type(model).__mro__:
-        if cls.__name__ == "_FabricModule" and cls.__module__.startswith(FABRIC_PACKAGES):
-            return model._forward_module
-    return model
+    return model._forward_module if lightning_package(model, "_FabricModule") else model
 
 
 PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}

@@ -37,9 +37,9 @@ draws batches k x P + p of the loader as the user built it (its sampler and coll
 micro-batch order. A shuffling `RandomSampler` without a generator of its own draws its order from the global
 RNG, which a one-process and a DDP Lightning run leave in different states before the first batch (measured,
 Lightning 2.6.6, without ttrace); under a ttrace command it gets a generator seeded by the run's seed and the
-epoch, in the reference and the candidate alike. Every process iterates the whole loader and keeps its share of each group of P batches; a
-last group of fewer than P batches is left out, so every process takes as many steps. Outside a ttrace command
-nothing changes.
+epoch, in the reference and the candidate alike. Every process iterates the whole loader and keeps its share
+of each group of P batches; a last group of fewer than P batches is left out, so every process takes as many
+steps. Outside a ttrace command nothing changes.
 
 A reference and a candidate compare when the candidate's P data-parallel processes with G accumulated batches
 each see the batches a one-process reference sees with P x G, at the same batch size and seed. Not handled: a
@@ -53,15 +53,17 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from ttrace_core.integrations.patching import patch_attribute
+from ttrace_core.integrations.torch_native import lightning_package
 from ttrace_core.record.session import Session, active_spec, attach
 from ttrace_core.record.step_scalars import record_learning_rate
-from ttrace_core.record.trainers import TrainerTracing, lightning_package
+from ttrace_core.record.trainers import TrainerTracing
 
 TRAINING = "train"
 """The value of Lightning's `RunningStage.TRAINING`: the loaders dealt by batch."""
@@ -161,13 +163,14 @@ class LightningTracing(TrainerTracing):
     @classmethod
     def added_to(cls, trainer: Any, options: dict) -> "LightningTracing":
         tracing = cls(trainer, options)
-        trainer.callbacks.append(tracing.callback(lightning_package(trainer)))
+        trainer.callbacks.append(tracing.callback(lightning_package(trainer, "Trainer")))
         return tracing
 
     def __init__(self, trainer: Any, options: dict) -> None:
         super().__init__(trainer, options)
-        self._undo_dealing = None
-        self._undo_redirection = None
+        self._undo: list[Callable[[], None]] = []
+        """What the tracing changed in Lightning (the loaders' preparation, the forward redirection), undone at teardown."""
+        self._dealing = False
         self._gradients_recorded = False
         self._paused: contextlib.AbstractContextManager | None = None
 
@@ -209,8 +212,7 @@ class LightningTracing(TrainerTracing):
                 tracing.end(exception)
 
             def teardown(self, trainer, pl_module, stage):
-                tracing.stop_dealing()
-                tracing.stop_quieting()
+                tracing.restore()
 
         return TtraceCallback()
 
@@ -219,7 +221,7 @@ class LightningTracing(TrainerTracing):
         on one process every batch, with the same seeded sampling)."""
         rank, size = degrees(self.trainer)
         spec = active_spec()
-        if spec is None or self._undo_dealing is not None:
+        if spec is None or self._dealing:
             return
         connector = getattr(self.trainer, "_data_connector", None)
         prepare = getattr(connector, "_prepare_dataloader", None)
@@ -233,12 +235,14 @@ class LightningTracing(TrainerTracing):
             if getattr(mode, "value", mode) == TRAINING and isinstance(dataloader, DataLoader):
                 return DealtBatches(dataloader, rank, size, spec.seed)
             return prepare(dataloader, shuffle, mode)
-        self._undo_dealing = patch_attribute(connector, "_prepare_dataloader", prepared)
+        self._undo.append(patch_attribute(connector, "_prepare_dataloader", prepared))
+        self._dealing = True
 
-    def stop_dealing(self) -> None:
-        undo, self._undo_dealing = self._undo_dealing, None
-        if undo is not None:
-            undo()
+    def restore(self) -> None:
+        """Lightning as it was (teardown): a next `fit` deals and redirects again."""
+        while self._undo:
+            self._undo.pop()()
+        self._dealing = False
 
     def attached(self) -> Session:
         trainer = self.trainer
@@ -252,13 +256,8 @@ class LightningTracing(TrainerTracing):
                                            "this Lightning's forward redirection: the model's calls may differ from a "
                                            "one-device run's")
             else:
-                self._undo_redirection = patch_attribute(strategy, "_forward_redirection", QuietOuterCall(redirection))
+                self._undo.append(patch_attribute(strategy, "_forward_redirection", QuietOuterCall(redirection)))
         return session
-
-    def stop_quieting(self) -> None:
-        undo, self._undo_redirection = self._undo_redirection, None
-        if undo is not None:
-            undo()
 
     def pause(self) -> None:
         """Validation starts: Lightning may run it between two micro-batches of a step (`val_check_interval`

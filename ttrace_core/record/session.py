@@ -201,9 +201,9 @@ def attach(model: nn.Module | list[nn.Module], optimizer=None, *, loss_scale: fl
     transformers model that transformers parallelized itself: the layouts of the plain shards its
     parallel styles return come from the model's TP / EP plan (integrations/transformers.py).
 
-    model: the model (or what Lightning Fabric's `setup` returned), or megatron-core's list of model chunks (virtual pipeline stages, each in its own
-        DDP) as passed to the interleaved schedule: every chunk is traced, under the reference's global
-        layer names, with micro-batch ids counted per chunk.
+    model: the model (or what Lightning Fabric's `setup` returned), or megatron-core's list of model chunks
+        (virtual pipeline stages, each in its own DDP) as passed to the interleaved schedule: every chunk is
+        traced, under the reference's global layer names, with micro-batch ids counted per chunk.
 
     optimizer: a torch.optim.Optimizer, or any optimizer whose step() the tracer may wrap.
     loss_scale: the factor each micro-batch loss is multiplied by before backward (1 / local

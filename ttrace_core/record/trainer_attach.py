@@ -16,7 +16,8 @@ from typing import Any
 
 from ttrace_core.record.hf_trainer import HFTrainerTracing
 from ttrace_core.record.lightning_trainer import LightningTracing
-from ttrace_core.record.trainers import TRAINER_SAYS, TrainerTracing, lightning_package
+from ttrace_core.integrations.torch_native import lightning_package
+from ttrace_core.record.trainers import TRAINER_SAYS, TrainerTracing
 
 
 def attach_trainer(trainer: Any, **options) -> TrainerTracing:
@@ -27,7 +28,7 @@ def attach_trainer(trainer: Any, **options) -> TrainerTracing:
     if refused:
         raise TypeError(f"attach_trainer({', '.join(refused)}=...): the trainer says "
                         f"{'; '.join(TRAINER_SAYS[name] for name in refused)} itself; leave them out")
-    if lightning_package(trainer) is not None:
+    if lightning_package(trainer, "Trainer") is not None:
         return LightningTracing.added_to(trainer, options)
     if callable(getattr(trainer, "add_callback", None)):
         return HFTrainerTracing.added_to(trainer, options)

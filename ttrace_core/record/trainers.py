@@ -1,7 +1,7 @@
 """Part of stage 1 (record): what the integrations of trainers the user does not write the loop of share
 (record/hf_trainer.py, record/lightning_trainer.py; `attach_trainer` in record/trainer_attach.py picks one): the
-arguments refused because the trainer says them itself, how a Lightning Trainer is told apart, and the bracket
-of one optimizer step, which a trainer's callback opens and closes.
+arguments refused because the trainer says them itself, and the bracket of one optimizer step, which a
+trainer's callback opens and closes.
 """
 
 from __future__ import annotations
@@ -17,19 +17,6 @@ from ttrace_core.record.tracer import one_sentence
 TRAINER_SAYS = {"model": "the model it wrapped", "optimizer": "the optimizer it built",
                 "loss_scale": "how it scales each loss", "data_parallel": "which batches each process draws"}
 """What `attach_trainer` passes to `attach` from the trainer, and so refuses from its caller."""
-
-LIGHTNING_MODULES = ("lightning.pytorch.", "pytorch_lightning.")
-"""Where the classes of a Lightning Trainer live (the `lightning` package and the older `pytorch_lightning`)."""
-
-
-def lightning_package(trainer: Any) -> str | None:
-    """"lightning.pytorch" or "pytorch_lightning" when `trainer` is (a subclass of) that package's Trainer, else None."""
-    for cls in type(trainer).__mro__:
-        for package in LIGHTNING_MODULES:
-            if cls.__name__ == "Trainer" and cls.__module__.startswith(package):
-                return package.rstrip(".")
-    return None
-
 
 class TrainerTracing:
     """The session of one trainer's training (`session`: None until training begins) and the step it is in."""
@@ -73,3 +60,4 @@ class TrainerTracing:
         self.end_step(error)
         if self.session is not None:
             self.session.close()
+

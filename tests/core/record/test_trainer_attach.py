@@ -10,13 +10,13 @@ import torch
 from ttrace_core.record.hf_trainer import HFTrainerTracing
 from ttrace_core.record.lightning_trainer import LightningTracing
 from ttrace_core.record.trainer_attach import attach_trainer
-from ttrace_core.record.trainers import lightning_package
+from ttrace_core.integrations.torch_native import lightning_package
 
 
 def test_a_lightning_trainer_gets_a_lightning_callback_and_anything_else_a_clear_error():
     trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                                 enable_progress_bar=False, enable_model_summary=False)
-    assert lightning_package(trainer) == "lightning.pytorch"
+    assert lightning_package(trainer, "Trainer") == "lightning.pytorch"
     tracing = attach_trainer(trainer)
     assert isinstance(tracing, LightningTracing)
     assert isinstance(trainer.callbacks[-1], lightning.Callback)
@@ -30,4 +30,4 @@ def test_a_trainer_with_add_callback_is_taken_for_a_hugging_face_trainer():
     added = []
     tracing = attach_trainer(SimpleNamespace(add_callback=added.append))
     assert isinstance(tracing, HFTrainerTracing) and len(added) == 1
-    assert lightning_package(SimpleNamespace(add_callback=added.append)) is None
+    assert lightning_package(SimpleNamespace(add_callback=added.append), "Trainer") is None
