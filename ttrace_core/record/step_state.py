@@ -9,7 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ttrace_core.format.schema import Layout
+from ttrace_core.format.schema import Layout, TensorKey
 
 
 @dataclass(slots=True)
@@ -37,6 +37,11 @@ class StepState:
     scalars: dict[tuple[str, str, str, int], float] = field(default_factory=dict)
     """(phase, fqn, slot, micro-batch) -> value of each step scalar recorded so far (a second record is checked, not kept)."""
     gradients_recorded: bool = False
+    parameter_records: dict[str, int] = field(default_factory=dict)
+    """Parameter slot -> how often the parameters were to be recorded under it this step (more than once: the
+    optimizer stepped again inside the step; the first is kept)."""
+    recorded: set[TensorKey] = field(default_factory=set)
+    """Every key written this step: a step file lists a key once (a second record is a finding, the first is kept)."""
     forward_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls_in_micro_batch: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
     pending_forward: dict[str, list[tuple[int, int] | None]] = field(default_factory=lambda: defaultdict(list))

@@ -55,7 +55,7 @@ from ttrace_core.integrations.dtensor import (
 )
 from ttrace_core.format.fingerprint import environment_fingerprint
 from ttrace_core.canonicalize.placements import without_mesh_axes
-from ttrace_core.format.naming import DATA_PARALLEL_AXES, LOSS_FUNCTION, display_fqn, owner_of, slot_family
+from ttrace_core.format.naming import DATA_PARALLEL_AXES, GRADIENT_CLIPPING, LOSS_FUNCTION, display_fqn, owner_of, slot_family
 from ttrace_core.format.schema import (
     MAX_FINDING_CHARS, NO_MICRO_BATCH, PRE_STEP_SLOT, TOKENS_SLOT, Finding, Layout, RunManifest, TensorKey, TensorMeta, strip_wrappers,
 )
@@ -343,6 +343,11 @@ class Tracer:
             stats=self._summaries.stats(local, reusable=key.phase in ("forward", "backward") and flat_range is None),
             stats_only=stats_only,
         )
+        if key in state.recorded:  # (a step file lists a key once; the first record stands)
+            self.add_finding(key.fqn, key.slot, f"recorded again in step {key.step} (micro-batch {key.micro_batch}, call "
+                             f"{key.call}); the first record is kept")  # (no key: the tensor is in the trace)
+            return
+        state.recorded.add(key)
         if seq is None:
             state.seq += 1
         try:
@@ -389,7 +394,8 @@ class Tracer:
             self.record(key, value, scale=scale, seq=seq)
         elif not scalars_agree(earlier, number, value.dtype):
             self.add_finding(key, message=f"computed twice in step {key.step} with different values, {earlier!r} "
-                             f"then {number!r}; the first is kept (clipping per parameter group with separate norms?)")
+                             f"then {number!r}; the first is kept (clipping per parameter group with separate norms, or a second "
+                             "optimizer step inside the step?)")
 
     @never_raises
     def begin_loss_backward(self, loss: torch.Tensor) -> tuple[set[int], float, torch.dtype, int] | None:
@@ -489,6 +495,15 @@ class Tracer:
         """Record every parameter's value; call after optimizer.step(). The step context records them
         before the step too (PRE_STEP_SLOT) when the previous step's values are not in the trace."""
         if not self.recording():
+            return
+        records = self._state.parameter_records
+        records[slot] = records.get(slot, 0) + 1
+        if records[slot] > 1:
+            if records[slot] == 2:
+                self._keep_finding(GRADIENT_CLIPPING, "", f"optimizer step: the optimizer stepped again in step {self._state.step}; the "
+                                   "parameters after its first step are kept. A ttrace step is one optimizer step: open "
+                                   "`step(i)` around each (under gradient accumulation, step the optimizer once per "
+                                   "accumulated step)", None)
             return
         for fqn, param in self._named_parameters():
             self.record(self.key("param", fqn, slot, NO_MICRO_BATCH), param)

@@ -592,3 +592,46 @@ def test_model_chunks_keep_one_micro_batch_clock_each_under_the_interleaved_orde
     assert {k.micro_batch for k in candidate_keys if k.fqn == "layers.2" and k.phase == "backward"} == set(range(num_micro_batches))
     grads = {k.fqn for k in candidate_keys if k.phase == "grad"}
     assert grads == {f"layers.{i}.{p}" for i in range(4) for p in ("weight", "bias")} | {"head.weight", "head.bias"}
+
+
+def test_an_optimizer_stepping_twice_in_one_step_keeps_the_first_and_says_so(tmp_path):
+    """A loop that steps the optimizer once per micro-batch inside one `step` bracket (an accelerate loop whose
+    process group was not set up, so its accumulation never holds a step back): the parameters after the first
+    step are kept and a finding says what happened and what to do; the trace stays readable (it used to list every
+    parameter twice in its index, and compare refused the whole file as damaged)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = Tracer(tmp_path, model, role="reference", optimizer=optimizer)
+    with tracer.step(0):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4)).square().mean().backward()
+        optimizer.step()
+        after_first = model[0].weight.detach().clone()
+        model(torch.randn(3, 4)).square().mean().backward()
+        optimizer.step()
+    tracer.close()
+    assert not torch.equal(after_first, model[0].weight.detach())
+    with RunReader(tmp_path) as reader:
+        (meta,) = reader.index[next(k for k in reader.index if k.phase == "param" and k.fqn == "0.weight" and k.slot == "value")]
+        assert torch.equal(reader.read(meta), after_first)
+        (line,) = {f.message for f in reader.findings if f.key is None or f.key.phase == "param"}
+    assert line == ("optimizer step: the optimizer stepped again in step 0; the parameters after its first step are "
+                    "kept. A ttrace step is one optimizer step: open `step(i)` around each (under gradient "
+                    "accumulation, step the optimizer once per accumulated step)")
+
+
+def test_a_tensor_recorded_twice_in_a_step_keeps_the_first_and_the_trace_reads(tmp_path):
+    """Whatever records a key a second time in one step (an integration's hook firing twice), the step file lists it
+    once: the first record stands and a finding (without a key: the tensor is in the trace) says so."""
+    model = _model()
+    tracer = Tracer(tmp_path, model, role="reference")
+    with tracer.step(0):
+        key = tracer.key("forward", "0", "output.0", 0)
+        tracer.record(key, torch.ones(2))
+        tracer.record(key, torch.zeros(2))
+    tracer.close()
+    with RunReader(tmp_path) as reader:
+        (meta,) = reader.index[key]
+        assert torch.equal(reader.read(meta), torch.ones(2))
+        assert [(f.fqn, f.slot, f.key, f.message) for f in reader.findings] == [
+            ("0", "output.0", None, "0 output.0: recorded again in step 0 (micro-batch 0, call 0); the first record is kept")]
