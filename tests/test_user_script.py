@@ -142,12 +142,54 @@ def test_a_compiled_model_records_parameters_gradients_and_outputs_and_names_its
     with RunReader(tmp_path / "run") as reader:
         keys = {(k.phase, k.fqn, k.slot) for k in reader.index}
         blind = reader.manifest.blind_spots
-    assert {("grad", "0.weight", "grad"), ("param", "2.bias", "value"), ("forward", "", "output.0")} <= keys
+    assert {("grad", "0.weight", "grad"), ("param", "2.bias", "value"), ("forward", "", "output.0"),
+            ("backward", "", "grad_output.0")} <= keys  # (a compiled root runs no full backward hook: tensor hooks)
     # no hook inside the graph (the loss is recorded where backward starts, outside it)
     assert not any(phase in ("forward", "backward") and fqn and fqn != LOSS_FUNCTION for phase, fqn, _ in keys)
     assert sorted(blind) == ["0", "1", "2"] and "torch.compile" in blind["0"]
     inspected = _ttrace("inspect", "run", cwd=tmp_path)
     assert "blind spot: 1: inside torch.compile" in inspected.stdout
+
+
+COMPILED_DDP_SCRIPT = '''
+import sys, torch, torch.distributed as dist, ttrace_core as ttrace
+from torch import nn
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+if "--compile" in sys.argv:  # as DDP's docs advise: compile the DDP-wrapped model
+    model = torch.compile(nn.parallel.DistributedDataParallel(model), backend="eager")
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+session = ttrace.attach(model, optimizer, loss_scale=world / 4)
+for step in range(2):
+    with session.step(step):
+        optimizer.zero_grad()
+        for local in range(4 // world):
+            micro_batch = local * world + rank
+            inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro_batch))
+            (model(inputs).square().mean() * world / 4).backward()
+        optimizer.step()
+dist.destroy_process_group()
+'''
+
+
+def test_torch_compile_of_a_ddp_model_passes_against_an_uncompiled_reference(tmp_path):
+    """`torch.compile(DDP(model))`: its local names hold DDP's `module.` below the compiled root and its data
+    parallelism is the DDP's inside; both used to be missed (compare refused the pair: every parameter name
+    differed). The compiled root's output gradients come from tensor hooks: it runs no full backward hook."""
+    script = tmp_path / "train.py"
+    script.write_text(COMPILED_DDP_SCRIPT)
+    record_script(script, tmp_path / "ref", 1)
+    record_script(script, tmp_path / "cand", 2, "--compile")
+    report = tmp_path / "compare.json"
+    done = _ttrace("compare", "ref", "cand", "--json", str(report), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    rows = json.loads(report.read_text())["comparisons"]
+    assert rows and all(row["status"] == "pass" for row in rows)
+    compared = {(r["key"]["phase"], r["key"]["fqn"], r["key"]["slot"]) for r in rows}
+    assert {("grad", "0.weight", "grad"), ("param", "2.bias", "value"), ("backward", "", "grad_output.0")} <= compared
+    assert {r["key"]["micro_batch"] for r in rows if r["key"]["phase"] == "forward"} == {0, 1, 2, 3}
 
 
 def test_clipping_on_every_step_passes_with_and_without_the_estimate(runs):

@@ -6,6 +6,8 @@ micro-batches, the mesh and degrees for the manifest, and the modules a compiled
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -66,8 +68,9 @@ def data_parallel_of(model: nn.Module, data_parallel: tuple[int, int] | None) ->
     or from the mesh axes named like data parallelism (DATA_PARALLEL_AXES) of the parameters' mesh."""
     if data_parallel is not None:
         return data_parallel
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return dist.get_rank(model.process_group), dist.get_world_size(model.process_group)
+    ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else compiled_root_ddp(model)
+    if ddp is not None:
+        return dist.get_rank(ddp.process_group), dist.get_world_size(ddp.process_group)
     mesh = _largest_mesh(model)
     if mesh is None or not mesh.mesh_dim_names:
         return 0, 1
@@ -78,10 +81,12 @@ def data_parallel_of(model: nn.Module, data_parallel: tuple[int, int] | None) ->
     return rank, size
 
 
-def manifest_from_model(model: nn.Module, role: str, world_size: int) -> RunManifest:
+def manifest_from_model(model: nn.Module, role: str, world_size: int,
+                        name: Callable[[str], str] = strip_wrappers) -> RunManifest:
     """The manifest fields a model can tell: mesh and degrees (the parameters' largest mesh spanning every
     rank), precision (the parameters' most common dtype) and the logical parameter shapes (two runs are
-    comparable only when these agree; gathered from every rank, since pipeline stages differ)."""
+    comparable only when these agree; gathered from every rank, since pipeline stages differ), each under
+    `name` of its local name (the tracer's global name)."""
     mesh = _largest_mesh(model)
     if mesh is not None and mesh.size() == world_size:
         names = list(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
@@ -93,7 +98,7 @@ def manifest_from_model(model: nn.Module, role: str, world_size: int) -> RunMani
         names, shape, coordinates = [], [], []
     dtypes = [dtype_name(p.dtype) for p in model.parameters() if p.is_floating_point()]
     precision = PRECISION_OF_DTYPE.get(max(set(dtypes), key=dtypes.count) if dtypes else "float32", "fp32")
-    shapes = {strip_wrappers(name): list(p.shape) for name, p in model.named_parameters()}
+    shapes = {name(local): list(p.shape) for local, p in model.named_parameters()}
     if dist.is_initialized() and world_size > 1:
         gathered: list[dict] = [{} for _ in range(world_size)]
         dist.all_gather_object(gathered, shapes)
@@ -103,11 +108,25 @@ def manifest_from_model(model: nn.Module, role: str, world_size: int) -> RunMani
                        model={"parameters": dict(sorted(shapes.items()))})
 
 
-def compiled_modules(model: nn.Module) -> list[str]:
-    """The modules a torch.compile'd model hides (every one below the compiled root); [] when not compiled."""
-    if type(model).__name__ != "OptimizedModule":
+def compiled(module: object) -> bool:
+    """Whether `module` is what torch.compile returned for a module (its OptimizedModule; told by name: dynamo is
+    never imported here)."""
+    return type(module).__name__ == "OptimizedModule"
+
+
+def compiled_modules(model: nn.Module, name: Callable[[str], str] = strip_wrappers) -> list[str]:
+    """The modules a torch.compile'd model hides (every one below the compiled root, under `name` of its local
+    name); [] when not compiled."""
+    if not compiled(model):
         return []
-    return sorted({strip_wrappers(name) for name, _ in model.named_modules() if strip_wrappers(name)})
+    return sorted({name(local) for local, _ in model.named_modules() if name(local)})
+
+
+def compiled_root_ddp(model: object) -> nn.parallel.DistributedDataParallel | None:
+    """The DistributedDataParallel a torch.compile'd root wraps (`torch.compile(DDP(model))`, as DDP's own docs
+    advise), whose `module.` is then part of every local name below the root; None for any other model."""
+    inner = getattr(model, "_orig_mod", None) if compiled(model) else None
+    return inner if isinstance(inner, nn.parallel.DistributedDataParallel) else None
 
 
 def micro_batches_of_group(micro_batch: int, group) -> tuple[int, ...]:

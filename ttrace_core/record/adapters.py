@@ -18,11 +18,12 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from ttrace_core.format.schema import Layout, RunManifest
+from ttrace_core.format.naming import global_fqn
+from ttrace_core.format.schema import Layout, RunManifest, strip_wrappers
 from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.integrations import megatron
 from ttrace_core.integrations.megatron_moe import untraceable_expert_activations
-from ttrace_core.integrations.torch_native import compiled_modules, data_parallel_of, manifest_from_model
+from ttrace_core.integrations.torch_native import compiled_modules, compiled_root_ddp, data_parallel_of, manifest_from_model
 from ttrace_core.record.step_scalars import (
     TORCH_CAPTURES, capture_megatron_aux_losses, capture_megatron_losses, capture_torch_clipping,
 )
@@ -45,18 +46,23 @@ class TorchAdapter:
     def __init__(self, model: nn.Module, role: str, world_size: int, selection: TracerSelection) -> None:
         self.model, self.role, self.world_size, self.selection = model, role, world_size, selection
         self.traced = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        self.compiled = compiled_modules(self.traced)
+        # torch.compile(DDP(model)): DDP's `module.` sits below the compiled root, in every local name
+        self.rename = (("module", ""),) if compiled_root_ddp(model) is not None else ()
+        self.compiled = compiled_modules(self.traced, self._global_name)
         self.captures = TORCH_CAPTURES
+
+    def _global_name(self, local_fqn: str) -> str:
+        return global_fqn(strip_wrappers(local_fqn), self.rename)
 
     @cached_property
     def config(self) -> TracerConfig:
         dp_rank, dp_size = data_parallel_of(self.model, self.selection.data_parallel)
         return TracerConfig(include=self.selection.include, exclude=self.selection.exclude,
                             loss_scale=self.selection.loss_scale, data_parallel_rank=dp_rank, data_parallel_size=dp_size,
-                            exclude_activations=("?*",) if self.compiled else ())
+                            exclude_activations=("?*",) if self.compiled else (), rename=self.rename)
 
     def manifest(self) -> RunManifest:
-        return manifest_from_model(self.traced, self.role, self.world_size)
+        return manifest_from_model(self.traced, self.role, self.world_size, self._global_name)
 
     def parameter_layout(self, name: str, param: torch.Tensor) -> Layout | None:
         return None  # a DTensor carries its own; a plain tensor is whole

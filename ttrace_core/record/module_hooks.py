@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from ttrace_core.format.schema import TensorKey
+from ttrace_core.integrations.torch_native import compiled
 from ttrace_core.record.step_state import StepState
 
 _NEVER_TENSORS = (type(None), bool, int, float, str)
@@ -150,6 +151,8 @@ class ModuleHooks:
         """Hooks on every traced module of `model`; each reads the clock of the root in `roots` it belongs to."""
         chunk_of = {id(module): chunk for chunk, root in enumerate(roots or [model]) for module in root.modules()}
         for fqn, module, backward in self._tracer.traced_modules(model):
+            # torch.compile's root runs no full backward hook: its output gradients are taken by tensor hooks
+            backward = backward and not compiled(module)
             pre_hook = self._pre_hook(fqn, chunk_of.get(id(module), 0))
             handles.append(module.register_forward_pre_hook(self.guarded(fqn, pre_hook), with_kwargs=True))
             handles.append(module.register_forward_hook(self.guarded(fqn, self._forward_hook(fqn, backward))))
