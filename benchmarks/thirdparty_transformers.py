@@ -24,6 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
+from ttrace_core.format.schema import TensorKey
+
 RESULTS = Path(__file__).parent / "results"
 SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "thirdparty" / "hf_tp_train.py"
 BUGGY = "model.layers.1.mlp.down_proj"
@@ -83,8 +87,7 @@ def compare(work: Path, reference: str, candidate: str) -> dict:
             "passed": sum(row["status"] == "pass" for row in rows), "total": len(rows),
             "largest_ratio": max(ratios, default=0.0), "compare_seconds": round(seconds, 1),
             "first_divergence": None if key is None else
-            f"step {key['step']} / mb {key['micro_batch']} / {key['phase']} / {key['fqn']} / {key['slot']} "
-            f"({first['status']}, ratio {first['ratio']:.3g})"}
+            f"{msgspec.convert(key, TensorKey)} ({first['status']}, ratio {first['ratio']:.3g})"}
 
 
 def main() -> None:
