@@ -215,17 +215,29 @@ class ModuleHooks:
         tracer = self._tracer
 
         def hook(module: nn.Module, args: tuple, output: object) -> None:
-            if not tracer.recording() or not tracer.state.pending_forward[fqn]:
+            state = tracer.state
+            if state is None:
                 return
-            entry = tracer.state.pending_forward[fqn].pop()
+            if not tracer.recording():  # inside a backward: a checkpoint's recomputation, recorded once already
+                if state.no_grad_calls.get(fqn):
+                    outputs = tensors_of(output)
+                    if any(value.requires_grad for value in outputs) and (entry := state.recomputed_call(fqn)) is not None:
+                        self._expect_backward(fqn, backward_hooked, output, outputs, entry)  # its backward comes now
+                return
+            if not state.pending_forward[fqn]:
+                return
+            entry = state.pending_forward[fqn].pop()
             if entry is None:
                 return
             micro_batch, call = entry
             outputs = tensors_of(output)
             for index, value in enumerate(outputs):
                 tracer.record(tracer.key("forward", fqn, f"output.{index}", micro_batch, call), value)
-            self._expect_backward(fqn, backward_hooked, output, outputs, entry)
-            tracer.state.converted_outputs.pop(fqn, None)
+            if not torch.is_grad_enabled() and outputs and not any(value.requires_grad for value in outputs):
+                state.no_grad_calls[fqn].append(entry)  # a reentrant checkpoint's first pass, or no backward at all
+            else:
+                self._expect_backward(fqn, backward_hooked, output, outputs, entry)
+            state.converted_outputs.pop(fqn, None)
         return hook
 
     def _expect_backward(self, fqn: str, backward_hooked: bool, output: object, outputs: list[torch.Tensor],

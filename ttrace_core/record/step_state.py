@@ -46,6 +46,10 @@ class StepState:
     calls_in_micro_batch: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
     pending_forward: dict[str, list[tuple[int, int] | None]] = field(default_factory=lambda: defaultdict(list))
     pending_backward: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
+    no_grad_calls: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
+    """Per module, its calls whose forward ran with autograd off: a reentrant activation checkpoint's first pass
+    (torch.utils.checkpoint with use_reentrant=True, megatron's recompute), whose backward follows a second forward
+    that runs inside the backward (`recomputed_call`)."""
     forward_layouts: dict[tuple[str, int, int, str], Layout] = field(default_factory=dict)
     unmapped_forward: set[tuple[str, int, int, str]] = field(default_factory=set)
     """Forward tensors left out with a finding (their layout is unknown): their gradients are left out too."""
@@ -64,6 +68,16 @@ class StepState:
         """The local micro-batch of the last chunk's latest root call (the one a loss follows); None when no
         root was called."""
         return self.root_calls[max(self.root_calls)] - 1 if self.root_calls else None
+
+    def recomputed_call(self, fqn: str) -> tuple[int, int] | None:
+        """The call of `fqn` a forward recomputed during backward repeats, among those that ran with autograd off:
+        the earliest micro-batch's first (a checkpointed segment is recomputed in the order of its forward)."""
+        calls = self.no_grad_calls.get(fqn)
+        if not calls:
+            return None
+        chosen = min(calls)
+        calls.remove(chosen)
+        return chosen
 
     def next_backward_call(self, fqn: str, *, pop: bool) -> tuple[int, int] | None:
         """The forward call a backward of `fqn` belongs to: micro-batches run their backward in the order
