@@ -74,8 +74,10 @@ def test_tp2_passes_against_the_perturbation_estimate(runs):
     assert code == 0, _failing(report)[:3]
 
 
-@pytest.mark.parametrize("flags", [("--tp", "2", "--sp"), ("--pp", "2")], ids=["tp2-sp", "pp2"])
+@pytest.mark.parametrize("flags", [("--tp", "2", "--sp"), ("--pp", "2"), ("--tp", "2", "--recompute")],
+                         ids=["tp2-sp", "pp2", "tp2-full-recompute"])
 def test_sequence_and_pipeline_parallel_pass(runs, flags):
+    """(Full recompute runs each layer's first forward with autograd off: its modules' backward used to be missing.)"""
     name = "-".join(f.strip("-") for f in flags)
     _record(runs / name, 2, *flags)
     code, report = _compare(runs, name)

@@ -32,6 +32,7 @@ def parse_args():
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--sinks", action="store_true", help="learnable attention sinks (softmax_type='learnable')")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--recompute", action="store_true", help="full activation recompute, one layer at a time")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--bug", choices=["module", "grad-norm"])
     return parser.parse_args()
@@ -46,7 +47,8 @@ def build(args):
         bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, persist_layer_norm=False, softmax_type="learnable" if args.sinks else "vanilla")
+        bias_dropout_fusion=False, persist_layer_norm=False, softmax_type="learnable" if args.sinks else "vanilla",
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if args.recompute else {}))
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
