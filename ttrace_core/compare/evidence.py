@@ -282,10 +282,13 @@ def check_comparable(reference: RunReader, candidate: RunReader) -> None:
     trace, or a script that records more) cannot contradict the other."""
     differing = _differing_facts(reference.manifest.model, candidate.manifest.model)
     if differing:
+        # what a tracer said of its run may be why (a model whose parameters it could not map)
+        said = next((f"; its tracer said: {reader.findings[0].message}" for reader in (candidate, reference)
+                     if reader.findings and reader.findings[0].key is None), "")
         raise ConfigMismatchError(
             f"{candidate.run_dir}: model configuration differs from the reference {reference.run_dir} "
             f"({'; '.join(differing[:3])}{'; ...' if len(differing) > 3 else ''}); "
-            "record both runs from the same model configuration")
+            f"record both runs from the same model configuration{said}")
 
 
 def _differing_facts(reference: dict, candidate: dict, prefix: str = "") -> list[str]:

@@ -122,6 +122,17 @@ def compiled_modules(model: nn.Module, name: Callable[[str], str] = strip_wrappe
     return sorted({name(local) for local, _ in model.named_modules() if name(local)})
 
 
+FSDP1_UNMAPPED = ("wrapped in FullyShardedDataParallel (FSDP1), whose parameters are flattened shards ttrace does "
+                  "not map: this run cannot be compared (compare refuses its parameter shapes); shard with "
+                  "torch.distributed.fsdp.fully_shard (FSDP2), whose DTensor parameters ttrace reads")
+
+
+def fsdp1_modules(model: nn.Module) -> list[str]:
+    """The modules of `model` wrapped in FSDP1's FullyShardedDataParallel (their local names; "" for the root), in
+    the model's order; told by class name, so FSDP1 is never imported here."""
+    return [name for name, module in model.named_modules() if type(module).__name__ == "FullyShardedDataParallel"]
+
+
 def compiled_root_ddp(model: object) -> nn.parallel.DistributedDataParallel | None:
     """The DistributedDataParallel a torch.compile'd root wraps (`torch.compile(DDP(model))`, as DDP's own docs
     advise), whose `module.` is then part of every local name below the root; None for any other model."""

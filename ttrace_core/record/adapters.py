@@ -23,7 +23,9 @@ from ttrace_core.format.schema import Layout, RunManifest, strip_wrappers
 from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.integrations import megatron
 from ttrace_core.integrations.megatron_moe import untraceable_expert_activations
-from ttrace_core.integrations.torch_native import compiled_modules, compiled_root_ddp, data_parallel_of, manifest_from_model
+from ttrace_core.integrations.torch_native import (
+    FSDP1_UNMAPPED, compiled_modules, compiled_root_ddp, data_parallel_of, fsdp1_modules, manifest_from_model,
+)
 from ttrace_core.record.step_scalars import (
     TORCH_CAPTURES, capture_megatron_aux_losses, capture_megatron_losses, capture_torch_clipping,
 )
@@ -77,6 +79,8 @@ class TorchAdapter:
 
         if has_grouped_experts(self.traced):
             tracer.on_close(ExpertTokens(tracer, self.traced).close)
+        if (wrapped := fsdp1_modules(self.traced)):
+            tracer.add_finding(wrapped[0], "", FSDP1_UNMAPPED)
 
 
 class TransformersAdapter(TorchAdapter):
