@@ -192,6 +192,60 @@ def test_torch_compile_of_a_ddp_model_passes_against_an_uncompiled_reference(tmp
     assert {r["key"]["micro_batch"] for r in rows if r["key"]["phase"] == "forward"} == {0, 1, 2, 3}
 
 
+COMPILED_PARTS_SCRIPT = '''
+import sys, torch, ttrace_core as ttrace
+from torch import nn
+class Block(nn.Module):  # (a model's own class: dynamo skips the frames of torch's containers)
+    def __init__(self):
+        super().__init__()
+        self.linear, self.act = nn.Linear(16, 16), nn.GELU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(8, 16), Block(), nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.out(self.block(self.inp(x)))
+
+torch.manual_seed(0)
+model = Model()
+if sys.argv[1] == "blocks":  # as torchtitan compiles its blocks: in place, one graph each
+    model.block.compile(backend="eager", fullgraph=True)
+elif sys.argv[1] == "root":
+    model.compile(backend="eager", fullgraph=True)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+session = ttrace.attach(model, optimizer)
+for step in range(2):
+    with session.step(step):
+        optimizer.zero_grad()
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        optimizer.step()
+'''
+
+
+def test_modules_compiled_in_place_with_fullgraph_train_under_ttrace_and_pass(tmp_path):
+    """A hook inside code compiled with fullgraph=True is an error that stops the training (it used to, for a block
+    or a root compiled in place): the compiled modules are left to the compiler, the rest is traced, and the run
+    passes against an uncompiled reference."""
+    (tmp_path / "train.py").write_text(COMPILED_PARTS_SCRIPT)
+    for name in ("none", "blocks", "root"):
+        done = _ttrace("record", "--out", name, "--", sys.executable, "train.py", name, cwd=tmp_path, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+    for name, hidden in (("blocks", {"block", "block.linear", "block.act"}),
+                         ("root", {"", "inp", "block", "block.linear", "block.act", "out"})):
+        report = tmp_path / f"{name}.json"
+        done = _ttrace("compare", "none", name, "--json", str(report), cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-3000:]
+        rows = json.loads(report.read_text())["comparisons"]
+        assert {("grad", "block.linear.weight"), ("param", "out.bias")} <= {(r["key"]["phase"], r["key"]["fqn"]) for r in rows}
+        traced = {r["key"]["fqn"] for r in rows if r["key"]["phase"] in ("forward", "backward")}
+        assert not traced & hidden and (name == "root" or {"inp", "out"} <= traced)
+
+
 def test_clipping_on_every_step_passes_with_and_without_the_estimate(runs):
     """clip_grad_norm_ scales every gradient by a coefficient whose round-off grows with the reduction's
     length: the gradients are recorded before it, the norm and coefficient judged on their own.

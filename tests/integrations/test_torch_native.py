@@ -104,3 +104,22 @@ def test_an_fsdp1_model_is_named_and_its_run_says_it_cannot_be_compared(tmp_path
         with pytest.raises(ConfigMismatchError) as refused:
             check_comparable(ref, cand)
     assert str(refused.value).endswith(f"; its tracer said: <root>: {FSDP1_UNMAPPED}")
+
+
+def test_compiled_submodules_hide_themselves_and_what_is_inside():
+    """torch.compile of a block put in its place, or block.compile() in place (torchtitan, fullgraph=True): their own
+    hooks would run inside the compiled code, so the block and its modules are hidden, the rest traced; a root
+    compiled in place hides the root too (nothing compiles until a call)."""
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Linear(2, 2))
+
+    swapped = model()
+    swapped[1] = torch.compile(swapped[1], backend="eager", fullgraph=True)
+    assert compiled_modules(swapped) == ["1", "1.0", "1.1"]
+    in_place = model()
+    in_place[1].compile(backend="eager", fullgraph=True)
+    assert compiled_modules(in_place) == ["1", "1.0", "1.1"]
+    root = model()
+    root.compile(backend="eager")
+    assert compiled_modules(root) == ["", "0", "1", "1.0", "1.1", "2"]
+    assert compiled_modules(model()) == []

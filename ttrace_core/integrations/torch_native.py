@@ -114,12 +114,27 @@ def compiled(module: object) -> bool:
     return type(module).__name__ == "OptimizedModule"
 
 
+def compiled_in_place(module: object) -> bool:
+    """Whether `module.compile()` compiled `module` in place: its hooks then run inside the compiled code."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def compiled_modules(model: nn.Module, name: Callable[[str], str] = strip_wrappers) -> list[str]:
-    """The modules a torch.compile'd model hides (every one below the compiled root, under `name` of its local
-    name); [] when not compiled."""
-    if not compiled(model):
-        return []
-    return sorted({name(local) for local, _ in model.named_modules() if name(local)})
+    """The modules torch.compile hides, under `name` of their local names: every one below a compiled root (whose
+    own hooks run outside the compiled code), every one and the root itself when the root was compiled in place
+    (`model.compile()`), or, in a model that is not compiled as a whole, each compiled module
+    (`torch.compile(block)` put in its place, or `block.compile()` in place, as torchtitan compiles its blocks with
+    fullgraph=True: its own hooks would run inside the compiled code) with everything below it; [] when nothing is
+    compiled. A hook there would break the compiled graph, and with fullgraph=True the training."""
+    if compiled(model):
+        return sorted({name(local) for local, _ in model.named_modules() if name(local)})
+    if compiled_in_place(model):  # the root's own hooks too: nothing of its activations can be seen
+        return sorted({name(local) for local, _ in model.named_modules()})
+    hidden: set[str] = set()
+    for local, module in model.named_modules():
+        if local and (compiled(module) or compiled_in_place(module)):
+            hidden |= {name(".".join(filter(None, (local, inner)))) for inner, _ in module.named_modules()}
+    return sorted(hidden)
 
 
 FSDP1_UNMAPPED = ("wrapped in FullyShardedDataParallel (FSDP1), whose parameters are flattened shards ttrace does "

@@ -24,7 +24,7 @@ from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.integrations import megatron
 from ttrace_core.integrations.megatron_moe import untraceable_expert_activations
 from ttrace_core.integrations.torch_native import (
-    FSDP1_UNMAPPED, compiled_modules, compiled_root_ddp, data_parallel_of, fsdp1_modules, manifest_from_model,
+    FSDP1_UNMAPPED, compiled, compiled_in_place, compiled_modules, compiled_root_ddp, data_parallel_of, fsdp1_modules, manifest_from_model,
 )
 from ttrace_core.record.step_scalars import (
     TORCH_CAPTURES, capture_megatron_aux_losses, capture_megatron_losses, capture_torch_clipping,
@@ -61,7 +61,16 @@ class TorchAdapter:
         dp_rank, dp_size = data_parallel_of(self.model, self.selection.data_parallel)
         return TracerConfig(include=self.selection.include, exclude=self.selection.exclude,
                             loss_scale=self.selection.loss_scale, data_parallel_rank=dp_rank, data_parallel_size=dp_size,
-                            exclude_activations=("?*",) if self.compiled else (), rename=self.rename)
+                            exclude_activations=self._compiled_globs(), rename=self.rename)
+
+    def _compiled_globs(self) -> tuple[str, ...]:
+        """The activations torch.compile hides: all but the root's when the root is compiled, else the compiled
+        modules' own (their names, each a glob of itself)."""
+        if not self.compiled:
+            return ()
+        if compiled_in_place(self.traced):
+            return ("*",)
+        return ("?*",) if compiled(self.traced) else tuple(self.compiled)
 
     def manifest(self) -> RunManifest:
         return manifest_from_model(self.traced, self.role, self.world_size, self._global_name)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from ttrace_core.format.schema import TensorKey
-from ttrace_core.integrations.torch_native import compiled
+from ttrace_core.integrations.torch_native import compiled, compiled_in_place
 from ttrace_core.record.step_state import StepState
 
 _NEVER_TENSORS = (type(None), bool, int, float, str)
@@ -145,7 +145,8 @@ class ModuleHooks:
         """The micro-batch clocks (step_state.py), one per root (the model, or each of its chunks):
         registered before any other hook on the root."""
         for chunk, root in enumerate(roots):
-            handles.append(root.register_forward_pre_hook(self.guarded("", self._root_call_counter(chunk))))
+            if not compiled_in_place(root):  # (its hooks would run inside the compiled code: no clock there)
+                handles.append(root.register_forward_pre_hook(self.guarded("", self._root_call_counter(chunk))))
 
     def attach(self, model: nn.Module, handles: list, roots: list[nn.Module] | None = None) -> None:
         """Hooks on every traced module of `model`; each reads the clock of the root in `roots` it belongs to."""

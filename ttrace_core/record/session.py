@@ -314,6 +314,6 @@ def _described(manifest: RunManifest, spec: SessionSpec, role: str, world_size: 
     manifest.environment = environment_fingerprint(world_size) | ({"command": spec.command, "cwd": spec.cwd}
                                                                   if spec.command else {})
     manifest.blind_spots |= {name: "inside torch.compile: a hook there would break the compiled graph; its "
-                                   "parameters, gradients and the model's own inputs and outputs are recorded"
-                             for name in compiled}
+                                   "parameters and gradients are recorded, and the activations of the modules outside "
+                                   "the compiled code" for name in compiled}
     return manifest
