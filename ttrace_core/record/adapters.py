@@ -24,7 +24,8 @@ from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.integrations import megatron
 from ttrace_core.integrations.megatron_moe import untraceable_expert_activations
 from ttrace_core.integrations.torch_native import (
-    FSDP1_UNMAPPED, compiled, compiled_in_place, compiled_modules, compiled_root_ddp, data_parallel_of, fsdp1_modules, manifest_from_model,
+    FSDP1_UNMAPPED, compiled, compiled_in_place, compiled_modules, compiled_root_ddp, data_parallel_of, fsdp1_modules,
+    manifest_from_model,
 )
 from ttrace_core.record.step_scalars import (
     TORCH_CAPTURES, capture_megatron_aux_losses, capture_megatron_losses, capture_torch_clipping,
