@@ -25,7 +25,7 @@ the training. A tensor that cannot be recorded (a declared placement that does n
 no one can infer, an error of the tracer's own) is left out and its step keeps a finding instead
 (format/findings.py); a step that cannot be written (a full disk) stops the recording, not the training.
 
-Its own errors become findings here (`never_raises`, `failure_message`). Its parts: module_hooks.py
+Its own errors become findings (failures.py words them and keeps them from the training). Its parts: module_hooks.py
 (the hooks on traced modules), selection.py (which modules are traced, under which name), layouts.py and declarations.py
 (the layout of a tensor that does not describe its own), step_state.py (which micro-batch and call a
 module boundary belongs to), summaries.py (an activation's statistics, taken once per step for the same bytes).
@@ -33,15 +33,12 @@ module boundary belongs to), summaries.py (an activation's statistics, taken onc
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -55,12 +52,15 @@ from ttrace_core.integrations.dtensor import (
 )
 from ttrace_core.format.fingerprint import environment_fingerprint
 from ttrace_core.canonicalize.placements import without_mesh_axes
-from ttrace_core.format.naming import DATA_PARALLEL_AXES, GRADIENT_CLIPPING, LOSS_FUNCTION, display_fqn, owner_of, slot_family
+from ttrace_core.format.naming import (
+    DATA_PARALLEL_AXES, GRADIENT_CLIPPING, LOSS_FUNCTION, display_fqn, owner_of, slot_family,
+)
 from ttrace_core.format.schema import (
     MAX_FINDING_CHARS, NO_MICRO_BATCH, PRE_STEP_SLOT, TOKENS_SLOT, Finding, Layout, RunManifest, TensorKey, TensorMeta, strip_wrappers,
 )
 from ttrace_core.record.background_writer import BackgroundWriter
 from ttrace_core.record.declarations import Declarations, UnknownLayoutError
+from ttrace_core.record.failures import failure_message, never_raises, one_sentence
 from ttrace_core.record.layouts import has_partial, plain_layout, with_flat_range
 from ttrace_core.record.module_hooks import ModuleHooks, quiet_hook_warnings
 from ttrace_core.record.producers import ProducerLayouts
@@ -76,35 +76,6 @@ from ttrace_core.format.tracer_config import TracerConfig
 from ttrace_core.format.datasets import NATIVE_DTYPES, RAW_BITS
 from ttrace_core.format.reader import dtype_name
 from ttrace_core.format.writer import RunWriter, refuse_existing_trace, write_failure, write_manifest
-
-
-def one_sentence(error: BaseException) -> str:
-    """`RuntimeError: [gloo ...] Read error ...: Connection reset by peer.` without gloo's advice after it."""
-    text = " ".join(str(error).split())
-    sentence, stop, _ = text.partition(". ")
-    return f"{type(error).__name__}: {sentence}{stop.strip()}"
-
-
-def failure_message(fqn: str, slot: str, error: Exception) -> str:
-    """A failure of the tracer's own code in one line: what it left out, and where in ttrace it failed."""
-    where = f"{display_fqn(fqn)} {slot}".rstrip() if fqn or slot else "ttrace"
-    frames = traceback.extract_tb(error.__traceback__)
-    origin = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
-    return (f"{where}: the tracer failed ({one_sentence(error)}{origin}) and left {'it' if slot else 'what it was recording'} "
-            "out; the training went on. A ttrace bug: report it with this line")
-
-
-def never_raises(method):
-    """A recording entry point the training code calls: its error is the trace's finding (Tracer.record_error),
-    never the training's exception. It returns what the method returns, None after an error."""
-    @functools.wraps(method)
-    def guarded(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - the run must go on; the error is recorded
-            self.record_error(error)
-            return None
-    return guarded
 
 
 class InputRewriting(Protocol):
@@ -321,6 +292,10 @@ class Tracer:
             self._left_out(key, f"{key.fqn} {key.slot}: not recorded, ttrace cannot store dtype {name}")
             return
         state = self._state
+        if key in state.recorded:  # (a step file lists a key once; the first record stands, and nothing is redone)
+            self.add_finding(key.fqn, key.slot, f"recorded again in step {key.step} (micro-batch {key.micro_batch}, call "
+                             f"{key.call}); the first record is kept")  # (no key: the tensor is in the trace)
+            return
         local = local_value(value)
         layout = self._dtensor_layout(key, value) if isinstance(value, DTensor) else \
             plain_layout(self._declarations, self._state, key, local, self._producers, value)
@@ -343,10 +318,6 @@ class Tracer:
             stats=self._summaries.stats(local, reusable=key.phase in ("forward", "backward") and flat_range is None),
             stats_only=stats_only,
         )
-        if key in state.recorded:  # (a step file lists a key once; the first record stands)
-            self.add_finding(key.fqn, key.slot, f"recorded again in step {key.step} (micro-batch {key.micro_batch}, call "
-                             f"{key.call}); the first record is kept")  # (no key: the tensor is in the trace)
-            return
         state.recorded.add(key)
         if seq is None:
             state.seq += 1

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from ttrace_core.record.session import Session
-from ttrace_core.record.tracer import one_sentence
+from ttrace_core.record.failures import one_sentence
 
 
 TRAINER_SAYS = {"model": "the model it wrapped", "optimizer": "the optimizer it built",
@@ -60,4 +60,3 @@ class TrainerTracing:
         self.end_step(error)
         if self.session is not None:
             self.session.close()
-
