@@ -86,24 +86,3 @@ def test_one_rank_groups_started_at_once_never_share_a_port():
         for group in groups:
             group.communicate("", timeout=60)
     assert all(group.returncode == 0 for group in groups) and ports[0] != ports[1] and 0 not in ports
-
-
-def test_what_a_targets_ranks_import_is_imported_once_by_the_fork_server(tmp_path):
-    """A target module's RANK_IMPORTS are imported by the fork server, not by each rank (megatron-core costs each
-    rank 8-12 s of CPU), and not by the launcher; a declared module that does not exist is skipped. A fresh
-    process: this worker's fork server may already be running with another preload."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.support.paths import REPO
-
-    code = ("import sys; import tests.distributed.preload_workers; from ttrace_core.record.launch import run_ranks; "
-            f"run_ranks('tests.distributed.preload_workers:report', {{'out': {str(tmp_path)!r}}}, 2, timeout_s=120); "
-            "print('tests.distributed.preload_probe' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
-    for rank in (0, 1):
-        already, imported_by, pid, parent = (tmp_path / f"rank{rank}").read_text().split()
-        assert already == "True" and imported_by == parent != pid, (rank, already, imported_by, pid, parent)

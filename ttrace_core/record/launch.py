@@ -119,15 +119,10 @@ def _rank_context(target: str) -> multiprocessing.context.BaseContext:
     alone takes about 5 s of CPU per rank). The server is started once per launching process, so a launcher
     that runs its ranks again (estimate's samples, localize's replays) forks them from it without importing
     anything. Only modules this process already imported are preloaded (torch and the target's module: their
-    import is known to work), and the modules the target's module declares in RANK_IMPORTS: what its ranks import
-    inside the target (megatron-core, imported by each rank, takes 8-12 s of CPU; preloaded, once per launcher).
-    A declared module that is not installed is skipped by the server (multiprocessing ignores its ImportError) and
-    fails in the rank, with its traceback, as under spawn."""
+    import is known to work); a module that fails to import fails in the rank, with its traceback, as under spawn."""
     context = multiprocessing.get_context("forkserver")
     module_name = target.partition(":")[0]
-    declared = getattr(sys.modules.get(module_name), RANK_IMPORTS, ())
-    preload = ["ttrace_core.record.launch", *(name for name in ("torch", module_name) if name in sys.modules),
-               *(name for name in declared if isinstance(name, str))]
+    preload = ["ttrace_core.record.launch", *(name for name in ("torch", module_name) if name in sys.modules)]
     if not set(preload) <= _SERVER_PRELOAD:
         _SERVER_PRELOAD.update(preload)
         context.set_forkserver_preload(sorted(_SERVER_PRELOAD))
@@ -141,11 +136,6 @@ def _is_open(fd: int) -> bool:
         return False
     return True
 
-
-RANK_IMPORTS = "RANK_IMPORTS"
-"""A target module's tuple of module names its ranks import after they start (frameworks imported inside the
-target, not at the module's top, so that the launching process does not pay for them): the fork server imports
-them once, and every rank of every launch from this process is forked with them imported."""
 
 _SERVER_PRELOAD: set[str] = set()
 """What the fork server of this process preloads (taken when it starts; a server already running keeps its own)."""
