@@ -64,48 +64,6 @@ def test_what_lightning_fabric_set_up_is_traced_as_the_model_inside_it():
     assert without_fabric_wrapper(ddp) is ddp
 
 
-def test_an_fsdp1_model_is_named_and_its_run_says_it_cannot_be_compared(tmp_path):
-    """FSDP1's parameters are flat shards ttrace does not map: attach says so in one finding (at record time, on
-    stderr), and compare's refusal of the run quotes it instead of leaving only the shapes that differ."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from ttrace_core.compare.evidence import check_comparable
-    from ttrace_core.errors import ConfigMismatchError
-    from ttrace_core.format.reader import RunReader
-    from ttrace_core.integrations.torch_native import FSDP1_UNMAPPED, fsdp1_modules
-    from ttrace_core.record.adapters import TorchAdapter, TracerSelection
-    from ttrace_core.record.tracer import Tracer
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        plain = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
-        assert fsdp1_modules(plain) == []
-        reference = Tracer(tmp_path / "ref", plain, role="reference", manifest=manifest_from_model(plain, "reference", 1))
-        with reference.step(0):
-            plain(torch.randn(2, 4))
-        reference.close()
-        model = FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), use_orig_params=True,
-                                         device_id=torch.device("cpu"))
-        assert fsdp1_modules(model) == [""]
-        adapter = TorchAdapter(model, "candidate", 1, TracerSelection(("*",), (), 1.0, None))
-        manifest = adapter.manifest()
-        manifest.model["parameters"]["0.weight"] = [0]  # what a rank holding no element of it records under FSDP1
-        candidate = Tracer(tmp_path / "cand", adapter.traced, role="candidate", manifest=manifest)
-        adapter.declare(candidate, None)
-        with candidate.step(0):
-            model(torch.randn(2, 4))
-        candidate.close()
-    finally:
-        dist.destroy_process_group()
-    with RunReader(tmp_path / "ref") as ref, RunReader(tmp_path / "cand") as cand:
-        assert [(f.fqn, f.message) for f in cand.findings] == [("", f"<root>: {FSDP1_UNMAPPED}")]
-        with pytest.raises(ConfigMismatchError) as refused:
-            check_comparable(ref, cand)
-    assert str(refused.value).endswith(f"; its tracer said: <root>: {FSDP1_UNMAPPED}")
-
-
 def test_compiled_submodules_hide_themselves_and_what_is_inside():
     """torch.compile of a block put in its place, or block.compile() in place (torchtitan, fullgraph=True): their own
     hooks would run inside the compiled code, so the block and its modules are hidden, the rest traced; a root

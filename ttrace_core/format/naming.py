@@ -42,6 +42,9 @@ PSEUDO_MODULES = {LOSS_FUNCTION: "the loss function", GRADIENT_CLIPPING: "the gr
 """Pseudo-module name -> how a verdict names it."""
 
 
+PARAMETER_PHASES = ("grad", "param")
+"""The phases whose tensors are parameters (their reduced gradients, their values), named by the parameter."""
+
 DATA_PARALLEL_AXES = ("dp", "fsdp", "ddp", "dp_shard", "dp_replicate", "data_parallel", "hsdp", "dp_shard_cp")
 """Mesh axis names (and manifest degrees) that are data parallelism: the micro-batches are spread over
 them, and a gradient reduction over them is data parallelism's (torchtitan names its axes dp_shard and
@@ -140,7 +143,7 @@ def slot_family(slot: str) -> str:
 
 def module_of(key: TensorKey) -> str:
     """The module a tensor belongs to: its own fqn for activations, the owner for parameters."""
-    return owner_of(key.fqn) if key.phase in ("grad", "param") else key.fqn
+    return owner_of(key.fqn) if key.phase in PARAMETER_PHASES else key.fqn
 
 
 def tensor_kind(key: TensorKey) -> str:

@@ -1,4 +1,4 @@
-"""PyTorch-native adapter for `ttrace_core.attach`: what a DTensor / DDP / torch.compile model says about its run.
+"""PyTorch-native adapter for `ttrace_core.attach`: what a DTensor / DDP / FSDP1 / torch.compile model says about its run.
 
 Produces layout metadata (stage 1, record): the data-parallel rank and size that number the
 micro-batches, the mesh and degrees for the manifest, and the modules a compiled model hides.
@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from ttrace_core.canonicalize.placements import coordinate_from_rank
 from ttrace_core.format.naming import DATA_PARALLEL_AXES
-from ttrace_core.format.schema import RunManifest, strip_wrappers
+from ttrace_core.format.schema import Layout, RunManifest, strip_wrappers
+from ttrace_core.integrations import fsdp1
 from ttrace_core.format.reader import dtype_name
 
 LIGHTNING_PACKAGES = ("lightning.pytorch.", "pytorch_lightning.", "lightning.fabric.", "lightning_fabric.")
@@ -64,13 +65,15 @@ def _largest_mesh(model: nn.Module):
 
 
 def data_parallel_of(model: nn.Module, data_parallel: tuple[int, int] | None) -> tuple[int, int]:
-    """(rank, size) of this process among the data-parallel replicas: given, or from DDP's process group,
+    """(rank, size) of this process among the data-parallel replicas: given, or from DDP's (or FSDP1's) process group,
     or from the mesh axes named like data parallelism (DATA_PARALLEL_AXES) of the parameters' mesh."""
     if data_parallel is not None:
         return data_parallel
     ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else compiled_root_ddp(model)
     if ddp is not None:
         return dist.get_rank(ddp.process_group), dist.get_world_size(ddp.process_group)
+    if (sharded := fsdp1.data_parallel(model)) is not None:
+        return sharded
     mesh = _largest_mesh(model)
     if mesh is None or not mesh.mesh_dim_names:
         return 0, 1
@@ -82,11 +85,12 @@ def data_parallel_of(model: nn.Module, data_parallel: tuple[int, int] | None) ->
 
 
 def manifest_from_model(model: nn.Module, role: str, world_size: int,
-                        name: Callable[[str], str] = strip_wrappers) -> RunManifest:
+                        name: Callable[[str], str] = strip_wrappers, held: dict[str, Layout] | None = None) -> RunManifest:
     """The manifest fields a model can tell: mesh and degrees (the parameters' largest mesh spanning every
     rank), precision (the parameters' most common dtype) and the logical parameter shapes (two runs are
     comparable only when these agree; gathered from every rank, since pipeline stages differ), each under
-    `name` of its local name (the tracer's global name)."""
+    `name` of its local name (the tracer's global name). `held`: the layouts of parameters that are flat ranges of
+    a larger one (FSDP1's, integrations/fsdp1.py), whose logical shape is their layout's."""
     mesh = _largest_mesh(model)
     if mesh is not None and mesh.size() == world_size:
         names = list(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
@@ -98,7 +102,9 @@ def manifest_from_model(model: nn.Module, role: str, world_size: int,
         names, shape, coordinates = [], [], []
     dtypes = [dtype_name(p.dtype) for p in model.parameters() if p.is_floating_point()]
     precision = PRECISION_OF_DTYPE.get(max(set(dtypes), key=dtypes.count) if dtypes else "float32", "fp32")
-    shapes = {name(local): list(p.shape) for local, p in model.named_parameters()}
+    held = held or {}
+    shapes = {name(local): list(held[local].global_shape if local in held else p.shape)
+              for local, p in model.named_parameters()}
     if dist.is_initialized() and world_size > 1:
         gathered: list[dict] = [{} for _ in range(world_size)]
         dist.all_gather_object(gathered, shapes)
@@ -135,17 +141,6 @@ def compiled_modules(model: nn.Module, name: Callable[[str], str] = strip_wrappe
         if local and (compiled(module) or compiled_in_place(module)):
             hidden |= {name(".".join(filter(None, (local, inner)))) for inner, _ in module.named_modules()}
     return sorted(hidden)
-
-
-FSDP1_UNMAPPED = ("wrapped in FullyShardedDataParallel (FSDP1), whose parameters are flattened shards ttrace does "
-                  "not map: this run cannot be compared (compare refuses its parameter shapes); shard with "
-                  "torch.distributed.fsdp.fully_shard (FSDP2), whose DTensor parameters ttrace reads")
-
-
-def fsdp1_modules(model: nn.Module) -> list[str]:
-    """The modules of `model` wrapped in FSDP1's FullyShardedDataParallel (their local names; "" for the root), in
-    the model's order; told by class name, so FSDP1 is never imported here."""
-    return [name for name, module in model.named_modules() if type(module).__name__ == "FullyShardedDataParallel"]
 
 
 def compiled_root_ddp(model: object) -> nn.parallel.DistributedDataParallel | None:

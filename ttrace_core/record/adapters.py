@@ -21,11 +21,10 @@ from torch import nn
 from ttrace_core.format.naming import global_fqn
 from ttrace_core.format.schema import Layout, RunManifest, strip_wrappers
 from ttrace_core.format.tracer_config import TracerConfig
-from ttrace_core.integrations import megatron
+from ttrace_core.integrations import fsdp1, megatron
 from ttrace_core.integrations.megatron_moe import untraceable_expert_activations
 from ttrace_core.integrations.torch_native import (
-    FSDP1_UNMAPPED, compiled, compiled_in_place, compiled_modules, compiled_root_ddp, data_parallel_of, fsdp1_modules,
-    manifest_from_model,
+    compiled, compiled_in_place, compiled_modules, compiled_root_ddp, data_parallel_of, manifest_from_model,
 )
 from ttrace_core.record.step_scalars import (
     TORCH_CAPTURES, capture_megatron_aux_losses, capture_megatron_losses, capture_torch_clipping,
@@ -53,6 +52,8 @@ class TorchAdapter:
         self.rename = (("module", ""),) if compiled_root_ddp(model) is not None else ()
         self.compiled = compiled_modules(self.traced, self._global_name)
         self.captures = TORCH_CAPTURES
+        self.held = fsdp1.held_layouts(self.traced)
+        """Local parameter name -> the flat range of it this rank holds (FSDP1 with use_orig_params=True)."""
 
     def _global_name(self, local_fqn: str) -> str:
         return global_fqn(strip_wrappers(local_fqn), self.rename)
@@ -74,10 +75,15 @@ class TorchAdapter:
         return ("?*",) if compiled(self.traced) else tuple(self.compiled)
 
     def manifest(self) -> RunManifest:
-        return manifest_from_model(self.traced, self.role, self.world_size, self._global_name)
+        return manifest_from_model(self.traced, self.role, self.world_size, self._global_name, self.held)
 
     def parameter_layout(self, name: str, param: torch.Tensor) -> Layout | None:
-        return None  # a DTensor carries its own; a plain tensor is whole
+        return self.held.get(name)  # a DTensor carries its own; a plain tensor is whole unless FSDP1 cut it
+
+    def constants(self) -> dict[str, float | None]:
+        """Local name -> whether the parameter is a constant, agreed among the ranks, for the parameters a rank
+        cannot tell from its own part (FSDP1's flat ranges; a collective then): initialize_weights keeps constants."""
+        return fsdp1.agreed_constants(self.traced, self.held) if self.held else {}
 
     def after_weights(self, optimizer) -> None:
         """Nothing to refresh: a torch optimizer holds the parameters themselves."""
@@ -89,8 +95,10 @@ class TorchAdapter:
 
         if has_grouped_experts(self.traced):
             tracer.on_close(ExpertTokens(tracer, self.traced).close)
-        if (wrapped := fsdp1_modules(self.traced)):
-            tracer.add_finding(wrapped[0], "", FSDP1_UNMAPPED)
+        for local, layout in self.held.items():
+            tracer.declare_held(self._global_name(local), layout)
+        if (wrapped := fsdp1.unmapped(self.traced)) is not None:
+            tracer.add_finding(self._global_name(wrapped), "", fsdp1.FSDP1_UNMAPPED)
 
 
 class TransformersAdapter(TorchAdapter):
@@ -154,6 +162,10 @@ class MegatronAdapter:
 
     def parameter_layout(self, name: str, param: torch.Tensor) -> Layout | None:
         return self._layouts.get(name)
+
+    def constants(self) -> dict[str, float | None]:
+        """None to agree on: every rank holds whole rows or columns of a parameter, and tells a constant by itself."""
+        return {}
 
     def after_weights(self, optimizer) -> None:
         """A mixed-precision Megatron optimizer keeps fp32 copies of the parameters it was built from:

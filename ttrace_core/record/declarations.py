@@ -1,4 +1,5 @@
-"""Layouts declared for plain (non-DTensor) tensors: `Tracer.declare` and `Tracer.declare_flat_range`.
+"""Layouts declared for plain (non-DTensor) tensors: `Tracer.declare`, `Tracer.declare_flat_range` and
+`Tracer.declare_held`.
 
 A declaration says which placements, on which mesh, the tensors at matching (fqn glob, slot glob)
 hold; later declarations win. A placement may also be a rule: a function of the local shape that
@@ -48,6 +49,8 @@ class Declarations:
     declared: list[Declaration] = field(default_factory=list)
     flat_ranges: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     """(fqn, slot) -> [start, end) of the flattened local block this rank's values are."""
+    held: dict[str, Layout] = field(default_factory=dict)
+    """Parameter fqn -> the layout of its value and gradient, which this rank holds already cut to it (FSDP1)."""
     _resolved: dict[tuple[str, str, tuple[int, ...]], Layout | None] = field(default_factory=dict)
     _by_exact_fqn: dict[str, list[int]] = field(default_factory=dict)
     """fqn -> indices in `declared` of the declarations whose fqn glob is that very name (no wildcard)."""

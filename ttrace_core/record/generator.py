@@ -94,11 +94,13 @@ def _constant_value(local: torch.Tensor) -> float | None:
 
 def initialize_weights(model: nn.Module, *, seed: int, reinit: bool, perturbation: WeightPerturbation | None,
                        rename: Callable[[str], str],
-                       layout_of: Callable[[str, torch.Tensor], Layout | None] | None = None) -> None:
+                       layout_of: Callable[[str, torch.Tensor], Layout | None] | None = None,
+                       constants: dict[str, float | None] | None = None) -> None:
     """With reinit, give every parameter its logical value from (seed, canonical name), drawn in full
     logical shape (constants kept), perturbed there and cast, then sliced by the parameter's layout:
     its own DTensor layout, or `layout_of(local name, param)` for plain tensors that are shards
-    (Megatron's). Without, keep the loaded values and perturb them in place, in their own dtype (a
+    (Megatron's). `constants`: by local name, whether a parameter is a constant (its value, or None), where
+    a rank cannot tell from its own part (one element of a flat range looks constant). Without, keep the loaded values and perturb them in place, in their own dtype (a
     bf16 weight then keeps its value wherever the perturbation is under half an ulp)."""
     from torch.distributed.tensor import DTensor
 
@@ -113,7 +115,7 @@ def initialize_weights(model: nn.Module, *, seed: int, reinit: bool, perturbatio
                 layout = layout_of(local_fqn, param) if layout_of is not None else None
             shape = tuple(param.shape) if layout is None else tuple(layout.global_shape)
             if reinit:
-                constant = _constant_value(local)
+                constant = constants[local_fqn] if constants and local_fqn in constants else _constant_value(local)
                 full = default_init(name, shape, seed) if constant is None else torch.full(shape, constant)
                 full = full if perturbation is None else perturbation.apply(seed, name, full)
                 local.copy_(local_from_full(full, layout).to(local.dtype))

@@ -20,6 +20,7 @@ import msgspec
 import torch
 
 from ttrace_core.canonicalize.placements import gradient_placement
+from ttrace_core.format.naming import PARAMETER_PHASES
 from ttrace_core.format.schema import Layout, TensorKey
 from ttrace_core.integrations.dtensor import layout_of_converted_output
 from ttrace_core.record.declarations import Declarations, UnknownLayoutError
@@ -62,6 +63,8 @@ def plain_layout(declarations: Declarations, state: StepState | None, key: Tenso
     tensor) and are looked up each time. `value`: the tensor as the module saw it (`local` may be a
     detached alias), matched by storage against `producers`."""
     shape = tuple(local.shape)
+    if key.phase in PARAMETER_PHASES and (held := declarations.held.get(key.fqn)) is not None:
+        return held
     if (declared := declarations.layout(key.fqn, key.slot, shape)) is not None:
         return declared
     if (converted := _converted_layout(state, key, local)) is not None:

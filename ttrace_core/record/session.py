@@ -239,7 +239,7 @@ def attach(model: nn.Module | list[nn.Module], optimizer=None, *, loss_scale: fl
         initialize_weights(adapter.traced, seed=spec.seed, reinit=weights == "reinit",
                            perturbation=WeightPerturbation.from_dict(spec.perturbation),
                            rename=lambda name: global_fqn(strip_wrappers(name), config.rename),
-                           layout_of=adapter.parameter_layout)
+                           layout_of=adapter.parameter_layout, constants=adapter.constants() if weights == "reinit" else {})
         adapter.after_weights(optimizer)
     if manifest is None:
         manifest = adapter.manifest()

@@ -203,6 +203,11 @@ class Tracer:
         rest of the local tensor is not the logical value and is not recorded."""
         self._declarations.declare_flat_range(fqn, slot, start, end)
 
+    def declare_held(self, fqn: str, layout: Layout) -> None:
+        """Parameter `fqn`'s value and gradient on this rank are already the part of it that `layout` says (a flat
+        range of the logical tensor, as FSDP1 keeps it: integrations/fsdp1.py); recorded as they are."""
+        self._declarations.held[fqn] = layout
+
     def layout_of(self, key: TensorKey, value: torch.Tensor) -> Layout:
         """The layout in effect for `value`, recorded (or about to be recorded) under `key`."""
         if isinstance(value, DTensor):
@@ -456,8 +461,11 @@ class Tracer:
             return
         self._record_losses()
         self._state.gradients_recorded = True
+        held = self._declarations.held
         for fqn, param in self._named_parameters():
             grad = getattr(param, self.config.grad_attr, None)
+            if grad is None and fqn in held and held[fqn].flat_range == (0, 0):
+                grad = param.detach().new_empty(0)  # FSDP1 leaves no gradient where this rank holds no element
             if grad is not None:
                 self.record(self.key("grad", fqn, "grad", NO_MICRO_BATCH), grad)
 
