@@ -1,7 +1,7 @@
 """integrations/fsdp1.py: FSDP1 (FullyShardedDataParallel) runs, their parameters mapped from flat ranges.
 
-A real 2-rank FSDP1 run (blocks and root wrapped, use_orig_params=True) against a 1-rank reference, a run whose
-parameters cannot be mapped (use_orig_params=False), and the agreement on constants that weight drawing needs."""
+Real 2-rank FSDP1 runs (blocks and root wrapped; use_orig_params=True and torch's default False) against a 1-rank
+reference, what one rank sees of each mode, and the agreement on constants that weight drawing needs."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ model = Model()
 if "--fsdp1" in sys.argv:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu"))
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params="--flat" not in sys.argv,
+                 device_id=torch.device("cpu"))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 rank = dist.get_rank() if dist.is_initialized() else 0
 session = ttrace.attach(model, optimizer, loss_scale=world / 4)
@@ -76,18 +77,34 @@ dist.destroy_process_group() if dist.is_initialized() else None
 '''
 
 
-@pytest.mark.distributed
-def test_an_fsdp1_run_maps_its_flat_ranges_and_a_wrong_range_is_found_there(tmp_path):
-    """Every tensor of step 0 passes against the 1-rank reference (weights drawn in full and cut to each rank's
-    range, gradients and updated values assembled from the ranges, every rank's copy recorded), and in step 1
-    only the weight whose gradient range rank 1 got wrong fails (its gradient, and its update), at an element
-    of that range."""
-    script = tmp_path / "train.py"
+def _pieces(run, step: int, fqn: str) -> dict[int, tuple[int, int]]:
+    """rank -> the flat range of parameter `fqn`'s value after step `step` it recorded."""
+    from ttrace_core.format.reader import RunReader
+
+    with RunReader(run) as reader:
+        return {meta.rank: meta.layout.flat_range for key, metas in reader.index.items()
+                if (key.step, key.phase, key.fqn, key.slot) == (step, "param", fqn, "value") for meta in metas}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp1")
+    script = root / "train.py"
     script.write_text(FSDP1_SCRIPT)
-    record_script(script, tmp_path / "ref", 1)
-    record_script(script, tmp_path / "cand", 2, "--fsdp1", "--bug")
-    report = tmp_path / "compare.json"
-    done = ttrace_command("compare", "ref", "cand", "--json", str(report), cwd=tmp_path)
+    record_script(script, root / "ref", 1)
+    return root, script
+
+
+@pytest.mark.distributed
+def test_an_fsdp1_run_maps_its_flat_ranges_and_a_wrong_range_is_found_there(runs):
+    """use_orig_params=True: every tensor of step 0 passes against the 1-rank reference (weights drawn in full and
+    cut to each rank's range, gradients and updated values assembled from the ranges, every rank's copy
+    recorded), and in step 1 only the parameter whose gradient range rank 1 got wrong fails (its gradient, and
+    its update), at the elements of that range."""
+    root, script = runs
+    record_script(script, root / "cand", 2, "--fsdp1", "--bug")
+    report = root / "compare.json"
+    done = ttrace_command("compare", "ref", "cand", "--json", str(report), cwd=root)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(report.read_text())
     rows = result["comparisons"]
@@ -96,24 +113,36 @@ def test_an_fsdp1_run_maps_its_flat_ranges_and_a_wrong_range_is_found_there(tmp_
     assert {(r["key"]["step"], r["key"]["phase"], r["key"]["fqn"], r["key"]["slot"]) for r in failing} <= \
         {(1, "grad", name, "grad"), (1, "param", name, "value")}
     wrong = next(r for r in failing if r["key"]["phase"] == "grad")
-    compared = {(r["key"]["phase"], r["key"]["fqn"], r["key"]["slot"]) for r in rows if r["key"]["step"] == 0}
-    parameters = {f"blocks.{i}.{p}" for i in range(2) for p in ("norm.weight", "norm.bias", "fc1.weight", "fc1.bias",
-                                                                "fc2.weight", "fc2.bias")} | {"embed.weight", "norm.weight",
-                                                                                            "norm.bias", "head.weight",
-                                                                                            "head.bias"}
-    assert {("grad", p, "grad") for p in parameters} | {("param", p, "value") for p in parameters} <= compared
-    from ttrace_core.format.reader import RunReader
-    with RunReader(tmp_path / "cand") as cand:
-        pieces = {meta.rank: meta.layout for key, metas in cand.index.items()
-                  if key.step == 1 and key.phase == "param" and key.fqn == name and key.slot == "value" for meta in metas}
-        head = {meta.rank: meta.layout.flat_range for meta in cand.index[next(
-            key for key in cand.index if key.phase == "param" and key.fqn == "head.weight")]}
-    assert head == {0: (0, 1), 1: (1, 312)}  # (drawn right only if the ranks agree it is no constant)
-    assert pieces[0].global_shape == pieces[1].global_shape == (36,)
-    assert pieces[0].flat_range == (0, 12) and pieces[1].flat_range == (12, 36)
     assert wrong["num_mismatched"] == 24 and 12 <= wrong["max_abs_index"][0] < 36  # rank 1's range, whole and only
+    compared = {(r["key"]["phase"], r["key"]["fqn"], r["key"]["slot"]) for r in rows if r["key"]["step"] == 0}
+    assert {("grad", p, "grad") for p in PARAMETERS} | {("param", p, "value") for p in PARAMETERS} <= compared
+    assert _pieces(root / "cand", 1, name) == {0: (0, 12), 1: (12, 36)}
+    # (head.weight is drawn right only if the ranks agree that rank 0's one element of it is no constant)
+    assert _pieces(root / "cand", 1, "head.weight") == {0: (0, 1), 1: (1, 312)}
     coverage = result["coverage"]
     assert coverage["copies_present"] == coverage["copies_expected"] and coverage["missing_in_candidate"] == 0
+
+
+@pytest.mark.distributed
+def test_an_fsdp1_run_with_flat_parameters_passes_with_each_parameter_in_their_place(runs):
+    """use_orig_params=False (torch's default): the model's parameters are FlatParameters, and the parameters they
+    hold are drawn, recorded and compared in their place, with the same ranges."""
+    root, script = runs
+    record_script(script, root / "flat", 2, "--fsdp1", "--flat")
+    report = root / "flat.json"
+    done = ttrace_command("compare", "ref", "flat", "--json", str(report), cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(report.read_text())["comparisons"]
+    compared = {(r["key"]["phase"], r["key"]["fqn"], r["key"]["slot"]) for r in rows if r["key"]["step"] == 1}
+    assert {("grad", p, "grad") for p in PARAMETERS} | {("param", p, "value") for p in PARAMETERS} <= compared
+    assert not any("flat_param" in r["key"]["fqn"] for r in rows)
+    assert _pieces(root / "flat", 1, "blocks.1.fc1.bias") == {0: (0, 12), 1: (12, 36)}
+    assert _pieces(root / "flat", 1, "head.weight") == {0: (0, 1), 1: (1, 312)}
+
+
+PARAMETERS = {f"blocks.{i}.{p}" for i in range(2) for p in ("norm.weight", "norm.bias", "fc1.weight", "fc1.bias",
+                                                             "fc2.weight", "fc2.bias")} | \
+    {"embed.weight", "norm.weight", "norm.bias", "head.weight", "head.bias"}
 
 
 @pytest.fixture
@@ -131,35 +160,30 @@ def _wrapped(use_orig_params: bool) -> nn.Module:
                                     device_id=torch.device("cpu"))
 
 
-def test_without_use_orig_params_the_run_says_it_cannot_be_compared(tmp_path, one_rank):
-    """Parameters that are FlatParameters are not the user's: attach says so in one finding (at record time, on
-    stderr), and compare's refusal of the run quotes it instead of leaving only the names that differ."""
-    from ttrace_core.compare.evidence import check_comparable
-    from ttrace_core.errors import ConfigMismatchError
-    from ttrace_core.format.reader import RunReader
+def test_on_one_rank_flat_parameters_stand_for_views_of_the_parameters_they_hold(one_rank):
+    """use_orig_params=False: the FlatParameter's local values hold every parameter whole on one rank, and
+    named_parameters gives each in its place, a view: writing it writes the FlatParameter (as weight drawing
+    does); its gradient is the same range of the FlatParameter's."""
     from ttrace_core.integrations.torch_native import manifest_from_model
-    from ttrace_core.record.adapters import TorchAdapter, TracerSelection
-    from ttrace_core.record.tracer import Tracer
 
-    plain = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
-    assert fsdp1.fsdp1_modules(plain) == [] and fsdp1.unmapped(plain) is None
-    reference = Tracer(tmp_path / "ref", plain, role="reference", manifest=manifest_from_model(plain, "reference", 1))
-    with reference.step(0):
-        plain(torch.randn(2, 4))
-    reference.close()
     model = _wrapped(use_orig_params=False)
-    assert fsdp1.unmapped(model) == "" and fsdp1.held_layouts(model) == {}
-    adapter = TorchAdapter(model, "candidate", 1, TracerSelection(("*",), (), 1.0, None))
-    candidate = Tracer(tmp_path / "cand", adapter.traced, role="candidate", manifest=adapter.manifest())
-    adapter.declare(candidate, None)
-    with candidate.step(0):
-        model(torch.randn(2, 4))
-    candidate.close()
-    with RunReader(tmp_path / "ref") as ref, RunReader(tmp_path / "cand") as cand:
-        assert [(f.fqn, f.message) for f in cand.findings] == [("", f"<root>: {fsdp1.FSDP1_UNMAPPED}")]
-        with pytest.raises(ConfigMismatchError) as refused:
-            check_comparable(ref, cand)
-    assert str(refused.value).endswith(f"; its tracer said: <root>: {fsdp1.FSDP1_UNMAPPED}")
+    assert [name for name, _ in model.named_parameters()] == ["_fsdp_wrapped_module._flat_param"]
+    held = fsdp1.held_layouts(model)
+    assert held == {"_fsdp_wrapped_module.0.weight": Layout(global_shape=(8, 4), flat_range=(0, 32)),
+                    "_fsdp_wrapped_module.0.bias": Layout(global_shape=(8,), flat_range=(0, 8)),
+                    "_fsdp_wrapped_module.1.weight": Layout(global_shape=(2, 8), flat_range=(0, 16)),
+                    "_fsdp_wrapped_module.1.bias": Layout(global_shape=(2,), flat_range=(0, 2))}
+    flat = next(model.parameters())
+    flat.grad = torch.arange(flat.numel(), dtype=flat.dtype)
+    named = {name: (value, grad) for name, value, grad in fsdp1.named_parameters(model)}
+    assert list(named) == list(held)
+    value, grad = named["_fsdp_wrapped_module.0.bias"]
+    assert value.shape == (8,) and grad.tolist() == list(range(32, 40))
+    with torch.no_grad():
+        value.fill_(7.0)
+    assert flat.detach()[32:40].tolist() == [7.0] * 8
+    assert manifest_from_model(model, "candidate", 1, held=held).model["parameters"] == \
+        {"0.weight": [8, 4], "0.bias": [8], "1.weight": [2, 8], "1.bias": [2]}
 
 
 def test_on_one_rank_fsdp1_holds_every_parameter_whole(one_rank):
@@ -168,7 +192,7 @@ def test_on_one_rank_fsdp1_holds_every_parameter_whole(one_rank):
     from ttrace_core.integrations.torch_native import data_parallel_of, manifest_from_model
 
     model = _wrapped(use_orig_params=True)
-    assert fsdp1.held_layouts(model) == {} and fsdp1.unmapped(model) is None
+    assert fsdp1.held_layouts(model) == {}
     assert [name for name, _ in fsdp1.fsdp1_modules(model)] == [""]
     assert manifest_from_model(model, "candidate", 1).model["parameters"] == \
         {"0.weight": [8, 4], "0.bias": [8], "1.weight": [2, 8], "1.bias": [2]}

@@ -1,23 +1,25 @@
 """FSDP1 (`torch.distributed.fsdp.FullyShardedDataParallel`) adapter: its parameters as flat ranges of the logical ones.
 
 Produces layout metadata (stage 1, record). FSDP1 flattens the parameters of each module it wraps into one
-FlatParameter, and each rank of its process group holds one contiguous range of it. With
-`use_orig_params=True` the model keeps its own parameters, each a 1-D view of the elements of it this rank
-holds: elements [start, end) of the parameter's row-major flattening, none on some ranks. That is a `Layout`
-with `flat_range` over the parameter's logical shape, with no mesh: every rank holding a range holds it of the
-whole tensor, and the ranges of the ranks together cover it (hybrid sharding repeats them: replicas). The
-reduced gradient FSDP1 leaves after backward and the value after the optimizer step are laid out the same way.
+FlatParameter, and each rank of its process group holds one contiguous range of it. Each parameter then has,
+on each rank, the elements [start, end) of its row-major flattening that fall in the rank's range, none on
+some ranks. That is a `Layout` with `flat_range` over the parameter's logical shape and no mesh: the ranks'
+ranges together cover the tensor (hybrid sharding repeats them: replicas). The reduced gradient FSDP1 leaves
+after backward and the value after the optimizer step are laid out the same way.
 
-The ranges are read from each wrapped module's FlatParameter (`_fqns`, `_shapes`, `_shard_param_infos`,
-torch's own record of where each parameter lies, kept by every FSDP1 since torch 2.0). Modules are told by
-class name: FSDP1 is never imported here.
+- With `use_orig_params=True` the model keeps its own parameters, each a 1-D view of its range (under an
+  unsharded strategy, NO_SHARD, each stays whole: no layout is needed).
+- With `use_orig_params=False` (torch's default) the model's parameters are the FlatParameters themselves;
+  `named_parameters` gives the user's parameters in their place: a view of each one's range of the
+  FlatParameter's local values and of its gradient, which the optimizer steps in place.
 
-With `use_orig_params=False` (torch's default) the model's parameters are the FlatParameters themselves, and
-the optimizer steps them: there is no parameter of the user's model to record. Such a run gets one finding
-saying so, and compare's refusal of the run quotes it (`unmapped`).
+Where each parameter lies is read from the FlatParameter (`_fqns`, `_shapes`, `_shard_param_infos`: torch's own
+record, kept by every FSDP1 since torch 2.0). Modules are told by class name: FSDP1 is never imported here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,10 +31,8 @@ FSDP1_CLASS = "FullyShardedDataParallel"
 WRAPPED = "_fsdp_wrapped_module"
 """The name FSDP1 gives the module it wraps (format/schema.py's WRAPPER_COMPONENTS drops it from names)."""
 
-FSDP1_UNMAPPED = ("wrapped in FullyShardedDataParallel (FSDP1) with use_orig_params=False, whose parameters are the "
-                  "flattened shards ttrace does not map: this run cannot be compared (compare refuses its parameter "
-                  "shapes); pass use_orig_params=True (FSDP1 then keeps each parameter, which ttrace maps) or shard "
-                  "with torch.distributed.fsdp.fully_shard (FSDP2)")
+FLAT_PARAMETER = "_flat_param"
+"""The name FSDP1 registers a FlatParameter under, in the module it wraps."""
 
 
 def fsdp1_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -40,26 +40,46 @@ def fsdp1_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if type(module).__name__ == FSDP1_CLASS]
 
 
-def unmapped(model: nn.Module) -> str | None:
-    """The local name of the first FSDP1 module whose parameters cannot be mapped (use_orig_params=False),
-    or None when every one can (or there is none)."""
-    return next((name for name, module in fsdp1_modules(model) if not getattr(module, "_use_orig_params", False)), None)
+def _pieces(prefix: str, flat: torch.Tensor) -> Iterator[tuple[str, Layout, int, int]]:
+    """(local name, layout, offset, numel) of each parameter a FlatParameter holds: where its range starts in the
+    FlatParameter's local values, and how many elements it has there (0 on a rank holding none of it)."""
+    for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
+        if info.in_shard:
+            start, end, offset, numel = info.intra_param_start_idx, info.intra_param_end_idx + 1, info.offset_in_shard, \
+                info.numel_in_shard
+        else:
+            start = end = offset = numel = 0
+        yield prefix + fqn, Layout(global_shape=tuple(shape), flat_range=(start, end)), offset, numel
 
 
 def held_layouts(model: nn.Module) -> dict[str, Layout]:
-    """Local parameter name -> the flat range of it this rank holds, for every parameter a sharding FSDP1
-    module with use_orig_params=True flattened (an unsharded strategy, NO_SHARD, leaves each whole: none)."""
+    """Local parameter name -> the flat range of it this rank holds, for every parameter FSDP1 flattened (but
+    those a module with use_orig_params=True and an unsharded strategy keeps whole)."""
     held: dict[str, Layout] = {}
     for prefix, module in fsdp1_modules(model):
         handle = getattr(module, "_handle", None)  # None: the module has no parameters of its own
-        if handle is None or not getattr(module, "_use_orig_params", False) or not handle.uses_sharded_strategy:
+        if handle is None or (getattr(module, "_use_orig_params", False) and not handle.uses_sharded_strategy):
             continue
-        flat = handle.flat_param
         base = f"{prefix}.{WRAPPED}." if prefix else f"{WRAPPED}."
-        for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
-            start, end = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
-            held[base + fqn] = Layout(global_shape=tuple(shape), flat_range=(start, end))
+        held.update((name, layout) for name, layout, _, _ in _pieces(base, handle.flat_param))
     return held
+
+
+def _is_flat(name: str, param: torch.Tensor) -> bool:
+    return name.endswith(FLAT_PARAMETER) and hasattr(param, "_shard_param_infos")
+
+
+def named_parameters(model: nn.Module, grad_attr: str = "grad") -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """(local name, value, gradient or None) of each parameter of the user's model: `model.named_parameters()`,
+    with each FlatParameter (use_orig_params=False) replaced by the parameters it holds, each a view of its
+    range of the FlatParameter's local values and gradient (writing to the view writes the FlatParameter)."""
+    for name, param in model.named_parameters():
+        if not _is_flat(name, param):
+            yield name, param, getattr(param, grad_attr, None)
+            continue
+        values, grad = param.detach(), getattr(param, grad_attr, None)
+        for piece, _, offset, numel in _pieces(name.removesuffix(FLAT_PARAMETER), param):
+            yield piece, values[offset:offset + numel], None if grad is None else grad[offset:offset + numel]
 
 
 def data_parallel(model: nn.Module) -> tuple[int, int] | None:
@@ -85,7 +105,7 @@ def agreed_constants(model: nn.Module, held: dict[str, Layout]) -> dict[str, flo
     with the same names). A parameter no rank holds an element of is None."""
     local: dict[str, object] = {}
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param, _ in named_parameters(model):
             if name in held:
                 flat = param.detach().reshape(-1)
                 local[name] = _EMPTY if not flat.numel() else \

@@ -104,7 +104,7 @@ def manifest_from_model(model: nn.Module, role: str, world_size: int,
     precision = PRECISION_OF_DTYPE.get(max(set(dtypes), key=dtypes.count) if dtypes else "float32", "fp32")
     held = held or {}
     shapes = {name(local): list(held[local].global_shape if local in held else p.shape)
-              for local, p in model.named_parameters()}
+              for local, p, _ in fsdp1.named_parameters(model)}
     if dist.is_initialized() and world_size > 1:
         gathered: list[dict] = [{} for _ in range(world_size)]
         dist.all_gather_object(gathered, shapes)

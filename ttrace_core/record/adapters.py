@@ -53,7 +53,7 @@ class TorchAdapter:
         self.compiled = compiled_modules(self.traced, self._global_name)
         self.captures = TORCH_CAPTURES
         self.held = fsdp1.held_layouts(self.traced)
-        """Local parameter name -> the flat range of it this rank holds (FSDP1 with use_orig_params=True)."""
+        """Local parameter name -> the flat range of it this rank holds (FSDP1's: integrations/fsdp1.py)."""
 
     def _global_name(self, local_fqn: str) -> str:
         return global_fqn(strip_wrappers(local_fqn), self.rename)
@@ -97,8 +97,6 @@ class TorchAdapter:
             tracer.on_close(ExpertTokens(tracer, self.traced).close)
         for local, layout in self.held.items():
             tracer.declare_held(self._global_name(local), layout)
-        if (wrapped := fsdp1.unmapped(self.traced)) is not None:
-            tracer.add_finding(self._global_name(wrapped), "", fsdp1.FSDP1_UNMAPPED)
 
 
 class TransformersAdapter(TorchAdapter):

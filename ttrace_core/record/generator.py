@@ -104,10 +104,11 @@ def initialize_weights(model: nn.Module, *, seed: int, reinit: bool, perturbatio
     bf16 weight then keeps its value wherever the perturbation is under half an ulp)."""
     from torch.distributed.tensor import DTensor
 
+    from ttrace_core.integrations import fsdp1
     from ttrace_core.integrations.dtensor import layout_from_dtensor, local_value
 
     with torch.no_grad():
-        for local_fqn, param in model.named_parameters():
+        for local_fqn, param, _ in fsdp1.named_parameters(model):  # (FSDP1's FlatParameters: the parameters they hold)
             name, local = rename(local_fqn), local_value(param)
             if isinstance(param, DTensor):
                 layout = layout_from_dtensor(param)

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ttrace_core.integrations import fsdp1
 from ttrace_core.integrations.torch_native import computed_precision
 from ttrace_core.integrations.dtensor import (
     layout_from_dtensor, local_value, own_micro_batch_value,
@@ -348,11 +349,13 @@ class Tracer:
         """(global micro-batch, call) the next backward of `fqn` belongs to."""
         return None if self._state is None else self._state.next_backward_call(fqn, pop=False)
 
-    def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        for local_fqn, param in self.model.named_parameters():
+    def _named_parameters(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        """(global fqn, value, gradient or None) of each selected parameter of the user's model (FSDP1's
+        FlatParameters stand for the parameters they hold: integrations/fsdp1.py)."""
+        for local_fqn, value, grad in fsdp1.named_parameters(self.model, self.config.grad_attr):
             name = strip_wrappers(local_fqn)
             if self.is_selected(owner_of(name)):
-                yield self.global_fqn(local_fqn), param
+                yield self.global_fqn(local_fqn), value, grad
 
     @never_raises
     def record_scalar(self, phase: str, fqn: str, name: str, value: torch.Tensor, micro_batch: int = NO_MICRO_BATCH,
@@ -462,8 +465,7 @@ class Tracer:
         self._record_losses()
         self._state.gradients_recorded = True
         held = self._declarations.held
-        for fqn, param in self._named_parameters():
-            grad = getattr(param, self.config.grad_attr, None)
+        for fqn, param, grad in self._named_parameters():
             if grad is None and fqn in held and held[fqn].flat_range == (0, 0):
                 grad = param.detach().new_empty(0)  # FSDP1 leaves no gradient where this rank holds no element
             if grad is not None:
@@ -484,7 +486,7 @@ class Tracer:
                                    "`step(i)` around each (under gradient accumulation, step the optimizer once per "
                                    "accumulated step)", None)
             return
-        for fqn, param in self._named_parameters():
+        for fqn, param, _ in self._named_parameters():
             self.record(self.key("param", fqn, slot, NO_MICRO_BATCH), param)
 
     # ---- findings: what is left out, and why ----------------------------------------------------
