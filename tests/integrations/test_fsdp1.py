@@ -60,8 +60,13 @@ if "--fsdp1" in sys.argv:
                  device_id=torch.device("cpu"))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 rank = dist.get_rank() if dist.is_initialized() else 0
+current = {"step": 0}
+if "--module-bug" in sys.argv and rank == 1:  # from step 1 on, rank 1's blocks.1.fc2 scales its output
+    fc2 = next(m for n, m in model.named_modules() if n.endswith("blocks.1._fsdp_wrapped_module.fc2"))
+    fc2.register_forward_hook(lambda module, inputs, output: output * 1.01 if current["step"] == 1 else output)
 session = ttrace.attach(model, optimizer, loss_scale=world / 4)
 for step in range(2):
+    current["step"] = step
     with session.step(step):
         optimizer.zero_grad()
         for local in range(4 // world):
@@ -124,20 +129,26 @@ def test_an_fsdp1_run_maps_its_flat_ranges_and_a_wrong_range_is_found_there(runs
 
 
 @pytest.mark.distributed
-def test_an_fsdp1_run_with_flat_parameters_passes_with_each_parameter_in_their_place(runs):
+def test_an_fsdp1_run_with_flat_parameters_maps_them_and_localize_names_a_wrong_module(runs):
     """use_orig_params=False (torch's default): the model's parameters are FlatParameters, and the parameters they
-    hold are drawn, recorded and compared in their place, with the same ranges."""
+    hold are drawn, recorded and compared in their place, with the same ranges: step 0 passes whole. In step 1
+    rank 1's blocks.1.fc2 scales its output, and localize's replay names that module."""
     root, script = runs
-    record_script(script, root / "flat", 2, "--fsdp1", "--flat")
+    record_script(script, root / "flat", 2, "--fsdp1", "--flat", "--module-bug")
     report = root / "flat.json"
     done = ttrace_command("compare", "ref", "flat", "--json", str(report), cwd=root)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(report.read_text())["comparisons"]
-    compared = {(r["key"]["phase"], r["key"]["fqn"], r["key"]["slot"]) for r in rows if r["key"]["step"] == 1}
+    first = [r for r in rows if r["key"]["step"] == 0]
+    assert first and all(r["status"] == "pass" for r in first)
+    compared = {(r["key"]["phase"], r["key"]["fqn"], r["key"]["slot"]) for r in first}
     assert {("grad", p, "grad") for p in PARAMETERS} | {("param", p, "value") for p in PARAMETERS} <= compared
     assert not any("flat_param" in r["key"]["fqn"] for r in rows)
     assert _pieces(root / "flat", 1, "blocks.1.fc1.bias") == {0: (0, 12), 1: (12, 36)}
     assert _pieces(root / "flat", 1, "head.weight") == {0: (0, 1), 1: (1, 312)}
+    localized = ttrace_command("localize", "ref", "flat", "--json", str(root / "localize.json"), cwd=root)
+    assert localized.returncode == 1, localized.stdout[-3000:] + localized.stderr[-3000:]
+    assert json.loads((root / "localize.json").read_text())["culprits"] == ["blocks.1.fc2"]
 
 
 PARAMETERS = {f"blocks.{i}.{p}" for i in range(2) for p in ("norm.weight", "norm.bias", "fc1.weight", "fc1.bias",
