@@ -53,16 +53,20 @@ if "--fsdp1" in sys.argv:
     world = dist.get_world_size()
 torch.manual_seed(0)
 model = Model()
+if "--checkpoint" in sys.argv:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+    model.blocks = nn.ModuleList(checkpoint_wrapper(block) for block in model.blocks)
 if "--fsdp1" in sys.argv:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params="--flat" not in sys.argv,
+    units = {CheckpointWrapper} if "--checkpoint" in sys.argv else {Block}
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy(units), use_orig_params="--flat" not in sys.argv,
                  device_id=torch.device("cpu"))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 rank = dist.get_rank() if dist.is_initialized() else 0
 current = {"step": 0}
 if "--module-bug" in sys.argv and rank == 1:  # from step 1 on, rank 1's blocks.1.fc2 scales its output
-    fc2 = next(m for n, m in model.named_modules() if n.endswith("blocks.1._fsdp_wrapped_module.fc2"))
+    fc2 = next(m for n, m in model.named_modules() if "blocks.1." in n and n.endswith(".fc2"))
     fc2.register_forward_hook(lambda module, inputs, output: output * 1.01 if current["step"] == 1 else output)
 session = ttrace.attach(model, optimizer, loss_scale=world / 4)
 for step in range(2):
@@ -131,10 +135,12 @@ def test_an_fsdp1_run_maps_its_flat_ranges_and_a_wrong_range_is_found_there(runs
 @pytest.mark.distributed
 def test_an_fsdp1_run_with_flat_parameters_maps_them_and_localize_names_a_wrong_module(runs):
     """use_orig_params=False (torch's default): the model's parameters are FlatParameters, and the parameters they
-    hold are drawn, recorded and compared in their place, with the same ranges: step 0 passes whole. In step 1
-    rank 1's blocks.1.fc2 scales its output, and localize's replay names that module."""
+    hold are drawn, recorded and compared in their place, with the same ranges: step 0 passes whole. Each block
+    is checkpointed inside FSDP1 (the wrapper puts the FlatParameter's own name below itself; the parameters are
+    named from the module FSDP1 wraps). In step 1 rank 1's blocks.1.fc2 scales its output, and localize's
+    replay names that module."""
     root, script = runs
-    record_script(script, root / "flat", 2, "--fsdp1", "--flat", "--module-bug")
+    record_script(script, root / "flat", 2, "--fsdp1", "--flat", "--checkpoint", "--module-bug")
     report = root / "flat.json"
     done = ttrace_command("compare", "ref", "flat", "--json", str(report), cwd=root)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]

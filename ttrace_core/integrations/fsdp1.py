@@ -31,10 +31,6 @@ FSDP1_CLASS = "FullyShardedDataParallel"
 WRAPPED = "_fsdp_wrapped_module"
 """The name FSDP1 gives the module it wraps (format/schema.py's WRAPPER_COMPONENTS drops it from names)."""
 
-FLAT_PARAMETER = "_flat_param"
-"""The name FSDP1 registers a FlatParameter under, in the module it wraps."""
-
-
 def fsdp1_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules of `model` FSDP1 wraps, with their local names ("" for the root), in the model's order."""
     return [(name, module) for name, module in model.named_modules() if type(module).__name__ == FSDP1_CLASS]
@@ -52,33 +48,37 @@ def _pieces(prefix: str, flat: torch.Tensor) -> Iterator[tuple[str, Layout, int,
         yield prefix + fqn, Layout(global_shape=tuple(shape), flat_range=(start, end)), offset, numel
 
 
+def _flat_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, torch.Tensor]]:
+    """(prefix of the local names of the parameters it holds, FSDP1 module, FlatParameter) of each FSDP1 module
+    with parameters of its own. Its FlatParameter's own name may differ from the prefix (a checkpoint wrapper
+    inside FSDP1 names it below itself): the parameters are named from the module FSDP1 wraps."""
+    for prefix, module in fsdp1_modules(model):
+        handle = getattr(module, "_handle", None)  # None: the module has no parameters of its own
+        if handle is not None:
+            yield (f"{prefix}.{WRAPPED}." if prefix else f"{WRAPPED}."), module, handle.flat_param
+
+
 def held_layouts(model: nn.Module) -> dict[str, Layout]:
     """Local parameter name -> the flat range of it this rank holds, for every parameter FSDP1 flattened (but
     those a module with use_orig_params=True and an unsharded strategy keeps whole)."""
     held: dict[str, Layout] = {}
-    for prefix, module in fsdp1_modules(model):
-        handle = getattr(module, "_handle", None)  # None: the module has no parameters of its own
-        if handle is None or (getattr(module, "_use_orig_params", False) and not handle.uses_sharded_strategy):
-            continue
-        base = f"{prefix}.{WRAPPED}." if prefix else f"{WRAPPED}."
-        held.update((name, layout) for name, layout, _, _ in _pieces(base, handle.flat_param))
+    for base, module, flat in _flat_parameters(model):
+        if not (getattr(module, "_use_orig_params", False) and not module._handle.uses_sharded_strategy):
+            held.update((name, layout) for name, layout, _, _ in _pieces(base, flat))
     return held
-
-
-def _is_flat(name: str, param: torch.Tensor) -> bool:
-    return name.endswith(FLAT_PARAMETER) and hasattr(param, "_shard_param_infos")
 
 
 def named_parameters(model: nn.Module, grad_attr: str = "grad") -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """(local name, value, gradient or None) of each parameter of the user's model: `model.named_parameters()`,
     with each FlatParameter (use_orig_params=False) replaced by the parameters it holds, each a view of its
     range of the FlatParameter's local values and gradient (writing to the view writes the FlatParameter)."""
+    bases = {id(flat): base for base, _, flat in _flat_parameters(model)}
     for name, param in model.named_parameters():
-        if not _is_flat(name, param):
+        if (base := bases.get(id(param))) is None:
             yield name, param, getattr(param, grad_attr, None)
             continue
         values, grad = param.detach(), getattr(param, grad_attr, None)
-        for piece, _, offset, numel in _pieces(name.removesuffix(FLAT_PARAMETER), param):
+        for piece, _, offset, numel in _pieces(base, param):
             yield piece, values[offset:offset + numel], None if grad is None else grad[offset:offset + numel]
 
 
