@@ -174,22 +174,69 @@ dist.destroy_process_group()
 '''
 
 
+def _passing_pair(tmp_path: Path, script_text: str, nproc: int) -> dict:
+    """A 1-rank reference of `script_text` and its `--compile` run on `nproc` ranks, compared: the comparison's JSON,
+    which must pass."""
+    script = tmp_path / "train.py"
+    script.write_text(script_text)
+    record_script(script, tmp_path / "ref", 1)
+    record_script(script, tmp_path / "cand", nproc, "--compile")
+    report = tmp_path / "compare.json"
+    done = _ttrace("compare", "ref", "cand", "--json", str(report), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return json.loads(report.read_text())
+
+
 def test_torch_compile_of_a_ddp_model_passes_against_an_uncompiled_reference(tmp_path):
     """`torch.compile(DDP(model))`: its local names hold DDP's `module.` below the compiled root and its data
     parallelism is the DDP's inside; both used to be missed (compare refused the pair: every parameter name
     differed). The compiled root's output gradients come from tensor hooks: it runs no full backward hook."""
-    script = tmp_path / "train.py"
-    script.write_text(COMPILED_DDP_SCRIPT)
-    record_script(script, tmp_path / "ref", 1)
-    record_script(script, tmp_path / "cand", 2, "--compile")
-    report = tmp_path / "compare.json"
-    done = _ttrace("compare", "ref", "cand", "--json", str(report), cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:]
-    rows = json.loads(report.read_text())["comparisons"]
+    rows = _passing_pair(tmp_path, COMPILED_DDP_SCRIPT, 2)["comparisons"]
     assert rows and all(row["status"] == "pass" for row in rows)
     compared = {(r["key"]["phase"], r["key"]["fqn"], r["key"]["slot"]) for r in rows}
     assert {("grad", "0.weight", "grad"), ("param", "2.bias", "value"), ("backward", "", "grad_output.0")} <= compared
     assert {r["key"]["micro_batch"] for r in rows if r["key"]["phase"] == "forward"} == {0, 1, 2, 3}
+
+
+COMPILED_LOSS_SCRIPT = '''
+import sys, torch, ttrace_core as ttrace
+from torch import nn
+import torch.nn.functional as F
+class WithLoss(nn.Module):  # (loss, logits), the loss computed inside, as a Hugging Face model given labels
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Sequential(nn.Linear(8, 16), nn.GELU()), nn.Linear(16, 5)
+
+    def forward(self, x, labels):
+        logits = self.head(self.body(x))
+        return F.cross_entropy(logits, labels), logits
+
+torch.manual_seed(0)
+model = WithLoss()
+if "--compile" in sys.argv:
+    model = torch.compile(model, backend="eager")
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+session = ttrace.attach(model, optimizer)
+with session.step(0):
+    generator = torch.Generator().manual_seed(0)
+    loss, _ = model(torch.randn(4, 8, generator=generator), torch.randint(0, 5, (4,), generator=generator))
+    loss.backward()
+    optimizer.step()
+'''
+
+
+def test_a_compiled_root_computing_its_loss_inside_passes_without_its_logits_gradient(tmp_path):
+    """A compiled root that returns (loss, logits) with the loss computed inside the compiled code: eager's backward
+    hook says None for the unused logits and the compiled root's tensor hook gets zeros. The one-sided logits
+    gradient is not counted (compiled_boundaries), and the loss's own gradient is compared. Before, a correct run
+    failed with it extra to the candidate (the other way round, missing in the candidate, is the Hugging Face
+    Trainer's torch_compile: tests/thirdparty/test_hf_trainer.py)."""
+    result = _passing_pair(tmp_path, COMPILED_LOSS_SCRIPT, 1)
+    compared = {(r["key"]["phase"], r["key"]["fqn"], r["key"]["slot"]) for r in result["comparisons"]}
+    assert {("backward", "", "grad_output.0"), ("forward", "", "output.1"), ("grad", "head.weight", "grad")} <= compared
+    assert ("backward", "", "grad_output.1") not in compared
+    assert any("compiled_boundaries; e.g. step 0 / mb 0 / backward / <root> / grad_output.1" in note
+               for note in result["notes"])
 
 
 COMPILED_PARTS_SCRIPT = '''

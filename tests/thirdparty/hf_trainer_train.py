@@ -8,8 +8,8 @@ batch k x P + p to process p of P) and normalizes the loss by the step's token c
 a run of ignored padding (-100) of its own length, so the token counts of micro-batches and processes differ.
 `--local-tokens` sets `average_tokens_across_devices=False`: each process then divides by its own token count,
 which makes its gradients differ from one process's (the Trainer's documented reason for the default).
-`--arch qwen3_moe` trains a tiny Qwen3-MoE (router aux loss on); `--gradient-checkpointing`, `--label-smoothing F`
-and `--bf16` are the Trainer's own options. `--bug MODULE` (tests only, not what a user writes) makes process 1 scale MODULE's output by 1.01.
+`--arch qwen3_moe` trains a tiny Qwen3-MoE (router aux loss on); `--gradient-checkpointing`, `--label-smoothing F`,
+`--bf16` and `--compile BACKEND` (torch_compile with that backend) are the Trainer's own options. `--bug MODULE` (tests only, not what a user writes) makes process 1 scale MODULE's output by 1.01.
 """
 
 import argparse
@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--arch", choices=("llama", "qwen3_moe"), default="llama")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--label-smoothing", type=float, default=0.0)
+    parser.add_argument("--compile", default=None, metavar="BACKEND")
     parser.add_argument("--bug", default=None)
     args = parser.parse_args()
 
@@ -67,7 +68,8 @@ def main() -> None:
                                  label_smoothing_factor=args.label_smoothing,
                                  average_tokens_across_devices=not args.local_tokens, report_to=[],
                                  save_strategy="no", logging_steps=1, dataloader_num_workers=0,
-                                 ddp_backend="gloo" if distributed else None)
+                                 ddp_backend="gloo" if distributed else None,
+                                 torch_compile=args.compile is not None, torch_compile_backend=args.compile)
     if args.bug and int(os.environ.get("RANK", "0")) == 1:
         model.get_submodule(args.bug).register_forward_hook(lambda module, inputs, output: output * 1.01)
     trainer = Trainer(model=model, args=training, train_dataset=Examples())

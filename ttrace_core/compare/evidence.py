@@ -359,3 +359,16 @@ def untraced_by_configuration(keys: list[TensorKey], manifest: RunManifest) -> l
         return []
     return [key for key in keys if key.phase in ("forward", "backward")
             and any(fnmatch.fnmatchcase(key.fqn, glob) for glob in globs)]
+
+
+def compiled_output_gradients(keys: list[TensorKey], *manifests: RunManifest) -> list[TensorKey]:
+    """The output gradients among `keys` (recorded by one run only) of modules a run compiled with their own hooks
+    outside the compiled code (its tracer's `compiled_boundaries`). Compiled code hands its outputs gradients
+    unlike eager autograd: a compiled root that computes its loss from its logits inside hands the logits none
+    (the eager reference's tensor hook sees the loss's gradient pass through them), and an unused output of a
+    tuple gets zeros where eager's backward hook says None. Not compared, and not missing evidence either."""
+    globs = [glob for manifest in manifests for glob in (manifest.tracer or {}).get("compiled_boundaries", ())]
+    if not globs:
+        return []
+    return [key for key in keys if key.phase == "backward" and key.slot.startswith("grad_output.")
+            and any(fnmatch.fnmatchcase(key.fqn, glob) for glob in globs)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ttrace_core.compare.evidence import (
-    check_comparable, unmapped_candidate_keys, unrecorded_keys, untraced_by_configuration,
+    check_comparable, compiled_output_gradients, unmapped_candidate_keys, unrecorded_keys, untraced_by_configuration,
 )
 from ttrace_core.compare.results import RunComparison
 from ttrace_core.compare.step_scalars import with_step_scalars
@@ -74,6 +74,12 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
             ref_set, cand_set = ref_set - skipped, cand_set - skipped
             result.notes.append(f"{len(skipped)} activations of modules the {name}'s tracer configuration leaves out "
                                 f"(exclude / exclude_activations, e.g. {min(skipped)}) were not compared")
+    if hidden := set(compiled_output_gradients(sorted(ref_set ^ cand_set), reference.manifest, candidate.manifest)):
+        ref_keys, cand_keys = [k for k in ref_keys if k not in hidden], [k for k in cand_keys if k not in hidden]
+        ref_set, cand_set = ref_set - hidden, cand_set - hidden
+        result.notes.append(f"{len(hidden)} output gradients of compiled modules recorded by one run only were not "
+                            "compared: compiled code hands its outputs gradients unlike eager autograd "
+                            f"(compiled_boundaries; e.g. {min(hidden)})")
     unmapped = unmapped_candidate_keys(sorted(cand_set - ref_set), reference.manifest) \
         if reference.manifest.correspondence else {}
     if unmapped:  # declared without counterpart by the mapped reference's map: listed by coverage, not compared

@@ -17,6 +17,11 @@ class TracerConfig:
     exclude_activations: tuple[str, ...] = ()
     """Globs of modules whose activations are not recorded while their parameters still are (e.g.
     MoE experts under expert parallelism, whose inputs mix tokens of several data-parallel ranks)."""
+    compiled_boundaries: tuple[str, ...] = ()
+    """Globs of compiled modules whose own hooks run outside the compiled code (what torch.compile returned, put in
+    the module's place or at the root). Their compiled code hands their outputs gradients unlike eager autograd
+    (none to logits a compiled root computes its loss from inside, as a Hugging Face model given labels does), so
+    compare does not count an output gradient of theirs that only one run recorded (evidence.py)."""
     forward_only: tuple[str, ...] = ()
     """Globs of modules recorded in forward only: a full backward hook wraps a module's inputs, so
     a module that modifies an input in place (megatron's masked softmax) cannot have one."""

@@ -63,7 +63,9 @@ class TorchAdapter:
         dp_rank, dp_size = data_parallel_of(self.model, self.selection.data_parallel)
         return TracerConfig(include=self.selection.include, exclude=self.selection.exclude,
                             loss_scale=self.selection.loss_scale, data_parallel_rank=dp_rank, data_parallel_size=dp_size,
-                            exclude_activations=self._compiled_globs(), rename=self.rename)
+                            exclude_activations=self._compiled_globs(), rename=self.rename,
+                            compiled_boundaries=tuple(self._global_name(local) for local, module in
+                                                      self.traced.named_modules() if compiled(module)))
 
     def _compiled_globs(self) -> tuple[str, ...]:
         """The activations torch.compile hides: all but the root's when the root is compiled, else the compiled
