@@ -15,6 +15,7 @@ from torch import nn
 from tests.cli_support import record_script, ttrace_command
 from ttrace_core.format.schema import Layout
 from ttrace_core.integrations import fsdp1
+from ttrace_core.record.generator import agreed_constants
 
 FSDP1_SCRIPT = '''
 import sys
@@ -224,7 +225,7 @@ def test_constants_are_agreed_among_ranks(monkeypatch):
                                                nn.Parameter(torch.empty(0)))
     model.mixed = nn.Parameter(torch.tensor([0.5, 0.5]))
     held = {name: Layout(global_shape=(4,), flat_range=(0, 1)) for name in ("ones", "single", "nothing", "mixed")}
-    other_rank = {"ones": 1.0, "single": "varies", "nothing": "empty", "mixed": 0.75}
+    other_rank = ({"ones": 1.0, "single": None, "nothing": None, "mixed": 0.75}, {"ones", "single", "mixed"})
 
     def all_gather_object(out, local):
         out[0], out[1] = local, other_rank
@@ -232,6 +233,7 @@ def test_constants_are_agreed_among_ranks(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
-    assert fsdp1.agreed_constants(model, held) == {"ones": 1.0, "single": None, "nothing": None, "mixed": None}
-    other_rank["nothing"] = 2.0
-    assert fsdp1.agreed_constants(model, held)["nothing"] == 2.0
+    assert agreed_constants(model, held) == {"ones": 1.0, "single": None, "nothing": None, "mixed": None}
+    other_rank[0]["nothing"] = 2.0
+    other_rank[1].add("nothing")
+    assert agreed_constants(model, held)["nothing"] == 2.0

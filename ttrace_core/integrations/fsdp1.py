@@ -71,11 +71,15 @@ def held_layouts(model: nn.Module) -> dict[str, Layout]:
 def named_parameters(model: nn.Module, grad_attr: str = "grad") -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """(local name, value, gradient or None) of each parameter of the user's model: `model.named_parameters()`,
     with each FlatParameter (use_orig_params=False) replaced by the parameters it holds, each a view of its
-    range of the FlatParameter's local values and gradient (writing to the view writes the FlatParameter)."""
+    range of the FlatParameter's local values and gradient (writing to the view writes the FlatParameter). Under
+    FSDP1 a parameter this rank holds no element of has an empty gradient, so every rank records its range."""
     bases = {id(flat): base for base, _, flat in _flat_parameters(model)}
     for name, param in model.named_parameters():
         if (base := bases.get(id(param))) is None:
-            yield name, param, getattr(param, grad_attr, None)
+            grad = getattr(param, grad_attr, None)
+            if grad is None and bases and not param.numel():  # (use_orig_params: none where a rank holds no element)
+                grad = param.detach().new_empty(0)
+            yield name, param, grad
             continue
         values, grad = param.detach(), getattr(param, grad_attr, None)
         for piece, _, offset, numel in _pieces(base, param):
@@ -93,29 +97,3 @@ def data_parallel(model: nn.Module) -> tuple[int, int] | None:
         return dist.get_rank(), dist.get_world_size()
     group = module.process_group
     return dist.get_rank(group), dist.get_world_size(group)
-
-
-_EMPTY, _VARIES = "empty", "varies"
-
-
-def agreed_constants(model: nn.Module, held: dict[str, Layout]) -> dict[str, float | None]:
-    """Local name -> the value every element of the parameter holds, or None, for the parameters in `held`,
-    agreed among all ranks: one rank's range of a random weight may hold a single element (which looks
-    constant), and a range of LayerNorm's ones is constant on every rank. A collective (every rank calls it,
-    with the same names). A parameter no rank holds an element of is None."""
-    local: dict[str, object] = {}
-    with torch.no_grad():
-        for name, param, _ in named_parameters(model):
-            if name in held:
-                flat = param.detach().reshape(-1)
-                local[name] = _EMPTY if not flat.numel() else \
-                    float(flat[0]) if bool((flat == flat[0]).all()) else _VARIES
-    gathered: list[dict] = [local]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, local)
-    agreed: dict[str, float | None] = {}
-    for name in local:
-        said = {by_rank.get(name, _EMPTY) for by_rank in gathered} - {_EMPTY}
-        agreed[name] = next(iter(said)) if len(said) == 1 and _VARIES not in said else None
-    return agreed

@@ -26,6 +26,7 @@ from ttrace_core.integrations.megatron_moe import untraceable_expert_activations
 from ttrace_core.integrations.torch_native import (
     compiled, compiled_in_place, compiled_modules, compiled_root_ddp, data_parallel_of, manifest_from_model,
 )
+from ttrace_core.record.generator import agreed_constants
 from ttrace_core.record.step_scalars import (
     TORCH_CAPTURES, capture_megatron_aux_losses, capture_megatron_losses, capture_torch_clipping,
 )
@@ -85,7 +86,7 @@ class TorchAdapter:
     def constants(self) -> dict[str, float | None]:
         """Local name -> whether the parameter is a constant, agreed among the ranks, for the parameters a rank
         cannot tell from its own part (FSDP1's flat ranges; a collective then): initialize_weights keeps constants."""
-        return fsdp1.agreed_constants(self.traced, self.held) if self.held else {}
+        return agreed_constants(self.traced, self.held) if self.held else {}
 
     def after_weights(self, optimizer) -> None:
         """Nothing to refresh: a torch optimizer holds the parameters themselves."""

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ttrace_core.canonicalize.shards import shard
@@ -92,6 +93,26 @@ def _constant_value(local: torch.Tensor) -> float | None:
     return float(flat[0]) if flat.numel() > 0 and bool((flat == flat[0]).all()) else None
 
 
+def agreed_constants(model: nn.Module, names: Collection[str]) -> dict[str, float | None]:
+    """Local name -> the value every element of the parameter holds, or None, for the parameters `names`, agreed
+    among all ranks: a rank's part of a random weight may be one element (which looks constant), as in FSDP1's
+    flat ranges, while a part of LayerNorm's ones is constant on every rank. A collective (every rank calls it, with
+    the same names); a rank holding no element of a parameter says nothing of it."""
+    from ttrace_core.integrations import fsdp1
+
+    parts = [(name, param.detach()) for name, param, _ in fsdp1.named_parameters(model) if name in names]
+    local, holding = {name: _constant_value(part) for name, part in parts}, {name for name, part in parts if part.numel()}
+    gathered: list[tuple[dict, set]] = [(local, holding)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [({}, set()) for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, (local, holding))
+    agreed: dict[str, float | None] = {}
+    for name in local:
+        said = [values[name] for values, holders in gathered if name in holders]
+        agreed[name] = said[0] if said and None not in said and len(set(said)) == 1 else None
+    return agreed
+
+
 def initialize_weights(model: nn.Module, *, seed: int, reinit: bool, perturbation: WeightPerturbation | None,
                        rename: Callable[[str], str],
                        layout_of: Callable[[str, torch.Tensor], Layout | None] | None = None,
@@ -99,9 +120,9 @@ def initialize_weights(model: nn.Module, *, seed: int, reinit: bool, perturbatio
     """With reinit, give every parameter its logical value from (seed, canonical name), drawn in full
     logical shape (constants kept), perturbed there and cast, then sliced by the parameter's layout:
     its own DTensor layout, or `layout_of(local name, param)` for plain tensors that are shards
-    (Megatron's). `constants`: by local name, whether a parameter is a constant (its value, or None), where
-    a rank cannot tell from its own part (one element of a flat range looks constant). Without, keep the loaded values and perturb them in place, in their own dtype (a
-    bf16 weight then keeps its value wherever the perturbation is under half an ulp)."""
+    (Megatron's). `constants`: by local name, whether a parameter is a constant (its value, or None), where a
+    rank cannot tell from its own part (`agreed_constants`). Without, keep the loaded values and perturb them in
+    place, in their own dtype (a bf16 weight then keeps its value wherever the perturbation is under half an ulp)."""
     from torch.distributed.tensor import DTensor
 
     from ttrace_core.integrations import fsdp1

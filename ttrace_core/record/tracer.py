@@ -350,8 +350,7 @@ class Tracer:
         return None if self._state is None else self._state.next_backward_call(fqn, pop=False)
 
     def _named_parameters(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
-        """(global fqn, value, gradient or None) of each selected parameter of the user's model (FSDP1's
-        FlatParameters stand for the parameters they hold: integrations/fsdp1.py)."""
+        """(global fqn, value, gradient or None) of each selected parameter of the user's model (fsdp1.py)."""
         for local_fqn, value, grad in fsdp1.named_parameters(self.model, self.config.grad_attr):
             name = strip_wrappers(local_fqn)
             if self.is_selected(owner_of(name)):
@@ -464,10 +463,7 @@ class Tracer:
             return
         self._record_losses()
         self._state.gradients_recorded = True
-        held = self._declarations.held
-        for fqn, param, grad in self._named_parameters():
-            if grad is None and fqn in held and held[fqn].flat_range == (0, 0):
-                grad = param.detach().new_empty(0)  # FSDP1 leaves no gradient where this rank holds no element
+        for fqn, _, grad in self._named_parameters():
             if grad is not None:
                 self.record(self.key("grad", fqn, "grad", NO_MICRO_BATCH), grad)
 
