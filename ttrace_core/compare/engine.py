@@ -38,7 +38,7 @@ from ttrace_core.compare.structure import (REPLICA_UPDATE, bias_to_value, detect
                                           statistics, structure_tests, with_exact_inputs)
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.evidence import (
-    data_mismatch_finding, inconsistency, quantization_only, shape_mismatch_message, tally_coverage,
+    data_mismatch_finding, inconsistency, micro_batch_mismatch_finding, quantization_only, shape_mismatch_message, tally_coverage,
 )
 from ttrace_core.format.schema import TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, pre_step_key
@@ -502,6 +502,8 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     result.coverage = tally_coverage([row for row in result.comparisons if row.key not in scale_rows], reference, candidate,
                                      result.steps_compared, plan.unmapped)
     if (finding := data_mismatch_finding(result)) is not None:
+        result.notes.insert(0, finding)
+    if (finding := micro_batch_mismatch_finding(reference, candidate, result.steps_compared)) is not None:
         result.notes.insert(0, finding)
     return result
 

@@ -323,6 +323,48 @@ def data_mismatch_finding(result: RunComparison) -> str | None:
             "data-parallel rank r is m = k * dp + r) must be the reference's m-th (docs/your-own-script.md)")
 
 
+def micro_batch_mismatch_finding(reference: RunReader, candidate: RunReader, steps: list[int]) -> str | None:
+    """When a step's forward activations cover other global micro-batches in the candidate than in the reference,
+    the runs' optimizer steps did not see the same data, and every difference after it follows from that: name the
+    first such step, both runs' micro-batches, and the candidate's ranks and data-parallel size, instead of leaving
+    it to hundreds of missing tensors and mismatches. None where they agree, or where a run recorded no forward
+    activation of the step (a selection that leaves them out)."""
+    covered = [_forward_micro_batches(reader) for reader in (reference, candidate)]
+    differing = [step for step in steps if covered[0].get(step) and covered[1].get(step) and covered[0][step] != covered[1][step]]
+    if not differing:
+        return None
+    step = differing[0]
+    tracer = candidate.manifest.tracer
+    size = tracer.get("data_parallel_size")
+    ranks = candidate.manifest.world_size
+    where = f"{ranks} rank{'' if ranks == 1 else 's'}" + (f", data-parallel size {size}" if isinstance(size, int) else "")
+    more = f" (and {len(differing) - 1} more step{'' if len(differing) == 2 else 's'})" if len(differing) > 1 else ""
+    return (f"micro-batch-mismatch: in step {step}{more} the reference ran global micro-batches "
+            f"{_numbers(covered[0][step])}, the candidate {_numbers(covered[1][step])} ({where}), so the steps did not "
+            "see the same data and the differences after it follow from that. The candidate's micro-batches per rank "
+            "times its data-parallel size must equal the reference's micro-batches per step (local micro-batch k of "
+            "data-parallel rank r is m = k * dp + r); a launcher that started fewer processes than asked, or a "
+            "data-parallel size the tracer did not find (pass data_parallel=(rank, size) to attach), shows this way "
+            "(docs/your-own-script.md)")
+
+
+def _forward_micro_batches(reader: RunReader) -> dict[int, frozenset[int]]:
+    """step -> the global micro-batches its forward activations were recorded for, over every rank."""
+    found: dict[int, set[int]] = defaultdict(set)
+    for key in reader.index:
+        if key.phase == "forward":
+            found[key.step].add(key.micro_batch)
+    return {step: frozenset(micro_batches) for step, micro_batches in found.items()}
+
+
+def _numbers(values: frozenset[int]) -> str:
+    """0-3, or 0, 2, 5 where they are not consecutive."""
+    ordered = sorted(values)
+    if ordered == list(range(ordered[0], ordered[-1] + 1)) and len(ordered) > 2:
+        return f"{ordered[0]}-{ordered[-1]}"
+    return ", ".join(map(str, ordered))
+
+
 def shape_mismatch_message(key: TensorKey, reference: Layout, candidate: Layout) -> str:
     """Why the global shapes differ. A candidate recorded whole on every rank (no layout) whose shape is the
     reference's with one dim divided by k is a local shard whose layout the tracer never learned: say so,

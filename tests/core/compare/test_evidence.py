@@ -269,3 +269,33 @@ def test_activations_the_candidate_leaves_out_by_configuration_are_not_missing_e
     assert result.passed, result.findings
     assert not any(c.key.fqn == "1" for c in result.comparisons)
     assert any("tracer configuration leaves out" in note and "activations" in note for note in result.notes)
+
+
+def test_a_candidate_whose_steps_cover_other_micro_batches_is_told_so_in_one_note(tmp_path):
+    """A launcher that started one process where two were asked (accelerate launch --cpu --num_processes 2 runs
+    one): the candidate's steps ran 2 micro-batches against the reference's 4. Compare says so in one note,
+    naming the step, both runs' micro-batches and the candidate's data-parallel size; runs that cover the same
+    micro-batches get no such note."""
+    import torch
+    from torch import nn
+
+    from ttrace_core.record.tracer import Tracer, TracerConfig
+
+    for name, micro_batches in (("ref", 4), ("same", 4), ("fewer", 2)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        tracer = Tracer(tmp_path / name, model, role="reference" if name == "ref" else "candidate",
+                        config=TracerConfig(loss_scale=1 / micro_batches))
+        for step in range(2):
+            with tracer.step(step):
+                for micro_batch in range(micro_batches):
+                    inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + micro_batch))
+                    (model(inputs).sum() / micro_batches).backward()
+        tracer.close()
+    for name, expected in (("same", None),
+                           ("fewer", "micro-batch-mismatch: in step 0 (and 1 more step) the reference ran global micro-batches "
+                                     "0-3, the candidate 0, 1 (1 rank, data-parallel size 1)")):
+        with RunReader(tmp_path / "ref") as reference, RunReader(tmp_path / name) as candidate:
+            notes = compare_runs(reference, candidate).notes
+        found = [note for note in notes if note.startswith("micro-batch-mismatch")]
+        assert (found[0][:len(expected)] if found else None) == expected, notes
