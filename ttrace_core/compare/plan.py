@@ -13,7 +13,9 @@ from ttrace_core.compare.evidence import (
 )
 from ttrace_core.compare.results import RunComparison
 from ttrace_core.compare.step_scalars import with_step_scalars
-from ttrace_core.compare.tolerances import DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, select_tolerances
+from ttrace_core.compare.tolerances import (
+    DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, fixed_tolerances_note, select_tolerances,
+)
 from ttrace_core.format.reader import RunReader
 from ttrace_core.format.schema import RunManifest, TensorKey, TensorMeta
 
@@ -86,6 +88,8 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
         cand_keys = [k for k in cand_keys if k not in unmapped]
         cand_set = cand_set.difference(unmapped)
     result.notes += precision_choices(reference.manifest, candidate.manifest)
+    if (note := fixed_tolerances_note(tolerances, reference, candidate)) is not None:
+        result.notes.append(note)
     common = ref_set & cand_set
     # A mapped reference (another implementation's run, docs/porting.md) has its own order of computation:
     # the first divergence is the first in the candidate's order.

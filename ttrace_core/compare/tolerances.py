@@ -348,6 +348,23 @@ def num_layers_of(reader: RunReader) -> int:
     return max(indices, default=-1) + 1
 
 
+def fixed_tolerances_note(tolerances: ToleranceProvider, reference: RunReader, candidate: RunReader) -> str | None:
+    """When a low-precision pair is judged by the flat dtype table (no estimate of the reference, or --tolerance
+    dtype), what that verdict cannot see, and how to get a sharper one; None otherwise. The table's bf16 and fp8
+    rows allow a few percent on every tensor, so a pass there says little about a module off by less: the
+    perturbation estimate measures each tensor's own round-off, and its structure tests (structure.py) tell a
+    scaled, shifted or biased tensor apart from noise well inside that row."""
+    base = getattr(tolerances, "base", tolerances)
+    precision = candidate.manifest.precision
+    if not isinstance(base, DtypeTolerances) or precision not in ("bf16", "fp16", "fp8"):
+        return None
+    row = base.tolerance_for(None, COMPUTE_DTYPES[precision])
+    return (f"tolerances: the flat {precision} row of the dtype table (relative {row.rel:g} on every tensor) judged this "
+            f"pair, so a tensor off by less than that passes; `ttrace estimate {os.fspath(reference.run_dir)}` measures "
+            "each tensor's round-off from the reference itself, and compare then judges tighter, with structure tests "
+            "that tell a scaled or shifted tensor from noise (docs/tolerances.md)")
+
+
 def select_tolerances(kind: str, reference: RunReader, candidate: RunReader, *, alpha: float = DEFAULT_ALPHA,
                       k: float = DEFAULT_THEOREM_K, c: float = DEFAULT_THEOREM_C) -> ToleranceProvider:
     """The provider `ttrace compare --tolerance KIND` uses; "auto" is perturbation when the reference holds an estimate."""
