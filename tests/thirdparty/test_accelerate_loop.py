@@ -5,30 +5,23 @@ process, its `accumulate()` skipping the gradient all-reduce on all but the last
 process 1 fails first at that block in a micro-batch process 1 ran."""
 
 import json
-import socket
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.cli_support import ttrace_command
+from ttrace_core.record.launch import free_port
 
 import accelerate  # noqa: F401  (pinned in requirements.txt: CI must never pass this test by skipping it)
 
 SCRIPT = Path(__file__).parent / "accelerate_train.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _record(root: Path, name: str, processes: int, *flags: str) -> None:
     # --multi_gpu is accelerate's multi-process launcher (torchrun); the script's Accelerator(cpu=True) runs it on gloo.
     # (`--cpu --num_processes 2` would start one process: compare's micro-batch-mismatch note, test_evidence.py.)
     launcher = ["accelerate", "launch", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--num_processes", str(processes), "--main_process_port", str(_free_port())]
+                "--num_processes", str(processes), "--main_process_port", str(free_port())]
     if processes > 1:
         launcher.append("--multi_gpu")
     done = ttrace_command("record", "--out", name, "--timeout", "240", "--", *launcher, str(SCRIPT), *flags,

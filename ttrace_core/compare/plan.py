@@ -14,7 +14,8 @@ from ttrace_core.compare.evidence import (
 from ttrace_core.compare.results import RunComparison
 from ttrace_core.compare.step_scalars import with_step_scalars
 from ttrace_core.compare.tolerances import (
-    DEFAULT_EXACT_INPUTS_K, DtypeTolerances, ToleranceProvider, fixed_tolerances_note, select_tolerances,
+    DEFAULT_EXACT_INPUTS_K, LOW_PRECISIONS, DtypeTolerances, ToleranceProvider, fixed_tolerances_note,
+    select_tolerances,
 )
 from ttrace_core.format.reader import RunReader
 from ttrace_core.format.schema import RunManifest, TensorKey, TensorMeta
@@ -108,9 +109,6 @@ def _keys_compared(reader: RunReader, steps: list[int], unrecorded: set[TensorKe
     if not unrecorded and set(reader.complete_steps) <= set(steps):
         return list(reader.index)
     return [k for k in reader.index if k.step in steps and k not in unrecorded]
-
-
-LOW_PRECISIONS = ("bf16", "fp16", "fp8")
 
 
 def precision_choices(reference: RunManifest, candidate: RunManifest) -> list[str]:

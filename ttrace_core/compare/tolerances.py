@@ -64,6 +64,8 @@ DTYPE_TOLERANCES: dict[str, tuple[float, float]] = {
 
 # The run's `precision` (manifest) names its compute dtype; fp8 recipes accumulate and store in bf16.
 COMPUTE_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+LOW_PRECISIONS = ("bf16", "fp16", "fp8")
+"""Run precisions whose round-off the dtype table can only bound by a few percent (or a few tenths of one)."""
 
 
 def machine_epsilon(precision: str) -> float:
@@ -356,7 +358,7 @@ def fixed_tolerances_note(tolerances: ToleranceProvider, reference: RunReader, c
     scaled, shifted or biased tensor apart from noise well inside that row."""
     base = getattr(tolerances, "base", tolerances)
     precision = candidate.manifest.precision
-    if not isinstance(base, DtypeTolerances) or precision not in ("bf16", "fp16", "fp8"):
+    if not isinstance(base, DtypeTolerances) or precision not in LOW_PRECISIONS:
         return None
     row = base.tolerance_for(None, COMPUTE_DTYPES[precision])
     return (f"tolerances: the flat {precision} row of the dtype table (relative {row.rel:g} on every tensor) judged this "
