@@ -22,7 +22,8 @@ VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPEN
              "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "PYTHONHASHSEED")
 
 
-def _version(package: str) -> str | None:
+def installed_version(package: str) -> str | None:
+    """The installed version of one of PACKAGES (None: not installed as a distribution)."""
     try:
         return version(DISTRIBUTIONS.get(package, package))
     except PackageNotFoundError:
@@ -34,7 +35,7 @@ def environment_fingerprint(world_size: int | None = None) -> dict:
         "command": list(sys.argv),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "packages": {name: _version(name) for name in PACKAGES},
+        "packages": {name: installed_version(name) for name in PACKAGES},
         "variables": {name: os.environ.get(name) for name in VARIABLES},
         "world_size": world_size,
     }

@@ -21,8 +21,10 @@ import numpy as np
 import torch
 
 from ttrace_core.errors import TraceFormatError
+from ttrace_core import DISTRIBUTION
 from ttrace_core.format.containment import contained
 from ttrace_core.format.datasets import tensor_from_array  # noqa: F401 - re-exported: readers of raw arrays
+from ttrace_core.format.fingerprint import installed_version
 from ttrace_core.format.naming import in_subtree
 from ttrace_core.format.packs import coalesced_runs
 from ttrace_core.format.records import data_from_json, record_from_data
@@ -64,14 +66,36 @@ def read_manifest(run_dir: str | os.PathLike) -> RunManifest:
         raise TraceFormatError(f"{path}: missing; this directory is not a ttrace run (or its recording never started)")
     data = data_from_json(regular_file_bytes(contained(run_dir, MANIFEST_NAME)), str(path), "manifest", "re-record the run")
     version = data.get("format_version", FORMAT_VERSION) if isinstance(data, dict) else FORMAT_VERSION
+    recorded_by = _recorded_by(data)
     if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
+        newer = isinstance(version, int) and not isinstance(version, bool) and version > max(READABLE_FORMAT_VERSIONS)
         raise TraceFormatError(
             f"{path}: trace format version {version!r}, this ttrace reads versions {READABLE_FORMAT_VERSIONS}; "
-            "use the ttrace version that recorded it"
+            + (_other_version_remedy(recorded_by) if recorded_by else
+               "upgrade ttrace to read it" if newer else "use the ttrace version that recorded it")
         )
+    remedy = _other_version_remedy(recorded_by) if recorded_by else "re-record the run"
     if isinstance(data, dict) and (missing := [f for f in REQUIRED_MANIFEST_FIELDS if f not in data]):
-        raise TraceFormatError(f"{path}: not a valid manifest (field $.{missing[0]} is missing); re-record the run")
-    return record_from_data(data, RunManifest, str(path), "manifest", "re-record the run")
+        raise TraceFormatError(f"{path}: not a valid manifest (field $.{missing[0]} is missing); {remedy}")
+    return record_from_data(data, RunManifest, str(path), "manifest", remedy)
+
+
+def _recorded_by(data: object) -> str | None:
+    """The ttrace version a manifest's fingerprint names, when it is not this one's: a field this ttrace
+    does not know, or a format it does not read, then most likely comes from that version (None: the same
+    version, or none named)."""
+    environment = data.get("environment") if isinstance(data, dict) else None
+    packages = environment.get("packages") if isinstance(environment, dict) else None
+    recorded = packages.get("ttrace") if isinstance(packages, dict) else None
+    if not isinstance(recorded, str) or not recorded or len(recorded) > 64 or recorded == installed_version("ttrace"):
+        return None
+    return recorded
+
+
+def _other_version_remedy(recorded: str) -> str:
+    ours = installed_version("ttrace") or "not installed as a package"
+    return (f"it was recorded by ttrace {recorded!r} and this is ttrace {ours}: read it with ttrace {recorded!r} or newer "
+            f"(pip install -U {DISTRIBUTION}), or re-record the run with this one")
 
 
 def _step_file_states(run_dir: Path) -> dict[int, dict[int, bool]]:

@@ -32,7 +32,7 @@ from ttrace_core.compare.step_scalars import tolerances_from_settings
 from ttrace_core.errors import TtraceError
 from ttrace_core.format.containment import contained
 from ttrace_core.format.regular_files import regular_file_bytes
-from ttrace_core import DISTRIBUTION
+from ttrace_core.format.fingerprint import installed_version
 from ttrace_core.format.reader import MANIFEST_NAME, RunReader, read_manifest
 from ttrace_core.format.records import data_from_record
 from ttrace_core.format.schema import FORMAT_VERSION
@@ -40,12 +40,7 @@ from ttrace_core.record.launch import run_ranks
 
 
 def ttrace_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(DISTRIBUTION)
-    except PackageNotFoundError:
-        return "0+unknown"
+    return installed_version("ttrace") or "0+unknown"
 
 
 def run_fingerprint(run_dir: Path) -> list:

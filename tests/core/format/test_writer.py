@@ -7,6 +7,7 @@ import torch
 
 from tests.faults.meta_rows import write_meta
 from ttrace_core.errors import TraceFormatError
+from ttrace_core.format.fingerprint import installed_version
 from ttrace_core.format.schema import Layout, RunManifest, TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, step_file_name
 from ttrace_core.format.tensor_index import TENSOR_INDEX
@@ -111,6 +112,36 @@ def test_bad_manifest(tmp_path, content, message):
     if content is not None:
         (tmp_path / "manifest.json").write_text(content)
     with pytest.raises(TraceFormatError, match=message):
+        RunReader(tmp_path)
+
+
+def test_a_manifest_from_another_ttrace_names_both_versions(tmp_path):
+    """A field this ttrace does not know, or a newer trace format, in a manifest whose fingerprint names another
+    ttrace: the line says which version recorded it and to read it with that one, not only to re-record."""
+    _record(tmp_path, {0: torch.randn(4)})
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    ours = installed_version("ttrace")
+    manifest["environment"] = {"packages": {"ttrace": "9.1.0"}}
+    manifest["pipeline_schedule"] = "zero-bubble"
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceFormatError) as raised:
+        RunReader(tmp_path)
+    line = str(raised.value)
+    assert "unknown field `pipeline_schedule`" in line and "recorded by ttrace '9.1.0'" in line, line
+    assert f"this is ttrace {ours}" in line and "pip install -U ttrace-dist" in line and "\n" not in line, line
+    manifest["format_version"] = 99
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceFormatError, match=r"format version 99, .*recorded by ttrace '9.1.0'"):
+        RunReader(tmp_path)
+    # the same damage under this ttrace's own version is damage: re-record
+    manifest["environment"]["packages"]["ttrace"], manifest["format_version"] = ours, 5
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceFormatError, match=r"unknown field `pipeline_schedule`\); re-record the run$"):
+        RunReader(tmp_path)
+    del manifest["environment"]
+    manifest["format_version"] = 99
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceFormatError, match=r"format version 99, .*; upgrade ttrace to read it$"):
         RunReader(tmp_path)
 
 
