@@ -70,10 +70,37 @@ def stored_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+LOSSLESS_FILTERS = {h5py.h5z.FILTER_DEFLATE: "gzip", h5py.h5z.FILTER_SHUFFLE: "shuffle",
+                    h5py.h5z.FILTER_FLETCHER32: "fletcher32", h5py.h5z.FILTER_SZIP: "szip", h5py.h5z.FILTER_LZF: "lzf"}
+"""The HDF5 filters a step file may be stored through: those built into HDF5 and h5py that give back every bit.
+ttrace writes no filter, but an archived trace may have been rewritten with one (`h5repack -f GZIP=6`). Any
+other filter is refused: scale-offset and n-bit can drop bits, and a filter HDF5 does not have built in is a
+plugin library it would load and run because the file names it."""
+
+
+def check_filters(plist: h5py.h5p.PropDCID, where: str, remedy: str) -> bool:
+    """Whether a dataset is stored through filters (compressed), all of them lossless built-ins this HDF5 has;
+    one line refusing any other, before a byte of the dataset is read (nothing a filter would load is loaded)."""
+    count = plist.get_nfilters()
+    for number in range(count):
+        code, _flags, _values, name = plist.get_filter(number)
+        label = name.decode("utf-8", "backslashreplace") if isinstance(name, bytes) else str(name)
+        if code not in LOSSLESS_FILTERS:
+            raise TraceFormatError(
+                f"{where}: stored through HDF5 filter {code} ({label or 'unnamed'}), not one of the lossless filters "
+                f"built into HDF5 and h5py ({', '.join(LOSSLESS_FILTERS.values())}): ttrace loads no filter plugin and "
+                f"reads no lossy filter (rewrite the file without it: h5repack -f NONE); {remedy}")
+        if not h5py.h5z.filter_avail(code):
+            raise TraceFormatError(f"{where}: stored through the {LOSSLESS_FILTERS[code]} filter, which this HDF5 build "
+                                   f"lacks; rewrite the file without it (h5repack -f NONE) on a machine that has it")
+    return count > 0
+
+
 def check_storage(dataset: h5py.Dataset | h5py.h5d.DatasetID, dtype: np.dtype, shape: tuple[int, ...], where: str,
                   remedy: str) -> None:
-    """Refuses a dataset whose stored dtype or shape is not the declared one, that is filtered (ttrace
-    writes raw values), or whose storage in the file is smaller than its declared size: checked from
+    """Refuses a dataset whose stored dtype or shape is not the declared one, that is stored through a filter
+    other than LOSSLESS_FILTERS, or whose storage in the file is smaller than its declared size (chunked, perhaps
+    compressed: fewer chunks than its shape needs; a damaged compressed chunk fails when read, in one line): checked from
     the dataset's header alone (a high-level dataset or its low-level id), before any of its values is allocated."""
     dataset = dataset.id if isinstance(dataset, h5py.Dataset) else dataset
     if dataset.dtype != dtype:
@@ -82,9 +109,13 @@ def check_storage(dataset: h5py.Dataset | h5py.h5d.DatasetID, dtype: np.dtype, s
     if dataset.shape != shape:
         raise TraceFormatError(f"{where}: stored shape {dataset.shape} differs from its metadata {shape}; {remedy}")
     plist = dataset.get_create_plist()
-    if plist.get_nfilters():
-        raise TraceFormatError(f"{where}: stored through {plist.get_nfilters()} HDF5 filters (compressed); ttrace "
-                               f"writes raw values only, so the file was not written by ttrace or is damaged; {remedy}")
+    check_filters(plist, where, remedy)
+    if plist.get_layout() == h5py.h5d.CHUNKED:  # (compressed, its storage is smaller than its values: count chunks)
+        needed = math.prod(-(-size // chunk) for size, chunk in zip(shape, plist.get_chunk()))
+        if (held_chunks := dataset.get_num_chunks()) < needed:
+            raise TraceFormatError(f"{where}: declares shape {shape} of {dtype.str} in {needed} chunks but the file holds "
+                                   f"{held_chunks} of them (a damaged header, or values never written); {remedy}")
+        return
     declared, held = math.prod(shape) * dtype.itemsize, dataset.get_storage_size()
     if held < declared:
         raise TraceFormatError(f"{where}: declares shape {shape} of {dtype.str} ({declared} bytes) but the file holds "

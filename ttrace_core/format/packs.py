@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 
 import h5py
@@ -70,6 +71,8 @@ class CheckedSpans:
     """Rows whose pack the file does not hold (their tensors are lost)."""
     unnamed: list[str]
     """Packs holding bytes no row names (tensors whose rows were lost)."""
+    image: int | None = None
+    """A descriptor of the packs copied out (`unpacked`), which `spans` then point into; None: they point into the file."""
 
 
 def refuse_foreign_objects(handle: h5py.File, where: str, own: tuple[str, ...]) -> None:
@@ -92,8 +95,10 @@ def refuse_foreign_objects(handle: h5py.File, where: str, own: tuple[str, ...]) 
                                    "damaged, re-record this rank")
 
 
-def _pack_extent(handle: h5py.File, number: int, file_size: int, where: str, remedy: str) -> tuple[int, int] | None:
-    """(file offset, bytes) of pack `number`, checked; None when the file has no such pack."""
+def _pack_extent(handle: h5py.File, number: int, file_size: int, where: str, remedy: str) -> tuple[int | None, int] | None:
+    """(file offset, bytes) of pack `number`, checked; None when the file has no such pack. The offset is None
+    when the pack's bytes have no place of their own in the file: another tool rewrote it chunked, compressed
+    through a lossless filter (datasets.LOSSLESS_FILTERS) or compact (`unpacked` copies those out)."""
     name = pack_path(number)
     where = f"{where}:{name}"
     try:
@@ -101,13 +106,13 @@ def _pack_extent(handle: h5py.File, number: int, file_size: int, where: str, rem
     except (KeyError, ValueError, TypeError):
         return None
     refuse_external_storage(dataset, where)
-    if dataset.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS:
-        raise TraceFormatError(f"{where}: not stored contiguously; ttrace writes packs as one run of bytes, so the "
-                               f"file was not written by ttrace or is damaged; {remedy}")
     if len(dataset.shape) != 1:
         raise TraceFormatError(f"{where}: stored shape {dataset.shape}, ttrace writes a pack as one row of bytes; {remedy}")
     check_storage(dataset, np.dtype("uint8"), dataset.shape, where, remedy)
-    size, offset = dataset.shape[0], dataset.get_offset()
+    size = dataset.shape[0]
+    if dataset.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS:
+        return None, size
+    offset = dataset.get_offset()
     if size and offset is None:
         raise TraceFormatError(f"{where}: declares {size} bytes but the file holds no storage for them; {remedy}")
     if size and offset + size > file_size:
@@ -116,12 +121,78 @@ def _pack_extent(handle: h5py.File, number: int, file_size: int, where: str, rem
     return offset or 0, size
 
 
+UNPACK_BYTES = 64 * 2**20
+"""`unpacked` copies a pack out this many bytes at a time (the memory it takes)."""
+
+
+def unpacked(handle: h5py.File, sizes: dict[int, int], where: str, remedy: str) -> tuple[int, dict[int, int]]:
+    """The packs' bytes (pack number -> bytes) copied into an unnamed temporary file, each at a multiple of ALIGN:
+    its descriptor and where each pack starts in it. A step file whose packs another tool rewrote chunked,
+    compressed or compact is then read by `pread` as one written by ttrace is; HDF5 decompresses each pack once,
+    UNPACK_BYTES at a time. The copy takes the packs' bytes on the temporary directory's disk until the step
+    file is closed (it has no name, so nothing is left behind)."""
+    try:
+        with tempfile.TemporaryFile(prefix="ttrace-unpacked-") as image:
+            descriptor = os.dup(image.fileno())
+    except OSError as error:
+        raise TraceFormatError(f"{where}: its packs are compressed and cannot be unpacked into a temporary file in "
+                               f"{tempfile.gettempdir()} ({error.strerror}); set TMPDIR to a writable directory") from error
+    try:
+        bases, end = {}, 0
+        for number in sorted(sizes):
+            bases[number] = base = aligned(end)
+            with damaged_file_errors(f"{where}:{pack_path(number)}", remedy):
+                dataset = h5py.Dataset(h5py.h5d.open(handle.id, pack_path(number).encode()))
+            for start in range(0, sizes[number], UNPACK_BYTES):
+                with damaged_file_errors(f"{where}:{pack_path(number)}", remedy):
+                    block = dataset[start:min(sizes[number], start + UNPACK_BYTES)]
+                _write_all(descriptor, block, base + start, where, sum(sizes.values()))
+            end = base + sizes[number]
+        return descriptor, bases
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def _write_all(descriptor: int, block: np.ndarray, offset: int, where: str, total: int) -> None:
+    view = memoryview(np.ascontiguousarray(block)).cast("B")
+    try:
+        while view:
+            written = os.pwrite(descriptor, view, offset)
+            view, offset = view[written:], offset + written
+    except OSError as error:
+        raise TraceFormatError(f"{where}: its packs are compressed and unpacking their {total} bytes into a temporary "
+                               f"file in {tempfile.gettempdir()} failed ({error.strerror}); free that much space there or "
+                               f"set TMPDIR to a disk that has it") from error
+
+
 def checked_spans(handle: h5py.File, rows: list[IndexRow], where: str, remedy: str) -> CheckedSpans:
     """Each row's span in the file, every pack a row names checked once (`_pack_extent`), every span
     inside its pack; rows that name a span partly taken by another are refused."""
     file_size = os.fstat(handle.id.get_vfd_handle()).st_size
-    extents: dict[int, tuple[int, int] | None] = {}
+    extents: dict[int, tuple[int | None, int] | None] = {}
+    for pack in sorted({row.pack for row in rows if row.dataset is not None and row.pack is not None}):
+        with damaged_file_errors(f"{where}:{pack_path(pack)}", remedy):
+            extents[pack] = _pack_extent(handle, pack, file_size, where, remedy)
+    bases = {pack: extent[0] for pack, extent in extents.items() if extent is not None}
     checked = CheckedSpans(spans={}, missing=[], unnamed=[])
+    if any(base is None for base in bases.values()):  # packs another tool rewrote: read from a copy of them all
+        checked.image, bases = unpacked(handle, {pack: extent[1] for pack, extent in extents.items() if extent is not None},
+                                        where, remedy)
+    try:
+        _place_spans(checked, rows, extents, bases, where, remedy)
+        checked.unnamed += [f"{pack_path(number)} holds {extent[1]} bytes no index row names"
+                            for number, extent in _packs_without_rows(handle, extents, file_size, where, remedy)]
+    except BaseException:
+        if checked.image is not None:
+            os.close(checked.image)
+        raise
+    return checked
+
+
+def _place_spans(checked: CheckedSpans, rows: list[IndexRow], extents: dict[int, tuple[int | None, int] | None],
+                 bases: dict[int, int], where: str, remedy: str) -> None:
+    """Each row's span (its pack's base + its offset), inside its pack; packs with bytes no row names."""
     spans, by_pack = checked.spans, {}
     for row in rows:  # as little as possible per row: a 48-layer step has 15,840
         name, pack, offset = row.dataset, row.pack, row.offset
@@ -130,9 +201,6 @@ def checked_spans(handle: h5py.File, rows: list[IndexRow], where: str, remedy: s
         if pack is None or offset is None:
             raise TraceFormatError(f"{where}: the index row of {name} names no pack and offset, which every "
                                    f"tensor with values has in format 5: the index is damaged; {remedy}")
-        if pack not in extents:
-            with damaged_file_errors(f"{where}:{pack_path(pack)}", remedy):
-                extents[pack] = _pack_extent(handle, pack, file_size, where, remedy)
         if (extent := extents[pack]) is None:
             checked.missing.append(name)
             continue
@@ -142,16 +210,13 @@ def checked_spans(handle: h5py.File, rows: list[IndexRow], where: str, remedy: s
             raise TraceFormatError(f"{where}:{name}: its index row places {nbytes} bytes (shape {meta.local_shape} of "
                                    f"{meta.dtype}) at byte {offset} of {pack_path(pack)}, which holds {extent[1]}: the "
                                    f"index or the pack is damaged; {remedy}")
-        spans[name] = (extent[0] + offset, nbytes)
+        spans[name] = (bases[pack] + offset, nbytes)
         if (taken := by_pack.get(pack)) is None:
             taken = by_pack[pack] = set()
         taken.add((offset, nbytes))
     for number, taken in by_pack.items():
         if (unnamed := _unnamed_bytes(number, sorted(taken), extents[number][1], where, remedy)) is not None:
             checked.unnamed.append(unnamed)
-    checked.unnamed += [f"{pack_path(number)} holds {extent[1]} bytes no index row names"
-                        for number, extent in _packs_without_rows(handle, extents, by_pack, file_size, where, remedy)]
-    return checked
 
 
 def _unnamed_bytes(number: int, taken: list[tuple[int, int]], size: int, where: str, remedy: str) -> str | None:
@@ -167,14 +232,14 @@ def _unnamed_bytes(number: int, taken: list[tuple[int, int]], size: int, where: 
     return f"{pack_path(number)} holds {lost} bytes no index row names" if lost else None
 
 
-def _packs_without_rows(handle: h5py.File, extents: dict, by_pack: dict, file_size: int, where: str,
-                        remedy: str) -> list[tuple[int, tuple[int, int]]]:
+def _packs_without_rows(handle: h5py.File, extents: dict, file_size: int, where: str,
+                        remedy: str) -> list[tuple[int, tuple[int | None, int]]]:
     """Packs the file holds that no row names (every row of theirs was lost)."""
     group = handle.get(PACKS)
     names = [name for name in group] if isinstance(group, h5py.Group) else []
     found = []
     for name in names:
-        if name.isdigit() and int(name) not in by_pack:
+        if name.isdigit() and int(name) not in extents:
             with damaged_file_errors(f"{where}:{pack_path(int(name))}", remedy):
                 extent = _pack_extent(handle, int(name), file_size, where, remedy)
             if extent is not None and extent[1]:

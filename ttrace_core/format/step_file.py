@@ -129,7 +129,8 @@ class StepFile:
     _spans: dict[str, Span] | None = None
     """Format 5: each tensor's bytes in the file (by its place), checked at open."""
     _descriptor: int | None = None
-    """Format 5: the file, open for `pread` (a duplicate of HDF5's own descriptor, taken before it was closed)."""
+    """Format 5: the file, open for `pread` (a duplicate of HDF5's own descriptor, taken before it was closed), or
+    the copy of its packs when another tool rewrote them compressed or chunked (packs.unpacked)."""
     _span_of: dict[int, Span] = field(default_factory=dict)
     """Format 5: id of each of `metas` -> its span, so that reading it names nothing (they live as long as `metas`)."""
 
@@ -208,7 +209,8 @@ def open_step(run_dir: str | Path, rank: int, step: int, *, complete: bool = Tru
             if tensors:
                 _index(step_file, wanted)
             if step_file._spans is not None:  # format 5: read by pread from here on, HDF5 is done
-                step_file._descriptor = os.dup(step_file._handle.id.get_vfd_handle())
+                if step_file._descriptor is None:  # (else its packs were copied out: packs.unpacked)
+                    step_file._descriptor = os.dup(step_file._handle.id.get_vfd_handle())
                 step_file._handle.close()
                 step_file._handle = None
     except BaseException:
@@ -320,8 +322,8 @@ def _index_packs(step_file: StepFile, wanted: Wanted | None) -> int:
                                        "re-record this rank")
             seen.add(row.dataset)
     checked = checked_spans(handle, rows, where, remedy)
+    step_file._spans, step_file._descriptor = checked.spans, checked.image  # (closed with the step file from here on)
     step_file.findings = findings_in_file(handle, where)
-    step_file._spans = checked.spans
     missing = set(checked.missing)
     with collector_paused():
         for row in rows:

@@ -71,11 +71,17 @@ def test_bf16_and_fp8_are_stored_as_raw_bits_of_the_same_width(name, stored):
 
 @pytest.fixture
 def step_file(tmp_path):
-    """A file with a float32 [2, 3] dataset, a compressed copy of it, one of 2**40 floats never written, a
+    """A file with a float32 [2, 3] dataset, copies of it compressed losslessly (gzip with shuffle and checksums, lzf),
+    an int32 one through the scale-offset filter, a compressed one whose chunks were never written, one of 2**40
+    floats never written, a
     group, a row of bytes (JSON lines), a 2-D uint8 dataset, an empty one and a row of floats."""
     with h5py.File(tmp_path / "step.h5", "w") as handle:
         handle["values"] = np.arange(6, dtype=np.float32).reshape(2, 3)
-        handle.create_dataset("compressed", data=np.arange(6, dtype=np.float32).reshape(2, 3), compression="gzip")
+        handle.create_dataset("compressed", data=np.arange(6, dtype=np.float32).reshape(2, 3), compression="gzip", shuffle=True,
+                              fletcher32=True)
+        handle.create_dataset("lzf", data=np.arange(6, dtype=np.float32).reshape(2, 3), compression="lzf")
+        handle.create_dataset("scaled", data=np.arange(6, dtype=np.int32).reshape(2, 3), scaleoffset=0)
+        handle.create_dataset("chunks_never_written", shape=(2**20,), dtype=np.float32, chunks=(2**10,), compression="gzip")
         handle.create_dataset("never_written", shape=(2**40,), dtype=np.float32)
         handle.create_group("group")
         handle["rows"] = np.frombuffer(b'{"a": 1}\n{"b": 2}', dtype=np.uint8)
@@ -93,11 +99,14 @@ F32 = np.dtype("float32")
     ("values", np.dtype("int32"), (2, 3), "its stored datatype reads as <f4 (float32) but its metadata says <i4 (int32): "
                                           "the datatype message is damaged"),
     ("values", F32, (3, 2), "stored shape (2, 3) differs from its metadata (3, 2)"),
-    ("compressed", F32, (2, 3), "stored through 1 HDF5 filters (compressed); ttrace writes raw values only, so the "
-                                "file was not written by ttrace or is damaged"),
+    ("scaled", np.dtype("int32"), (2, 3), "stored through HDF5 filter 6 (scaleoffset), not one of the lossless filters "
+     "built into HDF5 and h5py (gzip, shuffle, fletcher32, szip, lzf): ttrace loads no filter plugin and reads no lossy "
+     "filter (rewrite the file without it: h5repack -f NONE)"),
+    ("chunks_never_written", F32, (2**20,), "declares shape (1048576,) of <f4 in 1024 chunks but the file holds 0 of "
+                                            "them (a damaged header, or values never written)"),
     ("never_written", F32, (2**40,), "declares shape (1099511627776,) of <f4 (4398046511104 bytes) but the file holds "
                                      "0 bytes of storage for it (a damaged header, or values never written)"),
-], ids=["dtype", "shape", "filtered", "storage-never-written"])
+], ids=["dtype", "shape", "lossy-filter", "chunks-never-written", "storage-never-written"])
 def test_a_dataset_unlike_its_metadata_is_refused_from_its_header(step_file, name, dtype, shape, line):
     for dataset in (step_file[name], step_file[name].id):  # the high-level dataset or its low-level id
         with pytest.raises(TraceFormatError) as raised:
@@ -114,6 +123,15 @@ def test_values_are_read_whole_or_by_region_after_the_check(step_file):
     assert read_whole_values(step_file, "empty", F32, (0, 4), WHERE, REMEDY).shape == (0, 4)
     with pytest.raises(TraceFormatError, match=r"stored shape \(2, 3\) differs from its metadata \(6,\)"):
         read_values(step_file["values"], F32, (6,), WHERE, REMEDY)  # checked before the read
+
+
+@pytest.mark.parametrize("name", ["compressed", "lzf"])
+def test_a_dataset_another_tool_compressed_losslessly_reads_as_written(step_file, name):
+    """An archived trace rewritten through gzip (with shuffle and checksums) or lzf: every bit as written."""
+    whole = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert np.array_equal(read_values(step_file[name], F32, (2, 3), WHERE, REMEDY), whole)
+    assert np.array_equal(read_values(step_file[name], F32, (2, 3), WHERE, REMEDY, (slice(1, 2),)), whole[1:2])
+    assert np.array_equal(read_whole_values(step_file, name, F32, (2, 3), WHERE, REMEDY), whole)
 
 
 @pytest.mark.parametrize("path", ["absent", "group", "group/deeper"])

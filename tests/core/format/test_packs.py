@@ -259,10 +259,12 @@ def _replace_pack(run_dir, make) -> str:
 
 
 PACK_DAMAGE = [
-    (lambda h, n, v: h.create_dataset(n, data=v, chunks=(64,)), "{name}: not stored contiguously; ttrace writes packs "
-     "as one run of bytes, so the file was not written by ttrace or is damaged; " + REMEDY),
-    (lambda h, n, v: h.create_dataset(n, data=v, compression="gzip"), "{name}: not stored contiguously; ttrace writes "
-     "packs as one run of bytes, so the file was not written by ttrace or is damaged; " + REMEDY),
+    (lambda h, n, v: h.create_dataset(n, shape=v.shape, dtype=np.uint8, chunks=(64,), compression="gzip"), "{name}: "
+     "declares shape {shape} of |u1 in {chunks} chunks but the file holds 0 of them (a damaged header, or values never "
+     "written); " + REMEDY),
+    (lambda h, n, v: h.create_dataset(n, data=v, scaleoffset=0), "{name}: stored through HDF5 filter 6 (scaleoffset), "
+     "not one of the lossless filters built into HDF5 and h5py (gzip, shuffle, fletcher32, szip, lzf): ttrace loads no "
+     "filter plugin and reads no lossy filter (rewrite the file without it: h5repack -f NONE); " + REMEDY),
     (lambda h, n, v: h.create_dataset(n, data=v.astype(np.int8)), "{name}: its stored datatype reads as |i1 (int8) but "
      "its metadata says |u1 (uint8): the datatype message is damaged; " + REMEDY),
     (lambda h, n, v: h.create_dataset(n, data=np.resize(v, (2, v.size))), "{name}: stored shape {shape2}, ttrace writes "
@@ -275,14 +277,55 @@ PACK_DAMAGE = [
 ]
 
 
-@pytest.mark.parametrize("make, line", PACK_DAMAGE, ids=["chunked", "compressed", "int8", "two-dimensional",
-                                                           "2**40 bytes never written", "a group"])
+@pytest.mark.parametrize("make, line", PACK_DAMAGE, ids=["compressed, chunks never written", "lossy filter", "int8",
+                                                           "two-dimensional", "2**40 bytes never written", "a group"])
 def test_a_pack_ttrace_would_not_write_is_refused_on_open(tmp_path, make, line):
     _written(tmp_path)
     name = _replace_pack(tmp_path, make)
     with h5py.File(tmp_path / STEP_FILE) as handle:
         shape2 = handle[name].shape if isinstance(handle[name], h5py.Dataset) else None
-    assert _refusal(tmp_path) == f"{tmp_path}/{STEP_FILE}:" + line.format(name=name, shape2=shape2)
+        chunks = -(-shape2[0] // 64) if shape2 else None
+    assert _refusal(tmp_path) == f"{tmp_path}/{STEP_FILE}:" + line.format(name=name, shape2=shape2, shape=shape2,
+                                                                           chunks=chunks)
+
+
+REWRITES = {"chunked": {"chunks": (64,)}, "gzip, shuffle, checksums": {"compression": "gzip", "shuffle": True,
+                                                                         "fletcher32": True},
+            "lzf": {"compression": "lzf"}}
+
+
+def _open_descriptors() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("storage", REWRITES.values(), ids=REWRITES.keys())
+def test_packs_another_tool_rewrote_chunked_or_compressed_read_as_written(tmp_path, storage):
+    """An archived trace whose packs another tool rewrote (h5repack -f GZIP=6, -l CHUNK=...) has no bytes in place to
+    pread: its packs are copied out once, into an unnamed temporary file closed with the reader, and every tensor, a
+    run of them and a region read bit for bit as ttrace wrote them."""
+    _written(tmp_path)
+    with RunReader(tmp_path) as reader:
+        written = {fqn: reader.read(reader.index[_key(fqn)][0]) for fqn in VALUES}
+    with h5py.File(tmp_path / STEP_FILE, "r+") as handle:
+        for name in list(handle["packs"]):
+            values = handle[f"packs/{name}"][()]
+            del handle[f"packs/{name}"]
+            handle.create_dataset(f"packs/{name}", data=values, **storage)
+    before = _open_descriptors()
+    with RunReader(tmp_path) as reader:
+        for fqn, value in written.items():
+            read = reader.read(reader.index[_key(fqn)][0])
+            assert read.dtype == value.dtype and torch.equal(read.reshape(-1).view(torch.uint8),
+                                                            value.reshape(-1).view(torch.uint8)), fqn
+        metas = [reader.index[_key(fqn)][0] for fqn in VALUES]
+        buffer, offsets = reader.read_raw(metas)
+        for fqn, offset in zip(VALUES, offsets):
+            raw = written[fqn].reshape(-1).view(torch.uint8).numpy()
+            assert offset is not None and bytes(buffer[offset:offset + raw.size]) == raw.tobytes(), fqn
+        region = reader.read(reader.index[_key("large")][0], (slice(1, 2),))
+        assert torch.equal(region, written["large"][1:2])
+        assert len(_open_descriptors() - before) == 1  # the copy of the packs, and nothing of it has a name
+    assert _open_descriptors() == before
 
 
 @pytest.mark.parametrize("link, kind", [(lambda: h5py.SoftLink("/tensor_index"), "a soft"),
