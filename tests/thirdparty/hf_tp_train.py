@@ -23,13 +23,27 @@ import ttrace_core as ttrace
 VOCAB, SEQ, BATCH = 128, 32, 2
 
 
+ARCHITECTURES = {"qwen2": "Qwen2Config", "mistral": "MistralConfig", "olmo2": "Olmo2Config", "phi3": "Phi3Config",
+                 "glm4": "Glm4Config", "starcoder2": "Starcoder2Config", "cohere": "CohereConfig", "gpt_oss": "GptOssConfig",
+                 "mixtral": "MixtralConfig"}
+"""Other decoder families, each with its own `base_model_tp_plan` (benchmarks/thirdparty_transformers_archs.py runs them)."""
+
+
 def tiny_config(arch: str):
-    from transformers import LlamaConfig, Qwen3MoeConfig
+    import transformers
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64, tie_word_embeddings=False)
     if arch == "llama":
         return LlamaConfig(intermediate_size=128, **common)
+    if arch == "gemma3":  # q_norm and k_norm on the heads transposed in front of the sequence; a sliding layer
+        return Gemma3TextConfig(intermediate_size=128, head_dim=16, sliding_window=16, pad_token_id=0, **common)
+    if arch in ARCHITECTURES:
+        experts = dict(num_local_experts=4, num_experts_per_tok=2) if arch in ("mixtral", "gpt_oss") else {}
+        own = dict(head_dim=16, sliding_window=16, intermediate_size=32) if arch == "gpt_oss" else {}
+        return getattr(transformers, ARCHITECTURES[arch])(**{"intermediate_size": 128, "pad_token_id": 0, **common,
+                                                             **experts, **own})
     return Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                           head_dim=16, decoder_sparse_step=1, output_router_logits=True, router_aux_loss_coef=0.01,
                           **common)
@@ -53,7 +67,7 @@ def batch(micro_batch: int, step: int) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--arch", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--arch", choices=("llama", "gemma3", "qwen3_moe", *ARCHITECTURES), default="llama")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (the model's base_model_ep_plan)")

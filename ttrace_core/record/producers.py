@@ -7,9 +7,11 @@ from its producer instead of from the user. layouts.py consults it after declara
 outputs, so a declaration always wins and a DTensor never reaches it.
 
 Two rules, both about the values themselves, not about any framework:
-- **The same storage**: a module input that is the producer's output, or a contiguous view of all of
-  it (`q_proj(x).view(batch, seq, heads, head_dim)`), has the producer's layout, mapped through the
-  view (`layout_through_view`). A view that holds only part of a sharded tensor cannot be mapped: it
+- **The same storage**: a module input that is the producer's output, or a view of all of it that is
+  contiguous or a permutation of a contiguous one (`q_proj(x).view(batch, seq, heads, head_dim)`, and
+  Gemma's `.transpose(1, 2)` of it), has the producer's layout, mapped through the view
+  (`layout_through_view`) and the permutation (`layout_through_permutation`), the dims taken in their order
+  in memory (`memory_order`). A view that holds only part of a sharded tensor cannot be mapped: it
   is left out with a finding naming the producer, never recorded as a whole tensor.
 - **Shape-preserving modules**: the output of a module that is not declared, whose inputs were found
   here (handed a producer's shard; an input declared at the module itself makes it a boundary whose
@@ -143,6 +145,31 @@ def layout_through_view(layout: Layout, source_local: tuple[int, ...], target_lo
         return None
 
 
+def memory_order(value: torch.Tensor) -> tuple[int, ...] | None:
+    """`value`'s dims from the outermost in memory to the innermost, when it is a permutation of a contiguous
+    tensor (for a contiguous one, its dims in order); None when it is not. A size-1 dim sits just inside the larger
+    dim whose stride it shares, as in a contiguous tensor: Gemma's `q_proj(x).view(b, s, 1, d).transpose(1, 2)`,
+    of shape [b, 1, s, d] and contiguous to torch, keeps its head dim inside the sequence dim in memory."""
+    strides, shape = value.stride(), value.shape
+    order = tuple(sorted(range(value.dim()), key=lambda dim: (-strides[dim], shape[dim] == 1)))
+    return order if value.permute(order).is_contiguous() else None
+
+
+def layout_through_permutation(layout: Layout, order: tuple[int, ...]) -> Layout:
+    """The layout of `base.permute(inverse of order)`, `base` laid out as `layout`: base dim j is dim order[j] of
+    the permuted tensor (a transpose of a view moves the sharded head dim, and the cut moves with it)."""
+    if order == tuple(range(len(order))):
+        return layout
+    global_shape = [0] * len(order)
+    for base_dim, dim in enumerate(order):
+        global_shape[dim] = layout.global_shape[base_dim]
+    placements = []
+    for text in layout.placements:
+        spec = placement_from_str(text)
+        placements.append(str(replace(spec, dim=order[spec.dim % len(order)])) if spec.kind in SHARDED_KINDS else text)
+    return msgspec.structs.replace(layout, global_shape=tuple(global_shape), placements=tuple(placements))
+
+
 def _num_shards(layout: Layout, dim: int) -> int:
     """Into how many parts the placements of all mesh axes cut `dim`."""
     parts = 1
@@ -235,12 +262,12 @@ class ProducerLayouts:
         for entry in entries:
             if entry.shape == shape and entry.offset == offset and value.is_contiguous() == entry.contiguous:
                 return entry.layout
+        order = memory_order(value)
         for entry in entries:
-            if entry.offset == offset and entry.contiguous and value.is_contiguous() and \
-                    value.numel() == math.prod(entry.shape):
-                mapped = layout_through_view(entry.layout, entry.shape, shape)
+            if entry.offset == offset and entry.contiguous and order is not None and value.numel() == math.prod(entry.shape):
+                mapped = layout_through_view(entry.layout, entry.shape, tuple(shape[dim] for dim in order))
                 if mapped is not None:
-                    return mapped
+                    return layout_through_permutation(mapped, order)
         if entries:
             producer = entries[0]
             raise UnmappedView(

@@ -8,7 +8,7 @@ from torch import nn
 
 from ttrace_core.format.reader import RunReader
 from ttrace_core.format.schema import Layout
-from ttrace_core.record.producers import dim_groups, layout_through_view
+from ttrace_core.record.producers import dim_groups, layout_through_permutation, layout_through_view, memory_order
 from ttrace_core.record.tracer import Tracer
 
 MESH = ((2,), (1,), ("tp",))
@@ -59,6 +59,29 @@ def test_layout_through_view(layout, source, target, expected):
     assert (None if mapped is None else (mapped.global_shape, mapped.placements)) == expected
 
 
+@pytest.mark.parametrize(("make", "order"), [
+    (lambda: torch.zeros(2, 32, 4, 16), (0, 1, 2, 3)),
+    (lambda: torch.zeros(2, 32, 4, 16).transpose(1, 2), (0, 2, 1, 3)),
+    # one head per rank: contiguous to torch, but its head dim lies inside the sequence dim in memory
+    (lambda: torch.zeros(2, 32, 16).view(2, 32, 1, 16).transpose(1, 2), (0, 2, 1, 3)),
+    (lambda: torch.zeros(2, 1, 32, 16), (0, 1, 2, 3)),
+    (lambda: torch.zeros(2, 32, 16).unsqueeze(1), (0, 1, 2, 3)),
+    (lambda: torch.zeros(4, 6)[:, :3], None),
+    (lambda: torch.zeros(4, 6).expand(2, 4, 6), None),
+], ids=["contiguous", "transposed heads", "one head transposed", "size-1 dim in front", "unsqueezed", "sliced",
+        "expanded"])
+def test_memory_order(make, order):
+    assert memory_order(make()) == order
+
+
+def test_layout_through_permutation_moves_the_cut_with_its_dim():
+    # [b, s, h, d] with heads cut, transposed to [b, h, s, d]: the heads stay cut, now dim 1
+    moved = layout_through_permutation(_layout((2, 32, 4, 16), "S(2)"), (0, 2, 1, 3))
+    assert (moved.global_shape, moved.placements) == ((2, 4, 32, 16), ("S(1)",))
+    moved = layout_through_permutation(_layout((4, 64), "SS(1,2)", "P(sum)", mesh_shape=(2, 2)), (1, 0))
+    assert (moved.global_shape, moved.placements) == ((64, 4), ("SS(0,2)", "P(sum)"))
+
+
 class HeadNorm(nn.Module):
     """A per-head norm on a view of a colwise projection's output (Qwen3's q_norm)."""
 
@@ -103,6 +126,39 @@ def test_modules_that_pass_a_shard_on_take_its_producers_layout(tmp_path):
     assert recorded[("act", "output.0")] == (("S(1)",), (3, 32))
     assert recorded[("act", "grad_input.0")] == (("S(1)",), (3, 32))
     assert recorded[("out", "output.0")] == ((), (3, 8))
+
+
+class TransposedHeadNorm(nn.Module):
+    """A per-head norm on the heads transposed in front of the sequence (Gemma 3's q_norm and k_norm)."""
+
+    def __init__(self, width: int, head_dim: int) -> None:
+        super().__init__()
+        self.proj, self.norm, self.out = nn.Linear(8, width), nn.RMSNorm(head_dim), nn.Linear(width, 8)
+        self.head_dim = head_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        projected = self.proj(x)
+        heads = self.norm(projected.view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2))
+        return self.out(heads.transpose(1, 2).reshape(projected.shape))
+
+
+@pytest.mark.parametrize("local_heads", [2, 1])
+def test_a_norm_on_transposed_heads_holds_its_ranks_heads(tmp_path, local_heads):
+    """proj's local output [3, 5, 8 * local_heads] is S(2) of twice that: the norm's input, its heads transposed in
+    front of the sequence, holds this rank's heads along dim 1, one head included (a view torch calls contiguous)."""
+    torch.manual_seed(0)
+    model = TransposedHeadNorm(8 * local_heads, 8)
+    tracer = Tracer(tmp_path / "run", model, role="candidate")
+    tracer.declare("proj", "output.0", ["S(2)"], MESH)
+    tracer.declare("out", "input.0", ["S(2)"], MESH)
+    with tracer.step(0):
+        model(torch.randn(3, 5, 8)).sum().backward()
+    tracer.close()
+    recorded = _recorded(tmp_path / "run")
+    for slot in ("input.0", "output.0", "grad_output.0", "grad_input.0"):
+        assert recorded[("norm", slot)] == (("S(1)",), (3, 2 * local_heads, 5, 8)), slot
+    with RunReader(tmp_path / "run") as reader:
+        assert not reader.findings
 
 
 def test_a_declaration_wins_over_the_producer(tmp_path):
