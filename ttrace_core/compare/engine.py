@@ -44,7 +44,8 @@ from ttrace_core.format.schema import TensorKey, TensorMeta
 from ttrace_core.format.reader import RunReader, pre_step_key
 from ttrace_core.format.tensor_index import collector_paused
 from ttrace_core.compare.tolerances import (
-    DEFAULT_EXACT_INPUTS_K, ToleranceProvider, exact_inputs_tolerance, storage_epsilon, untightened, within_of_zero,
+    DEFAULT_EXACT_INPUTS_K, ToleranceProvider, exact_inputs_tolerance, near_miss_note, storage_epsilon, untightened,
+    within_of_zero,
 )
 from ttrace_core.compare.step_scalars import tolerances_from_settings
 
@@ -501,6 +502,8 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     scale_rows = set(scales_only)
     result.coverage = tally_coverage([row for row in result.comparisons if row.key not in scale_rows], reference, candidate,
                                      result.steps_compared, plan.unmapped)
+    if (note := near_miss_note(plan.tolerances, reference, candidate, result.failures)) is not None:
+        result.notes.append(note)
     if (finding := data_mismatch_finding(result)) is not None:
         result.notes.insert(0, finding)
     if (finding := micro_batch_mismatch_finding(reference, candidate, result.steps_compared)) is not None:

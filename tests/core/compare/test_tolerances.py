@@ -199,3 +199,31 @@ def test_an_fp8_scale_that_does_not_follow_its_amax_still_fails():
     metrics = compare_values(torch.tensor([10.0 / 448 / 2], dtype=torch.float64),
                              torch.tensor([10.0 / 448], dtype=torch.float64), tolerance)
     assert metrics.ratio > 3
+
+
+def test_an_fp32_pair_failing_only_by_near_misses_of_the_flat_table_is_told_to_estimate():
+    """The flat table's fp32 row is no measure of a model's round-off: a pair failing it only within 3x gets a note
+    naming `ttrace estimate`; failures past 3x, a real bug's, or a pass get none. The verdict is unchanged."""
+    from tests.support.paths import SAMPLES_DIR
+    from ttrace_core.compare.engine import compare_runs
+    from ttrace_core.compare.tolerances import DtypeTolerances
+    from ttrace_core.format.reader import RunReader
+
+    def notes_and_verdict(candidate_name: str, rel: float) -> tuple[list[str], bool, float]:
+        with RunReader(SAMPLES_DIR / "fp32" / "reference") as reference, \
+                RunReader(SAMPLES_DIR / "fp32" / candidate_name) as candidate:
+            result = compare_runs(reference, candidate, DtypeTolerances(overrides={"float32": (rel, 0.0)}))
+        notes = [note for note in result.notes if note.startswith("tolerances: every failing tensor")]
+        return notes, result.passed, max((row.ratio for row in result.failures if row.ratio is not None), default=0.0)
+
+    with RunReader(SAMPLES_DIR / "fp32" / "reference") as reference, \
+            RunReader(SAMPLES_DIR / "fp32" / "tp2_sp_clean") as candidate:
+        clean = compare_runs(reference, candidate)
+    worst = max(row.error for row in clean.comparisons if row.error is not None and row.value_ratio is not None)
+    assert clean.passed and worst > 0
+    near, passed, ratio = notes_and_verdict("tp2_sp_clean", worst / 2)  # the clean run's worst tensor at ratio 2
+    assert not passed and 1 < ratio <= 2.01 and len(near) == 1, (ratio, near)
+    assert "by at most 2x the flat fp32 row" in near[0] and "`ttrace estimate " in near[0]
+    assert notes_and_verdict("tp2_sp_clean", worst / 10)[0] == []  # failures past 3x: no near miss
+    assert notes_and_verdict("tp2_row_parallel_bias", 1e-5)[0] == []  # a real bug
+    assert notes_and_verdict("tp2_sp_clean", worst * 2)[0] == []  # a pass
