@@ -14,8 +14,7 @@ from ttrace_core.compare.evidence import (
 from ttrace_core.compare.results import RunComparison
 from ttrace_core.compare.step_scalars import with_step_scalars
 from ttrace_core.compare.tolerances import (
-    DEFAULT_EXACT_INPUTS_K, LOW_PRECISIONS, DtypeTolerances, ToleranceProvider, fixed_tolerances_note,
-    select_tolerances,
+    DEFAULT_EXACT_INPUTS_K, LOW_PRECISIONS, ToleranceProvider, fixed_tolerances_note, flat_table, select_tolerances,
 )
 from ttrace_core.format.reader import RunReader
 from ttrace_core.format.schema import RunManifest, TensorKey, TensorMeta
@@ -57,7 +56,7 @@ def plan_comparison(reference: RunReader, candidate: RunReader, tolerances: Tole
     check_comparable(reference, candidate)
     tolerances = tolerances or with_step_scalars(select_tolerances("auto", reference, candidate), reference, candidate)
     crossed = reference.manifest.precision != candidate.manifest.precision
-    if isinstance(getattr(tolerances, "base", tolerances), DtypeTolerances) or crossed:
+    if flat_table(tolerances) is not None or crossed:
         exact_inputs_k = None  # across precisions exact inputs still give results that differ by the quantization
     result = RunComparison(reference=str(reference.run_dir), candidate=str(candidate.run_dir), partial_allowed=partial)
     steps = sorted(set(reference.complete_steps) & set(candidate.complete_steps))

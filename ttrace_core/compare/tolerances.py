@@ -350,17 +350,28 @@ def num_layers_of(reader: RunReader) -> int:
     return max(indices, default=-1) + 1
 
 
+def behind_step_scalars(tolerances: ToleranceProvider) -> ToleranceProvider:
+    """The provider that judges a pair's tensors: the one behind the step scalars' own tolerances
+    (step_scalars.StepScalarTolerances.base), which every comparison puts in front."""
+    return getattr(tolerances, "base", tolerances)
+
+
+def flat_table(tolerances: ToleranceProvider) -> DtypeTolerances | None:
+    """The dtype table when it judges the pair's tensors (no estimate of the reference, or --tolerance dtype)."""
+    provider = behind_step_scalars(tolerances)
+    return provider if isinstance(provider, DtypeTolerances) else None
+
+
 def fixed_tolerances_note(tolerances: ToleranceProvider, reference: RunReader, candidate: RunReader) -> str | None:
     """When a low-precision pair is judged by the flat dtype table (no estimate of the reference, or --tolerance
     dtype), what that verdict cannot see, and how to get a sharper one; None otherwise. The table's bf16 and fp8
     rows allow a few percent on every tensor, so a pass there says little about a module off by less: the
     perturbation estimate measures each tensor's own round-off, and its structure tests (structure.py) tell a
     scaled, shifted or biased tensor apart from noise well inside that row."""
-    base = getattr(tolerances, "base", tolerances)
-    precision = candidate.manifest.precision
-    if not isinstance(base, DtypeTolerances) or precision not in LOW_PRECISIONS:
+    table, precision = flat_table(tolerances), candidate.manifest.precision
+    if table is None or precision not in LOW_PRECISIONS:
         return None
-    row = base.tolerance_for(None, COMPUTE_DTYPES[precision])
+    row = table.tolerance_for(None, COMPUTE_DTYPES[precision])
     return (f"tolerances: the flat {precision} row of the dtype table (relative {row.rel:g} on every tensor) judged this "
             f"pair, so a tensor off by less than that passes; `ttrace estimate {os.fspath(reference.run_dir)}` measures "
             "each tensor's round-off from the reference itself, and compare then judges tighter, with structure tests "
@@ -379,9 +390,8 @@ def near_miss_note(tolerances: ToleranceProvider, reference: RunReader, candidat
     adaptive optimizer turns round-off in a small gradient into a step of its full size, and later steps carry
     it (Mixtral under transformers' TP2 failed one step-1 activation at ratio 1.09 there and passed once estimated,
     benchmarks/results/thirdparty_transformers_archs.md). The verdict stands; the note says what would sharpen it."""
-    base = getattr(tolerances, "base", tolerances)
     precision = candidate.manifest.precision
-    if not isinstance(base, DtypeTolerances) or precision in LOW_PRECISIONS or not failures:
+    if flat_table(tolerances) is None or precision in LOW_PRECISIONS or not failures:
         return None
     if any(row.status is not ComparisonStatus.MISMATCH or row.decided_by != "mismatch" or row.ratio is None
            or not row.ratio <= NEAR_MISS_RATIO for row in failures):

@@ -78,11 +78,10 @@ other filter is refused: scale-offset and n-bit can drop bits, and a filter HDF5
 plugin library it would load and run because the file names it."""
 
 
-def check_filters(plist: h5py.h5p.PropDCID, where: str, remedy: str) -> bool:
-    """Whether a dataset is stored through filters (compressed), all of them lossless built-ins this HDF5 has;
-    one line refusing any other, before a byte of the dataset is read (nothing a filter would load is loaded)."""
-    count = plist.get_nfilters()
-    for number in range(count):
+def check_filters(plist: h5py.h5p.PropDCID, where: str, remedy: str) -> None:
+    """Refuses, in one line, a dataset stored through a filter that is not one of LOSSLESS_FILTERS or that this HDF5
+    lacks, before a byte of it is read (nothing a filter would load is loaded)."""
+    for number in range(plist.get_nfilters()):
         code, _flags, _values, name = plist.get_filter(number)
         label = name.decode("utf-8", "backslashreplace") if isinstance(name, bytes) else str(name)
         if code not in LOSSLESS_FILTERS:
@@ -93,7 +92,6 @@ def check_filters(plist: h5py.h5p.PropDCID, where: str, remedy: str) -> bool:
         if not h5py.h5z.filter_avail(code):
             raise TraceFormatError(f"{where}: stored through the {LOSSLESS_FILTERS[code]} filter, which this HDF5 build "
                                    f"lacks; rewrite the file without it (h5repack -f NONE) on a machine that has it")
-    return count > 0
 
 
 def check_storage(dataset: h5py.Dataset | h5py.h5d.DatasetID, dtype: np.dtype, shape: tuple[int, ...], where: str,

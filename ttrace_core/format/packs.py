@@ -135,8 +135,7 @@ def unpacked(handle: h5py.File, sizes: dict[int, int], where: str, remedy: str) 
         with tempfile.TemporaryFile(prefix="ttrace-unpacked-") as image:
             descriptor = os.dup(image.fileno())
     except OSError as error:
-        raise TraceFormatError(f"{where}: its packs are compressed and cannot be unpacked into a temporary file in "
-                               f"{tempfile.gettempdir()} ({error.strerror}); set TMPDIR to a writable directory") from error
+        raise _unpack_refusal(where, sum(sizes.values()), error) from error
     try:
         bases, end = {}, 0
         for number in sorted(sizes):
@@ -146,7 +145,10 @@ def unpacked(handle: h5py.File, sizes: dict[int, int], where: str, remedy: str) 
             for start in range(0, sizes[number], UNPACK_BYTES):
                 with damaged_file_errors(f"{where}:{pack_path(number)}", remedy):
                     block = dataset[start:min(sizes[number], start + UNPACK_BYTES)]
-                _write_all(descriptor, block, base + start, where, sum(sizes.values()))
+                try:
+                    _write_all(descriptor, block, base + start)
+                except OSError as error:
+                    raise _unpack_refusal(where, sum(sizes.values()), error) from error
             end = base + sizes[number]
         return descriptor, bases
     except BaseException:
@@ -154,16 +156,17 @@ def unpacked(handle: h5py.File, sizes: dict[int, int], where: str, remedy: str) 
         raise
 
 
-def _write_all(descriptor: int, block: np.ndarray, offset: int, where: str, total: int) -> None:
+def _write_all(descriptor: int, block: np.ndarray, offset: int) -> None:
     view = memoryview(np.ascontiguousarray(block)).cast("B")
-    try:
-        while view:
-            written = os.pwrite(descriptor, view, offset)
-            view, offset = view[written:], offset + written
-    except OSError as error:
-        raise TraceFormatError(f"{where}: its packs are compressed and unpacking their {total} bytes into a temporary "
-                               f"file in {tempfile.gettempdir()} failed ({error.strerror}); free that much space there or "
-                               f"set TMPDIR to a disk that has it") from error
+    while view:
+        written = os.pwrite(descriptor, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _unpack_refusal(where: str, total: int, error: OSError) -> TraceFormatError:
+    return TraceFormatError(f"{where}: its packs are stored compressed or chunked, and copying their {total} bytes out "
+                            f"into a temporary file in {tempfile.gettempdir()} failed ({error.strerror}); free that much "
+                            "space there, or set TMPDIR to a directory on a disk that has it")
 
 
 def checked_spans(handle: h5py.File, rows: list[IndexRow], where: str, remedy: str) -> CheckedSpans:

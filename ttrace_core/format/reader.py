@@ -21,10 +21,9 @@ import numpy as np
 import torch
 
 from ttrace_core.errors import TraceFormatError
-from ttrace_core import DISTRIBUTION
 from ttrace_core.format.containment import contained
 from ttrace_core.format.datasets import tensor_from_array  # noqa: F401 - re-exported: readers of raw arrays
-from ttrace_core.format.fingerprint import installed_version
+from ttrace_core.format.fingerprint import DISTRIBUTIONS, installed_version
 from ttrace_core.format.naming import in_subtree
 from ttrace_core.format.packs import coalesced_runs
 from ttrace_core.format.records import data_from_json, record_from_data
@@ -95,7 +94,7 @@ def _recorded_by(data: object) -> str | None:
 def _other_version_remedy(recorded: str) -> str:
     ours = installed_version("ttrace") or "not installed as a package"
     return (f"it was recorded by ttrace {recorded!r} and this is ttrace {ours}: read it with ttrace {recorded!r} or newer "
-            f"(pip install -U {DISTRIBUTION}), or re-record the run with this one")
+            f"(pip install -U {DISTRIBUTIONS['ttrace']}), or re-record the run with this one")
 
 
 def _step_file_states(run_dir: Path) -> dict[int, dict[int, bool]]:

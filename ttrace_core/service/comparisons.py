@@ -29,6 +29,7 @@ from ttrace_core.compare.partition import compare_partitioned
 from ttrace_core.compare.results import RunComparison, TensorComparison
 from ttrace_core.compare.settings import CompareSettings
 from ttrace_core.compare.step_scalars import tolerances_from_settings
+from ttrace_core.compare.tolerances import behind_step_scalars
 from ttrace_core.errors import TtraceError
 from ttrace_core.format.containment import contained
 from ttrace_core.format.regular_files import regular_file_bytes
@@ -93,10 +94,8 @@ _PROVIDER_NAMES = {"PerturbationTolerances": "perturbation estimate", "TheoremTo
 
 
 def provider_name(tolerances: object) -> str:
-    """How the Runs page and the report name the provider that judged a pair: the one behind the step
-    scalars' own tolerances (StepScalarTolerances.base), which every comparison puts in front."""
-    provider = getattr(tolerances, "base", tolerances)
-    return _PROVIDER_NAMES.get(type(provider).__name__, "custom")
+    """How the Runs page and the report name the provider that judged a pair (`behind_step_scalars`)."""
+    return _PROVIDER_NAMES.get(type(behind_step_scalars(tolerances)).__name__, "custom")
 
 
 class RowStream(Protocol):
