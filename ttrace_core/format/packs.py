@@ -23,7 +23,6 @@ A pack's bytes that no row names are lost tensors, reported as an inventory gap.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import tempfile
@@ -253,7 +252,7 @@ def _packs_without_rows(handle: h5py.File, extents: dict, file_size: int, where:
 def read_span(descriptor: int, span: Span, dtype: np.dtype, shape: tuple[int, ...], where: str, remedy: str,
               region: tuple[slice, ...] | None = None) -> np.ndarray:
     """A tensor's values from its span (checked at open), in one `pread`; `region` (a slice per leading
-    dim, step 1): only the bytes of that part, one `pread` per contiguous run of them."""
+    dim, step 1): only that part, its runs read by few `preadv`s (`_read_region`)."""
     if region is not None:
         return _read_region(descriptor, span, dtype, shape, where, remedy, region)
     values = np.empty(shape, dtype=dtype)
@@ -323,6 +322,9 @@ def _read_into(descriptor: int, values: np.ndarray, start: int, where: str, reme
 
 def _read_region(descriptor: int, span: Span, dtype: np.dtype, shape: tuple[int, ...], where: str, remedy: str,
                  region: tuple[slice, ...]) -> np.ndarray:
+    """The region's bytes: a contiguous run per index of its outer dims (a row of a slab of columns). Runs at most
+    RUN_GAP apart are read together, up to RUN_BYTES at a time, with the bytes between them, and numpy copies the
+    runs out: a slab of columns costs a `pread` per few MiB, and no Python per row."""
     bounds = [part.indices(shape[dim]) for dim, part in enumerate(region)]
     assert all(step == 1 for _, _, step in bounds), "regions are slices of step 1 (bounded.py)"
     lengths = [max(0, stop - start) for start, stop, _ in bounds]
@@ -331,8 +333,23 @@ def _read_region(descriptor: int, span: Span, dtype: np.dtype, shape: tuple[int,
         return values
     strides = [math.prod(shape[dim + 1:]) * dtype.itemsize for dim in range(len(shape))]
     last = len(region) - 1
-    runs = values.reshape(*lengths[:last], -1) if last else values.reshape(1, -1)
-    for index, outer in enumerate(itertools.product(*(range(start, stop) for start, stop, _ in bounds[:last]))):
-        start = span[0] + sum(i * strides[dim] for dim, i in enumerate(outer)) + bounds[last][0] * strides[last]
-        _read_into(descriptor, runs.reshape(-1, runs.shape[-1])[index], start, where, remedy)
+    if not last:
+        _read_into(descriptor, values, span[0] + bounds[0][0] * strides[0], where, remedy)
+        return values
+    runs = values.reshape(-1).view(np.uint8).reshape(math.prod(lengths[:last]), -1)  # a run per outer index
+    run_bytes, stride = runs.shape[1], strides[last - 1]  # consecutive runs along dim last - 1 lie `stride` apart
+    together = max(1, RUN_BYTES // stride) if stride - run_bytes <= RUN_GAP else 1
+    for outer, first in enumerate(range(0, len(runs), lengths[last - 1])):  # the outer dims above last - 1
+        index = np.unravel_index(outer, lengths[:last - 1]) if last > 1 else ()
+        offset = span[0] + sum((bounds[dim][0] + int(i)) * strides[dim] for dim, i in enumerate(index)) \
+            + bounds[last - 1][0] * strides[last - 1] + bounds[last][0] * strides[last]
+        for row in range(0, lengths[last - 1], together):
+            count = min(together, lengths[last - 1] - row)
+            into = runs[first + row:first + row + count]
+            if count == 1:
+                _read_into(descriptor, into, offset + row * stride, where, remedy)
+                continue
+            block = np.empty(count * stride, dtype=np.uint8)
+            _read_into(descriptor, block[:(count - 1) * stride + run_bytes], offset + row * stride, where, remedy)
+            np.copyto(into, block.reshape(count, stride)[:, :run_bytes])
     return values

@@ -5,7 +5,9 @@ the file is opened, in one line, before anything is allocated or read."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 
 import h5py
 import numpy as np
@@ -179,11 +181,41 @@ def test_shards_a_truncated_file_cannot_give_are_not_read_and_the_others_are(tmp
 
 
 @pytest.mark.parametrize("region", [(slice(1, 3),), (slice(0, 2), slice(100, 300)), (slice(2, 3), slice(511, 512)),
-                                    (slice(1, 1),)], ids=["dim 0", "dims 0 and 1", "last row", "empty"])
+                                    (slice(1, 1),), (slice(1, 3), slice(7, 300), slice(5, 9))],
+                         ids=["dim 0", "dims 0 and 1", "last row", "empty", "dims 0, 1 and 2"])
 def test_a_region_reads_only_its_bytes_and_equals_the_slice(tmp_path, region):
     _written(tmp_path)
     with RunReader(tmp_path) as reader:
         assert torch.equal(reader.read(reader.index[_key("large")][0], region), VALUES["large"][region])
+
+
+@pytest.mark.parametrize("width, columns, together", [(2048, slice(0, 1024), True), (2048, slice(512, 513), True),
+                                                       (9000, slice(0, 4000), False)],
+                         ids=["half the columns", "one column", "runs over RUN_GAP apart, read each alone"])
+def test_a_slab_of_columns_costs_a_preadv_per_hundreds_of_rows(tmp_path, monkeypatch, width, columns, together):
+    """A slab cut along an inner dim (bounded.py, a row-sharded weight) is a run of bytes per row; the runs a
+    few KiB apart are read together, a few MiB at a time, the bytes between them dropped."""
+    wide = torch.randn(1200, width)
+    _written(tmp_path, {"wide": wide})
+    calls = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *args: calls.append(args) or real_preadv(*args))
+    with RunReader(tmp_path) as reader:
+        calls.clear()  # (opening reads too)
+        for rows in (slice(None), slice(7, 1100)):
+            assert torch.equal(reader.read(reader.index[_key("wide")][0], (rows, columns)), wide[rows, columns])
+    per_call = packs.RUN_BYTES // (width * 4) if together else 1  # rows a pread reads, with the bytes between them
+    assert len(calls) == sum(math.ceil(rows / per_call) for rows in (1200, 1093)), len(calls)
+
+
+def test_a_slab_of_columns_of_a_file_truncated_after_it_was_opened_is_one_line(tmp_path):
+    _written(tmp_path, {"wide": torch.randn(1200, 2048)})
+    with RunReader(tmp_path) as reader:
+        meta = reader.index[_key("wide")][0]
+        span = reader._files[(0, 0)].spans_of([meta])[0]
+        os.truncate(tmp_path / STEP_FILE, span[0] + span[1] // 2)
+        with pytest.raises(TraceFormatError, match="was truncated after it was opened; " + re.escape(REMEDY)):
+            reader.read(meta, (slice(None), slice(100, 200)))
 
 
 def test_a_file_truncated_after_it_was_opened_is_one_line(tmp_path):
