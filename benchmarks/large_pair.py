@@ -16,9 +16,12 @@ whole (at least 10 GB of tensor bytes for the pair), the pair is compared in a c
 figure) with its peak RSS, and plain h5py reads every dataset of the same pair in the same run. The
 points compared whole fit compare's seconds = per byte x bytes + per tensor x tensors + fixed, least
 squares.
-Writes results/large_pair.{md,json,png}; deletes each pair when it is measured.
+Writes results/large_pair.{md,json,png}; deletes each pair when it is measured. With `--before CHECKOUT`
+(a git worktree of an earlier commit), each pair is also compared by that code, alternating with this one, and
+only a before/after table is written (results/NAME.{md,json}): a speed-up measured in one run.
 
     python benchmarks/large_pair.py [--work /var/tmp/ttrace-large-pair] [--max-memory 1GiB] [--scale 1.0]
+    python benchmarks/large_pair.py --before /var/tmp/old --shape "few layers, hidden 4096" --name large_pair_before_after
 """
 
 from __future__ import annotations
@@ -200,21 +203,30 @@ print(json.dumps({"open_s": opened - started, "compare_s": done - opened, "keys"
 # child's peak is its memory map's high-water mark, which a new program starts afresh.
 
 
-def compare_in_child(reference: Path, candidate: Path, max_bytes: int) -> dict:
+def compare_in_child(reference: Path, candidate: Path, max_bytes: int, code: Path | None = None) -> dict:
+    """`code`: a checkout of ttrace to compare with instead of the installed one (`--before`)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"PYTHONPATH": str(code)} if code else {})}
     done = subprocess.run([sys.executable, "-c", IN_CHILD, str(reference), str(candidate), str(max_bytes)],
-                          capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, check=True, env=env, cwd=code or None)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(work: Path, shape: Shape, layers: int, max_bytes: int) -> dict:
+def measure(work: Path, shape: Shape, layers: int, max_bytes: int, before: Path | None = None) -> dict:
+    """`before`: also compare the pair with the code of that checkout, alternating with this code's runs."""
     shutil.rmtree(work, ignore_errors=True)
     values = Values(72 * 2**20)  # the largest tensor (a 4h x h weight of hidden 4096) is 64Mi elements
     reference, candidate, write_s = write_pair(work, shape, layers, values)
     del values
     num_bytes = tensor_bytes(reference) + tensor_bytes(candidate)
     plain_before = plain_read_seconds((reference, candidate))
-    child = min((compare_in_child(reference, candidate, max_bytes) for _ in range(2)),  # the less disturbed of two
-                key=lambda found: found["open_s"] + found["compare_s"])
+    runs: dict[Path | None, list[dict]] = {None: [], **({before: []} if before else {})}
+    for _ in range(2):  # the less disturbed of two each
+        for code, found in runs.items():
+            found.append(compare_in_child(reference, candidate, max_bytes, code))
+    child, *earlier = (min(found, key=lambda f: f["open_s"] + f["compare_s"]) for found in runs.values())
+    if earlier:
+        child["before_s"] = earlier[0]["open_s"] + earlier[0]["compare_s"]
+        assert (earlier[0]["rows"], earlier[0]["passed"]) == (child["rows"], child["passed"]), (earlier[0], child)
     plain_after = plain_read_seconds((reference, candidate))
     shutil.rmtree(work, ignore_errors=True)
     seconds = child["open_s"] + child["compare_s"]
@@ -256,6 +268,29 @@ def plot(points: list[dict], out: Path) -> None:
     save_png(figure, out)
 
 
+def _commit(checkout: Path) -> str:
+    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def render_before_after(points: list[dict], before: Path, max_bytes: int, load: str) -> str:
+    shapes = " ".join(f'--shape "{name}"' for name in dict.fromkeys(p["shape"] for p in points))
+    lines = ["# Comparing a large pair: the code before and after, in the same run", "",
+             f"`python benchmarks/large_pair.py --before CHECKOUT {shapes} --name large_pair_before_after`, the "
+             f"checkout at {_commit(before)} (before), this code at {_commit(Path(__file__).parent)} (after, uncommitted "
+             "changes included): the pairs of large_pair.md, each compared twice by each code, alternating, the faster "
+             "of each kept; "
+             f"`compare_runs(..., max_bytes={max_bytes // 2**20} MiB)` in a child "
+             f"process after its imports. 2 shared CPU cores; {load}.", "",
+             "| shape | layers | tensor GB | before (s) | after (s) | speed-up | after, MB/s | plain h5py (s) | "
+             "after, share of plain | rows passed (both) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        lines.append(f"| {p['shape']} | {p['layers']} | {p['bytes'] / 1e9:.2f} | {p['before_s']:.1f} | {p['seconds']:.1f} | "
+                     f"{p['before_s'] / p['seconds']:.2f}x | {p['mb_per_s']:.0f} | {min(p['plain_s']):.1f} | "
+                     f"{p['plain_share']:.0%} | {p['passed']}/{p['rows']} |")
+    return "\n".join(lines + [""])
+
+
 def render(points: list[dict], fitted: dict, max_bytes: int, load: str) -> str:
     lines = ["# Comparing a large pair in bounded memory", "",
              "`python benchmarks/large_pair.py`: synthetic traces written through ttrace's own RunWriter (trace format "
@@ -274,7 +309,7 @@ def render(points: list[dict], fitted: dict, max_bytes: int, load: str) -> str:
                      f"{p['seconds']:.1f} | {p['mb_per_s']:.0f} | {p['tensors_per_s']:.0f} | {min(p['plain_s']):.1f} | "
                      f"{p['plain_share']:.0%} | {p['peak_rss_bytes'] / 2**20:.0f} | {p['passed']}/{p['rows']} |")
     lines += ["", f"Fitted over the points compared whole (the slab-by-slab shape left out: its cost per byte is that of "
-              f"slabs, per-row reads of column slabs included): compare's seconds = bytes / ({fitted['mb_per_s_marginal']:.0f} MB/s) + "
+              f"slabs, each slab of columns reading its rows whole): compare's seconds = bytes / ({fitted['mb_per_s_marginal']:.0f} MB/s) + "
               f"**{fitted['per_tensor_us']:.1f} µs per tensor** + {fitted['fixed_s']:.2f} s (worst residual "
               f"{fitted['worst_residual']:.0%}). Tensors are logical tensors of both runs (keys), as in scale.md.", ""]
     return "\n".join(lines)
@@ -286,21 +321,34 @@ def main() -> None:
     parser.add_argument("--max-memory", type=int, default=GIB, help="compare's memory budget in bytes")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every size (a smoke run: 0.05)")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--before", type=Path, help="a checkout of ttrace (git worktree): compare each pair with its "
+                                                    "code too, alternating, and write a before/after table only")
+    parser.add_argument("--shape", action="append", choices=[shape.name for shape in SHAPES],
+                        help="only this shape (repeat for more; default: all)")
+    parser.add_argument("--name", default="large_pair", help="the results files' name")
     args = parser.parse_args()
     load = f"load average {os.getloadavg()[0]:.1f} at the start"
     points = []
     for shape in SHAPES:
-        for fraction in (0.25, 1.0):
+        for fraction in (0.25, 1.0) if not args.shape or shape.name in args.shape else ():
             layers = max(1, round(shape.full_layers * fraction * args.scale))
-            points.append(measure(args.work, shape, layers, args.max_memory))
+            points.append(measure(args.work, shape, layers, args.max_memory, args.before))
+    if args.before:
+        load += f", {os.getloadavg()[0]:.1f} at the end"
+        (args.results / f"{args.name}.json").write_text(json.dumps({"points": points, "before": str(args.before),
+                                                                    "max_bytes": args.max_memory, "load": load}, indent=1))
+        text = render_before_after(points, args.before, args.max_memory, load)
+        (args.results / f"{args.name}.md").write_text(text)
+        print(text)
+        return
     fitted = fit(points)
     load += f", {os.getloadavg()[0]:.1f} at the end"
     args.results.mkdir(parents=True, exist_ok=True)
-    plot(points, args.results / "large_pair.png")
-    (args.results / "large_pair.json").write_text(json.dumps({"points": points, "fit": fitted, "max_bytes": args.max_memory,
+    plot(points, args.results / f"{args.name}.png")
+    (args.results / f"{args.name}.json").write_text(json.dumps({"points": points, "fit": fitted, "max_bytes": args.max_memory,
                                                              "load": load}, indent=1))
     text = render(points, fitted, args.max_memory, load)
-    (args.results / "large_pair.md").write_text(text)
+    (args.results / f"{args.name}.md").write_text(text)
     print(text)
 
 
