@@ -339,6 +339,7 @@ def _read_region(descriptor: int, span: Span, dtype: np.dtype, shape: tuple[int,
     runs = values.reshape(-1).view(np.uint8).reshape(math.prod(lengths[:last]), -1)  # a run per outer index
     run_bytes, stride = runs.shape[1], strides[last - 1]  # consecutive runs along dim last - 1 lie `stride` apart
     together = max(1, RUN_BYTES // stride) if stride - run_bytes <= RUN_GAP else 1
+    block = np.empty(together * stride if together > 1 else 0, dtype=np.uint8)  # reused by every read of runs together
     for outer, first in enumerate(range(0, len(runs), lengths[last - 1])):  # the outer dims above last - 1
         index = np.unravel_index(outer, lengths[:last - 1]) if last > 1 else ()
         offset = span[0] + sum((bounds[dim][0] + int(i)) * strides[dim] for dim, i in enumerate(index)) \
@@ -349,7 +350,6 @@ def _read_region(descriptor: int, span: Span, dtype: np.dtype, shape: tuple[int,
             if count == 1:
                 _read_into(descriptor, into, offset + row * stride, where, remedy)
                 continue
-            block = np.empty(count * stride, dtype=np.uint8)
             _read_into(descriptor, block[:(count - 1) * stride + run_bytes], offset + row * stride, where, remedy)
-            np.copyto(into, block.reshape(count, stride)[:, :run_bytes])
+            np.copyto(into, block[:count * stride].reshape(count, stride)[:, :run_bytes])
     return values
