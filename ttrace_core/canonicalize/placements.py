@@ -298,6 +298,13 @@ def _axes_of_kind(layout: Layout, kind: str) -> tuple[int, ...]:
     return tuple(axis for axis, spec in enumerate(parsed_placements(layout)) if spec.kind == kind)
 
 
+def axes_cutting(layout: Layout, dim: int) -> list[int]:
+    """The mesh axes whose placements cut tensor dim `dim`."""
+    ndim = len(layout.global_shape)
+    return [axis for axis, spec in enumerate(parsed_placements(layout))
+            if spec.kind in ("shard", "strided", "blocked") and _normalized_dim(spec.dim, ndim) == dim % ndim]
+
+
 def partial_coordinate(layout: Layout) -> tuple[int, ...]:
     """The coordinate along partial axes: shards that share a region but differ here are summed."""
     return tuple(layout.coordinate[axis] for axis in axes_of_kind(layout, "partial"))
