@@ -273,10 +273,10 @@ def _commit(checkout: Path) -> str:
     return done.stdout.strip() or "unknown"
 
 
-def render_before_after(points: list[dict], before: Path, max_bytes: int, load: str) -> str:
+def render_before_after(points: list[dict], before: Path, max_bytes: int, load: str, name: str) -> str:
     shapes = " ".join(f'--shape "{name}"' for name in dict.fromkeys(p["shape"] for p in points))
     lines = ["# Comparing a large pair: the code before and after, in the same run", "",
-             f"`python benchmarks/large_pair.py --before CHECKOUT {shapes} --name large_pair_before_after`, the "
+             f"`python benchmarks/large_pair.py --before CHECKOUT {shapes} --name {name}`, the "
              f"checkout at {_commit(before)} (before), this code at {_commit(Path(__file__).parent)} (after, uncommitted "
              "changes included): the pairs of large_pair.md, each compared twice by each code, alternating, the faster "
              "of each kept; "
@@ -337,7 +337,7 @@ def main() -> None:
         load += f", {os.getloadavg()[0]:.1f} at the end"
         (args.results / f"{args.name}.json").write_text(json.dumps({"points": points, "before": str(args.before),
                                                                     "max_bytes": args.max_memory, "load": load}, indent=1))
-        text = render_before_after(points, args.before, args.max_memory, load)
+        text = render_before_after(points, args.before, args.max_memory, load, args.name)
         (args.results / f"{args.name}.md").write_text(text)
         print(text)
         return

@@ -101,7 +101,16 @@ def _check_consistent(key: TensorKey | None, shards: list[RecordedShard]) -> Lay
 
 
 def _finite_norm(values: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(torch.where(torch.isfinite(values), values, 0.0))) if values.numel() else 0.0
+    """The float64 norm of the finite values. One pass when all are finite (the norm of finite values of up to 32
+    bits cannot overflow in float64, so a finite norm says they all are); else the non-finite ones masked out."""
+    if not values.numel():
+        return 0.0
+    if values.dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        norm = float(torch.linalg.vector_norm(values, dtype=torch.float64))
+        if math.isfinite(norm):
+            return norm
+    values = values.double()
+    return float(torch.linalg.vector_norm(torch.where(torch.isfinite(values), values, 0.0)))
 
 
 def _replica_differences(replicas: list[RecordedShard], *, every: bool = False) -> list[ReplicaDifference]:
@@ -113,14 +122,16 @@ def _replica_differences(replicas: list[RecordedShard], *, every: bool = False) 
         equal = torch.equal(first.value, other.value)
         if equal and not every:
             continue
-        if base is None:
-            base = first.value.double()
-            base_norm = _finite_norm(base)
+        if base_norm is None:
+            base_norm = _finite_norm(first.value)
         if equal:
             found.append(ReplicaDifference(ranks=(first.rank, other.rank), max_abs_diff=0.0, diff_norm=0.0, base_norm=base_norm))
             continue
-        diff = other.value.double() - base
-        if not torch.equal(torch.isfinite(first.value), torch.isfinite(other.value)):
+        if base is None:
+            base = first.value.double()
+        values = other.value.double()  # (isfinite has no fp8 kernel)
+        diff = values - base
+        if not torch.equal(torch.isfinite(base), torch.isfinite(values)):
             # a NaN or Inf in one replica only: NaN compares false with every bound, so say infinite
             max_abs, diff_norm = math.inf, math.inf
         else:

@@ -7,10 +7,12 @@ import json
 import math
 
 import pytest
+import torch
 
 from ttrace_core.canonicalize.replicas import ReplicaDifference, ReplicaDrift, worst_drift
 from ttrace_core.format import strict_json
 from ttrace_core.format.records import data_from_record, record_from_data
+from ttrace_core.format.schema import Layout
 
 
 def _difference(rank: int, max_abs: float, diff_norm: float, base_norm: float = 10.0) -> ReplicaDifference:
@@ -68,3 +70,22 @@ def test_an_infinite_difference_is_written_as_null_and_read_back_as_none(drift, 
     text = strict_json.dumps(data_from_record(drift))
     assert "Infinity" not in text
     assert record_from_data(json.loads(text), ReplicaDrift, "drift", "replica drift", "") == read_back
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("spoiled", [None, math.nan, math.inf], ids=["finite", "nan", "inf"])
+def test_a_replicas_base_norm_is_the_norm_of_its_finite_values(dtype, spoiled):
+    """shards._replica_differences: one float64 pass when every value is finite, the non-finite ones left out
+    otherwise, in every stored dtype (fp8 included)."""
+    from ttrace_core.canonicalize.shards import RecordedShard, _replica_differences
+
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    if spoiled is not None:
+        values[[3, 500]] = spoiled
+    values = values.to(dtype) if dtype != torch.float8_e4m3fn or spoiled is None else values.clamp(-400, 400).to(dtype)
+    as_float64 = values.double()
+    expected = float(torch.linalg.vector_norm(torch.where(torch.isfinite(as_float64), as_float64, 0.0)))
+    layout = Layout.replicated((1000,))
+    replicas = [RecordedShard(rank=rank, layout=layout, value=values.clone()) for rank in range(2)]
+    (difference,) = _replica_differences(replicas, every=True)
+    assert difference.base_norm == expected and difference.diff_norm == 0.0
