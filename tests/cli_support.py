@@ -54,14 +54,10 @@ def write_finished_replay(reference: Path, candidate: Path, module: str | None, 
 
 
 def ttrace_command(*args: str, cwd: Path, timeout: float = 400):
-    """`python -m ttrace_core ARGS` in `cwd`, one thread per process, output captured."""
-    import os
-    import subprocess
-    import sys
+    """`python -m ttrace_core ARGS` in `cwd`, one thread per process, output captured (tests/support/warm_cli.py)."""
+    from tests.support import warm_cli
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "ttrace_core", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return warm_cli.run(*args, cwd=cwd, timeout=timeout)
 
 
 def record_script(script: Path, out: Path, nproc: int, *flags: str) -> None:

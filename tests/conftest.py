@@ -1,7 +1,4 @@
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,10 +18,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def run_ttrace(*args: str, timeout: float = 300, check_codes: tuple[int, ...] | None = None) -> subprocess.CompletedProcess:
-    """Run the `ttrace` CLI in a subprocess, as a user would."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "ttrace_core", *args], capture_output=True, text=True,
-                            timeout=timeout, env=env, cwd=ROOT)
+    """Run the `ttrace` CLI as a user would (forked from the tests' warm worker: tests/support/warm_cli.py)."""
+    from tests.support import warm_cli
+
+    result = warm_cli.run(*args, cwd=ROOT, timeout=timeout)
     if check_codes is not None and result.returncode not in check_codes:
         raise AssertionError(f"ttrace {' '.join(args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result

@@ -21,7 +21,6 @@ import argparse
 import fnmatch
 import importlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tests.real_bugs.corpus import RealBug
+from tests.support import warm_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 CASE_MODULES = {"megatron-core": "tests.real_bugs.megatron_cases", "pytorch": "tests.real_bugs.pytorch_cases",
@@ -39,8 +39,7 @@ LOCALIZE_TIMEOUT_S = 600.0
 
 def case_environment() -> dict[str, str]:
     """This repository importable, one thread per rank (2 CPU cores are shared by every rank)."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    return warm_cli.cli_environment()
 
 
 def python_command(*args: str) -> list[str]:
@@ -57,6 +56,9 @@ def ttrace_command(*args: str) -> list[str]:
 
 
 def _run(command: list[str], timeout_s: float, cwd: Path) -> subprocess.CompletedProcess:
+    """`command`; ttrace's own forked from the tests' warm worker under pytest (tests/support/warm_cli.py)."""
+    if command[1:3] == ["-m", "ttrace_core"]:
+        return warm_cli.run(*command[3:], cwd=cwd, env=case_environment(), timeout=timeout_s)
     return subprocess.run(command, cwd=cwd, env=case_environment(), capture_output=True, text=True, timeout=timeout_s)
 
 

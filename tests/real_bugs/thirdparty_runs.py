@@ -7,10 +7,10 @@ directory: it is reused when its `.recorded` marker, written after a successful 
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.support import warm_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -18,11 +18,8 @@ RECORDED = ".recorded"
 
 
 def ttrace(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """`python -m ttrace_core ARGS` in `cwd`, output captured; raises when it times out."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return subprocess.run([sys.executable, "-m", "ttrace_core", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    """`python -m ttrace_core ARGS` in `cwd`, output captured; raises when it times out (tests/support/warm_cli.py)."""
+    return warm_cli.run(*args, cwd=cwd, timeout=timeout)
 
 
 def record(out: Path, nproc: int, entry: list[str], *, timeout: float, reuse: bool = False) -> Path:

@@ -10,8 +10,8 @@ not answer, it starts a new process as before. A job runs the same way either wa
 environment, its output in the job's log.
 
 The worker (`serve`, run by cli/worker.py with the CLI's main) is one thread: it accepts a request (a JSON
-line: argv, cwd, env, log), forks, answers with the child's pid, and when the child exits sends its exit
-code on the same connection. It never runs torch
+line: argv, cwd, env, log, and optionally error_log: standard error to a file of its own), forks, answers
+with the child's pid, and when the child exits sends its exit code on the same connection. It never runs torch
 itself, so the child starts with no OpenMP pool to inherit (tests/faults/damage_runner.py met that
 deadlock), and sets its own thread count from the job's OMP_NUM_THREADS. The socket lives in a directory
 only this user can enter. The worker exits when the process that started it (the server) is gone.
@@ -21,6 +21,7 @@ measures both).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -43,6 +44,8 @@ REQUEST_LIMIT = 1 << 20
 CONNECT_TIMEOUT_S = 5.0
 ANSWER_TIMEOUT_S = 60.0
 """A worker takes milliseconds to fork and answer; one silent this long is stuck (and the job fails)."""
+_START_DIRECTORY = ""
+"""The worker's directory when it started: first on its sys.path, as `python -m` puts it."""
 
 
 def warm_argv(command: list[str]) -> list[str] | None:
@@ -147,6 +150,8 @@ def preload() -> None:
 def serve(path: str, parent: int, command_main: Callable[[list[str]], int]) -> None:
     """The worker's loop: accept, fork, report exits; until `parent` is gone. `command_main` runs one
     command's arguments in the forked child (the CLI's main, which cli/worker.py passes: no upward import)."""
+    global _START_DIRECTORY
+    _START_DIRECTORY = os.getcwd()
     preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -174,8 +179,10 @@ def _accept(listener: socket.socket, waiting: dict[int, socket.socket | None],
         connection.settimeout(CONNECT_TIMEOUT_S)
         request = json.loads(read_line(connection))
         argv, cwd, env, log = request["argv"], request["cwd"], request["env"], request["log"]
+        error_log = request.get("error_log", log)
         if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv) and isinstance(cwd, str)
-                and isinstance(env, dict) and isinstance(log, str) and argv and argv[0] != "dashboard"):
+                and isinstance(env, dict) and isinstance(log, str) and isinstance(error_log, str) and argv
+                and argv[0] != "dashboard"):
             raise ValueError("not a request of ours")
     except (OSError, ValueError, KeyError, TypeError):
         connection.close()
@@ -189,7 +196,7 @@ def _accept(listener: socket.socket, waiting: dict[int, socket.socket | None],
     if pid == 0:  # the command; never returns
         listener.close()
         os.close(ready)
-        _run_command(command_main, argv, cwd, {str(k): str(v) for k, v in env.items()}, log, connection,
+        _run_command(command_main, argv, cwd, {str(k): str(v) for k, v in env.items()}, (log, error_log), connection,
                      ready_write)
     os.close(ready_write)
     select.select([ready], [], [], CONNECT_TIMEOUT_S)  # answered once the command leads its own session:
@@ -219,26 +226,30 @@ def _reap(waiting: dict[int, socket.socket | None]) -> None:
             connection.close()
 
 
-def _run_command(command_main: Callable[[list[str]], int], argv: list[str], cwd: str, env: dict[str, str], log: str,
-                 connection: socket.socket, ready: int) -> None:
-    """In the forked child: become the job's command, as a new process of its own would be; `ready` is
-    written once it leads its own session."""
+def _run_command(command_main: Callable[[list[str]], int], argv: list[str], cwd: str, env: dict[str, str],
+                 logs: tuple[str, str], connection: socket.socket, ready: int) -> None:
+    """In the forked child: become the job's command, as a new process of its own would be (`python -m
+    ttrace_core ARGV` in `cwd`, standard output and error to `logs`); `ready` is written once it leads its own
+    session."""
     code = 3
     try:
         connection.close()
         os.setsid()  # its own process group: cancel and timeout kill the group
         os.write(ready, b"!")
         os.close(ready)
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):  # SIGPIPE stays ignored, as Python starts
+        for signum in (signal.SIGTERM, signal.SIGCHLD):  # SIGPIPE stays ignored, as Python starts
             signal.signal(signum, signal.SIG_DFL)
-        output = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt, as Python starts
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        os.dup2(output, 1)
-        os.dup2(output, 2)
         os.close(null)
-        os.close(output)
+        for fd, log in ((1, logs[0]), (2, logs[1])):
+            output = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(output, fd)
+            os.close(output)
         os.chdir(cwd)
+        if sys.path and sys.path[0] == _START_DIRECTORY:  # `python -m` puts its directory first: the job's here
+            sys.path[0] = os.getcwd()
         os.environ.clear()
         os.environ.update(env)
         import torch
@@ -248,14 +259,20 @@ def _run_command(command_main: Callable[[list[str]], int], argv: list[str], cwd:
         code = command_main(argv)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    except BaseException:  # noqa: BLE001 - the child must never return into the worker's loop
+        if code == 1 and exit_.code is not None and not isinstance(exit_.code, int):
+            print(exit_.code, file=sys.stderr)  # as Python does with SystemExit("message")
+    except BaseException as error:  # noqa: BLE001 - the child must never return into the worker's loop
         import traceback
 
         traceback.print_exc()
-        code = 3
+        code = -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 3
     finally:
         try:
+            atexit._run_exitfuncs()  # what a new process runs at its end (multiprocessing's, logging's)
             sys.stdout.flush()
             sys.stderr.flush()
+            if code == -signal.SIGINT:  # Python ends by SIGINT after a KeyboardInterrupt: so does the job
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
         finally:
-            os._exit(code)
+            os._exit(code if code >= 0 else 128 - code)

@@ -139,3 +139,67 @@ def test_a_worker_that_takes_a_request_and_stays_silent_is_not_taken_for_no_work
         with pytest.raises(warm_worker.WorkerSilent, match="took the job and did not answer"):
             warm_worker.run(path, {"argv": ["inspect", "."], "cwd": "/", "env": {}, "log": "/dev/null"}, timeout_s=0.5)
     assert warm_worker.run(path, {"argv": ["inspect", "."], "cwd": "/", "env": {}, "log": "/dev/null"}) is None
+
+
+@pytest.mark.parametrize("argv", [["inspect", "absent"], ["inspect", str(SAMPLES / "reference"), "--tensors"]],
+                         ids=["bad-input", "listing"])
+def test_a_warm_run_with_its_own_error_log_gives_what_a_new_process_gives(tmp_path, argv):
+    """The tests' CLI runs (tests/support/warm_cli.py) go to a worker with standard error in a file of its own: exit
+    code, output and error equal a new `python -m ttrace_core` in the same directory."""
+    from tests.support import warm_cli
+
+    env = warm_cli.cli_environment()
+    warm = warm_cli.run(*argv, cwd=tmp_path, env=env, timeout=120)
+    assert warm_cli.last_run_was_warm(), "the run did not go to the warm worker"
+    cold = subprocess.run([sys.executable, "-m", "ttrace_core", *argv], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert (warm.returncode, warm.stdout, warm.stderr) == (cold.returncode, cold.stdout, cold.stderr)
+    assert (cold.stderr if argv[1] == "absent" else cold.stdout).strip()
+
+
+PROBE_WORKER = """
+import atexit, os, signal, sys
+from ttrace_core.service.warm_worker import serve
+def probe(argv):
+    atexit.register(lambda: print("exit functions ran", flush=True))
+    print(sys.path[0], os.getcwd(), signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    print("to stderr", file=sys.stderr)
+    if argv == ["interrupt"]:
+        raise KeyboardInterrupt
+    if argv == ["exit-with-message"]:
+        raise SystemExit("a message")
+    return 0
+serve(sys.argv[1], int(sys.argv[2]), probe)
+"""
+"""A worker whose command is a probe of how it starts and ends (serve takes the command's main)."""
+
+
+@pytest.fixture(scope="module")
+def probe_worker(tmp_path_factory) -> str:
+    started_in = tmp_path_factory.mktemp("start")
+    (started_in / "probe_worker.py").write_text(PROBE_WORKER)
+    path = str(started_in / "w.sock")
+    server = subprocess.Popen([sys.executable, "-m", "probe_worker", path, str(os.getpid())], cwd=started_in,
+                              env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    _until(lambda: os.path.exists(path), "worker socket")
+    yield path
+    server.kill()
+    server.wait()
+
+
+@pytest.mark.parametrize("argv, code, error", [(["probe"], 0, "to stderr\n"),
+                                               (["interrupt"], -signal.SIGINT, "KeyboardInterrupt\n"),
+                                               (["exit-with-message"], 1, "to stderr\na message\n")],
+                         ids=["ends", "ctrl-c", "exit-message"])
+def test_a_warm_command_starts_and_ends_as_python_m_would(probe_worker, tmp_path, argv, code, error):
+    """In its own directory, which is first on sys.path; Ctrl-C a KeyboardInterrupt, which ends it by SIGINT;
+    SystemExit's message on standard error; its exit functions run at its end."""
+    log, errors = tmp_path / "out.txt", tmp_path / "err.txt"
+    started = warm_worker.run(probe_worker, {"argv": argv, "cwd": str(tmp_path), "log": str(log),
+                                             "error_log": str(errors), "env": {"OMP_NUM_THREADS": "1"}})
+    assert started is not None
+    _, connection = started
+    assert warm_worker.exit_code(connection, DEADLINE_S) == code
+    connection.close()
+    assert log.read_text().splitlines() == [f"{tmp_path} {tmp_path} True", "exit functions ran"]
+    assert errors.read_text().endswith(error) and errors.read_text().startswith("to stderr\n")
