@@ -119,10 +119,13 @@ def _rank_context(target: str) -> multiprocessing.context.BaseContext:
     alone takes about 5 s of CPU per rank). The server is started once per launching process, so a launcher
     that runs its ranks again (estimate's samples, localize's replays) forks them from it without importing
     anything. Only modules this process already imported are preloaded (torch and the target's module: their
-    import is known to work); a module that fails to import fails in the rank, with its traceback, as under spawn."""
+    import is known to work), and torch's compiler front end with torch (every optimizer's constructor imports it:
+    about 1 s of CPU per rank); a module that fails to import fails in the rank, with its traceback, as under spawn."""
     context = multiprocessing.get_context("forkserver")
     module_name = target.partition(":")[0]
     preload = ["ttrace_core.record.launch", *(name for name in ("torch", module_name) if name in sys.modules)]
+    if "torch" in sys.modules:
+        preload.insert(2, "torch._dynamo")
     if not set(preload) <= _SERVER_PRELOAD:
         _SERVER_PRELOAD.update(preload)
         context.set_forkserver_preload(sorted(_SERVER_PRELOAD))
