@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from ttrace_core.errors import LaunchError
@@ -59,7 +61,7 @@ def test_ranks_forked_by_the_server_see_the_launchers_environment_and_streams_as
         run_ranks("tests.distributed.workers:say_where_it_runs", {"name": "TTRACE_LAUNCH_PROBE"},
                   2, timeout_s=120)
         out = capfd.readouterr().out
-        assert f"rank 0: TTRACE_LAUNCH_PROBE={value}" in out and f"rank 1: TTRACE_LAUNCH_PROBE={value}" in out, out
+        assert f"rank 0: TTRACE_LAUNCH_PROBE={value};" in out and f"rank 1: TTRACE_LAUNCH_PROBE={value};" in out, out
 
 
 def test_one_rank_groups_started_at_once_never_share_a_port():
@@ -86,3 +88,19 @@ def test_one_rank_groups_started_at_once_never_share_a_port():
         for group in groups:
             group.communicate("", timeout=60)
     assert all(group.returncode == 0 for group in groups) and ports[0] != ports[1] and 0 not in ports
+
+
+def test_a_launcher_that_imported_torch_forks_ranks_with_its_compiler_front_end_imported():
+    """torch._dynamo (every optimizer's constructor imports it, about 1 s of CPU) is imported once by the fork
+    server, not again by each rank. In a new process: this one's server may have started before torch was imported."""
+    import subprocess
+    import sys
+
+    from tests.support.paths import REPO
+
+    probe = ("import torch\nfrom ttrace_core.record.launch import run_ranks\n"
+             "run_ranks('tests.distributed.workers:say_where_it_runs', {'name': 'RANK'}, 2, timeout_s=120)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("torch._dynamo preloaded: True") == 2, done.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 
 import torch
@@ -236,5 +237,7 @@ def port_taken_on_the_first_attempt(config: dict) -> None:
 
 
 def say_where_it_runs(config: dict) -> None:
-    """Prints what the launcher's environment says now."""
-    print(f"rank {os.environ['RANK']}: {config['name']}={os.environ.get(config['name'])}", flush=True)
+    """Prints what the launcher's environment says now, and whether the fork server had imported torch's compiler
+    front end before the rank started (every optimizer's constructor imports it)."""
+    print(f"rank {os.environ['RANK']}: {config['name']}={os.environ.get(config['name'])}; torch._dynamo preloaded: "
+          f"{'torch._dynamo' in sys.modules}", flush=True)
