@@ -497,7 +497,7 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     if plan.compared_whole:
         key, needed = max(plan.compared_whole.items(), key=lambda item: item[1])
         result.notes.append(f"{len(plan.compared_whole)} tensors over the memory budget could not be cut into slabs "
-                            f"(every dim sharded, or flat ranges) and were compared whole, the largest {key} "
+                            f"(flat ranges, blocked placements, or every dim strided) and were compared whole, the largest {key} "
                             f"with about {needed / 2**20:.0f} MiB")
     scale_rows = set(scales_only)
     result.coverage = tally_coverage([row for row in result.comparisons if row.key not in scale_rows], reference, candidate,
