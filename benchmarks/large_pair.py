@@ -274,7 +274,7 @@ def _commit(checkout: Path) -> str:
 
 
 def render_before_after(points: list[dict], before: Path, max_bytes: int, load: str, name: str) -> str:
-    shapes = " ".join(f'--shape "{name}"' for name in dict.fromkeys(p["shape"] for p in points))
+    shapes = " ".join(f'--shape "{shape}"' for shape in dict.fromkeys(p["shape"] for p in points))
     lines = ["# Comparing a large pair: the code before and after, in the same run", "",
              f"`python benchmarks/large_pair.py --before CHECKOUT {shapes} --name {name}`, the "
              f"checkout at {_commit(before)} (before), this code at {_commit(Path(__file__).parent)} (after, uncommitted "
@@ -309,7 +309,7 @@ def render(points: list[dict], fitted: dict, max_bytes: int, load: str) -> str:
                      f"{p['seconds']:.1f} | {p['mb_per_s']:.0f} | {p['tensors_per_s']:.0f} | {min(p['plain_s']):.1f} | "
                      f"{p['plain_share']:.0%} | {p['peak_rss_bytes'] / 2**20:.0f} | {p['passed']}/{p['rows']} |")
     lines += ["", f"Fitted over the points compared whole (the slab-by-slab shape left out: its cost per byte is that of "
-              f"slabs, each slab of columns reading its rows whole): compare's seconds = bytes / ({fitted['mb_per_s_marginal']:.0f} MB/s) + "
+              f"slabs): compare's seconds = bytes / ({fitted['mb_per_s_marginal']:.0f} MB/s) + "
               f"**{fitted['per_tensor_us']:.1f} µs per tensor** + {fitted['fixed_s']:.2f} s (worst residual "
               f"{fitted['worst_residual']:.0%}). Tensors are logical tensors of both runs (keys), as in scale.md.", ""]
     return "\n".join(lines)

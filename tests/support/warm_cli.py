@@ -35,10 +35,10 @@ _worker: dict[str, object] = {}
 """This test process's worker: its socket path and the environment it started with (started on first use)."""
 
 
-def cli_environment(**extra: str) -> dict[str, str]:
+def cli_environment() -> dict[str, str]:
     """The environment of a test's CLI run: this repository importable, one thread per process."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        dict.fromkeys(filter(None, [str(REPO), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]))), **extra}
+        dict.fromkeys(filter(None, [str(REPO), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])))}
 
 
 def _interpreter_settings(env: dict[str, str]) -> dict[str, str]:

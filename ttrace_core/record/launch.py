@@ -125,7 +125,7 @@ def _rank_context(target: str) -> multiprocessing.context.BaseContext:
     module_name = target.partition(":")[0]
     preload = ["ttrace_core.record.launch", *(name for name in ("torch", module_name) if name in sys.modules)]
     if "torch" in sys.modules:
-        preload.insert(2, "torch._dynamo")
+        preload.append("torch._dynamo")
     if not set(preload) <= _SERVER_PRELOAD:
         _SERVER_PRELOAD.update(preload)
         context.set_forkserver_preload(sorted(_SERVER_PRELOAD))

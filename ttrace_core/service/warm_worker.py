@@ -259,7 +259,7 @@ def _run_command(command_main: Callable[[list[str]], int], argv: list[str], cwd:
         code = command_main(argv)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-        if code == 1 and exit_.code is not None and not isinstance(exit_.code, int):
+        if exit_.code is not None and not isinstance(exit_.code, int):
             print(exit_.code, file=sys.stderr)  # as Python does with SystemExit("message")
     except BaseException as error:  # noqa: BLE001 - the child must never return into the worker's loop
         import traceback
