@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_support import ttrace_command
+from tests.support.bounded_pair import same_rows
 
 # Imported, not skipped when missing: requirements.txt pins them, and CI must never pass this tier by skipping it.
 import accelerate  # noqa: E402,F401 - from_pretrained with a distributed config needs it
@@ -68,6 +69,12 @@ def test_dense_tp2_passes_with_every_module_compared(runs):
             ("model.layers.0.mlp.act_fn", "input.0"), ("model.layers.0.mlp.act_fn", "output.0"),
             ("model.layers.0.mlp.act_fn", "grad_input.0")} <= compared
     assert len(rows) > 600
+    # Under a 1 MiB budget (bounded.py), its column- and row-sharded weights are cut at their shards' bounds, and the
+    # table equals the whole one row for row.
+    report = runs / "llama-tp2-bounded.json"
+    done = ttrace_command("compare", "llama-ref", "llama-tp2", "--max-memory", "1M", "--rebuild", "--json", str(report),
+                          cwd=runs, timeout=300)
+    assert done.returncode == 0 and same_rows(json.loads(report.read_text()), {"comparisons": rows}), done.stdout[-2000:]
 
 
 @pytest.mark.distributed
