@@ -48,9 +48,10 @@ def launch(workload: str, config, *, timeout_s: float, env: dict[str, str] | Non
 
 
 def record_example(out: str | os.PathLike, workload: str, config, *, timeout_s: float) -> Path:
-    """`ttrace example`: `ttrace record` of the example's command. Several ranks are spawned from this
-    process in the session (one interpreter fewer than running the command); one rank runs the command."""
-    from ttrace_core.record.command import run_session, session_environment
+    """`ttrace example`: `ttrace record` of the example's command, its ranks started from this process in the
+    session (forked from it when it runs one thread: record/launch.py) instead of running the command, which
+    would import torch and the model's framework again."""
+    from ttrace_core.record.command import session_environment
     from ttrace_core.record.session import SESSION_ENV, SessionSpec
     from ttrace_core.format.writer import refuse_existing_trace
 
@@ -58,11 +59,8 @@ def record_example(out: str | os.PathLike, workload: str, config, *, timeout_s: 
     refuse_existing_trace(out)
     spec = SessionSpec(out=str(out), launcher_pid=os.getpid(), command=example_command(workload, config, timeout_s),
                        cwd=os.getcwd(), seed=config.seed, stats_only=config.stats_only)
-    if config.world_size == 1:
-        run_session(spec, timeout_s=timeout_s + 120)
-    else:
-        with session_environment(spec) as env:
-            launch(workload, config, timeout_s=timeout_s, env={SESSION_ENV: env[SESSION_ENV]})
+    with session_environment(spec) as env:
+        launch(workload, config, timeout_s=timeout_s, env={SESSION_ENV: env[SESSION_ENV]})
     if not (out / "manifest.json").is_file():
         raise TtraceError(f"{workload} finished but recorded nothing into {out}")
     return out

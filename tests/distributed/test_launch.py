@@ -52,16 +52,27 @@ def test_a_rendezvous_port_taken_before_rank_0_listens_is_retried_on_a_new_port(
     assert "was taken by another process; starting the 2 ranks again on a new port (attempt 2 of 3)" in out
 
 
-def test_ranks_forked_by_the_server_see_the_launchers_environment_and_streams_as_they_are_now(capfd, monkeypatch):
-    """The fork server starts at the first launch, with that moment's environment and standard streams; a later
-    launch's ranks must still see the variables set since and write where the launcher's output goes now
-    (pytest points it at a new capture for every test)."""
+@pytest.mark.parametrize("a_thread_runs", [False, True])
+def test_ranks_see_the_launchers_environment_and_streams_as_they_are_now(capfd, monkeypatch, a_thread_runs):
+    """The fork server (used when the launcher runs another thread) starts at the first launch, with that
+    moment's environment and standard streams; a later launch's ranks must still see the variables set since and
+    write where the launcher's output goes now (pytest points it at a new capture for every test). Ranks forked
+    by the launcher itself must keep its streams open."""
+    import threading
+
+    stop = threading.Event()
+    if a_thread_runs:
+        threading.Thread(target=stop.wait, daemon=True).start()
+    monkeypatch.setattr("ttrace_core.record.launch._one_thread", lambda: not a_thread_runs)
     for value in ("first", "second"):
         monkeypatch.setenv("TTRACE_LAUNCH_PROBE", value)
         run_ranks("tests.distributed.workers:say_where_it_runs", {"name": "TTRACE_LAUNCH_PROBE"},
                   2, timeout_s=120)
         out = capfd.readouterr().out
         assert f"rank 0: TTRACE_LAUNCH_PROBE={value};" in out and f"rank 1: TTRACE_LAUNCH_PROBE={value};" in out, out
+    print("the launcher's stdout is still open", flush=True)
+    assert "still open" in capfd.readouterr().out
+    stop.set()
 
 
 def test_one_rank_groups_started_at_once_never_share_a_port():
@@ -90,17 +101,25 @@ def test_one_rank_groups_started_at_once_never_share_a_port():
     assert all(group.returncode == 0 for group in groups) and ports[0] != ports[1] and 0 not in ports
 
 
-def test_a_launcher_that_imported_torch_forks_ranks_with_its_compiler_front_end_imported():
-    """torch._dynamo (every optimizer's constructor imports it, about 1 s of CPU) is imported once by the fork
-    server, not again by each rank. In a new process: this one's server may have started before torch was imported."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ranks_start_with_torchs_compiler_front_end_and_their_declared_imports_imported_once(threads):
+    """torch._dynamo (every optimizer's constructor imports it, about 1 s of CPU) and the target module's
+    RANK_IMPORTS (megatron-core for the megatron example, about 3 s) are imported once, not again by each rank. A
+    launcher running one thread forks its ranks from itself; one running another thread (here a waiting one) forks
+    them from a fresh fork server. In a new process: this one's server may have started before torch was imported."""
     import subprocess
     import sys
 
     from tests.support.paths import REPO
 
-    probe = ("import torch\nfrom ttrace_core.record.launch import run_ranks\n"
+    probe = ("import os, threading, torch\nfrom ttrace_core.record.launch import run_ranks\n"
+             f"if {threads} == 2: threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+             "print('launcher', os.getpid(), flush=True)\n"
              "run_ranks('tests.distributed.workers:say_where_it_runs', {'name': 'RANK'}, 2, timeout_s=120)\n")
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("torch._dynamo preloaded: True") == 2, done.stdout
+    assert done.stdout.count("torch._dynamo preloaded: True; rank imports preloaded: True") == 2, done.stdout
+    launcher = done.stdout.split()[1]
+    forked_by_launcher = done.stdout.count(f"parent {launcher}\n")
+    assert forked_by_launcher == (2 if threads == 1 else 0), done.stdout

@@ -236,8 +236,14 @@ def port_taken_on_the_first_attempt(config: dict) -> None:
             holder.close()
 
 
+RANK_IMPORTS = ("colorsys",)
+"""What this module's ranks import, as the launcher reads it (a module nothing else here imports)."""
+
+
 def say_where_it_runs(config: dict) -> None:
-    """Prints what the launcher's environment says now, and whether the fork server had imported torch's compiler
-    front end before the rank started (every optimizer's constructor imports it)."""
+    """Prints what the launcher's environment says now, whether the launcher (or its fork server) had imported
+    torch's compiler front end (every optimizer's constructor imports it) and this module's RANK_IMPORTS before
+    the rank started, and which process forked the rank."""
     print(f"rank {os.environ['RANK']}: {config['name']}={os.environ.get(config['name'])}; torch._dynamo preloaded: "
-          f"{'torch._dynamo' in sys.modules}", flush=True)
+          f"{'torch._dynamo' in sys.modules}; rank imports preloaded: {'colorsys' in sys.modules}; "
+          f"parent {os.getppid()}", flush=True)

@@ -70,9 +70,12 @@ def _command_line(pid: int) -> bytes:
 
 
 def is_rank(pid: int, parent: int) -> bool:
-    """Whether `pid` (a child of `parent`) is a rank record/launch.py started: forked by its fork server (a
-    fork carries the server's command line, so the server is the one whose parent does not), or spawned."""
-    return FORK_SERVER in _command_line(parent) or b"spawn_main" in _command_line(pid)
+    """Whether `pid` (a child of `parent`) is a rank record/launch.py started: forked by the launcher itself (a
+    fork carries its parent's command line), by its fork server (the server is the one whose parent does not
+    carry its command line), or spawned."""
+    command = _command_line(pid)
+    return (FORK_SERVER in _command_line(parent) or b"spawn_main" in command
+            or (command == _command_line(parent) and FORK_SERVER not in command and command != b""))
 
 
 FORK_SERVER = b"multiprocessing.forkserver"

@@ -141,6 +141,10 @@ def run_trial(fault: str, delay_s: float, pair: tuple[Path, Path], baseline: lis
     if fault in ("rank crashed", "replay hung"):
         _wait_until_ranks_run(pgid, deadline)
     time.sleep(delay_s)
+    if fault == "rank crashed":  # a rank of the replay running then: ranks forked without imports end in a second
+        while not rank_pids(pgid) and not job.status().done:
+            assert time.monotonic() < deadline, "the replay's ranks never started again"
+            time.sleep(0.01)
     trial.finished_before_fault = job.status().done
     groups = replay_groups(pgid)  # before the strike: a killed command's children leave its process tree
     if not trial.finished_before_fault:

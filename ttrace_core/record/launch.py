@@ -15,6 +15,7 @@ from multiprocessing.connection import wait as wait_for
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -76,6 +77,7 @@ def _child(rank: int, world_size: int, port: int, target: str, config: dict, env
     # After another rank failed the launcher sends SIGTERM: unwinding (not dying) lets this rank's
     # tracer write why its step stopped into the partial step file.
     signal.signal(signal.SIGTERM, _stop_after_another_rank_failed)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a forked rank would keep its launcher's
     try:
         resolve(target)(config)
     except StoppedByLauncher as stop:
@@ -114,22 +116,66 @@ def _stop_after_another_rank_failed(signum: int, frame: object) -> None:
 
 
 def _rank_context(target: str) -> multiprocessing.context.BaseContext:
-    """How ranks start: forked from a fresh single-threaded server process that imported the target's module
-    once ("forkserver"), not each rank importing torch and the model's framework again ("spawn": megatron-core
-    alone takes about 5 s of CPU per rank). The server is started once per launching process, so a launcher
-    that runs its ranks again (estimate's samples, localize's replays) forks them from it without importing
-    anything. Only modules this process already imported are preloaded (torch and the target's module: their
-    import is known to work), and torch's compiler front end with torch (every optimizer's constructor imports it:
-    about 1 s of CPU per rank); a module that fails to import fails in the rank, with its traceback, as under spawn."""
+    """How ranks start: never each rank importing torch and the model's framework again ("spawn": megatron-core
+    alone takes about 3 s of CPU per rank). A launcher running one thread (the CLI, a worker's job) forks its ranks
+    from itself ("fork"), after importing once what every rank would import (`_rank_imports`): a fork of a
+    single-threaded process is safe, and nothing is imported twice. A launcher running threads forks them from a
+    fresh single-threaded server process that imported the same modules once ("forkserver"); that server is started
+    once per launching process, so a launcher that runs its ranks again (estimate's samples, localize's replays)
+    forks them from it without importing anything. A module that fails to import fails in the rank, with its
+    traceback, as under spawn."""
+    imports = _rank_imports(target)
+    if _one_thread():
+        for name in imports:
+            try:
+                importlib.import_module(name)
+            except Exception:  # the rank imports it again and fails with its traceback
+                pass
+        if _one_thread():  # no import started a thread
+            return multiprocessing.get_context("fork")
     context = multiprocessing.get_context("forkserver")
-    module_name = target.partition(":")[0]
-    preload = ["ttrace_core.record.launch", *(name for name in ("torch", module_name) if name in sys.modules)]
-    if "torch" in sys.modules:
-        preload.append("torch._dynamo")
-    if not set(preload) <= _SERVER_PRELOAD:
-        _SERVER_PRELOAD.update(preload)
+    if not set(imports) <= _SERVER_PRELOAD:
+        _SERVER_PRELOAD.update(imports)
         context.set_forkserver_preload(sorted(_SERVER_PRELOAD))
     return context
+
+
+RANK_IMPORTS = "RANK_IMPORTS"
+"""The name of a target module's tuple of the modules every rank imports while it runs (megatron-core for the
+megatron example: `megatron_cpu.enable()` imports it in the rank), imported once before the ranks start."""
+
+
+def _rank_imports(target: str) -> list[str]:
+    """torch and the target's module when this process imported them (their import is known to work), torch's
+    compiler front end with torch (every optimizer's constructor imports it: about 1 s of CPU per rank), and the
+    target module's own RANK_IMPORTS."""
+    module_name = target.partition(":")[0]
+    imports = ["ttrace_core.record.launch", *(name for name in ("torch", module_name) if name in sys.modules)]
+    if "torch" in sys.modules:
+        imports.append("torch._dynamo")
+    declared = getattr(sys.modules.get(module_name), RANK_IMPORTS, ())
+    return imports + [name for name in declared if isinstance(name, str)]
+
+
+def _one_thread() -> bool:
+    """Whether this process runs one OS thread (Python's or one a native library started), not counting threads
+    whose library makes a fork safe (FORK_SAFE_THREADS)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+        others = [task for task in tasks if task != str(threading.get_native_id())]
+        return all(_thread_name(task) in FORK_SAFE_THREADS for task in others)
+    except OSError:
+        return False
+
+
+FORK_SAFE_THREADS = {"jemalloc_bg_thd"}
+"""Threads a fork may leave behind: jemalloc's background purging thread (pyarrow's allocator, started when
+pandas reads parquet) is stopped by jemalloc's own fork handlers and restarted in the child when it needs one."""
+
+
+def _thread_name(task: str) -> str:
+    with open(f"/proc/self/task/{task}/comm") as comm:
+        return comm.read().strip()
 
 
 def _is_open(fd: int) -> bool:
@@ -158,7 +204,9 @@ def run_ranks(target: str, config: dict, world_size: int, *, timeout_s: float = 
     context = _rank_context(target)
     for attempt in range(1, LAUNCH_ATTEMPTS + 1):
         port = free_port()
-        launcher = (dict(os.environ), [(fd, _Stream(fd)) for fd in (1, 2) if _is_open(fd)])
+        # a forked rank has the launcher's streams already; the server's ranks are handed them
+        streams = [] if context.get_start_method() == "fork" else [(fd, _Stream(fd)) for fd in (1, 2) if _is_open(fd)]
+        launcher = (dict(os.environ), streams)
         processes = [context.Process(target=_child, args=(rank, world_size, port, target, config, env or {}, launcher),
                                      daemon=False) for rank in range(world_size)]
         for process in processes:

@@ -30,6 +30,9 @@ from ttrace_core.format.naming import global_fqn
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 ENTRYPOINT = "ttrace_examples.megatron_gpt.train:run"
+RANK_IMPORTS = ("megatron.core", "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
+                "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.pipeline_parallel")
+"""What every rank imports (record/launch.py imports it once before forking the ranks)."""
 LOSSES_FILE = "losses.json"
 # fp8: bf16 parameters and compute (Float16Module) with the four transformer GEMMs in emulated FP8
 # (per-tensor current scaling, e4m3 forward / e5m2 gradients, amax reduced over TP), as TE runs it.
