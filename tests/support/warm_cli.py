@@ -31,6 +31,9 @@ COLD_ENV = "TTRACE_TESTS_COLD"
 START_DEADLINE_S = 120.0
 """How long the first run waits for the worker's socket (it imports torch first): a bound, not a measure."""
 
+WARM_PRELOAD = "torch._dynamo,ttrace_examples.megatron_gpt.train"
+"""What the worker imports besides the core: the megatron example with megatron-core (its RANK_IMPORTS), which
+the suite's many `ttrace example megatron-gpt` runs would each import (about 4 s of CPU a run)."""
 _worker: dict[str, object] = {}
 """This test process's worker: its socket path and the environment it started with (started on first use)."""
 
@@ -51,7 +54,7 @@ def _socket() -> str | None:
         return None
     if _worker.get("pid") != os.getpid():  # none yet, or one a parent of this forked process started
         env = cli_environment()
-        path, _ = warm_worker.start(env)
+        path, _ = warm_worker.start({**env, warm_worker.PRELOAD_ENV: WARM_PRELOAD})
         _worker.update(pid=os.getpid(), path=path, settings=_interpreter_settings(env), ready=False)
     if not _worker["ready"]:
         deadline = time.monotonic() + START_DEADLINE_S

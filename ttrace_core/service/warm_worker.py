@@ -22,6 +22,7 @@ measures both).
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import select
@@ -145,6 +146,22 @@ def preload() -> None:
 
     import ttrace_core.compare.engine  # noqa: F401
     import ttrace_core.workflows.localize  # noqa: F401
+
+    from ttrace_core.record.launch import RANK_IMPORTS
+
+    for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
+        try:
+            module = importlib.import_module(name)
+            for rank_import in getattr(module, RANK_IMPORTS, ()):
+                importlib.import_module(rank_import)
+        except Exception:  # a job that needs it imports it again and fails with its traceback
+            pass
+
+
+PRELOAD_ENV = "TTRACE_WARM_PRELOAD"
+"""More modules the worker imports before it serves, comma-separated, each with the modules its ranks import
+(record/launch.py's RANK_IMPORTS): the test suite names the megatron example (tests/support/warm_cli.py), which
+many of its commands would each import with megatron-core."""
 
 
 def serve(path: str, parent: int, command_main: Callable[[list[str]], int]) -> None:

@@ -161,6 +161,9 @@ PROBE_WORKER = """
 import atexit, os, signal, sys
 from ttrace_core.service.warm_worker import serve
 def probe(argv):
+    if argv == ["preloaded"]:
+        print(*(name in sys.modules for name in ("tests.distributed.workers", "colorsys")))
+        return 0
     atexit.register(lambda: print("exit functions ran", flush=True))
     print(sys.path[0], os.getcwd(), signal.getsignal(signal.SIGINT) is signal.default_int_handler)
     print("to stderr", file=sys.stderr)
@@ -180,11 +183,25 @@ def probe_worker(tmp_path_factory) -> str:
     (started_in / "probe_worker.py").write_text(PROBE_WORKER)
     path = str(started_in / "w.sock")
     server = subprocess.Popen([sys.executable, "-m", "probe_worker", path, str(os.getpid())], cwd=started_in,
-                              env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+                              env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                   warm_worker.PRELOAD_ENV: "no_such_module_for_ttrace,tests.distributed.workers"})
     _until(lambda: os.path.exists(path), "worker socket")
     yield path
     server.kill()
     server.wait()
+
+
+def test_the_worker_preloads_the_modules_it_is_told_with_their_rank_imports(probe_worker, tmp_path):
+    """TTRACE_WARM_PRELOAD: each module with its RANK_IMPORTS (tests.distributed.workers declares colorsys),
+    imported before the worker serves; a module that cannot be imported is passed over."""
+    log = tmp_path / "out.txt"
+    started = warm_worker.run(probe_worker, {"argv": ["preloaded"], "cwd": str(tmp_path), "log": str(log),
+                                             "env": {"OMP_NUM_THREADS": "1"}})
+    assert started is not None
+    _, connection = started
+    assert warm_worker.exit_code(connection, DEADLINE_S) == 0
+    connection.close()
+    assert log.read_text() == "True True\n"
 
 
 @pytest.mark.parametrize("argv, code, error", [(["probe"], 0, "to stderr\n"),
