@@ -10,6 +10,10 @@ from __future__ import annotations
 import functools
 import warnings
 
+RANK_IMPORTS = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
+                "megatron.core.pipeline_parallel")
+"""What these ranks import (record/launch.py imports it once, before it forks them)."""
+
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 UNREDUCED_VP_STAGE = 1

@@ -18,6 +18,10 @@ import torch.distributed as dist
 
 from ttrace_core.integrations import megatron_cpu
 
+RANK_IMPORTS = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
+                "megatron.core.pipeline_parallel")
+"""What these ranks import (record/launch.py imports it once, before it forks them)."""
+
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 SEED = 1234
