@@ -25,6 +25,7 @@ COVERED_ELSEWHERE = {
     "cli/check": ("tests/test_check.py", "`ttrace check` end to end: config, gate, outputs"),
     "cli/main": ("tests/test_cli.py", "every command as a user runs it"),
     "cli/worker": ("tests/core/service/test_warm_worker.py", "the warm worker's loop, which service/warm_worker.start runs"),
+    "record/warm_client": ("tests/core/service/test_warm_worker.py", "the protocol's client side, against the worker it asks"),
     "compare/estimate_file": ("tests/core/workflows/test_estimate.py", "the estimate is written and read back"),
     "compare/settings": ("tests/core/cli/test_settings_flags.py", "its fields are the compare flags"),
     "compare/step_scalars": ("tests/core/compare/test_tolerances.py", "step-scalar tolerances"),

@@ -80,8 +80,9 @@ def run(*args: str, cwd: str | os.PathLike, env: dict[str, str] | None = None,
         return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory(prefix="ttrace-cli-") as directory:
         out, err = Path(directory) / "stdout", Path(directory) / "stderr"
-        started = warm_worker.run(path, {"argv": list(args), "cwd": str(cwd), "env": env, "log": str(out),
-                                         "error_log": str(err)})
+        # the command's own relaunches of a bundled example (estimate, localize) are forked by the worker too
+        started = warm_worker.run(path, {"argv": list(args), "cwd": str(cwd), "env": {**env, warm_worker.WARM_ENV: path},
+                                         "log": str(out), "error_log": str(err)})
         if started is None:
             return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         pid, connection = started

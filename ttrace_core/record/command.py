@@ -13,6 +13,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from typing import IO
 
 from ttrace_core.errors import LaunchError, TtraceError
 from ttrace_core.format.schema import RunManifest
+from ttrace_core.record import warm_client
 from ttrace_core.record.session import SESSION_ENV, SessionSpec
 
 
@@ -42,24 +44,20 @@ def session_environment(spec: SessionSpec) -> Iterator[dict[str, str]]:
 
 def run_session(spec: SessionSpec, *, timeout_s: float, output: IO | None = None) -> None:
     """Run spec.command in spec.cwd with the session switched on for it; raise LaunchError if it fails.
-    `output`: a file that gets the command's stdout and stderr (default: this process's)."""
+    `output`: a file that gets the command's stdout and stderr (default: this process's). The command is one of
+    ttrace's own (`python -m ttrace_examples ...`, a bundled example's) and this process's environment names a warm
+    worker (the dashboard's jobs, the test suite): the worker forks it (record/warm_client.py), in its own session
+    as a new process would be, writing where this process's child would."""
     with session_environment(spec) as env:
+        command = _warm_session(spec, env, output) or _ColdCommand.start(spec, env, output)
         try:
-            process = subprocess.Popen(spec.command, cwd=spec.cwd or None, env=env, start_new_session=True, stdout=output,
-                                       stderr=None if output is None else subprocess.STDOUT)
-        except OSError as error:
-            raise TtraceError(f"cannot start {shlex.join(spec.command)!r} in {spec.cwd or os.getcwd()} ({error}); "
-                              "check the command and the directory it was recorded in") from error
-        try:
-            code = process.wait(timeout=timeout_s)
+            code = command.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            command.kill_group()
             raise LaunchError(f"{shlex.join(spec.command)} ran longer than {timeout_s:.0f} s and was killed; "
                               "raise --timeout or look for a hang") from None
         except BaseException:
-            os.killpg(process.pid, signal.SIGKILL)  # Ctrl-C: never leave the ranks running
-            process.wait()
+            command.kill_group()  # Ctrl-C: never leave the ranks running
             raise
     if code != 0:
         shown = "its output is above" if output is None else f"its output is in {getattr(output, 'name', 'the log')}"
@@ -67,6 +65,74 @@ def run_session(spec: SessionSpec, *, timeout_s: float, output: IO | None = None
         # (128 + the signal; the bundled examples' RANK_KILLED_EXIT): a fault from outside, not the run's code.
         raise LaunchError(f"{shlex.join(spec.command)} exited with code {code} ({shown})",
                           killed_by_signal=code < 0 or code > 128)
+
+
+class _ColdCommand:
+    """The command as a new process, in a session of its own."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+
+    @staticmethod
+    def start(spec: SessionSpec, env: dict[str, str], output: IO | None) -> _ColdCommand:
+        try:
+            return _ColdCommand(subprocess.Popen(spec.command, cwd=spec.cwd or None, env=env, start_new_session=True,
+                                                 stdout=output, stderr=None if output is None else subprocess.STDOUT))
+        except OSError as error:
+            raise TtraceError(f"cannot start {shlex.join(spec.command)!r} in {spec.cwd or os.getcwd()} ({error}); "
+                              "check the command and the directory it was recorded in") from error
+
+    def wait(self, timeout_s: float) -> int:
+        return self.process.wait(timeout=timeout_s)
+
+    def kill_group(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+class _WarmCommand:
+    """The command forked by the warm worker, leading its own session; its exit code comes on `connection`."""
+
+    def __init__(self, pid: int, connection) -> None:
+        self.pid, self.connection = pid, connection
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            code = warm_client.exit_code(self.connection, timeout_s)
+        except OSError as error:  # socket.timeout
+            raise subprocess.TimeoutExpired(str(self.pid), timeout_s) from error
+        self.connection.close()
+        return WORKER_GONE_EXIT if code is None else code
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.connection.close()
+
+
+WORKER_GONE_EXIT = -int(signal.SIGKILL)
+"""The exit code of a warm command whose worker went away before it could tell (its server stopped): as if killed."""
+
+
+def _warm_session(spec: SessionSpec, env: dict[str, str], output: IO | None) -> _WarmCommand | None:
+    """The command forked by the worker `env` names, when it is one the worker runs and it takes it; else None."""
+    worker, found = env.get(warm_client.WARM_ENV), warm_client.warm_command(spec.command)
+    if not worker or worker == "off" or found is None:
+        return None
+    module, argv = found
+    stdio = (1, 2) if output is None else (output.fileno(), output.fileno())
+    if output is not None:
+        output.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        started = warm_client.run(worker, {"module": module, "argv": argv, "cwd": spec.cwd or os.getcwd(), "env": env,
+                                           "log": ""}, stdio=stdio)
+    except warm_client.WorkerSilent:
+        raise LaunchError(f"{shlex.join(spec.command)}: the warm worker took it and did not answer") from None
+    return None if started is None else _WarmCommand(*started)
 
 
 def record(out: str | os.PathLike, command: list[str], *, seed: int = 0, stats_only: bool = False,

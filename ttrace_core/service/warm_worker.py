@@ -22,9 +22,11 @@ measures both).
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -33,29 +35,17 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-WARM_ENV = "TTRACE_WARM_WORKER"
-"""The worker's socket path, in the dashboard server's environment and so in every job's."""
+from ttrace_core.record.warm_client import (  # noqa: F401 - the protocol's client side, used here and by callers
+    ANSWER_TIMEOUT_S, CONNECT_TIMEOUT_S, REQUEST_LIMIT, WARM_ENV, WARM_MODULES, WorkerSilent, exit_code, read_line, run,
+    warm_argv, warm_command)
+
 SOCKET_NAME = "worker.sock"
 WORKER_MODULE = "ttrace_core.cli.worker"
 """The worker's process: the CLI's main handed to `serve` (started by module name here)."""
 POLL_S = 0.5
 """How often the idle worker checks that its server is still there."""
-REQUEST_LIMIT = 1 << 20
-"""Bytes of one request (argv, cwd and a whole environment): more is not a request of ours."""
-CONNECT_TIMEOUT_S = 5.0
-ANSWER_TIMEOUT_S = 60.0
-"""A worker takes milliseconds to fork and answer; one silent this long is stuck (and the job fails)."""
 _START_DIRECTORY = ""
 """The worker's directory when it started: first on its sys.path, as `python -m` puts it."""
-
-
-def warm_argv(command: list[str]) -> list[str] | None:
-    """The ttrace arguments of a job's command the worker can run (`python -m ttrace_core ARGS` with the
-    worker's own Python), None for any other command."""
-    if len(command) >= 3 and command[1:3] == ["-m", "ttrace_core"] and os.path.realpath(command[0]) == \
-            os.path.realpath(sys.executable):
-        return command[3:]
-    return None
 
 
 def start(env: dict[str, str]) -> tuple[str, int]:
@@ -69,70 +59,6 @@ def start(env: dict[str, str]) -> tuple[str, int]:
                               env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     return path, worker.pid
-
-
-class WorkerSilent(RuntimeError):
-    """The worker took a request and did not say whether it started it: starting it again elsewhere could run
-    the command twice."""
-
-
-def run(path: str, request: dict, timeout_s: float = ANSWER_TIMEOUT_S) -> tuple[int, socket.socket] | None:
-    """Ask the worker at `path` to run `request` ({"argv", "cwd", "env", "log"}); (the command's pid, the
-    connection its exit code will come on), or None when no worker took it (none listens there, or it
-    refused the request: nothing was started). WorkerSilent when it took it and gave no answer."""
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        connection.settimeout(CONNECT_TIMEOUT_S)
-        connection.connect(path)
-        connection.sendall(json.dumps(request).encode() + b"\n")
-    except OSError:
-        connection.close()
-        return None
-    try:
-        connection.settimeout(timeout_s)
-        answer = read_line(connection)
-    except (OSError, ValueError) as error:
-        connection.close()
-        raise WorkerSilent(f"the warm worker at {path} took the job and did not answer ({error})") from error
-    try:
-        pid = json.loads(answer).get("pid") if answer else None
-    except (ValueError, AttributeError):
-        pid = None
-    if not isinstance(pid, int) or pid <= 1:  # it closed without starting anything
-        connection.close()
-        return None
-    connection.settimeout(None)
-    return pid, connection
-
-
-def exit_code(connection: socket.socket, timeout_s: float | None) -> int | None:
-    """The exit code the worker sends when the command ends; None when the worker went away first.
-    socket.timeout (an OSError) when it takes longer than `timeout_s`."""
-    connection.settimeout(timeout_s)
-    try:
-        answer = read_line(connection)
-    except socket.timeout:  # the caller's timeout, not a worker gone
-        raise
-    except OSError:
-        return None
-    try:
-        code = json.loads(answer).get("exit_code") if answer else None
-    except ValueError:
-        return None
-    return code if isinstance(code, int) else None
-
-
-def read_line(connection: socket.socket) -> bytes:
-    """One line of the protocol (a request or an answer), without its newline."""
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = connection.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-        if len(data) > REQUEST_LIMIT:
-            raise ValueError("more than a request's bytes")
-    return data.strip()
 
 
 def preload() -> None:
@@ -192,30 +118,40 @@ def serve(path: str, parent: int, command_main: Callable[[list[str]], int]) -> N
 def _accept(listener: socket.socket, waiting: dict[int, socket.socket | None],
             command_main: Callable[[list[str]], int]) -> None:
     connection, _ = listener.accept()
+    stdio: list[int] = []
     try:
         connection.settimeout(CONNECT_TIMEOUT_S)
-        request = json.loads(read_line(connection))
+        line, stdio = _request_line(connection)
+        request = json.loads(line)
         argv, cwd, env, log = request["argv"], request["cwd"], request["env"], request["log"]
-        error_log = request.get("error_log", log)
+        error_log, module = request.get("error_log", log), request.get("module", "ttrace_core")
         if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv) and isinstance(cwd, str)
                 and isinstance(env, dict) and isinstance(log, str) and isinstance(error_log, str) and argv
-                and argv[0] != "dashboard"):
+                and module in WARM_MODULES and not (module == "ttrace_core" and argv[0] == "dashboard")
+                and len(stdio) == (2 if request.get("stdio") == "passed" else 0)):
             raise ValueError("not a request of ours")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         connection.close()
+        for fd in stdio:
+            os.close(fd)
         return
     try:
         ready, ready_write = os.pipe()
         pid = os.fork()
     except OSError:  # nothing started: the supervisor starts a new process instead
         connection.close()
+        for fd in stdio:
+            os.close(fd)
         return
     if pid == 0:  # the command; never returns
         listener.close()
         os.close(ready)
-        _run_command(command_main, argv, cwd, {str(k): str(v) for k, v in env.items()}, (log, error_log), connection,
+        main = command_main if module == "ttrace_core" else functools.partial(_module_main, module)
+        _run_command(main, argv, cwd, {str(k): str(v) for k, v in env.items()}, stdio or (log, error_log), connection,
                      ready_write)
     os.close(ready_write)
+    for fd in stdio:
+        os.close(fd)
     select.select([ready], [], [], CONNECT_TIMEOUT_S)  # answered once the command leads its own session:
     os.close(ready)  # a kill of its group right after the answer must reach it
     try:
@@ -243,11 +179,33 @@ def _reap(waiting: dict[int, socket.socket | None]) -> None:
             connection.close()
 
 
+def _request_line(connection: socket.socket) -> tuple[bytes, list[int]]:
+    """A request's line and the descriptors sent with its first bytes (read_line's reading, descriptors kept)."""
+    data, fds, _, _ = socket.recv_fds(connection, 65536, 2)
+    while data and not data.endswith(b"\n"):
+        chunk = connection.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > REQUEST_LIMIT:
+            for fd in fds:
+                os.close(fd)
+            raise ValueError("more than a request's bytes")
+    return data.strip(), list(fds)
+
+
+def _module_main(module: str, argv: list[str]) -> int:
+    """`python -m MODULE ARGV`'s run, in the forked child (a module of WARM_MODULES other than the CLI)."""
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
 def _run_command(command_main: Callable[[list[str]], int], argv: list[str], cwd: str, env: dict[str, str],
-                 logs: tuple[str, str], connection: socket.socket, ready: int) -> None:
+                 logs: tuple[str, str] | list[int], connection: socket.socket, ready: int) -> None:
     """In the forked child: become the job's command, as a new process of its own would be (`python -m
-    ttrace_core ARGV` in `cwd`, standard output and error to `logs`); `ready` is written once it leads its own
-    session."""
+    ttrace_core ARGV` in `cwd`, standard output and error to `logs`: two paths, or two descriptors sent with the
+    request); `ready` is written once it leads its own session."""
     code = 3
     try:
         connection.close()
@@ -261,9 +219,15 @@ def _run_command(command_main: Callable[[list[str]], int], argv: list[str], cwd:
         os.dup2(null, 0)
         os.close(null)
         for fd, log in ((1, logs[0]), (2, logs[1])):
+            if isinstance(log, int):  # sent with the request (never 0, 1 or 2: the worker's own are open)
+                os.dup2(log, fd)
+                continue
             output = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.dup2(output, fd)
             os.close(output)
+        for log in set(logs):
+            if isinstance(log, int):
+                os.close(log)
         os.chdir(cwd)
         if sys.path and sys.path[0] == _START_DIRECTORY:  # `python -m` puts its directory first: the job's here
             sys.path[0] = os.getcwd()

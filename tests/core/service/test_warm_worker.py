@@ -119,6 +119,55 @@ def test_only_ttraces_own_commands_with_this_python_go_to_the_worker():
     assert warm_worker.warm_argv(["/usr/bin/python3-other", "-m", "ttrace_core", "compare"]) is None
 
 
+def test_only_ttraces_own_modules_with_this_python_are_warm_commands():
+    assert warm_worker.warm_command([sys.executable, "-m", "ttrace_examples", "megatron-gpt"]) == \
+        ("ttrace_examples", ["megatron-gpt"])
+    assert warm_worker.warm_command([sys.executable, "-m", "ttrace_core", "inspect"]) == ("ttrace_core", ["inspect"])
+    assert warm_worker.warm_command([sys.executable, "-m", "torch.distributed.run", "train.py"]) is None
+    assert warm_worker.warm_command(["/usr/bin/python3-other", "-m", "ttrace_examples"]) is None
+    assert warm_worker.warm_argv([sys.executable, "-m", "ttrace_examples", "megatron-gpt"]) is None
+
+
+def _relaunch_spec(tmp_path: Path, *argv: str):
+    from ttrace_core.record.session import SessionSpec
+
+    return SessionSpec(out=str(tmp_path / "run"), launcher_pid=os.getpid(), cwd=str(tmp_path),
+                       command=[sys.executable, "-m", "ttrace_examples", *argv])
+
+
+def test_a_relaunched_bundled_example_is_forked_by_the_worker_and_writes_where_a_child_would(worker, tmp_path,
+                                                                                              monkeypatch):
+    """record/command.run_session (estimate's samples, localize's replays): `python -m ttrace_examples ...` goes to
+    the worker its environment names, its output into the caller's own file at the caller's offset (the
+    descriptor itself is sent: a line written before and one after keep their places), its exit code a failure
+    when it fails."""
+    from ttrace_core.errors import LaunchError
+    from ttrace_core.record import command as relaunch
+    from ttrace_core.record import warm_client
+
+    monkeypatch.setenv(warm_worker.WARM_ENV, worker)
+    asked = []
+    real_run = warm_client.run
+    monkeypatch.setattr(warm_client, "run", lambda *args, **kwargs: asked.append(real_run(*args, **kwargs)) or asked[-1])
+    with open(tmp_path / "log.txt", "w") as log:
+        log.write("before\n")
+        relaunch.run_session(_relaunch_spec(tmp_path, "--help"), timeout_s=DEADLINE_S, output=log)
+        log.write("after\n")
+    text = (tmp_path / "log.txt").read_text()
+    assert len(asked) == 1 and asked[0] is not None  # the worker took it
+    assert text.startswith("before\nusage: python -m ttrace_examples") and text.endswith("after\n"), text
+    with open(tmp_path / "failing.txt", "w") as log, pytest.raises(LaunchError, match="exited with code 2"):
+        relaunch.run_session(_relaunch_spec(tmp_path, "no-such-workload"), timeout_s=DEADLINE_S, output=log)
+    assert len(asked) == 2 and asked[1] is not None and "invalid choice" in (tmp_path / "failing.txt").read_text()
+
+
+@pytest.mark.parametrize("request_", [{"module": "os", "argv": ["x"]}, {"module": "ttrace_examples", "argv": ["x"],
+                                                                      "stdio": "passed"}],
+                         ids=["another module", "stdio claimed, none sent"])
+def test_a_request_for_another_module_or_without_its_descriptors_starts_nothing(worker, tmp_path, request_):
+    assert warm_worker.run(worker, {"cwd": str(tmp_path), "env": {}, "log": str(tmp_path / "log"), **request_}) is None
+
+
 def test_the_worker_exits_with_the_process_that_started_it(tmp_path):
     started = subprocess.run([sys.executable, "-c", "import os; from ttrace_core.service import warm_worker; "
                               "print(*warm_worker.start(dict(os.environ)))"], capture_output=True, text=True, check=True,
