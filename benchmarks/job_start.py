@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ttrace_core.record import warm_client
 from ttrace_core.service import warm_worker
 from ttrace_core.service.comparison_jobs import submit_comparison
 
@@ -44,7 +45,7 @@ def _copy(pair: tuple[Path, Path], work: Path) -> tuple[Path, Path]:
 def _timed_job(reference: Path, candidate: Path, worker: str) -> dict:
     for run in (reference, candidate):
         shutil.rmtree(run / ".ttrace", ignore_errors=True)
-    os.environ[warm_worker.WARM_ENV] = worker
+    os.environ[warm_client.WARM_ENV] = worker
     started = time.perf_counter()
     job = submit_comparison(reference, candidate)
     first_rows = None

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from tests.support.paths import REPO
+from ttrace_core.record import warm_client
 from ttrace_core.service import warm_worker
 
 COLD_ENV = "TTRACE_TESTS_COLD"
@@ -81,17 +82,17 @@ def run(*args: str, cwd: str | os.PathLike, env: dict[str, str] | None = None,
     with tempfile.TemporaryDirectory(prefix="ttrace-cli-") as directory:
         out, err = Path(directory) / "stdout", Path(directory) / "stderr"
         # the command's own relaunches of a bundled example (estimate, localize) are forked by the worker too
-        started = warm_worker.run(path, {"argv": list(args), "cwd": str(cwd), "env": {**env, warm_worker.WARM_ENV: path},
+        started = warm_client.run(path, {"argv": list(args), "cwd": str(cwd), "env": {**env, warm_client.WARM_ENV: path},
                                          "log": str(out), "error_log": str(err)})
         if started is None:
             return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         pid, connection = started
         _worker["last_warm"] = True
         try:
-            code = warm_worker.exit_code(connection, timeout)
+            code = warm_client.exit_code(connection, timeout)
         except socket.timeout:
             os.killpg(pid, signal.SIGKILL)
-            warm_worker.exit_code(connection, 30.0)  # its end, reaped by the worker
+            warm_client.exit_code(connection, 30.0)  # its end, reaped by the worker
             raise subprocess.TimeoutExpired(command, timeout, output=_text(out), stderr=_text(err)) from None
         finally:
             connection.close()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ttrace_core import INSTALL_DASHBOARD
 from ttrace_core.errors import TtraceError
+from ttrace_core.record import warm_client
 from ttrace_core.service import warm_worker
 
 ROOT_ENV = "TTRACE_ROOT"
@@ -94,8 +95,8 @@ def serve(root: str | os.PathLike, *, port: int | None = None, host: str = "127.
     print(f"ttrace dashboard: serving the runs under {root} at http://{host}:{port}/runs{moved}", flush=True)
     command = streamlit_command(entrypoint, port=port, host=host)
     env = {**os.environ, ROOT_ENV: str(root)}
-    if os.environ.get(warm_worker.WARM_ENV) != "off":  # the server's jobs fork from it (warm_worker.py); it exits with the server
-        env[warm_worker.WARM_ENV], _ = warm_worker.start(env)
+    if os.environ.get(warm_client.WARM_ENV) != "off":  # the server's jobs fork from it (warm_worker.py); it exits with the server
+        env[warm_client.WARM_ENV], _ = warm_worker.start(env)
     # Replace this process rather than start a child: a signal sent to `ttrace dashboard` (Ctrl-C, a
     # test's terminate()) then reaches the server itself, which never outlives its command.
     os.execve(command[0], command, env)

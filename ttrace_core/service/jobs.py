@@ -32,7 +32,7 @@ import msgspec
 
 from ttrace_core.format.regular_files import regular_file_bytes
 from ttrace_core.record.processes import ProcessRef
-from ttrace_core.service import warm_worker
+from ttrace_core.record import warm_client
 
 FINAL_STATES = ("complete", "failed", "timed_out", "cancelled")
 PROGRESS_PREFIX = "[progress] "
@@ -314,7 +314,7 @@ def supervise(directory: Path) -> int:
         status.state, status.message = "timed_out", f"killed after its {spec.timeout_s:.0f} s timeout"
     except _Cancelled:
         status.state, status.message = "cancelled", "cancelled"
-    except warm_worker.WorkerSilent as error:  # not started again here: it could run twice
+    except warm_client.WorkerSilent as error:  # not started again here: it could run twice
         status.state, status.message = "failed", f"{error}; run it again"
     finally:
         if command is not None:
@@ -340,10 +340,10 @@ class _Command:
 
     @staticmethod
     def start(spec: JobSpec, log_path: Path) -> _Command:
-        argv = warm_worker.warm_argv(spec.command)
-        worker = spec.env.get(warm_worker.WARM_ENV)
+        argv = warm_client.warm_argv(spec.command)
+        worker = spec.env.get(warm_client.WARM_ENV)
         if argv is not None and worker:
-            started = warm_worker.run(worker, {"argv": argv, "cwd": spec.cwd, "env": spec.env, "log": str(log_path)})
+            started = warm_client.run(worker, {"argv": argv, "cwd": spec.cwd, "env": spec.env, "log": str(log_path)})
             if started is not None:
                 return _Command(pid=started[0], warm=True, connection=started[1])
         with open(log_path, "ab") as log:
@@ -356,7 +356,7 @@ class _Command:
         if self.process is not None:
             return self.process.wait(timeout=timeout_s)
         try:
-            code = warm_worker.exit_code(self.connection, timeout_s)
+            code = warm_client.exit_code(self.connection, timeout_s)
         except OSError as error:  # socket.timeout
             raise subprocess.TimeoutExpired(str(self.pid), timeout_s) from error
         return WORKER_GONE_EXIT if code is None else code

@@ -4,8 +4,8 @@ imported torch and the core, instead of a new Python that imports them again (ab
 `ttrace dashboard` starts one (`start`) before it becomes the Streamlit server, and names its socket in
 the server's environment (WARM_ENV). Every job the server submits carries that environment
 (replays.job_environment), so its supervisor (jobs.py) asks the worker to run the job's command when the
-command is `python -m ttrace_core ...` with this Python (`warm_argv`); otherwise, or when the worker does
-not answer, it starts a new process as before. A job runs the same way either way: in a new session
+command is `python -m ttrace_core ...` with this Python (`warm_argv` in record/warm_client.py, the protocol's
+client side); otherwise, or when the worker does not answer, it starts a new process as before. A job runs the same way either way: in a new session
 (its own process group, which cancel and timeout kill), in the job's directory, with the job's whole
 environment, its output in the job's log.
 
@@ -35,9 +35,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from ttrace_core.record.warm_client import (  # noqa: F401 - the protocol's client side, used here and by callers
-    ANSWER_TIMEOUT_S, CONNECT_TIMEOUT_S, REQUEST_LIMIT, WARM_ENV, WARM_MODULES, WorkerSilent, exit_code, read_line, run,
-    warm_argv, warm_command)
+from ttrace_core.record.warm_client import CONNECT_TIMEOUT_S, REQUEST_LIMIT, WARM_MODULES
 
 SOCKET_NAME = "worker.sock"
 WORKER_MODULE = "ttrace_core.cli.worker"

@@ -22,6 +22,7 @@ import pytest
 
 from tests.support.paths import REPO
 from ttrace_core.record.processes import process_alive
+from ttrace_core.record import warm_client
 from ttrace_core.service import warm_worker
 from ttrace_core.service.comparison_jobs import submit_comparison
 from ttrace_core.service.comparisons import comparison_table
@@ -55,14 +56,14 @@ def pair(tmp_path) -> tuple[Path, Path]:
 
 
 def _ttrace_spec(argv: list[str], tmp_path: Path, worker_path: str, *, timeout_s: float = 120) -> JobSpec:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", warm_worker.WARM_ENV: worker_path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", warm_client.WARM_ENV: worker_path}
     return JobSpec(command=[sys.executable, "-m", "ttrace_core", *argv], env=env, cwd=str(tmp_path), timeout_s=timeout_s,
                    success_codes=(0, 1))
 
 
 def test_a_comparison_job_forked_by_the_worker_writes_the_table_a_new_process_writes(worker, pair, monkeypatch):
     reference, candidate = pair
-    monkeypatch.setenv(warm_worker.WARM_ENV, worker)
+    monkeypatch.setenv(warm_client.WARM_ENV, worker)
     warm = submit_comparison(reference, candidate)
     status = warm.wait(timeout_s=300)
     assert status.state == "complete" and status.warm and status.exit_code == 1, (status, warm.log_tail())
@@ -71,7 +72,7 @@ def test_a_comparison_job_forked_by_the_worker_writes_the_table_a_new_process_wr
 
     shutil.rmtree(reference.parent / "reference" / ".ttrace", ignore_errors=True)
     shutil.rmtree(candidate / ".ttrace", ignore_errors=True)
-    monkeypatch.setenv(warm_worker.WARM_ENV, str(Path(worker).with_name("no-worker.sock")))  # none answers there
+    monkeypatch.setenv(warm_client.WARM_ENV, str(Path(worker).with_name("no-worker.sock")))  # none answers there
     cold = submit_comparison(reference, candidate)
     status = cold.wait(timeout_s=300)
     assert status.state == "complete" and not status.warm and status.exit_code == 1, (status, cold.log_tail())
@@ -89,19 +90,19 @@ def test_a_warm_command_is_its_own_process_group_and_its_timeout_kills_it(worker
         command.wait(0.5)
     connection, command.connection = command.connection, None
     command.kill_group()
-    assert warm_worker.exit_code(connection, DEADLINE_S) == -signal.SIGKILL
+    assert warm_client.exit_code(connection, DEADLINE_S) == -signal.SIGKILL
     connection.close()
     _until(lambda: not process_alive(command.pid), "end of the killed command")
 
 
 def test_the_worker_reports_the_exit_code_and_runs_with_the_jobs_directory_and_environment(worker, tmp_path):
     log = tmp_path / "log.txt"
-    started = warm_worker.run(worker, {"argv": ["inspect", str(tmp_path / "absent")], "cwd": str(tmp_path),
+    started = warm_client.run(worker, {"argv": ["inspect", str(tmp_path / "absent")], "cwd": str(tmp_path),
                                        "env": {"OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "")},
                                        "log": str(log)})
     assert started is not None
     pid, connection = started
-    assert warm_worker.exit_code(connection, DEADLINE_S) == 2  # bad input: one line, exit 2
+    assert warm_client.exit_code(connection, DEADLINE_S) == 2  # bad input: one line, exit 2
     connection.close()
     assert log.read_text().startswith("ttrace: error: ") and str(tmp_path / "absent") in log.read_text()
 
@@ -110,22 +111,22 @@ def test_the_worker_reports_the_exit_code_and_runs_with_the_jobs_directory_and_e
                                       {"argv": "inspect", "cwd": "/", "env": {}, "log": "/dev/null"}, {"argv": []}],
                          ids=["dashboard", "argv-not-a-list", "incomplete"])
 def test_a_request_that_is_not_a_jobs_command_starts_nothing(worker, request_):
-    assert warm_worker.run(worker, request_) is None
+    assert warm_client.run(worker, request_) is None
 
 
 def test_only_ttraces_own_commands_with_this_python_go_to_the_worker():
-    assert warm_worker.warm_argv([sys.executable, "-m", "ttrace_core", "compare", "a", "b"]) == ["compare", "a", "b"]
-    assert warm_worker.warm_argv([sys.executable, "-c", "pass"]) is None
-    assert warm_worker.warm_argv(["/usr/bin/python3-other", "-m", "ttrace_core", "compare"]) is None
+    assert warm_client.warm_argv([sys.executable, "-m", "ttrace_core", "compare", "a", "b"]) == ["compare", "a", "b"]
+    assert warm_client.warm_argv([sys.executable, "-c", "pass"]) is None
+    assert warm_client.warm_argv(["/usr/bin/python3-other", "-m", "ttrace_core", "compare"]) is None
 
 
 def test_only_ttraces_own_modules_with_this_python_are_warm_commands():
-    assert warm_worker.warm_command([sys.executable, "-m", "ttrace_examples", "megatron-gpt"]) == \
+    assert warm_client.warm_command([sys.executable, "-m", "ttrace_examples", "megatron-gpt"]) == \
         ("ttrace_examples", ["megatron-gpt"])
-    assert warm_worker.warm_command([sys.executable, "-m", "ttrace_core", "inspect"]) == ("ttrace_core", ["inspect"])
-    assert warm_worker.warm_command([sys.executable, "-m", "torch.distributed.run", "train.py"]) is None
-    assert warm_worker.warm_command(["/usr/bin/python3-other", "-m", "ttrace_examples"]) is None
-    assert warm_worker.warm_argv([sys.executable, "-m", "ttrace_examples", "megatron-gpt"]) is None
+    assert warm_client.warm_command([sys.executable, "-m", "ttrace_core", "inspect"]) == ("ttrace_core", ["inspect"])
+    assert warm_client.warm_command([sys.executable, "-m", "torch.distributed.run", "train.py"]) is None
+    assert warm_client.warm_command(["/usr/bin/python3-other", "-m", "ttrace_examples"]) is None
+    assert warm_client.warm_argv([sys.executable, "-m", "ttrace_examples", "megatron-gpt"]) is None
 
 
 def _relaunch_spec(tmp_path: Path, *argv: str):
@@ -143,9 +144,8 @@ def test_a_relaunched_bundled_example_is_forked_by_the_worker_and_writes_where_a
     when it fails."""
     from ttrace_core.errors import LaunchError
     from ttrace_core.record import command as relaunch
-    from ttrace_core.record import warm_client
 
-    monkeypatch.setenv(warm_worker.WARM_ENV, worker)
+    monkeypatch.setenv(warm_client.WARM_ENV, worker)
     asked = []
     real_run = warm_client.run
     monkeypatch.setattr(warm_client, "run", lambda *args, **kwargs: asked.append(real_run(*args, **kwargs)) or asked[-1])
@@ -165,7 +165,7 @@ def test_a_relaunched_bundled_example_is_forked_by_the_worker_and_writes_where_a
                                                                       "stdio": "passed"}],
                          ids=["another module", "stdio claimed, none sent"])
 def test_a_request_for_another_module_or_without_its_descriptors_starts_nothing(worker, tmp_path, request_):
-    assert warm_worker.run(worker, {"cwd": str(tmp_path), "env": {}, "log": str(tmp_path / "log"), **request_}) is None
+    assert warm_client.run(worker, {"cwd": str(tmp_path), "env": {}, "log": str(tmp_path / "log"), **request_}) is None
 
 
 def test_the_worker_exits_with_the_process_that_started_it(tmp_path):
@@ -185,9 +185,9 @@ def test_a_worker_that_takes_a_request_and_stays_silent_is_not_taken_for_no_work
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
         silent.bind(path)
         silent.listen(1)  # the kernel takes the connection and the request; no one ever answers
-        with pytest.raises(warm_worker.WorkerSilent, match="took the job and did not answer"):
-            warm_worker.run(path, {"argv": ["inspect", "."], "cwd": "/", "env": {}, "log": "/dev/null"}, timeout_s=0.5)
-    assert warm_worker.run(path, {"argv": ["inspect", "."], "cwd": "/", "env": {}, "log": "/dev/null"}) is None
+        with pytest.raises(warm_client.WorkerSilent, match="took the job and did not answer"):
+            warm_client.run(path, {"argv": ["inspect", "."], "cwd": "/", "env": {}, "log": "/dev/null"}, timeout_s=0.5)
+    assert warm_client.run(path, {"argv": ["inspect", "."], "cwd": "/", "env": {}, "log": "/dev/null"}) is None
 
 
 @pytest.mark.parametrize("argv", [["inspect", "absent"], ["inspect", str(SAMPLES / "reference"), "--tensors"]],
@@ -244,11 +244,11 @@ def test_the_worker_preloads_the_modules_it_is_told_with_their_rank_imports(prob
     """TTRACE_WARM_PRELOAD: each module with its RANK_IMPORTS (tests.distributed.workers declares colorsys),
     imported before the worker serves; a module that cannot be imported is passed over."""
     log = tmp_path / "out.txt"
-    started = warm_worker.run(probe_worker, {"argv": ["preloaded"], "cwd": str(tmp_path), "log": str(log),
+    started = warm_client.run(probe_worker, {"argv": ["preloaded"], "cwd": str(tmp_path), "log": str(log),
                                              "env": {"OMP_NUM_THREADS": "1"}})
     assert started is not None
     _, connection = started
-    assert warm_worker.exit_code(connection, DEADLINE_S) == 0
+    assert warm_client.exit_code(connection, DEADLINE_S) == 0
     connection.close()
     assert log.read_text() == "True True\n"
 
@@ -261,11 +261,11 @@ def test_a_warm_command_starts_and_ends_as_python_m_would(probe_worker, tmp_path
     """In its own directory, which is first on sys.path; Ctrl-C a KeyboardInterrupt, which ends it by SIGINT;
     SystemExit's message on standard error; its exit functions run at its end."""
     log, errors = tmp_path / "out.txt", tmp_path / "err.txt"
-    started = warm_worker.run(probe_worker, {"argv": argv, "cwd": str(tmp_path), "log": str(log),
+    started = warm_client.run(probe_worker, {"argv": argv, "cwd": str(tmp_path), "log": str(log),
                                              "error_log": str(errors), "env": {"OMP_NUM_THREADS": "1"}})
     assert started is not None
     _, connection = started
-    assert warm_worker.exit_code(connection, DEADLINE_S) == code
+    assert warm_client.exit_code(connection, DEADLINE_S) == code
     connection.close()
     assert log.read_text().splitlines() == [f"{tmp_path} {tmp_path} True", "exit functions ran"]
     assert errors.read_text().endswith(error) and errors.read_text().startswith("to stderr\n")
