@@ -49,7 +49,7 @@ def run_session(spec: SessionSpec, *, timeout_s: float, output: IO | None = None
     worker (the dashboard's jobs, the test suite): the worker forks it (record/warm_client.py), in its own session
     as a new process would be, writing where this process's child would."""
     with session_environment(spec) as env:
-        command = _warm_session(spec, env, output) or _ColdCommand.start(spec, env, output)
+        command = _warm_session(spec, env, output) or _cold_session(spec, env, output)
         try:
             code = command.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -67,56 +67,18 @@ def run_session(spec: SessionSpec, *, timeout_s: float, output: IO | None = None
                           killed_by_signal=code < 0 or code > 128)
 
 
-class _ColdCommand:
+def _cold_session(spec: SessionSpec, env: dict[str, str], output: IO | None) -> warm_client.RunningCommand:
     """The command as a new process, in a session of its own."""
-
-    def __init__(self, process: subprocess.Popen) -> None:
-        self.process = process
-
-    @staticmethod
-    def start(spec: SessionSpec, env: dict[str, str], output: IO | None) -> _ColdCommand:
-        try:
-            return _ColdCommand(subprocess.Popen(spec.command, cwd=spec.cwd or None, env=env, start_new_session=True,
-                                                 stdout=output, stderr=None if output is None else subprocess.STDOUT))
-        except OSError as error:
-            raise TtraceError(f"cannot start {shlex.join(spec.command)!r} in {spec.cwd or os.getcwd()} ({error}); "
-                              "check the command and the directory it was recorded in") from error
-
-    def wait(self, timeout_s: float) -> int:
-        return self.process.wait(timeout=timeout_s)
-
-    def kill_group(self) -> None:
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
+    try:
+        process = subprocess.Popen(spec.command, cwd=spec.cwd or None, env=env, start_new_session=True, stdout=output,
+                                   stderr=None if output is None else subprocess.STDOUT)
+    except OSError as error:
+        raise TtraceError(f"cannot start {shlex.join(spec.command)!r} in {spec.cwd or os.getcwd()} ({error}); "
+                          "check the command and the directory it was recorded in") from error
+    return warm_client.RunningCommand(pid=process.pid, warm=False, process=process)
 
 
-class _WarmCommand:
-    """The command forked by the warm worker, leading its own session; its exit code comes on `connection`."""
-
-    def __init__(self, pid: int, connection) -> None:
-        self.pid, self.connection = pid, connection
-
-    def wait(self, timeout_s: float) -> int:
-        try:
-            code = warm_client.exit_code(self.connection, timeout_s)
-        except OSError as error:  # socket.timeout
-            raise subprocess.TimeoutExpired(str(self.pid), timeout_s) from error
-        self.connection.close()
-        return WORKER_GONE_EXIT if code is None else code
-
-    def kill_group(self) -> None:
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.connection.close()
-
-
-WORKER_GONE_EXIT = -int(signal.SIGKILL)
-"""The exit code of a warm command whose worker went away before it could tell (its server stopped): as if killed."""
-
-
-def _warm_session(spec: SessionSpec, env: dict[str, str], output: IO | None) -> _WarmCommand | None:
+def _warm_session(spec: SessionSpec, env: dict[str, str], output: IO | None) -> warm_client.RunningCommand | None:
     """The command forked by the worker `env` names, when it is one the worker runs and it takes it; else None."""
     worker, found = env.get(warm_client.WARM_ENV), warm_client.warm_command(spec.command)
     if not worker or worker == "off" or found is None:
@@ -132,7 +94,7 @@ def _warm_session(spec: SessionSpec, env: dict[str, str], output: IO | None) -> 
                                            "log": ""}, stdio=stdio)
     except warm_client.WorkerSilent:
         raise LaunchError(f"{shlex.join(spec.command)}: the warm worker took it and did not answer") from None
-    return None if started is None else _WarmCommand(*started)
+    return None if started is None else warm_client.RunningCommand.forked(started)
 
 
 def record(out: str | os.PathLike, command: list[str], *, seed: int = 0, stats_only: bool = False,

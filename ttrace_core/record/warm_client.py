@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
+from dataclasses import dataclass
 
 WARM_ENV = "TTRACE_WARM_WORKER"
 """The worker's socket path, in the dashboard server's environment and so in every job's."""
@@ -110,3 +113,46 @@ def read_line(connection: socket.socket) -> bytes:
         if len(data) > REQUEST_LIMIT:
             raise ValueError("more than a request's bytes")
     return data.strip()
+
+
+@dataclass(slots=True)
+class RunningCommand:
+    """A command running in its own process group: a new process (`process`), or forked by the warm worker, its exit
+    code to come on `connection`."""
+
+    pid: int
+    warm: bool
+    process: subprocess.Popen | None = None
+    connection: socket.socket | None = None
+
+    @staticmethod
+    def forked(started: tuple[int, socket.socket]) -> RunningCommand:
+        """The command `run` started."""
+        return RunningCommand(pid=started[0], warm=True, connection=started[1])
+
+    def wait(self, timeout_s: float) -> int:
+        """Its exit code (WORKER_GONE_EXIT when its worker went away first); subprocess.TimeoutExpired after
+        `timeout_s`."""
+        if self.process is not None:
+            return self.process.wait(timeout=timeout_s)
+        try:
+            code = exit_code(self.connection, timeout_s)
+        except OSError as error:  # socket.timeout
+            raise subprocess.TimeoutExpired(str(self.pid), timeout_s) from error
+        self.connection.close()  # nothing more comes on it
+        return WORKER_GONE_EXIT if code is None else code
+
+    def kill_group(self) -> None:
+        """The command and everything it started (its process group), even after the command itself exited."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.process is not None:
+            self.process.wait()
+        if self.connection is not None:
+            self.connection.close()
+
+
+WORKER_GONE_EXIT = -1
+"""The exit code of a command whose warm worker went away before it could tell (the dashboard stopped)."""

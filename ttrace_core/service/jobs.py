@@ -304,7 +304,7 @@ def supervise(directory: Path) -> int:
     _write_json(directory / "status.json", asdict(status))
     command = None
     try:
-        command = _Command.start(spec, directory / "log.txt")
+        command = _start_command(spec, directory / "log.txt")
         status.command, status.warm = ProcessRef.of(command.pid), command.warm
         _write_json(directory / "status.json", asdict(status))
         exit_code = command.wait(spec.timeout_s)
@@ -327,54 +327,19 @@ def supervise(directory: Path) -> int:
     return 0
 
 
-@dataclass(slots=True)
-class _Command:
-    """The job's command, running in its own process group: a new process, or forked by the dashboard's
-    warm worker (warm_worker.py) when the job's environment names one and the command is ttrace's."""
-
-    pid: int
-    warm: bool
-    process: subprocess.Popen | None = None
-    connection: object | None = None
-    """The warm worker's connection, on which the command's exit code comes."""
-
-    @staticmethod
-    def start(spec: JobSpec, log_path: Path) -> _Command:
-        argv = warm_client.warm_argv(spec.command)
-        worker = spec.env.get(warm_client.WARM_ENV)
-        if argv is not None and worker:
-            started = warm_client.run(worker, {"argv": argv, "cwd": spec.cwd, "env": spec.env, "log": str(log_path)})
-            if started is not None:
-                return _Command(pid=started[0], warm=True, connection=started[1])
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(spec.command, cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL, stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
-        return _Command(pid=process.pid, warm=False, process=process)
-
-    def wait(self, timeout_s: float) -> int:
-        """Its exit code; subprocess.TimeoutExpired after `timeout_s`."""
-        if self.process is not None:
-            return self.process.wait(timeout=timeout_s)
-        try:
-            code = warm_client.exit_code(self.connection, timeout_s)
-        except OSError as error:  # socket.timeout
-            raise subprocess.TimeoutExpired(str(self.pid), timeout_s) from error
-        return WORKER_GONE_EXIT if code is None else code
-
-    def kill_group(self) -> None:
-        """The command and everything it started (its process group), even after the command itself exited."""
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.process is not None:
-            self.process.wait()
-        if self.connection is not None:
-            self.connection.close()
-
-
-WORKER_GONE_EXIT = -1
-"""The exit code of a command whose warm worker went away before it could tell (the dashboard stopped)."""
+def _start_command(spec: JobSpec, log_path: Path) -> warm_client.RunningCommand:
+    """The job's command, in its own process group: forked by the dashboard's warm worker (warm_worker.py) when the
+    job's environment names one and the command is ttrace's, else a new process."""
+    argv = warm_client.warm_argv(spec.command)
+    worker = spec.env.get(warm_client.WARM_ENV)
+    if argv is not None and worker:
+        started = warm_client.run(worker, {"argv": argv, "cwd": spec.cwd, "env": spec.env, "log": str(log_path)})
+        if started is not None:
+            return warm_client.RunningCommand.forked(started)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(spec.command, cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    return warm_client.RunningCommand(pid=process.pid, warm=False, process=process)
 
 
 if __name__ == "__main__":

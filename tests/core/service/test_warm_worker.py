@@ -26,7 +26,7 @@ from ttrace_core.record import warm_client
 from ttrace_core.service import warm_worker
 from ttrace_core.service.comparison_jobs import submit_comparison
 from ttrace_core.service.comparisons import comparison_table
-from ttrace_core.service.jobs import JobSpec, _Command
+from ttrace_core.service.jobs import JobSpec, _start_command
 
 SAMPLES = REPO / "sample_traces" / "fp32"
 DEADLINE_S = 60.0
@@ -80,11 +80,11 @@ def test_a_comparison_job_forked_by_the_worker_writes_the_table_a_new_process_wr
 
 
 def test_a_warm_command_is_its_own_process_group_and_its_timeout_kills_it(worker, tmp_path):
-    """The supervisor's side (jobs._Command): the command's log is a FIFO no one reads, so it blocks opening
+    """The supervisor's side (jobs._start_command): the command's log is a FIFO no one reads, so it blocks opening
     it, in a session of its own, until the timeout; killing its group ends it and the worker reports -9."""
     log = tmp_path / "log.txt"
     os.mkfifo(log)
-    command = _Command.start(_ttrace_spec(["inspect", str(SAMPLES / "reference")], tmp_path, worker), log)
+    command = _start_command(_ttrace_spec(["inspect", str(SAMPLES / "reference")], tmp_path, worker), log)
     assert command.warm and os.getpgid(command.pid) == command.pid and os.getsid(command.pid) == command.pid
     with pytest.raises(subprocess.TimeoutExpired):
         command.wait(0.5)
