@@ -81,7 +81,7 @@ def _cold_session(spec: SessionSpec, env: dict[str, str], output: IO | None) -> 
 def _warm_session(spec: SessionSpec, env: dict[str, str], output: IO | None) -> warm_client.RunningCommand | None:
     """The command forked by the worker `env` names, when it is one the worker runs and it takes it; else None."""
     worker, found = env.get(warm_client.WARM_ENV), warm_client.warm_command(spec.command)
-    if not worker or worker == "off" or found is None:
+    if not worker or found is None:  # (TTRACE_WARM_WORKER=off names no socket: `run` finds no worker there)
         return None
     module, argv = found
     stdio = (1, 2) if output is None else (output.fileno(), output.fileno())

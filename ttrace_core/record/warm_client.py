@@ -102,9 +102,9 @@ def exit_code(connection: socket.socket, timeout_s: float | None) -> int | None:
     return code if isinstance(code, int) else None
 
 
-def read_line(connection: socket.socket) -> bytes:
-    """One line of the protocol (a request or an answer), without its newline."""
-    data = b""
+def read_line(connection: socket.socket, data: bytes = b"") -> bytes:
+    """One line of the protocol (a request or an answer), without its newline; `data`: its first bytes, read
+    already."""
     while not data.endswith(b"\n"):
         chunk = connection.recv(65536)
         if not chunk:

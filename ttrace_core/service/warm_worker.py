@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from ttrace_core.record.warm_client import CONNECT_TIMEOUT_S, REQUEST_LIMIT, WARM_MODULES
+from ttrace_core.record.warm_client import CONNECT_TIMEOUT_S, WARM_MODULES, read_line
 
 SOCKET_NAME = "worker.sock"
 WORKER_MODULE = "ttrace_core.cli.worker"
@@ -178,18 +178,14 @@ def _reap(waiting: dict[int, socket.socket | None]) -> None:
 
 
 def _request_line(connection: socket.socket) -> tuple[bytes, list[int]]:
-    """A request's line and the descriptors sent with its first bytes (read_line's reading, descriptors kept)."""
+    """A request's line and the descriptors sent with its first bytes."""
     data, fds, _, _ = socket.recv_fds(connection, 65536, 2)
-    while data and not data.endswith(b"\n"):
-        chunk = connection.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-        if len(data) > REQUEST_LIMIT:
-            for fd in fds:
-                os.close(fd)
-            raise ValueError("more than a request's bytes")
-    return data.strip(), list(fds)
+    try:
+        return read_line(connection, data), list(fds)
+    except (OSError, ValueError):
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def _module_main(module: str, argv: list[str]) -> int:
