@@ -180,7 +180,7 @@ class AssembledPair:
         they were taken under it, else computed now. A small tensor is summed as in a batch wherever it is
         compared, so that its row is the same bits whichever tensors it was batched with, if any (partition.py's
         workers compare a share of the keys each)."""
-        if self.sums is not None and self.sums_tolerance == tolerance:
+        if self.sums is not None and (self.sums_tolerance is tolerance or self.sums_tolerance == tolerance):
             return self.sums
         actual, expected = self.actual, self.expected
         if batchable(expected.values.numel()):
@@ -232,13 +232,14 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
     try:
         if ref_metas[0].stats_only or cand_metas[0].stats_only:
             return _compare_stats(key, reference, candidate, tolerance)
-        if dims := slab_dims(ref_metas, cand_metas, max_bytes):
+        if assembled is None and (dims := slab_dims(ref_metas, cand_metas, max_bytes)):  # (prepare_small took none cut in slabs)
             metrics, replica_drift = compare_in_slabs(key, reference, candidate, tolerance, max_bytes, dims)
         else:
             pair = assembled or assemble_pair(key, reference, candidate)
             shape = ref_metas[0].layout.global_shape  # (what its shards assemble into)
             if isinstance(pair, AssembledPair) and pair.actual is None and (
-                    pair.sums_tolerance != tolerance or _has_structure_tests(tolerances, key, cand_dtype, shape)):
+                    (pair.sums_tolerance is not tolerance and pair.sums_tolerance != tolerance)
+                    or _has_structure_tests(tolerances, key, cand_dtype, shape)):
                 pair = assemble_pair(key, reference, candidate)  # its values are needed after all
             if isinstance(pair, TensorComparison):
                 return pair

@@ -163,13 +163,16 @@ def _copies_per_coordinate(metas: list[TensorMeta]) -> int:
 def replication_by_family(index: dict[TensorKey, list[TensorMeta]], families: dict[TensorKey, tuple] | None = None
                           ) -> dict[tuple, int]:
     """family -> the most ranks that held one block of any of its tensors; `families`, when given, is filled
-    with each key's family."""
-    replication: dict[tuple, int] = defaultdict(int)
+    with each key's family (a key it holds already keeps its family)."""
+    replication: dict[tuple, int] = {}
+    families = {} if families is None else families
     for key, metas in index.items():
-        family = family_of(key)
-        if families is not None:
-            families[key] = family
-        replication[family] = max(replication[family], _copies_per_coordinate(metas))
+        family = families.get(key)
+        if family is None:
+            family = families[key] = family_of(key)
+        copies = _copies_per_coordinate(metas)
+        if copies > replication.get(family, 0):
+            replication[family] = copies
     return replication
 
 
@@ -177,6 +180,49 @@ def copies_expected(metas: list[TensorMeta], replication: int) -> int:
     """How many copies of a tensor a run holds when every block of its layout is held by `replication`
     ranks (its family's most replicated block); `len(metas)` are present."""
     return (math.prod(metas[0].layout.mesh_shape) if metas else 1) * max(replication, 1)
+
+
+def _tally_copies(coverage: Coverage, keys: list[TensorKey], reader: RunReader, replication: dict[tuple, int],
+                  families: dict[TensorKey, tuple]) -> bool:
+    """The copies of `keys` `reader` holds, and those `copies_expected` calls for, added to `coverage`; whether
+    any key has fewer. One pass over the keys, each mesh's count of blocks taken once."""
+    index, blocks_of = reader.index, {}
+    present_total = expected_total = 0
+    short = False
+    for key in keys:
+        metas = index[key]
+        present = len(metas)
+        if metas:
+            mesh = metas[0].layout.mesh_shape
+            if (blocks := blocks_of.get(mesh)) is None:
+                blocks = blocks_of[mesh] = math.prod(mesh)
+        else:
+            blocks = 1
+        family = families.get(key)
+        expected = blocks * max(replication.get(family if family is not None else family_of(key), 0), 1)
+        present_total += present
+        expected_total += expected
+        short = short or present < expected
+    coverage.copies_present += present_total
+    coverage.copies_expected += expected_total
+    return short
+
+
+def _missing_copies(keys: list[TensorKey], readers: tuple[RunReader, RunReader], replication: dict[int, dict[tuple, int]],
+                    families: dict[TensorKey, tuple]) -> list[str]:
+    """The first five keys short of copies, "KEY: 1 of 2 copies in RUN (ranks [0])", key by key, the reference first."""
+    found: list[str] = []
+    for key in keys:
+        for reader in readers:
+            metas = reader.index[key]
+            present = len(metas)
+            expected = copies_expected(metas, replication[id(reader)].get(families.get(key) or family_of(key), 0))
+            if present < expected:
+                found.append(f"{key}: {present} of {expected} copies in {reader.run_dir.name} "
+                             f"(ranks {sorted(m.rank for m in metas)})")
+                if len(found) == 5:
+                    return found
+    return found
 
 
 def expected_steps(reference: RunReader, candidate: RunReader) -> list[int]:
@@ -250,26 +296,25 @@ def tally_coverage(rows: list, reference: RunReader, candidate: RunReader, steps
                         recording_findings=[f"{name}: {line}" for name, reader in (("reference", reference), ("candidate", candidate))
                                             for line in finding_lines(reader.findings)],
                         reference_trained=liveness.trained, dead_reference=liveness.why_not)
+    compared: list[TensorKey] = []
+    by_stats = elementwise = 0
     for row in rows:
-        if row.status in (ComparisonStatus.MISSING, ComparisonStatus.EXTRA):
-            coverage.missing_in_candidate += row.status == ComparisonStatus.MISSING
-            coverage.missing_in_reference += row.status == ComparisonStatus.EXTRA
-            continue
-        family = families.get(row.key) or family_of(row.key)
-        for reader, copies in ((reference, replication[id(reference)]), (candidate, replication[id(candidate)])):
-            metas = reader.index[row.key]
-            present, expected = len(metas), copies_expected(metas, copies[family])
-            coverage.copies_present += present
-            coverage.copies_expected += expected
-            if present < expected and len(coverage.missing_copies) < 5:
-                coverage.missing_copies.append(f"{row.key}: {present} of {expected} copies in "
-                                               f"{reader.run_dir.name} (ranks {sorted(m.rank for m in metas)})")
-        if row.stats_only:
-            coverage.compared_by_stats += 1
-        elif row.value_ratio is not None:
-            coverage.compared_elementwise += 1
+        status = row.status
+        if status == ComparisonStatus.MISSING:
+            coverage.missing_in_candidate += 1
+        elif status == ComparisonStatus.EXTRA:
+            coverage.missing_in_reference += 1
         else:
-            coverage.not_compared += 1
+            compared.append(row.key)
+            if row.stats_only:
+                by_stats += 1
+            elif row.value_ratio is not None:
+                elementwise += 1
+    coverage.compared_by_stats, coverage.compared_elementwise = by_stats, elementwise
+    coverage.not_compared = len(compared) - by_stats - elementwise
+    short = [_tally_copies(coverage, compared, reader, replication[id(reader)], families) for reader in (reference, candidate)]
+    if any(short):
+        coverage.missing_copies = _missing_copies(compared, (reference, candidate), replication, families)
     for reader in (reference, candidate):
         coverage.ranks_expected += reader.manifest.world_size
         coverage.ranks_present += len({m.rank for key, metas in reader.index.items() if key.step in steps_compared for m in metas})

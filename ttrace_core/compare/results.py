@@ -252,7 +252,8 @@ class TensorComparison:
         return self.status == ComparisonStatus.PASS
 
     def __post_init__(self) -> None:
-        self.status = ComparisonStatus(self.status)
+        if type(self.status) is not ComparisonStatus:
+            self.status = ComparisonStatus(self.status)
         self.detectable = row_detectable(self)
         if self.decided_by is None and self.value_ratio is not None:  # a row judged by the norm test alone
             self.decided_by = "replica drift" if (self.drift_ratio or 0.0) > self.value_ratio else "mismatch"

@@ -314,13 +314,14 @@ def _index_packs(step_file: StepFile, wanted: Wanted | None) -> int:
     handle, where, remedy = step_file._handle, str(step_file.path), remedy_of(step_file.rank)
     refuse_foreign_objects(handle, where, (TENSOR_INDEX, FINDINGS))
     rows = read_rows(handle, where)
-    seen: set[str] = set()
-    for row in rows:
-        if row.dataset is not None:
-            if row.dataset in seen:
-                raise TraceFormatError(f"{where}: the tensor index lists {row.dataset} twice; its index is damaged, "
+    names = [row.dataset for row in rows if row.dataset is not None]
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise TraceFormatError(f"{where}: the tensor index lists {name} twice; its index is damaged, "
                                        "re-record this rank")
-            seen.add(row.dataset)
+            seen.add(name)
     checked = checked_spans(handle, rows, where, remedy)
     step_file._spans, step_file._descriptor = checked.spans, checked.image  # (closed with the step file from here on)
     step_file.findings = findings_in_file(handle, where)
