@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from ttrace_core.format.naming import in_subtree, owner_of, slot_family
+from ttrace_core.format.naming import SubtreeIndex, owner_of, slot_family
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
 
 # The slot families a tensor's value is computed from, and the phase each is recorded in.
@@ -42,22 +42,30 @@ SOURCE_PHASES = {"input": "forward", "grad_output": "backward"}
 
 
 class ExactInputs:
-    """Tracks which compared tensors were bitwise exact and applies the rule above."""
+    """Tracks which compared tensors were bitwise exact and applies the rule above. A question costs the
+    size of the module's subtree, not of the run: the sources, the parameter owners and the parameters are
+    indexed by module name (naming.SubtreeIndex), and what does not change as tensors are marked (which
+    modules with parameters were traced) is answered once per module and micro-batches."""
 
     def __init__(self, keys: Iterable[TensorKey]) -> None:
         keys_list = list(keys)
-        self._activations: dict[tuple[int, int], list[TensorKey]] = defaultdict(list)
-        self._params: dict[int, list[TensorKey]] = defaultdict(list)
+        sources: dict[tuple[int, int], list[tuple[str, TensorKey]]] = defaultdict(list)
+        params: dict[int, list[tuple[str, TensorKey]]] = defaultdict(list)
         self._micro_batches: dict[int, set[int]] = defaultdict(set)
         for key in keys_list:
             if key.phase == "param":
-                self._params[key.step].append(key)
+                params[key.step].append((owner_of(key.fqn), key))
             elif key.micro_batch != NO_MICRO_BATCH:
-                self._activations[key.step, key.micro_batch].append(key)
                 self._micro_batches[key.step].add(key.micro_batch)
+                if SOURCE_PHASES.get(slot_family(key.slot)) == key.phase:  # (only sources are ever asked about)
+                    sources[key.step, key.micro_batch].append((key.fqn, key))
+        self._sources = {place: SubtreeIndex(found) for place, found in sources.items()}
+        self._params = {step: SubtreeIndex(found) for step, found in params.items()}
         self._exact: set[TensorKey] = set()
-        self._param_owners = {owner_of(k.fqn) for k in keys_list if k.phase in ("grad", "param")}
+        self._param_owners = SubtreeIndex((owner, owner) for owner in {owner_of(k.fqn) for k in keys_list
+                                                                         if k.phase in ("grad", "param")})
         self._traced = {(k.step, k.micro_batch, k.fqn) for k in keys_list if k.phase == "forward"}
+        self._untraced_inside: dict[tuple[int, tuple[int, ...], str], bool] = {}
 
     def mark(self, key: TensorKey, exact: bool) -> None:
         if exact:
@@ -87,19 +95,27 @@ class ExactInputs:
                       needs_grad_output: bool = False) -> bool:
         if not micro_batches or not self._params_exact(step, module):
             return False
-        if any((step, micro_batch, owner) not in self._traced for owner in self._param_owners if in_subtree(owner, module)
-               for micro_batch in micro_batches):
+        if self._untraced_owner_inside(step, micro_batches, module):
             return False  # an untraced module with weights inside (MoE experts): its scales are out of sight
         saw_grad_output = False
+        no_sources = SubtreeIndex(())
         for micro_batch in micro_batches:
-            for dep in self._activations[step, micro_batch]:
-                family = slot_family(dep.slot)
-                if family not in families or SOURCE_PHASES[family] != dep.phase or not in_subtree(dep.fqn, module):
+            for dep in self._sources.get((step, micro_batch), no_sources).within(module):
+                if slot_family(dep.slot) not in families:
                     continue
                 if dep not in self._exact:
                     return False
                 saw_grad_output |= dep.phase == "backward" and dep.fqn == module
         return saw_grad_output or not needs_grad_output
+
+    def _untraced_owner_inside(self, step: int, micro_batches: list[int], module: str) -> bool:
+        """Whether a module owning parameters inside `module` went untraced in one of the micro-batches."""
+        place = (step, tuple(micro_batches), module)
+        if (found := self._untraced_inside.get(place)) is None:
+            found = self._untraced_inside[place] = any(
+                (step, micro_batch, owner) not in self._traced for owner in self._param_owners.within(module)
+                for micro_batch in micro_batches)
+        return found
 
     def _params_exact(self, step: int, module: str) -> bool:
         if step == 0:
@@ -107,4 +123,4 @@ class ExactInputs:
         previous = self._params.get(step - 1)
         if not previous:
             return False
-        return all(p in self._exact for p in previous if in_subtree(owner_of(p.fqn), module))
+        return all(p in self._exact for p in previous.within(module))

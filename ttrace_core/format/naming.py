@@ -10,10 +10,15 @@ A key names one tensor instance (format.schema.TensorKey): `phase` forward | bac
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
+from collections.abc import Iterable
+from typing import Generic, TypeVar
 
 from ttrace_core.format.schema import ROOT_NAME, TensorKey
+
+T = TypeVar("T")
 
 LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
 """A transformer layer in a module path: "decoder.layers.3.mlp" is in layer 3 (also "blocks.3", "h.3")."""
@@ -116,6 +121,28 @@ def in_subtree(fqn: str, root: str | None) -> bool:
     The root module ("") and None hold everything, a parameter sits in its module's subtree. The one
     rule of module nesting: `is_descendant` and `global_fqn` are written with it."""
     return not root or fqn == root or fqn.startswith(root + ".")
+
+
+class SubtreeIndex(Generic[T]):
+    """Items by module name, those of a subtree (`in_subtree`) found by bisection instead of a scan: in sorted
+    order a root's descendants ("a.b", "a.c.d") lie between "a." and "a/" ("/" follows "."), the root itself just
+    before them, with names such as "a-b" possibly between."""
+
+    def __init__(self, items: Iterable[tuple[str, T]]) -> None:
+        ordered = sorted(items, key=lambda item: item[0])
+        self._names = [name for name, _ in ordered]
+        self._items = [item for _, item in ordered]
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def within(self, root: str | None) -> list[T]:
+        """The items whose name is in `root`'s subtree, in name order (the root's own first)."""
+        if not root:
+            return self._items
+        names, items = self._names, self._items
+        own = items[bisect.bisect_left(names, root):bisect.bisect_right(names, root)]
+        return own + items[bisect.bisect_left(names, root + "."):bisect.bisect_left(names, root + "/")]
 
 
 def is_descendant(fqn: str, ancestor: str) -> bool:

@@ -1,10 +1,13 @@
+import random
+
 import pytest
 import torch
 from torch import nn
 
+from ttrace_core.compare import exact_inputs
 from ttrace_core.compare.engine import compare_runs
-from ttrace_core.compare.exact_inputs import ExactInputs, in_subtree, owner_of
-from ttrace_core.format.naming import GRADIENT_CLIPPING, LOSS_FUNCTION
+from ttrace_core.compare.exact_inputs import SOURCE_PHASES, ExactInputs
+from ttrace_core.format.naming import GRADIENT_CLIPPING, LOSS_FUNCTION, in_subtree, owner_of, slot_family
 from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
 from ttrace_core.format.reader import RunReader
 from ttrace_core.compare.tolerances import Tolerance
@@ -200,3 +203,90 @@ def test_exact_inputs_do_not_tighten_a_tensor_that_is_round_off(tmp_path, offset
         assert output.error > 1e-3  # far above k sqrt(n) eps: the tightened rule would have failed it
     else:
         assert output.tolerance.method == "exact-inputs" or output.tolerance.rel == 4.0
+
+
+def _rule_by_scanning(keys: list[TensorKey], exact: set[TensorKey], key: TensorKey) -> bool:
+    """The rule of the module's docstring, written as a scan of every recorded key (the code before the
+    subtree index): what ExactInputs must answer."""
+    micro_batches = sorted({k.micro_batch for k in keys if k.step == key.step and k.micro_batch != NO_MICRO_BATCH})
+    if key.phase == "forward" and slot_family(key.slot) == "output":
+        module, wanted, families, needs = key.fqn, [key.micro_batch], ("input",), False
+    elif key.phase == "backward" and slot_family(key.slot) == "grad_input":
+        module, wanted, families, needs = key.fqn, [key.micro_batch], ("input", "grad_output"), False
+    elif key.phase == "grad":
+        module, wanted, families, needs = owner_of(key.fqn), micro_batches, ("input", "grad_output"), True
+    else:
+        return False
+    if not wanted:
+        return False
+    if key.step:
+        previous = [k for k in keys if k.phase == "param" and k.step == key.step - 1]
+        if not previous or not all(p in exact for p in previous if in_subtree(owner_of(p.fqn), module)):
+            return False
+    owners = {owner_of(k.fqn) for k in keys if k.phase in ("grad", "param")}
+    traced = {(k.step, k.micro_batch, k.fqn) for k in keys if k.phase == "forward"}
+    if any((key.step, mb, owner) not in traced for owner in owners if in_subtree(owner, module) for mb in wanted):
+        return False
+    saw = False
+    for dep in keys:
+        family = slot_family(dep.slot)
+        if dep.step != key.step or dep.micro_batch not in wanted or family not in families \
+                or SOURCE_PHASES[family] != dep.phase or not in_subtree(dep.fqn, module):
+            continue
+        if dep not in exact:
+            return False
+        saw |= dep.phase == "backward" and dep.fqn == module
+    return saw or not needs
+
+
+NAMES = ["", "a", "a-b", "a.b", "a.b.c", "a.bc", "ab", "a/b", "b", "b.a"]
+"""Module names whose sorted order puts other names between a root and its descendants ("a-b", "a/b")."""
+
+
+def _keys_of(names: list[str]) -> list[TensorKey]:
+    keys = []
+    for step in (0, 1):
+        for micro_batch in (0, 1):
+            for fqn in names:
+                keys += [act(phase, fqn, slot, micro_batch, step) for phase, slot in (
+                    ("forward", "input.0"), ("forward", "output.0"), ("backward", "grad_output.0"),
+                    ("backward", "grad_input.0"))]
+        for fqn in names:
+            keys += [reduced(phase, f"{fqn}.w" if fqn else "w", step) for phase in ("grad", "param")]
+    return keys
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_rule_answers_as_a_scan_of_every_key(seed):
+    """Random subsets of keys over names that sort between a root and its descendants, marked exact at random
+    in execution order: every answer equals the scan's."""
+    rng = random.Random(seed)
+    keys = [key for key in _keys_of(NAMES) if rng.random() < 0.8]
+    rule, exact = ExactInputs(keys), set()
+    for key in keys:
+        assert rule.applies(key) is _rule_by_scanning(keys, exact, key), key
+        if rng.random() < 0.9:
+            rule.mark(key, True)
+            exact.add(key)
+
+
+def test_a_question_costs_the_module_s_subtree_not_the_run(monkeypatch):
+    """Every key of a run asked in turn, at 10 and at 40 layers: the source keys looked at grow with the
+    layers (4x), not with their square (16x; each question scanned every key of its micro-batch before)."""
+    looked_at = []
+
+    def counted(slot: str) -> str:
+        looked_at.append(slot)
+        return slot_family(slot)
+
+    monkeypatch.setattr(exact_inputs, "slot_family", counted)
+    counts = []
+    for layers in (10, 40):
+        keys = _keys_of([f"layers.{i}.{part}" for i in range(layers) for part in ("attn", "mlp")])
+        rule = ExactInputs(keys)
+        looked_at.clear()
+        for key in keys:
+            rule.applies(key)
+            rule.mark(key, True)
+        counts.append(len(looked_at))
+    assert counts[1] < 5 * counts[0], counts

@@ -13,7 +13,7 @@ import pytest
 
 from ttrace_core.format import naming
 from ttrace_core.format.naming import (
-    DATA_PARALLEL_AXES, EMBEDDING_NAMES, FP8_SCALE_MODULE, ROOT_NAME, fp8_scale_linear, global_fqn, in_subtree, is_descendant,
+    DATA_PARALLEL_AXES, EMBEDDING_NAMES, FP8_SCALE_MODULE, ROOT_NAME, fp8_scale_linear, global_fqn, in_subtree, is_descendant, SubtreeIndex,
     layer_family,
 )
 
@@ -38,6 +38,13 @@ ALLOWED = {
         "parameter"])
 def test_in_subtree_goes_by_whole_name_components(fqn, root, expected):
     assert in_subtree(fqn, root) is expected
+
+
+@pytest.mark.parametrize("root", [None, "", "a", "a.b", "a-b", "b", "c", "a.b.c"])
+def test_a_subtree_index_finds_what_in_subtree_holds(root):
+    names = ["", "a", "a-b", "a.b", "a.b.c", "a.bc", "ab", "a/b", "b", "b.a", "a", "a.b"]
+    index = SubtreeIndex((name, number) for number, name in enumerate(names))
+    assert sorted(index.within(root)) == [number for number, name in enumerate(names) if in_subtree(name, root)]
 
 
 @pytest.mark.parametrize("fqn, ancestor, expected", [
