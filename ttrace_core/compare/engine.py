@@ -214,7 +214,9 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
     `assembled`: its values, already read (`prepare_small`)."""
     ref_metas, cand_metas = reference.index[key], candidate.index[key]
     ref_dtype, cand_dtype = ref_metas[0].dtype, cand_metas[0].dtype
-    tolerance = own = tolerances.tolerance_for(key, cand_dtype)
+    # (a key read ahead was summed under its own tolerance, asked of the provider then)
+    tolerance = own = assembled.sums_tolerance if assembled is not None and assembled.sums_tolerance is not None \
+        else tolerances.tolerance_for(key, cand_dtype)
     if exact_inputs:
         tolerance = exact_inputs_tolerance(own, candidate.manifest.precision, cand_dtype, *exact_inputs)
     if ref_dtype != cand_dtype and not ignore_dtype:
@@ -455,7 +457,7 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
     wanted = plan.common.difference(precomputed) if precomputed else plan.common
     roundoff = RoundoffSteps(reference, candidate)  # an adaptive optimizer's step on round-off (roundoff_steps.py)
     for done, (key, assembled) in enumerate(read_ahead(plan.ordered, reference, candidate, plan, wanted), start=1):
-        if key.phase == "forward" and key.slot.startswith("output"):
+        if pending and key.phase == "forward" and key.slot.startswith("output"):
             for row in pending.pop((key.step, key.micro_batch, key.call, key.fqn), []):
                 _append(result, row, on_row)
         if key in plan.common:
