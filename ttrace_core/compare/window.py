@@ -85,15 +85,16 @@ def _part_sums(keys: list[TensorKey], reference: RunReader, candidate: RunReader
                tolerances: dict[TensorKey, Tolerance]) -> dict[TensorKey, ValueSums]:
     runs = [_read(reader, keys) for reader in (candidate, reference)]
     found_at: list[tuple[TensorKey, _Gathered, _Gathered]] = []
-    positions = [0, 0]
+    (actual_index, actual_run), (expected_index, expected_run) = zip((candidate.index, reference.index), runs)
+    actual_at = expected_at = 0  # (each run's first shard of the key in its buffer's offsets)
     for key in keys:
-        gathered = []
-        for side, (reader, run) in enumerate(zip((candidate, reference), runs)):
-            metas = reader.index[key]
-            gathered.append(_gathered(metas, run, positions[side], replicas_checked=side == 0))
-            positions[side] += len(metas)
-        if gathered[0] is not None and gathered[1] is not None:
-            found_at.append((key, gathered[0], gathered[1]))
+        actual_metas, expected_metas = actual_index[key], expected_index[key]
+        actual = _gathered(actual_metas, actual_run, actual_at, replicas_checked=True)
+        expected = _gathered(expected_metas, expected_run, expected_at, replicas_checked=False)
+        actual_at += len(actual_metas)
+        expected_at += len(expected_metas)
+        if actual is not None and expected is not None:
+            found_at.append((key, actual, expected))
     groups: dict[tuple, list[tuple[TensorKey, _Gathered, _Gathered]]] = {}
     for entry in found_at:  # one index map per set of layouts: gathered for all its keys at once
         _, actual, expected = entry
@@ -125,10 +126,11 @@ def _gathered(metas: list[TensorMeta], run: _Run, position: int, replicas_checke
     offsets = run.offsets[position:position + len(metas)]
     if None in offsets:
         return None
-    plan = gather_plan(tuple([(meta.rank, meta.layout, meta.local_shape) for meta in metas]))
+    first_meta = metas[0]
+    plan = gather_plan(((first_meta.rank, first_meta.layout, first_meta.local_shape),) if len(metas) == 1 else
+                       tuple([(meta.rank, meta.layout, meta.local_shape) for meta in metas]))
     if plan is None:
         return None
-    first_meta = metas[0]
     dtype = first_meta.dtype
     itemsize = stored_dtype(dtype).itemsize
     if replicas_checked and plan.replicas:

@@ -61,7 +61,6 @@ def _what_is_wrong(error: BaseException) -> str:
 
 
 @functools.cache
-@functools.lru_cache(maxsize=None)
 def stored_dtype(name: str) -> np.dtype:
     """The numpy dtype (native byte order) a tensor of dtype `name` is stored as: bf16 and fp8 as raw bits (kept
     per name: compare asks it for every small tensor it gathers)."""
