@@ -93,6 +93,22 @@ def test_large_pair_figures():
     assert slabbed["peak_rss_bytes"] < results["max_bytes"]  # bounded by the budget, the interpreter included
 
 
+def test_per_key_figures():
+    """The same-run speed-ups of the per-key work and of the exact-inputs rule on the tiny pairs, under flat and
+    derived tolerances, and the derived cost per key before and after (benchmarks/results/large_pair_per_key.json)."""
+    points = sorted(json.loads((RESULTS / "large_pair_per_key.json").read_text())["points"], key=lambda p: p["layers"])
+    cost = _readme()
+    flat = " and ".join(f"**{p['before_s'] / p['seconds']:.2f}x**" for p in points)
+    assert f"compares the tiny pairs {flat} faster" in cost
+    derived = " and ".join(f"**{p['theorem_before_s'] / p['theorem_s']:.1f}x**" for p in points)
+    assert f"{derived} faster on the same pairs" in cost
+    before = [f"{p['theorem_before_s'] / p['keys'] * 1e6:,.0f} µs at {p['layers']} layers" for p in points]
+    assert f"({before[0]}, {before[1]})" in cost
+    after = " and ".join(f"{p['theorem_s'] / p['keys'] * 1e6:.0f}" for p in points)
+    assert f"({after} µs per key, the same rows)" in cost
+    assert all(p["theorem_s"] < p["theorem_before_s"] and p["seconds"] < p["before_s"] for p in points)
+
+
 def test_known_limits_quote_the_results_files():
     """docs/known-limits.md's line on cost quotes the results files cost.md quotes: recording, the compare rate
     and the fitted cost per tensor."""
