@@ -174,14 +174,27 @@ class AssembledPair:
     sums: ValueSums | None = None
     """Computed ahead with other small tensors (batched.py), under `sums_tolerance`."""
     sums_tolerance: Tolerance | None = None
+    tightened: tuple[Tolerance, ValueSums] | None = None
+    """The sums computed ahead under the tighter tolerance the exact-inputs rule would give the tensor, should the
+    rule apply when its turn comes (`prepare_small`)."""
+
+    def _ahead(self, tolerance: Tolerance) -> ValueSums | None:
+        for taken, sums in ((self.sums_tolerance, self.sums), self.tightened or (None, None)):
+            if sums is not None and (taken is tolerance or taken == tolerance):
+                return sums
+        return None
+
+    def holds_sums_under(self, tolerance: Tolerance) -> bool:
+        """Whether sums under `tolerance` were computed ahead (the values need not be read again)."""
+        return self._ahead(tolerance) is not None
 
     def sums_under(self, tolerance: Tolerance) -> ValueSums:
         """The value sums under `tolerance` (its mismatch count depends on it): those computed ahead when
         they were taken under it, else computed now. A small tensor is summed as in a batch wherever it is
         compared, so that its row is the same bits whichever tensors it was batched with, if any (partition.py's
         workers compare a share of the keys each)."""
-        if self.sums is not None and (self.sums_tolerance is tolerance or self.sums_tolerance == tolerance):
-            return self.sums
+        if (ahead := self._ahead(tolerance)) is not None:
+            return ahead
         actual, expected = self.actual, self.expected
         if batchable(expected.values.numel()):
             found = batched_sums([SmallPair(actual.values, expected.values, actual.scale, expected.scale, tolerance)])[0]
@@ -240,8 +253,7 @@ def compare_tensor(key: TensorKey, reference: RunReader, candidate: RunReader, t
             pair = assembled or assemble_pair(key, reference, candidate)
             shape = ref_metas[0].layout.global_shape  # (what its shards assemble into)
             if isinstance(pair, AssembledPair) and pair.actual is None and (
-                    (pair.sums_tolerance is not tolerance and pair.sums_tolerance != tolerance)
-                    or _has_structure_tests(tolerances, key, cand_dtype, shape)):
+                    not pair.holds_sums_under(tolerance) or _has_structure_tests(tolerances, key, cand_dtype, shape)):
                 pair = assemble_pair(key, reference, candidate)  # its values are needed after all
             if isinstance(pair, TensorComparison):
                 return pair
@@ -396,21 +408,26 @@ WINDOW_KEYS = 1024
 
 
 def read_ahead(keys: list[TensorKey], reference: RunReader, candidate: RunReader, plan: ComparePlan,
-               wanted: set[TensorKey] | None = None) -> Iterator[tuple[TensorKey, AssembledPair | None]]:
+               wanted: set[TensorKey] | None = None, exact: ExactInputs | None = None
+               ) -> Iterator[tuple[TensorKey, AssembledPair | None]]:
     """Each of `keys` in order, with its values when `prepare_small` read them ahead (only keys in `wanted`,
-    all by default), WINDOW_KEYS keys at a time."""
+    all by default), WINDOW_KEYS keys at a time; `exact`: the comparison's exact-inputs rule, if on."""
     for start in range(0, len(keys), WINDOW_KEYS):
         window = keys[start:start + WINDOW_KEYS]
-        ready = prepare_small([key for key in window if wanted is None or key in wanted], reference, candidate, plan)
+        ready = prepare_small([key for key in window if wanted is None or key in wanted], reference, candidate, plan,
+                              exact)
         for key in window:
             yield key, ready.pop(key, None)
 
 
-def prepare_small(keys: list[TensorKey], reference: RunReader, candidate: RunReader, plan: ComparePlan
-                  ) -> dict[TensorKey, AssembledPair]:
+def prepare_small(keys: list[TensorKey], reference: RunReader, candidate: RunReader, plan: ComparePlan,
+                  exact: ExactInputs | None = None) -> dict[TensorKey, AssembledPair]:
     """The keys among `keys` whose tensors are small enough to batch (batched.py) and whose comparison
     reaches their values, read and assembled, with their value sums computed together. The rest, and any
-    key that fails on the way (metadata, layout, shape), are left to `compare_key` to compare and word."""
+    key that fails on the way (metadata, layout, shape), are left to `compare_key` to compare and word.
+    With `exact` (the exact-inputs rule on), a key the rule may tighten is also summed under the tolerance it
+    would give: whether it applies is known only once the keys before it are compared, the count of partial
+    results it would combine is known now."""
     small: list[TensorKey] = []
     for key in keys:
         ref_metas, cand_metas = reference.index[key], candidate.index[key]
@@ -422,8 +439,20 @@ def prepare_small(keys: list[TensorKey], reference: RunReader, candidate: RunRea
             continue
         small.append(key)
     tolerances = {key: plan.tolerances.tolerance_for(key, candidate.index[key][0].dtype) for key in small}
-    return {key: AssembledPair(actual=None, expected=None, replica_drift=None, sums=sums, sums_tolerance=tolerances[key])
-            for key, sums in window_sums(small, reference, candidate, tolerances, plan.max_bytes).items()}
+    found = window_sums(small, reference, candidate, tolerances, plan.max_bytes)
+    tight: dict[TensorKey, Tolerance] = {}
+    if exact is not None and plan.exact_inputs_k:
+        precision, world_size = candidate.manifest.precision, candidate.manifest.world_size
+        for key in found:
+            if num_terms := exact.partial_terms(key, world_size):
+                own = tolerances[key]
+                tighter = exact_inputs_tolerance(own, precision, candidate.index[key][0].dtype, plan.exact_inputs_k, num_terms)
+                if tighter is not own:
+                    tight[key] = tighter
+    tightened = window_sums(list(tight), reference, candidate, tight, plan.max_bytes) if tight else {}
+    return {key: AssembledPair(actual=None, expected=None, replica_drift=None, sums=sums, sums_tolerance=tolerances[key],
+                               tightened=(tight[key], tightened[key]) if key in tightened else None)
+            for key, sums in found.items()}
 
 
 # The cyclic collector would walk every index entry and every row made so far again and again as the rows
@@ -456,7 +485,8 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
         pending.setdefault(scale_owner(row.key), []).append(row)
     wanted = plan.common.difference(precomputed) if precomputed else plan.common
     roundoff = RoundoffSteps(reference, candidate)  # an adaptive optimizer's step on round-off (roundoff_steps.py)
-    for done, (key, assembled) in enumerate(read_ahead(plan.ordered, reference, candidate, plan, wanted), start=1):
+    ahead = exact if plan.exact_inputs_k else None
+    for done, (key, assembled) in enumerate(read_ahead(plan.ordered, reference, candidate, plan, wanted, ahead), start=1):
         if pending and key.phase == "forward" and key.slot.startswith("output"):
             for row in pending.pop((key.step, key.micro_batch, key.call, key.fqn), []):
                 _append(result, row, on_row)

@@ -75,9 +75,17 @@ class ExactInputs:
         """None when the rule does not apply; else how many partial results `key` may combine: one
         per rank (a row-parallel GEMM, a sequence-parallel gradient), and for a reduced gradient one
         per rank and micro-batch."""
-        if not self.applies(key):
-            return None
-        return world_size * (len(self._micro_batches[key.step]) if key.phase == "grad" else 1)
+        return self.partial_terms(key, world_size) if self.applies(key) else None
+
+    def partial_terms(self, key: TensorKey, world_size: int) -> int | None:
+        """How many partial results `key` would combine were the rule to apply; None for a key it never applies
+        to (known before the keys ahead of it are compared, unlike whether it applies)."""
+        if key.phase == "grad":
+            return world_size * len(self._micro_batches[key.step]) if self._micro_batches.get(key.step) else None
+        if (key.phase == "forward" and slot_family(key.slot) == "output") or \
+                (key.phase == "backward" and slot_family(key.slot) == "grad_input"):
+            return world_size
+        return None
 
     def applies(self, key: TensorKey) -> bool:
         """Whether everything `key` is computed from was recorded and exact."""

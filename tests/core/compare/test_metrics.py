@@ -20,8 +20,10 @@ import torch
 from ttrace_core.compare import bounded, engine, metrics
 from ttrace_core.compare.batched import batched_sums
 from ttrace_core.compare.engine import compare_runs
+from ttrace_core.compare.exact_inputs import ExactInputs
 from ttrace_core.compare.metrics import CHUNK_ELEMENTS, ValueSums, metrics_from_sums, value_sums
 from ttrace_core.compare.results import Tolerance
+from ttrace_core.compare.step_scalars import with_step_scalars
 from ttrace_core.compare.tolerances import select_tolerances
 from ttrace_core.format.reader import RunReader
 from tests.support.paths import SAMPLES_DIR
@@ -311,6 +313,35 @@ def test_small_tensors_summed_ahead_are_judged_with_those_sums(sample: str, monk
         dtypes = {metas[0].dtype for metas in candidate.index.values()}
         compare_runs(reference, candidate, exact_inputs_k=None)
     assert len(dtypes) > 1 and len(ahead) > 100 and not ahead.intersection(again), (dtypes, len(ahead.intersection(again)))
+
+
+@pytest.mark.parametrize("sample", ["bf16/tp2_sp_clean", "fp8/tp2_clean"])
+def test_small_tensors_the_exact_inputs_rule_tightens_are_judged_with_sums_taken_ahead(
+        sample: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the exact-inputs rule on (derived tolerances: the reference's perturbation estimate), a
+    small tensor whose tolerance the rule tightens when its turn comes is judged with sums taken ahead under that
+    tolerance too, not read and summed again alone; the rows equal those of a comparison that sums every tensor
+    alone. (The rule is made to apply wherever it could: these samples record every module's inputs, which TP
+    changes, so it rarely does.)"""
+    monkeypatch.setattr(engine, "_has_structure_tests", lambda *args: False)
+    monkeypatch.setattr(ExactInputs, "applies", lambda self, key: self.partial_terms(key, 1) is not None)
+    ahead: set = set()
+    again: list = []
+    real_prepare, real_assemble = engine.prepare_small, engine.assemble_pair
+    monkeypatch.setattr(engine, "prepare_small", lambda *a: (ready := real_prepare(*a)) and ahead.update(ready) or ready)
+    monkeypatch.setattr(engine, "assemble_pair", lambda key, *a: again.append(key) or real_assemble(key, *a))
+    with RunReader(SAMPLES_DIR / sample.split("/")[0] / "reference") as reference, \
+            RunReader(SAMPLES_DIR / sample) as candidate:
+        tolerances = with_step_scalars(select_tolerances("auto", reference, candidate), reference, candidate)
+        rows = compare_runs(reference, candidate, tolerances)
+        judged = {row.key for row in rows.comparisons if row.status != "mismatch"}  # (a mismatch is judged again)
+        read_again = set(again)
+        monkeypatch.setattr(engine, "window_sums", lambda *args, **kwargs: {})  # every tensor read and summed alone
+        alone = compare_runs(reference, candidate, tolerances)
+    tightened = {row.key for row in rows.comparisons if row.tolerance is not None and row.tolerance.method == "exact-inputs"}
+    assert len(tightened & ahead) > 20 and not ahead & judged & read_again, \
+        (len(tightened & ahead), len(ahead & judged & read_again))
+    assert rows.to_dict()["comparisons"] == alone.to_dict()["comparisons"]
 
 
 def test_a_shape_row_from_assembling_is_returned_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
