@@ -297,17 +297,24 @@ def test_compare_runs_torch_on_one_thread_and_gives_the_thread_count_back(monkey
     assert seen and {threads for _, threads in seen} == {1}
 
 
-@pytest.mark.parametrize("sample", ["bf16/tp2_sp_clean", "fp8/tp2_clean"])
-def test_small_tensors_summed_ahead_are_judged_with_those_sums(sample: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each small tensor's sums are taken ahead in a batch under its own row's tolerance, whatever the dtypes of
-    the others in its window: its row uses them instead of reading and summing it again (structure tests, which
-    need its values, left out here)."""
+def _reads_counted(monkeypatch: pytest.MonkeyPatch) -> tuple[set, list]:
+    """(the keys `prepare_small` summed ahead, the keys `assemble_pair` read and assembled), as comparing goes;
+    structure tests, which need a tensor's values, left out."""
     monkeypatch.setattr(engine, "_has_structure_tests", lambda *args: False)
     ahead: set = set()
     again: list = []
     real_prepare, real_assemble = engine.prepare_small, engine.assemble_pair
     monkeypatch.setattr(engine, "prepare_small", lambda *a: (ready := real_prepare(*a)) and ahead.update(ready) or ready)
     monkeypatch.setattr(engine, "assemble_pair", lambda key, *a: again.append(key) or real_assemble(key, *a))
+    return ahead, again
+
+
+@pytest.mark.parametrize("sample", ["bf16/tp2_sp_clean", "fp8/tp2_clean"])
+def test_small_tensors_summed_ahead_are_judged_with_those_sums(sample: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each small tensor's sums are taken ahead in a batch under its own row's tolerance, whatever the dtypes of
+    the others in its window: its row uses them instead of reading and summing it again (structure tests, which
+    need its values, left out here)."""
+    ahead, again = _reads_counted(monkeypatch)
     with RunReader(SAMPLES_DIR / sample.split("/")[0] / "reference") as reference, \
             RunReader(SAMPLES_DIR / sample) as candidate:
         dtypes = {metas[0].dtype for metas in candidate.index.values()}
@@ -323,13 +330,8 @@ def test_small_tensors_the_exact_inputs_rule_tightens_are_judged_with_sums_taken
     tolerance too, not read and summed again alone; the rows equal those of a comparison that sums every tensor
     alone. (The rule is made to apply wherever it could: these samples record every module's inputs, which TP
     changes, so it rarely does.)"""
-    monkeypatch.setattr(engine, "_has_structure_tests", lambda *args: False)
     monkeypatch.setattr(ExactInputs, "applies", lambda self, key: self.partial_terms(key, 1) is not None)
-    ahead: set = set()
-    again: list = []
-    real_prepare, real_assemble = engine.prepare_small, engine.assemble_pair
-    monkeypatch.setattr(engine, "prepare_small", lambda *a: (ready := real_prepare(*a)) and ahead.update(ready) or ready)
-    monkeypatch.setattr(engine, "assemble_pair", lambda key, *a: again.append(key) or real_assemble(key, *a))
+    ahead, again = _reads_counted(monkeypatch)
     with RunReader(SAMPLES_DIR / sample.split("/")[0] / "reference") as reference, \
             RunReader(SAMPLES_DIR / sample) as candidate:
         tolerances = with_step_scalars(select_tolerances("auto", reference, candidate), reference, candidate)
