@@ -485,8 +485,7 @@ def compare_runs(reference: RunReader, candidate: RunReader, tolerances: Toleran
         pending.setdefault(scale_owner(row.key), []).append(row)
     wanted = plan.common.difference(precomputed) if precomputed else plan.common
     roundoff = RoundoffSteps(reference, candidate)  # an adaptive optimizer's step on round-off (roundoff_steps.py)
-    ahead = exact if plan.exact_inputs_k else None
-    for done, (key, assembled) in enumerate(read_ahead(plan.ordered, reference, candidate, plan, wanted, ahead), start=1):
+    for done, (key, assembled) in enumerate(read_ahead(plan.ordered, reference, candidate, plan, wanted, exact), start=1):
         if pending and key.phase == "forward" and key.slot.startswith("output"):
             for row in pending.pop((key.step, key.micro_batch, key.call, key.fqn), []):
                 _append(result, row, on_row)

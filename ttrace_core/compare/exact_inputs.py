@@ -39,6 +39,7 @@ from ttrace_core.format.schema import NO_MICRO_BATCH, TensorKey
 
 # The slot families a tensor's value is computed from, and the phase each is recorded in.
 SOURCE_PHASES = {"input": "forward", "grad_output": "backward"}
+_NO_SOURCES: SubtreeIndex[TensorKey] = SubtreeIndex(())
 
 
 class ExactInputs:
@@ -106,9 +107,8 @@ class ExactInputs:
         if self._untraced_owner_inside(step, micro_batches, module):
             return False  # an untraced module with weights inside (MoE experts): its scales are out of sight
         saw_grad_output = False
-        no_sources = SubtreeIndex(())
         for micro_batch in micro_batches:
-            for dep in self._sources.get((step, micro_batch), no_sources).within(module):
+            for dep in self._sources.get((step, micro_batch), _NO_SOURCES).within(module):
                 if slot_family(dep.slot) not in families:
                     continue
                 if dep not in self._exact:
